@@ -1,0 +1,67 @@
+"""The LLM interface the agent loop talks to.
+
+``runtime`` defines it; ``server`` implements it (the backend pool over the in-process
+transformers engine and vLLM servers). Everything is token IDs: the agent loop never sends
+text to the model and never re-tokenizes what the model produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from runtime.types import SamplingParams
+
+
+class LLMUnavailable(RuntimeError):
+    """No backend could serve the request (all ejected, or retries exhausted). Recoverable."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One LLM turn."""
+
+    prompt_ids: Sequence[int]
+    """The whole prompt of this turn (turn k's prompt + output + the new message tokens)."""
+    sampling: SamplingParams
+    max_tokens: int
+    """Tokens to generate at most in this turn (already clipped to the remaining budget)."""
+    session_id: str
+    """The trajectory (job) id: all turns of one session go to one backend, which keeps the
+    session's KV cache so turn k+1 only prefills the new tokens."""
+    group_id: str = ""
+    """Samples of one group share their prompt prefix; the pool prefers to co-locate them."""
+    min_policy_version: int = 0
+    seed: int | None = None
+    """Seed for this turn (the loop derives it from the job seed and the turn index)."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    """Log-probability of each sampled token; same length as ``output_ids``."""
+    finish_reason: str
+    """``stop`` (end-of-turn or stop token/string), ``length`` or ``abort``."""
+    policy_version: int
+    backend: str
+    """Name of the backend that served the turn."""
+
+
+@runtime_checkable
+class LLMClient(Protocol):
+    """What the agent loop needs from the model side."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's Hugging Face tokenizer (renders new chat messages to ids)."""
+        ...
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run one turn. Raises :class:`LLMUnavailable` when no backend can serve it."""
+        ...
+
+    async def end_session(self, session_id: str) -> None:
+        """The trajectory is done: free its cached KV and its sticky route."""
+        ...

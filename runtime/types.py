@@ -1,0 +1,256 @@
+"""Domain values shared by the server and the runtime.
+
+These are plain frozen dataclasses; proto conversion happens only at the gRPC edge
+(``server/convert.py``). ``runtime`` defines them because it may not import ``server``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidArgument(ValueError):
+    """A request value is wrong; the message says what to fix. Maps to INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, reason: str = "INVALID_ARGUMENT", field: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        """UPPER_SNAKE reason put into the ``google.rpc.ErrorInfo`` detail."""
+        self.field = field
+        """Dotted path of the offending field, when one field is to blame."""
+
+
+class Stage(enum.Enum):
+    """The three pipeline stages, in order."""
+
+    INIT = "init"
+    RUN = "run"
+    EVAL = "eval"
+
+
+class JobState(enum.Enum):
+    """Lifecycle of a job. QUEUED and RUNNING are live; the rest are terminal."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class TerminationReason(enum.Enum):
+    """Why the agent loop of a trajectory stopped."""
+
+    SUBMITTED = "submitted"
+    """The model called the finish/submit tool."""
+    NO_TOOL_CALL = "no_tool_call"
+    """The model ended its turn without calling a tool (a final answer in plain text)."""
+    MAX_TURNS = "max_turns"
+    TOKEN_BUDGET = "token_budget"
+    CONTEXT_LENGTH = "context_length"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How each LLM turn of a job is sampled."""
+
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """0 disables top-k."""
+    max_tokens_per_turn: int = 512
+    """Upper bound on generated tokens in one turn."""
+    total_token_budget: int = 8192
+    """Upper bound on all tokens of the trajectory (prompt + generated + observations)."""
+    seed: int | None = None
+    """When set, turn k is sampled with seed ``seed + k`` so a whole rollout is reproducible."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, applied to the decoded text of the generated tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop token ids besides the model's end-of-turn tokens."""
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidArgument` naming the first bad value."""
+        if not (0.0 <= self.temperature <= 10.0):
+            raise InvalidArgument(
+                f"sampling.temperature must be in [0, 10], got {self.temperature}",
+                "INVALID_SAMPLING_PARAMS", "sampling.temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(
+                f"sampling.top_p must be in (0, 1], got {self.top_p}",
+                "INVALID_SAMPLING_PARAMS", "sampling.top_p")
+        if self.top_k < 0:
+            raise InvalidArgument(
+                f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}",
+                "INVALID_SAMPLING_PARAMS", "sampling.top_k")
+        if self.max_tokens_per_turn <= 0:
+            raise InvalidArgument(
+                f"sampling.max_tokens_per_turn must be > 0, got {self.max_tokens_per_turn}",
+                "INVALID_SAMPLING_PARAMS", "sampling.max_tokens_per_turn")
+        if self.total_token_budget <= 0:
+            raise InvalidArgument(
+                f"sampling.total_token_budget must be > 0, got {self.total_token_budget}",
+                "INVALID_SAMPLING_PARAMS", "sampling.total_token_budget")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("sampling.stop_token_ids must be non-negative",
+                                  "INVALID_SAMPLING_PARAMS", "sampling.stop_token_ids")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-job limits. Stage timeouts count only time spent inside that stage."""
+
+    max_turns: int = 8
+    init_timeout_s: float = 120.0
+    run_timeout_s: float = 600.0
+    eval_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.max_turns <= 0:
+            raise InvalidArgument(f"limits.max_turns must be > 0, got {self.max_turns}",
+                                  "INVALID_LIMITS", "limits.max_turns")
+        for name in ("init_timeout_s", "run_timeout_s", "eval_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"limits.{name} must be > 0", "INVALID_LIMITS",
+                                      f"limits.{name}")
+
+    def timeout(self, stage: Stage) -> float:
+        return {Stage.INIT: self.init_timeout_s, Stage.RUN: self.run_timeout_s,
+                Stage.EVAL: self.eval_timeout_s}[stage]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Membership of a job in a group of samples of one prompt."""
+
+    group_id: str
+    size: int = 1
+    """How many jobs the group is expected to have."""
+    finish_after: int = 0
+    """When > 0, the server cancels the group's remaining jobs once this many SUCCEEDED."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a trainer asks for: one rollout of one task in one environment."""
+
+    job_id: str
+    """Client-chosen id; submitting the same id again yields the same job (idempotent)."""
+    environment: str
+    task: Mapping[str, Any]
+    """Environment-specific JSON payload (see each environment's docstring)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    limits: Limits = field(default_factory=Limits)
+    group: GroupSpec | None = None
+    priority: int = 0
+    """Higher runs first within each stage queue."""
+    min_policy_version: int = 0
+    """Every LLM turn must come from a backend at this policy version or newer."""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id if self.group else ""
+
+
+@dataclass
+class Turn:
+    """One LLM turn: the prompt tokens appended before it, what it generated, what came back.
+
+    The full token sequence of a trajectory is the concatenation, over turns, of
+    ``prompt_ids + output_ids + observation_ids``.
+    """
+
+    prompt_ids: list[int]
+    """Tokens appended before this generation (turn 0: the whole initial prompt)."""
+    output_ids: list[int]
+    """Tokens the model generated, exactly as sampled (never re-tokenized)."""
+    output_logprobs: list[float]
+    """Log-probability of each sampled token under the policy that produced it."""
+    observation_ids: list[int] = field(default_factory=list)
+    """Tool-observation tokens appended after the output (loss mask 0)."""
+    policy_version: int = 0
+    finish_reason: str = ""
+    backend: str = ""
+    latency_s: float = 0.0
+    tool_calls: list[str] = field(default_factory=list)
+    """Names of the tools the model called in this turn."""
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return ([0] * len(self.prompt_ids) + [1] * len(self.output_ids)
+                + [0] * len(self.observation_ids))
+
+
+@dataclass
+class StageTimings:
+    """Seconds spent waiting for and inside each stage."""
+
+    init_queue_s: float = 0.0
+    init_s: float = 0.0
+    run_queue_s: float = 0.0
+    run_s: float = 0.0
+    eval_queue_s: float = 0.0
+    eval_s: float = 0.0
+
+
+@dataclass
+class Reward:
+    """What EVAL returns."""
+
+    value: float
+    components: dict[str, float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """A finished rollout, as the trainer receives it."""
+
+    job_id: str
+    group_id: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    termination: TerminationReason = TerminationReason.NO_TOOL_CALL
+    timings: StageTimings = field(default_factory=StageTimings)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        out: list[int] = []
+        for t in self.turns:
+            out += t.prompt_ids + t.output_ids + t.observation_ids
+        return out
+
+    @property
+    def loss_mask(self) -> list[int]:
+        out: list[int] = []
+        for t in self.turns:
+            out += t.loss_mask
+        return out
+
+
+@dataclass(frozen=True)
+class JobError:
+    """A job's own failure, carried typed inside the stream (never free text alone)."""
+
+    code: str
+    """One of: TIMEOUT, HANDLER_ERROR, SANDBOX_ERROR, BACKEND_UNAVAILABLE, INVALID_TASK,
+    CANCELLED, INTERNAL."""
+    reason: str
+    """UPPER_SNAKE machine-readable reason, e.g. ``INIT_TIMEOUT``."""
+    message: str
+    stage: Stage | None = None
