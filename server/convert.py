@@ -1,0 +1,290 @@
+"""Proto <-> domain conversion: the only place that knows both shapes.
+
+``*_from_proto`` functions validate: a value a user could get wrong raises
+:class:`runtime.types.InvalidArgument` naming the field, so the servicer can answer
+INVALID_ARGUMENT with a reason instead of failing deep inside the pipeline.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from rollout.v1 import job_pb2, trajectory_pb2
+from runtime.types import (
+    GroupSpec,
+    InvalidArgument,
+    JobError,
+    JobSpec,
+    JobState,
+    Limits,
+    SamplingParams,
+    Stage,
+    StageTimings,
+    TerminationReason,
+    Trajectory,
+    Turn,
+)
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
+MAX_TASK_BYTES = 1 << 20
+
+_STAGE_TO_PROTO = {Stage.INIT: job_pb2.STAGE_INIT, Stage.RUN: job_pb2.STAGE_RUN,
+                   Stage.EVAL: job_pb2.STAGE_EVAL}
+_STAGE_FROM_PROTO = {v: k for k, v in _STAGE_TO_PROTO.items()}
+_STATE_TO_PROTO = {s: job_pb2.Job.State.Value("STATE_" + s.name) for s in JobState}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+_TERM_TO_PROTO = {t: trajectory_pb2.TerminationReason.Value("TERMINATION_REASON_" + t.name)
+                  for t in TerminationReason}
+_TERM_FROM_PROTO = {v: k for k, v in _TERM_TO_PROTO.items()}
+_ERROR_CODES = {name.removeprefix("CODE_"): value
+                for name, value in job_pb2.JobError.Code.items() if value}
+
+
+def stage_to_proto(stage: Stage | None) -> int:
+    return _STAGE_TO_PROTO[stage] if stage else job_pb2.STAGE_UNSPECIFIED
+
+
+def stage_from_proto(value: int) -> Stage:
+    if value not in _STAGE_FROM_PROTO:
+        raise InvalidArgument("stage must be STAGE_INIT, STAGE_RUN or STAGE_EVAL",
+                              "INVALID_ENUM_VALUE", "stage")
+    return _STAGE_FROM_PROTO[value]
+
+
+def state_to_proto(state: JobState) -> int:
+    return _STATE_TO_PROTO[state]
+
+
+def state_from_proto(value: int) -> JobState | None:
+    """STATE_UNSPECIFIED means "any state" in filters and maps to None."""
+    if value == job_pb2.Job.STATE_UNSPECIFIED:
+        return None
+    if value not in _STATE_FROM_PROTO:
+        raise InvalidArgument(f"unknown job state {value}", "INVALID_ENUM_VALUE", "state")
+    return _STATE_FROM_PROTO[value]
+
+
+def seconds_to_duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
+
+
+def _duration_s(d: Duration, default: float) -> float:
+    return d.ToNanoseconds() / 1e9 if (d.seconds or d.nanos) else default
+
+
+# ----------------------------------------------------------------------------- job spec
+
+
+def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
+    base = SamplingParams()
+    sp = SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else base.temperature,
+        top_p=p.top_p if p.HasField("top_p") else base.top_p,
+        top_k=p.top_k if p.HasField("top_k") else base.top_k,
+        max_tokens_per_turn=(p.max_tokens_per_turn if p.HasField("max_tokens_per_turn")
+                             else base.max_tokens_per_turn),
+        total_token_budget=(p.total_token_budget if p.HasField("total_token_budget")
+                            else base.total_token_budget),
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+    )
+    sp.validate()
+    return sp
+
+
+def sampling_to_proto(s: SamplingParams) -> job_pb2.SamplingParams:
+    p = job_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        max_tokens_per_turn=s.max_tokens_per_turn, total_token_budget=s.total_token_budget,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids))
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def limits_from_proto(p: job_pb2.Limits) -> Limits:
+    base = Limits()
+    for name in ("init_timeout", "run_timeout", "eval_timeout"):
+        d = getattr(p, name)
+        if d.seconds < 0 or d.nanos < 0:
+            raise InvalidArgument(f"limits.{name} must be positive", "INVALID_LIMITS",
+                                  f"limits.{name}")
+    limits = Limits(
+        max_turns=p.max_turns if p.HasField("max_turns") else base.max_turns,
+        init_timeout_s=_duration_s(p.init_timeout, base.init_timeout_s),
+        run_timeout_s=_duration_s(p.run_timeout, base.run_timeout_s),
+        eval_timeout_s=_duration_s(p.eval_timeout, base.eval_timeout_s),
+    )
+    limits.validate()
+    return limits
+
+
+def limits_to_proto(limits: Limits) -> job_pb2.Limits:
+    return job_pb2.Limits(
+        max_turns=limits.max_turns,
+        init_timeout=seconds_to_duration(limits.init_timeout_s),
+        run_timeout=seconds_to_duration(limits.run_timeout_s),
+        eval_timeout=seconds_to_duration(limits.eval_timeout_s))
+
+
+def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
+    """Validate a submitted spec. Environment existence is checked by the scheduler."""
+    if not p.job_id:
+        raise InvalidArgument("job_id is required (a client-chosen idempotency key)",
+                              "MISSING_FIELD", "job_id")
+    if not JOB_ID_RE.match(p.job_id):
+        raise InvalidArgument(
+            f"job_id {p.job_id[:40]!r} must be 1-128 characters of letters, digits and ._:/-",
+            "INVALID_JOB_ID", "job_id")
+    if not p.environment:
+        raise InvalidArgument("environment is required, e.g. \"math\"", "MISSING_FIELD",
+                              "environment")
+    if not p.HasField("task"):
+        raise InvalidArgument("task is required (the environment's task payload)",
+                              "MISSING_FIELD", "task")
+    if p.task.ByteSize() > MAX_TASK_BYTES:
+        raise InvalidArgument(f"task is {p.task.ByteSize()} bytes; the limit is {MAX_TASK_BYTES}",
+                              "TASK_TOO_LARGE", "task")
+    group = None
+    if p.HasField("group"):
+        g = p.group
+        if not g.group_id:
+            raise InvalidArgument("group.group_id is required when group is set",
+                                  "MISSING_FIELD", "group.group_id")
+        if g.size < 0 or g.finish_after < 0:
+            raise InvalidArgument("group.size and group.finish_after must not be negative",
+                                  "INVALID_GROUP", "group")
+        if g.size and g.finish_after > g.size:
+            raise InvalidArgument(
+                f"group.finish_after ({g.finish_after}) exceeds group.size ({g.size})",
+                "INVALID_GROUP", "group.finish_after")
+        group = GroupSpec(group_id=g.group_id, size=g.size or 1, finish_after=g.finish_after)
+    if p.min_policy_version < 0:
+        raise InvalidArgument("min_policy_version must not be negative", "INVALID_ARGUMENT",
+                              "min_policy_version")
+    return JobSpec(
+        job_id=p.job_id,
+        environment=p.environment,
+        task=json_format.MessageToDict(p.task),
+        sampling=sampling_from_proto(p.sampling),
+        limits=limits_from_proto(p.limits),
+        group=group,
+        priority=p.priority,
+        min_policy_version=p.min_policy_version,
+        metadata=dict(p.metadata),
+    )
+
+
+def spec_to_proto(spec: JobSpec) -> job_pb2.JobSpec:
+    task = struct_pb2.Struct()
+    task.update(_jsonable(spec.task))
+    p = job_pb2.JobSpec(
+        job_id=spec.job_id, environment=spec.environment, task=task,
+        sampling=sampling_to_proto(spec.sampling), limits=limits_to_proto(spec.limits),
+        priority=spec.priority, min_policy_version=spec.min_policy_version,
+        metadata=dict(spec.metadata))
+    if spec.group:
+        p.group.CopyFrom(job_pb2.GroupSpec(group_id=spec.group.group_id, size=spec.group.size,
+                                           finish_after=spec.group.finish_after))
+    return p
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def spec_to_bytes(spec: JobSpec) -> bytes:
+    return spec_to_proto(spec).SerializeToString()
+
+
+def spec_from_bytes(data: bytes) -> JobSpec:
+    p = job_pb2.JobSpec()
+    p.ParseFromString(data)
+    return spec_from_proto(p)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def job_error_to_proto(err: JobError | None) -> job_pb2.JobError | None:
+    if err is None:
+        return None
+    return job_pb2.JobError(code=_ERROR_CODES.get(err.code, job_pb2.JobError.CODE_INTERNAL),
+                            reason=err.reason, message=err.message,
+                            stage=stage_to_proto(err.stage))
+
+
+def job_error_from_proto(p: job_pb2.JobError) -> JobError:
+    code = job_pb2.JobError.Code.Name(p.code).removeprefix("CODE_")
+    return JobError(code=code, reason=p.reason, message=p.message,
+                    stage=_STAGE_FROM_PROTO.get(p.stage))
+
+
+# ----------------------------------------------------------------------------- trajectories
+
+
+def timings_to_proto(t: StageTimings) -> trajectory_pb2.StageTimings:
+    return trajectory_pb2.StageTimings(
+        init_queue=seconds_to_duration(t.init_queue_s), init=seconds_to_duration(t.init_s),
+        run_queue=seconds_to_duration(t.run_queue_s), run=seconds_to_duration(t.run_s),
+        eval_queue=seconds_to_duration(t.eval_queue_s), eval=seconds_to_duration(t.eval_s))
+
+
+def timings_from_proto(p: trajectory_pb2.StageTimings) -> StageTimings:
+    return StageTimings(
+        init_queue_s=_duration_s(p.init_queue, 0.0), init_s=_duration_s(p.init, 0.0),
+        run_queue_s=_duration_s(p.run_queue, 0.0), run_s=_duration_s(p.run, 0.0),
+        eval_queue_s=_duration_s(p.eval_queue, 0.0), eval_s=_duration_s(p.eval, 0.0))
+
+
+def turn_to_proto(t: Turn) -> trajectory_pb2.Turn:
+    return trajectory_pb2.Turn(
+        prompt_ids=t.prompt_ids, output_ids=t.output_ids, output_logprobs=t.output_logprobs,
+        observation_ids=t.observation_ids, loss_mask=t.loss_mask,
+        policy_version=t.policy_version, finish_reason=t.finish_reason, backend=t.backend,
+        latency=seconds_to_duration(t.latency_s), tool_calls=t.tool_calls)
+
+
+def turn_from_proto(p: trajectory_pb2.Turn) -> Turn:
+    return Turn(
+        prompt_ids=list(p.prompt_ids), output_ids=list(p.output_ids),
+        output_logprobs=list(p.output_logprobs), observation_ids=list(p.observation_ids),
+        policy_version=p.policy_version, finish_reason=p.finish_reason, backend=p.backend,
+        latency_s=_duration_s(p.latency, 0.0), tool_calls=list(p.tool_calls))
+
+
+def trajectory_to_proto(t: Trajectory) -> trajectory_pb2.Trajectory:
+    return trajectory_pb2.Trajectory(
+        job_id=t.job_id, group_id=t.group_id, turns=[turn_to_proto(x) for x in t.turns],
+        reward=t.reward, reward_components=t.reward_components,
+        termination_reason=_TERM_TO_PROTO[t.termination], timings=timings_to_proto(t.timings),
+        metadata=t.metadata)
+
+
+def trajectory_from_proto(p: trajectory_pb2.Trajectory) -> Trajectory:
+    return Trajectory(
+        job_id=p.job_id, group_id=p.group_id, turns=[turn_from_proto(x) for x in p.turns],
+        reward=p.reward, reward_components=dict(p.reward_components),
+        termination=_TERM_FROM_PROTO.get(p.termination_reason, TerminationReason.ERROR),
+        timings=timings_from_proto(p.timings), metadata=dict(p.metadata))
+
+
+def trajectory_to_bytes(t: Trajectory) -> bytes:
+    return trajectory_to_proto(t).SerializeToString()
+
+
+def trajectory_from_bytes(data: bytes) -> Trajectory:
+    p = trajectory_pb2.Trajectory()
+    p.ParseFromString(data)
+    return trajectory_from_proto(p)
