@@ -172,7 +172,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
     return JobSpec(
         job_id=p.job_id,
         environment=p.environment,
-        task=json_format.MessageToDict(p.task),
+        task=_intify(json_format.MessageToDict(p.task)),
         sampling=sampling_from_proto(p.sampling),
         limits=limits_from_proto(p.limits),
         group=group,
@@ -194,6 +194,18 @@ def spec_to_proto(spec: JobSpec) -> job_pb2.JobSpec:
         p.group.CopyFrom(job_pb2.GroupSpec(group_id=spec.group.group_id, size=spec.group.size,
                                            finish_after=spec.group.finish_after))
     return p
+
+
+def _intify(value: Any) -> Any:
+    """google.protobuf.Struct stores every number as a double; give integral ones back as int
+    so task payloads read the way they were written (``{"n": 3}`` stays 3, not 3.0)."""
+    if isinstance(value, dict):
+        return {k: _intify(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_intify(v) for v in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
 
 
 def _jsonable(value: Any) -> Any:
