@@ -1,0 +1,285 @@
+"""Token accounting for multi-turn chats: the model's output ids are never re-tokenized.
+
+The prompt of turn k+1 is exactly ``prompt(k) + output_ids(k) + delta(k)``, where ``delta(k)``
+holds the tokens of the *new* messages only (tool observations, user messages) plus the
+generation prompt that opens the next assistant turn. Re-rendering the whole conversation and
+re-tokenizing it instead would silently change the ids the model actually sampled (BPE has many
+spellings of one string, and ``decode(encode(x)) != x`` for some ids), so the trainer would
+compute log-probabilities of tokens the policy never produced.
+
+How a delta is computed: the conversation is rendered with the chat template, with the
+previous assistant message's content replaced by a sentinel string, and everything the template
+writes *after* the sentinel is taken: the assistant turn's closing (``<|im_end|>\\n`` in ChatML),
+the new messages, and the generation prompt. That text is tokenized on its own. Whatever prefix
+of the closing the model already emitted (it usually stops *on* ``<|im_end|>``) is dropped; the
+rest (the ``\\n`` after it, or the whole closing when the model ran out of tokens mid-sentence)
+is appended as prompt tokens with loss mask 0. This works whether or not the template is
+append-only; whether it is (rendering the history then the new messages gives a prefix of
+rendering everything) is detected and reported, never papered over by re-tokenizing.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = Mapping[str, Any]
+
+_SENTINEL = "ROLLOUT_ASSISTANT_SENTINEL_5f0c2e"
+"""Stands in for the assistant's content; chosen so no template trims or escapes it."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot be used for incremental rendering (say why)."""
+
+
+_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+_fallback_lock = threading.Lock()
+
+
+def _lock_for(tokenizer: Any) -> threading.Lock:
+    # HF fast tokenizers raise "Already borrowed" when two threads use one instance at once;
+    # jobs share the served tokenizer and tokenize off the event loop in worker threads.
+    with _locks_guard:
+        try:
+            return _locks.setdefault(tokenizer, threading.Lock())
+        except TypeError:  # not weak-referenceable: one lock per process is still correct
+            return _fallback_lock
+
+
+@dataclass(frozen=True)
+class Delta:
+    """The tokens appended after one assistant turn's raw output ids."""
+
+    observation_ids: list[int]
+    """Closing of the assistant turn that the model did not emit itself, then the new messages
+    (loss mask 0; goes to ``Turn.observation_ids``)."""
+    prompt_ids: list[int]
+    """The generation prompt of the next assistant turn (goes to the next ``Turn.prompt_ids``)."""
+    closing_ids: list[int]
+    """The part of ``observation_ids`` that closes the previous assistant turn (diagnostic)."""
+    append_only: bool
+    """Whether the template rendered the history unchanged when the new messages were added."""
+
+
+class ChatTokenizer:
+    """Renders chat messages to token ids with a Hugging Face tokenizer and its chat template.
+
+    Stateless apart from the tokenizer: :class:`ChatLedger` keeps one conversation's state.
+    ``tools`` (OpenAI-style schemas) are passed to templates that render tools themselves.
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.template_kwargs = dict(template_kwargs or {})
+        self._lock = _lock_for(tokenizer)
+        self._anchor_text, self._anchor_ids = self._find_anchor()
+
+    @property
+    def template_source(self) -> str:
+        return str(self.chat_template or getattr(self.tokenizer, "chat_template", "") or "")
+
+    @property
+    def supports_tools(self) -> bool:
+        """True when the template renders a ``tools`` argument itself (Qwen, Hermes, Llama 3)."""
+        return "tools" in self.template_source
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        kwargs = dict(self.template_kwargs)
+        if tools:
+            kwargs["tools"] = [dict(t) for t in tools]
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template, **kwargs)
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"apply_chat_template returned {type(text).__name__}")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered fragment, tokenized as it would be after a special token.
+
+        Fragments start mid-conversation; SentencePiece tokenizers would otherwise prepend a
+        word-boundary space to the first piece. The template writes its own BOS, so none is
+        added here.
+        """
+        if not text:
+            return []
+        with self._lock:
+            ids = list(self.tokenizer.encode(self._anchor_text + text, add_special_tokens=False))
+        n = len(self._anchor_ids)
+        if n and ids[:n] == self._anchor_ids:
+            return ids[n:]
+        with self._lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids with special tokens kept (for parsing and logs; never authoritative)."""
+        with self._lock:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def initial_prompt(self, messages: Sequence[Message],
+                       tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Ids of the first prompt: system, task, and the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+
+    def closing_ids(self, history: Sequence[Message],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """What the template writes after an assistant message's content that ends the chat."""
+        text = self.render([*history, {"role": "assistant", "content": _SENTINEL}],
+                           add_generation_prompt=False, tools=tools)
+        return self.encode(_after_sentinel(text))
+
+    @functools.cached_property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """Ids that end an assistant turn: the EOS and the closing's first special token."""
+        out: set[int] = set()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            out.add(eos)
+        closing = self.closing_ids([{"role": "system", "content": "s"},
+                                    {"role": "user", "content": "u"}])
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        if closing and closing[0] in special:
+            out.add(closing[0])
+        return frozenset(out)
+
+    def delta(self, history: Sequence[Message], output_ids: Sequence[int],
+              new_messages: Sequence[Message], *,
+              tools: Sequence[Mapping[str, Any]] | None = None,
+              add_generation_prompt: bool = True) -> Delta:
+        """Ids to append after ``output_ids`` (the raw ids of the assistant turn that follows
+        ``history``) so that ``new_messages`` and the next generation prompt come after it."""
+        assistant = {"role": "assistant", "content": _SENTINEL}
+        conv = [*history, assistant, *new_messages]
+        tail_obs = _after_sentinel(self.render(conv, add_generation_prompt=False, tools=tools))
+        prompt_text = ""
+        if add_generation_prompt:
+            tail_gen = _after_sentinel(self.render(conv, add_generation_prompt=True, tools=tools))
+            if tail_gen.startswith(tail_obs):
+                prompt_text = tail_gen[len(tail_obs):]
+            else:  # the generation prompt rewrote the end: keep the whole rendering as one piece
+                tail_obs = tail_gen
+        obs_ids = self.encode(tail_obs)
+        closing = self.closing_ids(history, tools)
+        bound = _common_prefix_len(closing, obs_ids)
+        emitted = _overlap(list(output_ids), obs_ids, bound)
+        return Delta(observation_ids=obs_ids[emitted:], prompt_ids=self.encode(prompt_text),
+                     closing_ids=obs_ids[emitted:bound],
+                     append_only=self.is_append_only(history, new_messages, tools=tools))
+
+    def is_append_only(self, history: Sequence[Message], new_messages: Sequence[Message], *,
+                       tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
+        """Does rendering history + new messages start with the rendering of the history?
+
+        Templates that rewrite earlier turns (e.g. drop reasoning from old assistant messages)
+        are not; the ledger still appends only, so its ids then differ from a fresh render,
+        which is correct: they are what the model saw.
+        """
+        conv = [*history, {"role": "assistant", "content": _SENTINEL}]
+        before = self.render(conv, add_generation_prompt=False, tools=tools)
+        after = self.render([*conv, *new_messages], add_generation_prompt=False, tools=tools)
+        return after.startswith(before)
+
+    def _find_anchor(self) -> tuple[str, list[int]]:
+        tok = self.tokenizer
+        for name in ("eos_token", "bos_token", "pad_token"):
+            text = getattr(tok, name, None)
+            if isinstance(text, str) and text:
+                with self._lock:
+                    ids = list(tok.encode(text, add_special_tokens=False))
+                if len(ids) == 1:
+                    return text, ids
+        return "", []
+
+
+def _after_sentinel(text: str) -> str:
+    if text.count(_SENTINEL) != 1:
+        raise ChatTemplateError(
+            "the chat template does not render an assistant message's content verbatim, so "
+            "the tokens after a model turn cannot be computed without re-tokenizing it")
+    return text.split(_SENTINEL, 1)[1]
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _overlap(output_ids: list[int], tail: list[int], bound: int) -> int:
+    """Largest k <= bound with output_ids[-k:] == tail[:k]: closing tokens the model emitted."""
+    for k in range(min(bound, len(output_ids)), 0, -1):
+        if output_ids[-k:] == tail[:k]:
+            return k
+    return 0
+
+
+@dataclass
+class ChatLedger:
+    """One conversation as token ids, grown turn by turn by appending only.
+
+    ``messages`` mirrors the conversation as text so the template has context (assistant
+    contents are decoded output, used only to render *later* messages, never tokenized).
+    """
+
+    chat: ChatTokenizer
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    append_only: bool = True
+    """False once any delta found a template that rewrites history (reported, not fixed)."""
+    _awaiting_output: bool = False
+    _last_output: list[int] = field(default_factory=list)
+
+    def start(self) -> list[int]:
+        """Ids of the initial prompt (turn 0's ``prompt_ids``)."""
+        if self.token_ids:
+            raise RuntimeError("ledger already started")
+        ids = self.chat.initial_prompt(self.messages, self.tools)
+        self.token_ids = list(ids)
+        self._awaiting_output = True
+        return ids
+
+    def add_output(self, output_ids: Sequence[int]) -> str:
+        """Append the model's raw ids; return their text without trailing end-of-turn tokens."""
+        if not self._awaiting_output:
+            raise RuntimeError("add_output called twice without new messages in between")
+        self._last_output = list(output_ids)
+        self.token_ids.extend(self._last_output)
+        text = self.chat.decode(self.strip_end_of_turn(self._last_output))
+        self.messages.append({"role": "assistant", "content": text})
+        self._awaiting_output = False
+        return text
+
+    def add_messages(self, new_messages: Sequence[Message], *,
+                     add_generation_prompt: bool = True) -> Delta:
+        """Append the ids of ``new_messages`` (and the next generation prompt)."""
+        if self._awaiting_output:
+            raise RuntimeError("add_messages needs a model turn before it")
+        delta = self.chat.delta(self.messages[:-1], self._last_output, new_messages,
+                                tools=self.tools, add_generation_prompt=add_generation_prompt)
+        self.token_ids.extend(delta.observation_ids + delta.prompt_ids)
+        self.messages.extend(dict(m) for m in new_messages)
+        self.append_only = self.append_only and delta.append_only
+        self._awaiting_output = add_generation_prompt
+        return delta
+
+    def strip_end_of_turn(self, output_ids: Sequence[int]) -> list[int]:
+        ends = self.chat.end_of_turn_ids
+        ids = list(output_ids)
+        while ids and ids[-1] in ends:
+            ids.pop()
+        return ids
