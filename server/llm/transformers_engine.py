@@ -1,0 +1,432 @@
+"""The in-process transformers engine (CPU or CUDA) with continuous batching and sticky KV.
+
+How it works:
+- One scheduler task on the event loop admits queued requests and hands a *step* to a single
+  worker thread (model forwards never run on the loop). A step prefills the requests that joined
+  (reusing their session's cached KV, so only new tokens are computed), then runs one batched
+  decode step for every active sequence. Sequences join and leave the batch between steps, so
+  16 concurrent generations cost about one forward per token instead of sixteen.
+- The batch's KV cache is left-padded to a common length; each row has its own attention mask
+  and position ids, so padding never changes a sequence's result.
+- When a turn ends, its KV is stored in a :class:`~server.llm.kv_store.KVStore` under the
+  session id (LRU within a byte budget). The next turn reuses the longest common prefix.
+
+Weight hot-swap (:meth:`TransformersEngine.update_weights`): admission pauses, the turns in flight
+**finish on the old weights** (up to ``drain_timeout_s``; after that they are cut with
+``finish_reason="abort"`` and keep the tokens produced so far), then the weights are copied in
+place, every cached KV is dropped (it was computed by the old policy) and the version is bumped.
+So every token of a turn comes from the single version reported in its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.llm import GenerateRequest, GenerateResult
+from runtime.types import InvalidArgument
+from server.llm.engine import Engine, EngineError
+from server.llm.kv_store import KVStore, SessionKV, common_prefix
+from server.llm.sampling import Sampler, sample, validate_request
+from server.llm.weights import load_state_dict_into
+
+_names = itertools.count()
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What one finished turn cost; kept for benchmarks and tests (``engine.turn_stats``)."""
+
+    session_id: str
+    cached_tokens: int
+    """Prompt tokens whose KV came from the session cache."""
+    prefilled_tokens: int
+    """Prompt tokens that had to be computed."""
+    prefill_s: float
+    generated_tokens: int
+
+
+class _Seq:
+    """One generation in flight (owned by the worker thread once admitted)."""
+
+    def __init__(self, request: GenerateRequest, sampler: Sampler, stop_ids: frozenset[int],
+                 max_tokens: int, future: asyncio.Future[GenerateResult]) -> None:
+        self.request = request
+        self.prompt = list(request.prompt_ids)
+        self.sampler = sampler
+        self.stop_ids = stop_ids
+        self.max_tokens = max_tokens
+        self.future = future
+        self.output: list[int] = []
+        self.logprobs: list[float] = []
+        self.kv: SessionKV | None = None  # own cache until the sequence joins the batch
+        self.length = 0  # positions holding KV
+        self.finish: str | None = None
+        self.aborted = False
+        self.retired = False
+        self.version = 0
+        self.cached_tokens = 0
+        self.prefill_s = 0.0
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+
+class TransformersEngine(Engine):
+    """A Hugging Face causal LM served in-process. See the module docstring."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", name: str | None = None,
+                 kv_cache_budget_bytes: int = 512 * 2**20, max_batch_size: int = 16,
+                 dtype: torch.dtype | None = None, drain_timeout_s: float = 60.0,
+                 policy_version: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name = name or f"transformers-{next(_names)}"
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.drain_timeout_s = drain_timeout_s
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        self.model.to(self.device).eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+        self.eos_ids = frozenset(self._eos_ids())
+        self.kv_store = KVStore(kv_cache_budget_bytes)
+        self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
+        self._version = policy_version
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-worker")
+        self._pending: collections.deque[_Seq] = collections.deque()
+        self._active: list[_Seq] = []  # admitted; the worker thread owns their state
+        self._batch: _Batch | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._paused = False
+        self._swap_lock: asyncio.Lock | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- Engine interface
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def load(self) -> int:
+        """Requests queued or generating."""
+        return len(self._pending) + len(self._active)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._closed:
+            raise EngineError(f"{self.name} is closed")
+        validate_request(request.sampling, request.max_tokens, list(request.prompt_ids),
+                         self.vocab_size)
+        room = self.max_context - len(request.prompt_ids)
+        if room <= 0:
+            raise InvalidArgument(
+                f"prompt of {len(request.prompt_ids)} tokens exceeds the model context of "
+                f"{self.max_context}", "CONTEXT_LENGTH_EXCEEDED", "prompt_ids")
+        self._ensure_started()
+        seed = request.seed if request.seed is not None else request.sampling.seed
+        loop = asyncio.get_running_loop()
+        seq = _Seq(request, Sampler.create(request.sampling, seed, self.device),
+                   self.eos_ids | frozenset(request.sampling.stop_token_ids),
+                   min(request.max_tokens, room), loop.create_future())
+        self._pending.append(seq)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:
+            # The caller gave up (job cancelled, deadline): free the batch slot at the next step.
+            seq.aborted = True
+            if seq in self._pending:
+                self._pending.remove(seq)
+            raise
+
+    async def abort(self, session_id: str) -> None:
+        for seq in list(self._pending) + list(self._active):
+            if seq.session_id == session_id:
+                seq.aborted = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def release_session(self, session_id: str) -> None:
+        self.kv_store.drop(session_id)
+
+    async def health(self) -> bool:
+        return not self._closed and (self._task is None or not self._task.done())
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """Swap weights (a checkpoint directory or a state dict) between turns; see module doc."""
+        self._ensure_started()
+        assert self._swap_lock is not None and self._idle is not None
+        async with self._swap_lock:
+            self._paused = True
+            try:
+                try:
+                    await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+                except TimeoutError:
+                    for seq in self._active:
+                        seq.aborted = True
+                    await self._idle.wait()
+                loop = asyncio.get_running_loop()
+                state = source if isinstance(source, Mapping) else Path(source)
+                await loop.run_in_executor(self._executor, load_state_dict_into, self.model,
+                                           state)
+                self.kv_store.clear()
+                self._version = version
+            finally:
+                self._paused = False
+                assert self._wakeup is not None
+                self._wakeup.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        for seq in list(self._pending) + list(self._active):
+            seq.aborted = True
+        if self._task is not None:
+            assert self._wakeup is not None
+            self._wakeup.set()
+            try:
+                await asyncio.wait_for(self._task, 30)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        for seq in self._pending:
+            if not seq.future.done():
+                seq.future.set_exception(EngineError(f"{self.name} closed"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- scheduler (event loop)
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._idle = asyncio.Event()
+            self._idle.set()
+            self._swap_lock = asyncio.Lock()
+            self._task = asyncio.create_task(self._run(), name=f"{self.name}-scheduler")
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None and self._idle is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            joining: list[_Seq] = []
+            while (self._pending and not self._paused and not self._closed
+                   and len(self._active) + len(joining) < self.max_batch_size):
+                seq = self._pending.popleft()
+                seq.version = self._version
+                joining.append(seq)
+            if not joining and not self._active:
+                self._idle.set()
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._idle.clear()
+            self._active.extend(joining)
+            try:
+                await loop.run_in_executor(self._executor, self._step, joining)
+            except Exception as exc:  # the model itself failed: fail everything in flight
+                self._batch = None
+                for seq in self._active:
+                    seq.finish = "error"
+                    if not seq.future.done():
+                        seq.future.set_exception(EngineError(f"{self.name}: {exc!r}"))
+                self._active = []
+                continue
+            still: list[_Seq] = []
+            for seq in self._active:
+                if seq.finish is None:
+                    still.append(seq)
+                elif not seq.future.done():
+                    seq.future.set_result(self._result(seq))
+            self._active = still
+
+    def _result(self, seq: _Seq) -> GenerateResult:
+        return GenerateResult(output_ids=list(seq.output), logprobs=list(seq.logprobs),
+                              finish_reason=seq.finish or "abort", policy_version=seq.version,
+                              backend=self.name)
+
+    # ----------------------------------------------------------------- worker thread
+    @torch.inference_mode()
+    def _step(self, joining: list[_Seq]) -> None:
+        for seq in joining:
+            if seq.aborted:
+                seq.finish = "abort"
+                continue
+            self._prefill(seq)
+        for seq in self._active:
+            if seq.finish is None and seq.aborted:
+                seq.finish = "abort"
+            if seq.finish is not None:
+                self._retire(seq)  # rows of the previous batch are still readable here
+        members = [s for s in self._active if s.finish is None]
+        self._batch = _Batch.rebuild(self._batch, members) if members else None
+        if self._batch is not None:
+            logits = self._forward_decode(self._batch)
+            tokens, logprobs = sample(logits, [s.sampler for s in self._batch.seqs])
+            for seq, token, logprob in zip(self._batch.seqs, tokens, logprobs, strict=True):
+                seq.length += 1
+                self._append(seq, token, logprob)
+        for seq in self._active:
+            if seq.finish is not None:
+                self._retire(seq)
+
+    def _prefill(self, seq: _Seq) -> None:
+        start = time.perf_counter()
+        cached = self.kv_store.checkout(seq.session_id)
+        reuse = 0
+        if cached is not None:
+            reuse = min(common_prefix(cached.tokens, seq.prompt), len(seq.prompt) - 1)
+        if reuse > 0 and cached is not None:
+            past = _cache_from(cached.crop(reuse).layers)
+        else:
+            reuse, past = 0, None
+        new = seq.prompt[reuse:]
+        ids = torch.tensor([new], device=self.device)
+        positions = torch.arange(reuse, len(seq.prompt), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=past,
+                         use_cache=True, logits_to_keep=1)
+        seq.kv = SessionKV(list(seq.prompt), _layers_of(out.past_key_values))
+        seq.length = len(seq.prompt)
+        seq.cached_tokens = reuse
+        tokens, logprobs = sample(out.logits[:, -1, :], [seq.sampler])
+        seq.prefill_s = time.perf_counter() - start
+        self._append(seq, tokens[0], logprobs[0])
+
+    def _forward_decode(self, batch: _Batch) -> torch.Tensor:
+        last = torch.tensor([[s.output[-1]] for s in batch.seqs], device=self.device)
+        positions = torch.tensor([[s.length] for s in batch.seqs], device=self.device)
+        mask = batch.attention_mask(self.device)
+        out = self.model(input_ids=last, position_ids=positions, attention_mask=mask,
+                         past_key_values=batch.cache, use_cache=True)
+        batch.width += 1
+        return out.logits[:, -1, :]
+
+    def _append(self, seq: _Seq, token: int, logprob: float) -> None:
+        seq.output.append(token)
+        seq.logprobs.append(logprob)
+        if token in seq.stop_ids or self._hits_stop_string(seq):
+            seq.finish = "stop"
+        elif len(seq.output) >= seq.max_tokens:
+            seq.finish = "length"
+
+    def _hits_stop_string(self, seq: _Seq) -> bool:
+        stops = seq.request.sampling.stop
+        if not stops:
+            return False
+        # Decode only the tail: enough tokens to contain the longest stop string.
+        tail = self._tokenizer.decode(seq.output[-(max(map(len, stops)) + 4):])
+        return any(s in tail for s in stops)
+
+    def _retire(self, seq: _Seq) -> None:
+        """Move a finished sequence's KV (prompt + output[:-1]) back into the session store.
+
+        Its batch row is dropped at the next step's rebuild (one re-pad per membership change).
+        """
+        if seq.retired:
+            return
+        seq.retired = True
+        if self._batch is not None and seq in self._batch.seqs:
+            layers = self._batch.extract(seq)
+        elif seq.kv is not None:
+            layers = seq.kv.layers
+        else:
+            return
+        seq.kv = None
+        tokens = (seq.prompt + seq.output)[:seq.length]
+        self.kv_store.checkin(seq.session_id, SessionKV(tokens, layers))
+        self.turn_stats.append(TurnStats(seq.session_id, seq.cached_tokens,
+                                         len(seq.prompt) - seq.cached_tokens, seq.prefill_s,
+                                         len(seq.output)))
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.config, getattr(self.model, "generation_config", None)):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        if self._tokenizer.eos_token_id is not None:
+            ids.add(int(self._tokenizer.eos_token_id))
+        return ids
+
+
+def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+
+
+def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class _Batch:
+    """The active sequences' KV, left-padded to a common width ``[B, heads, width, dim]``."""
+
+    def __init__(self, seqs: list[_Seq], cache: Any, width: int) -> None:
+        self.seqs = seqs
+        self.cache = cache
+        self.width = width
+
+    def pad(self, seq: _Seq) -> int:
+        return self.width - seq.length
+
+    def attention_mask(self, device: torch.device) -> torch.Tensor:
+        """Mask over the cached width plus the token being decoded."""
+        mask = torch.ones(len(self.seqs), self.width + 1, dtype=torch.long, device=device)
+        for row, seq in enumerate(self.seqs):
+            mask[row, : self.pad(seq)] = 0
+        return mask
+
+    def extract(self, seq: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        row, pad = self.seqs.index(seq), self.pad(seq)
+        return [(layer.keys[row:row + 1, :, pad:].clone(),
+                 layer.values[row:row + 1, :, pad:].clone()) for layer in self.cache.layers]
+
+    @classmethod
+    def rebuild(cls, old: _Batch | None, seqs: list[_Seq]) -> _Batch:
+        """The batch for ``seqs``: kept as is when membership did not change, else re-padded."""
+        if old is not None and old.seqs == seqs:
+            return old
+        width = max(s.length for s in seqs)
+        per_seq: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for seq in seqs:
+            if old is not None and seq in old.seqs:
+                row, pad = old.seqs.index(seq), old.pad(seq)
+                per_seq.append([(layer.keys[row:row + 1, :, pad:],
+                                 layer.values[row:row + 1, :, pad:]) for layer in old.cache.layers])
+            else:
+                assert seq.kv is not None
+                per_seq.append(seq.kv.layers)
+                seq.kv = None  # the batch owns its KV from now on
+        layers = []
+        for idx in range(len(per_seq[0])):
+            keys = torch.cat([_left_pad(kv[idx][0], width) for kv in per_seq])
+            values = torch.cat([_left_pad(kv[idx][1], width) for kv in per_seq])
+            layers.append((keys, values))
+        return cls(list(seqs), _cache_from(layers), width)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - t.shape[2]
+    if missing == 0:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, missing, 0))
