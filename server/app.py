@@ -1,0 +1,164 @@
+"""Server bootstrap in one place: gRPC server, health, reflection, interceptors, shutdown.
+
+``Server`` owns everything a running service holds (job store, scheduler, LLM pool, sandbox
+runtime, metrics endpoint) and tears it down in reverse order. Shutdown is graceful: health
+flips to NOT_SERVING first so load balancers stop sending work, then in-flight RPCs get
+``grace_s`` to finish. Jobs still running are not lost: they are in the store and run again on
+the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
+from runtime.handler import HandlerRegistry
+from server.config import Config
+from server.interceptors import ServiceInterceptor
+from server.scheduler import PipelineConfig, Scheduler
+from server.servicer import RolloutServicer
+from server.store import JobStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rollout_service_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options both sides use; the client's keepalive must not ping more often than allowed."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class Server:
+    """A running Rollout Service. Use ``await Server.start(cfg)`` and ``await server.stop()``."""
+
+    def __init__(self, cfg: Config, registry: HandlerRegistry | None = None,
+                 llm: Any = None, sandbox_factory: Any = None) -> None:
+        self.cfg = cfg
+        self.registry = registry or HandlerRegistry.from_entry_points()
+        self.llm = llm
+        self.sandbox_factory = sandbox_factory
+        self.port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.store: JobStore | None = None
+        self.scheduler: Scheduler | None = None
+        self._metrics_server: Any = None
+        self._owns_llm = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.server.host}:{self.port}"
+
+    async def start(self) -> Server:
+        cfg = self.cfg
+        state = cfg.state_path
+        state.mkdir(parents=True, exist_ok=True)
+        if self.sandbox_factory is None:
+            self.sandbox_factory = build_sandbox_factory(cfg)
+        if self.llm is None and cfg.llm.backends:
+            from server.llm.factory import build_pool  # heavy (torch): only when configured
+
+            self.llm = await build_pool(cfg)
+            self._owns_llm = True
+        self.store = JobStore(state / "jobs.sqlite3")
+        await self.store.open()
+        self.scheduler = Scheduler(
+            self.store, self.registry, llm=self.llm, sandbox_factory=self.sandbox_factory,
+            config=PipelineConfig(
+                init_workers=cfg.pipeline.init_workers, run_workers=cfg.pipeline.run_workers,
+                eval_workers=cfg.pipeline.eval_workers,
+                stage_queue_size=cfg.pipeline.stage_queue_size,
+                max_pending_jobs=cfg.pipeline.max_pending_jobs))
+        await self.scheduler.start()
+
+        server = grpc.aio.server(
+            interceptors=[ServiceInterceptor(cfg.server.auth_token)],
+            options=channel_options(cfg.server.max_message_bytes))
+        rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
+            RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s), server)
+        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if self.llm is not None and hasattr(self.llm, "add"):
+            from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc
+            from server.backends_servicer import BackendServicer
+
+            backend_service_pb2_grpc.add_BackendServiceServicer_to_server(
+                BackendServicer(self.llm), server)
+            names.append(
+                backend_service_pb2.DESCRIPTOR.services_by_name["BackendService"].full_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{cfg.server.host}:{cfg.server.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.server.host}:{cfg.server.port}")
+        await server.start()
+        self._grpc = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.server.metrics_port:
+            self._metrics_server = self.scheduler.serve_metrics(
+                cfg.server.metrics_host, cfg.server.metrics_port)
+        log.info("rollout service listening on %s (state in %s)", self.address, state)
+        return self
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.cfg.server.grace_s if grace_s is None else grace_s
+        await self._health.enter_graceful_shutdown()  # every service -> NOT_SERVING
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self.scheduler is not None:
+            await self.scheduler.stop(grace)
+        if self.store is not None:
+            await self.store.close()
+        if self._metrics_server is not None:
+            with contextlib.suppress(Exception):
+                self._metrics_server[0].shutdown()
+        if self._owns_llm and self.llm is not None:
+            await self.llm.close()
+
+    async def wait(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+
+def build_sandbox_factory(cfg: Config) -> Any:
+    """The configured sandbox runtime as a ``JobContext.sandbox_factory``; also reaps what a
+    crashed predecessor left behind under the state directory."""
+    from runtime.sandbox import SandboxConfig, create_sandbox, reap_stale
+
+    root = cfg.state_path / "sandboxes"
+    reap_stale(root)
+    sb_cfg = SandboxConfig(runtime=cfg.sandbox.runtime, root=root,
+                           image=cfg.sandbox.image or None)
+    return functools.partial(create_sandbox, sb_cfg)
+
+
+async def serve(cfg: Config) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    server = await Server(cfg).start()
+    print(f"rollout service listening on {server.address}  (state: {cfg.state_path})",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("shutting down: health NOT_SERVING, draining RPCs…", flush=True)
+    await server.stop()

@@ -1,0 +1,164 @@
+"""Server configuration: embedded defaults < TOML file < ROLLOUT_* environment < flags.
+
+Every setting has one dotted name, used the same way everywhere::
+
+    # rollout.toml
+    [server]
+    port = 50051
+    [pipeline]
+    run_workers = 16
+    [[llm.backends]]
+    kind = "vllm"
+    url = "http://gpu-node-1:8000"
+
+    ROLLOUT_PIPELINE__RUN_WORKERS=16 rollout serve      # environment: SECTION__KEY
+    rollout serve --set pipeline.run_workers=16         # flag: any dotted key
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.types import InvalidArgument
+
+ENV_PREFIX = "ROLLOUT_"
+
+
+@dataclass
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    """0 picks a free port (tests)."""
+    state_dir: str = ".rollout"
+    """SQLite job store, sandbox workspaces and caches live here."""
+    auth_token: str = ""
+    """When set, every RPC must carry ``authorization: Bearer <token>``."""
+    metrics_port: int = 0
+    """Prometheus metrics over HTTP on this port; 0 disables."""
+    metrics_host: str = "127.0.0.1"
+    grace_s: float = 10.0
+    """On shutdown: health flips to NOT_SERVING, then RPCs get this long to finish."""
+    max_message_bytes: int = 64 << 20
+    """Largest gRPC message either side accepts (trajectories can be large)."""
+    heartbeat_s: float = 10.0
+
+
+@dataclass
+class PipelineSection:
+    init_workers: int = 8
+    run_workers: int = 32
+    eval_workers: int = 8
+    stage_queue_size: int = 1024
+    """Jobs waiting between two stages; a full queue holds the upstream worker back."""
+    max_pending_jobs: int = 100_000
+    """Unfinished jobs the server accepts before answering RESOURCE_EXHAUSTED."""
+
+
+@dataclass
+class SandboxSection:
+    runtime: str = "bwrap"
+    """``bwrap`` (default) or ``apptainer`` (Apptainer/Singularity through spython)."""
+    image: str = ""
+    """Rootfs directory (bwrap) or SIF/directory image (apptainer); empty = host root."""
+
+
+@dataclass
+class LLMSection:
+    backends: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"kind": "transformers", "model": "smollm2"}])
+    """Each: ``{kind = "transformers", model = "smollm2" | DIR, device = "cpu"}``,
+    ``{kind = "vllm", url = "http://host:port", model = NAME, tokenizer = DIR}``,
+    ``{kind = "vllm-launch", model = DIR, port = 8001}``, or the testing-only
+    ``{kind = "scripted", file = "script.jsonl", tokenizer = DIR}``. An empty list runs
+    without a model (environments that need none)."""
+    health_interval_s: float = 5.0
+
+
+@dataclass
+class Config:
+    server: ServerSection = field(default_factory=ServerSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    sandbox: SandboxSection = field(default_factory=SandboxSection)
+    llm: LLMSection = field(default_factory=LLMSection)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.server.state_dir).expanduser().resolve()
+
+    @property
+    def address(self) -> str:
+        return f"{self.server.host}:{self.server.port}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: Sequence[str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Build the configuration. ``overrides`` are ``dotted.key=value`` strings (flags)."""
+    cfg = Config()
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(ENV_PREFIX + "CONFIG") or None
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidArgument(f"cannot read config file {path}: {exc}",
+                                  "BAD_CONFIG") from exc
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise InvalidArgument(f"config: [{section}] must be a table", "BAD_CONFIG")
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            section, key = name[len(ENV_PREFIX):].lower().split("__", 1)
+            _set(cfg, f"{section}.{key}", _parse(raw))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise InvalidArgument(f"--set wants key=value, got {item!r}", "BAD_CONFIG")
+        _set(cfg, key.strip(), _parse(raw))
+    return cfg
+
+
+def _parse(raw: str) -> Any:
+    """Flag and environment values: JSON when it parses (numbers, lists, tables), else text."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section) or not key:
+        raise InvalidArgument(f"unknown config key {dotted!r}; sections are server, pipeline, "
+                              "sandbox, llm", "BAD_CONFIG")
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise InvalidArgument(
+            f"unknown config key {dotted!r}; [{section_name}] has: {', '.join(fields)}",
+            "BAD_CONFIG")
+    current = getattr(section, key)
+    try:
+        if isinstance(current, bool):
+            value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        elif isinstance(current, int):
+            value = int(value)
+        elif isinstance(current, float):
+            value = float(value)
+        elif isinstance(current, str):
+            value = str(value)
+        elif isinstance(current, list) and not isinstance(value, list):
+            raise TypeError("expected a list")
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"config key {dotted!r}: bad value {value!r} ({exc})",
+                              "BAD_CONFIG") from exc
+    setattr(section, key, value)

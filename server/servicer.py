@@ -1,0 +1,355 @@
+"""RolloutService: translates frames and requests to scheduler calls and events back to frames.
+
+Thin on purpose: validation lives in ``server/convert.py``, policy in the scheduler, and the
+exception -> status mapping in ``server/errors.py`` (applied by the interceptor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from rollout.v1 import job_pb2, rollout_service_pb2_grpc
+from rollout.v1 import rollout_service_pb2 as pb
+from runtime.types import InvalidArgument, JobState, Stage
+from server import convert, errors
+from server.scheduler import JobFinished, JobRecord, Scheduler, StageProgress, TrajectoryReady
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+DEFAULT_MAX_UNACKED = 1024
+_PROGRESS_EVENTS = {"started": pb.StageProgress.EVENT_STARTED,
+                    "finished": pb.StageProgress.EVENT_FINISHED,
+                    "turn": pb.StageProgress.EVENT_TURN}
+_END = object()
+
+
+def _client_id_ok(client_id: str) -> None:
+    if not client_id:
+        raise InvalidArgument("open.client_id is required: a durable id for this trainer, "
+                              "reused on reconnect to resume", "MISSING_FIELD", "open.client_id")
+    if not convert.JOB_ID_RE.match(client_id):
+        raise InvalidArgument("open.client_id must be 1-128 characters of letters, digits "
+                              "and ._:/-", "INVALID_CLIENT_ID", "open.client_id")
+
+
+def job_to_proto(rec: JobRecord) -> job_pb2.Job:
+    job = job_pb2.Job(
+        job_id=rec.job_id, spec=convert.spec_to_proto(rec.spec),
+        state=convert.state_to_proto(rec.state), stage=convert.stage_to_proto(rec.stage),
+        attempts=rec.attempts, reward=rec.reward or 0.0, client_id=rec.client_id)
+    err = convert.job_error_to_proto(rec.error)
+    if err is not None:
+        job.error.CopyFrom(err)
+    job.create_time.FromNanoseconds(int(rec.created_at * 1e9))
+    job.update_time.FromNanoseconds(int(rec.updated_at * 1e9))
+    return job
+
+
+def _progress_to_proto(ev: StageProgress) -> pb.StageProgress:
+    return pb.StageProgress(
+        stage=convert.stage_to_proto(ev.stage),
+        event=_PROGRESS_EVENTS.get(ev.event, pb.StageProgress.EVENT_UNSPECIFIED),
+        elapsed=convert.seconds_to_duration(ev.elapsed),
+        turns=int((ev.detail or {}).get("turn", 0)) if ev.stage is Stage.RUN else 0)
+
+
+def _finished_to_proto(ev: JobFinished) -> pb.JobFinished:
+    msg = pb.JobFinished(state=convert.state_to_proto(ev.state), reward=ev.reward or 0.0)
+    err = convert.job_error_to_proto(ev.error)
+    if err is not None:
+        msg.error.CopyFrom(err)
+    return msg
+
+
+def _rejected(exc: BaseException) -> pb.JobRejected:
+    m = errors.classify(exc)
+    return pb.JobRejected(code=m.code.value[0], reason=m.reason, message=m.message,
+                          field=m.field)
+
+
+class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0) -> None:
+        self._scheduler = scheduler
+        self._heartbeat_s = heartbeat_s
+        self._started = time.monotonic()
+        self.sessions = 0
+
+    # ------------------------------------------------------------------ the session stream
+
+    async def StreamRollouts(
+        self, request_iterator: AsyncIterator[pb.StreamRolloutsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StreamRolloutsResponse]:
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "open":
+            raise InvalidArgument("the first frame of StreamRollouts must be `open`",
+                                  "OPEN_REQUIRED", "open")
+        opened = first.open
+        _client_id_ok(opened.client_id)
+        if opened.acked_through < 0 or opened.max_unacked < 0:
+            raise InvalidArgument("open.acked_through and open.max_unacked must not be "
+                                  "negative", "INVALID_ARGUMENT", "open")
+        client_id = opened.client_id
+        heartbeat = (opened.heartbeat_interval.ToNanoseconds() / 1e9
+                     if opened.HasField("heartbeat_interval") else self._heartbeat_s)
+        sub = await self._scheduler.attach(
+            client_id, acked_through=opened.acked_through,
+            max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED)
+        out: asyncio.Queue[Any] = asyncio.Queue(maxsize=4096)
+        seq = 0
+
+        def frame(job_id: str = "", **kind: Any) -> pb.StreamRolloutsResponse:
+            nonlocal seq
+            seq += 1
+            return pb.StreamRolloutsResponse(sequence=seq, job_id=job_id, **kind)
+
+        async def read_requests() -> None:
+            try:
+                async for req in request_iterator:
+                    await self._handle_request(req, client_id, out)
+                await out.put(_END)
+            except Exception as exc:  # surfaced by the writer loop below
+                await out.put(exc)
+
+        async def pump_events() -> None:
+            try:
+                async for ev in sub:
+                    await out.put(ev)
+            except Exception as exc:
+                await out.put(exc)
+            else:
+                # The subscription ends only when another stream took over this client id.
+                await out.put(errors.Aborted(
+                    f"another StreamRollouts stream opened with client_id {client_id!r}",
+                    "SESSION_TAKEN_OVER"))
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(heartbeat)
+                await out.put("heartbeat")
+
+        tasks = [asyncio.create_task(read_requests()), asyncio.create_task(pump_events())]
+        if heartbeat > 0:
+            tasks.append(asyncio.create_task(beat()))
+        self.sessions += 1
+        try:
+            yield frame(opened=pb.SessionOpened(client_id=client_id,
+                                                replaying=getattr(sub, "replaying", 0),
+                                                server_version=VERSION))
+            while True:
+                item = await out.get()
+                if item is _END:
+                    # Client half-closed: keep delivering until its jobs are done, then end.
+                    if not await self._has_pending(client_id, sub):
+                        return
+                    tasks.append(asyncio.create_task(self._drain_then_end(client_id, sub, out)))
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                msg = self._event_frame(item, frame, client_id, sub)
+                if msg is not None:
+                    yield msg
+        finally:
+            self.sessions -= 1
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(Exception):
+                await sub.close()
+
+    async def _has_pending(self, client_id: str, sub: Any) -> bool:
+        st = self._scheduler.client_stats(client_id)
+        return bool(st.get("in_flight") or st.get("unacked"))
+
+    async def _drain_then_end(self, client_id: str, sub: Any, out: asyncio.Queue[Any]) -> None:
+        while await self._has_pending(client_id, sub):
+            await asyncio.sleep(0.05)
+        await out.put(_END)
+
+    def _event_frame(self, item: Any, frame: Any, client_id: str,
+                     sub: Any) -> pb.StreamRolloutsResponse | None:
+        if isinstance(item, pb.StreamRolloutsResponse):  # accepted / rejected from the reader
+            return frame(item.job_id, **{item.WhichOneof("kind"): getattr(
+                item, item.WhichOneof("kind"))})
+        if item == "heartbeat":
+            st = self._scheduler.client_stats(client_id)
+            now = Timestamp()
+            now.GetCurrentTime()
+            return frame(heartbeat=pb.Heartbeat(server_time=now,
+                                                jobs_in_flight=st.get("in_flight", 0),
+                                                unacked=st.get("unacked", 0)))
+        if isinstance(item, TrajectoryReady):
+            return frame(item.job_id, trajectory=pb.TrajectoryReady(
+                delivery_id=item.delivery_id,
+                trajectory=convert.trajectory_to_proto(item.trajectory)))
+        if isinstance(item, JobFinished):
+            return frame(item.job_id, finished=_finished_to_proto(item))
+        if isinstance(item, StageProgress):
+            return frame(item.job_id, progress=_progress_to_proto(item))
+        return None  # JobAccepted events: the reader already answered the submit
+
+    async def _handle_request(self, req: pb.StreamRolloutsRequest, client_id: str,
+                              out: asyncio.Queue[Any]) -> None:
+        kind = req.WhichOneof("kind")
+        if kind == "submit":
+            await self._submit_batch(req.submit.jobs, client_id, out)
+        elif kind == "ack":
+            if any(i <= 0 for i in req.ack.delivery_ids):
+                raise InvalidArgument("ack.delivery_ids must be positive", "INVALID_ARGUMENT",
+                                      "ack.delivery_ids")
+            await self._scheduler.ack(client_id, list(req.ack.delivery_ids))
+        elif kind == "cancel":
+            targets = [("job_id", j) for j in req.cancel.job_ids]
+            targets += [("group_id", g) for g in req.cancel.group_ids]
+            for key, value in targets:
+                try:
+                    await self._scheduler.cancel(**{key: value})
+                except Exception as exc:
+                    await out.put(pb.StreamRolloutsResponse(
+                        job_id=value if key == "job_id" else "", rejected=_rejected(exc)))
+        elif kind == "open":
+            raise InvalidArgument("`open` is only allowed as the first frame", "DUPLICATE_OPEN",
+                                  "open")
+        else:
+            raise InvalidArgument("empty StreamRollouts frame: set one of submit, ack, cancel",
+                                  "EMPTY_FRAME")
+
+    async def _submit_batch(self, jobs: Any, client_id: str, out: asyncio.Queue[Any]) -> None:
+        specs = []
+        for p in jobs:
+            try:
+                specs.append(convert.spec_from_proto(p))
+            except InvalidArgument as exc:
+                await out.put(pb.StreamRolloutsResponse(job_id=p.job_id, rejected=_rejected(exc)))
+        if not specs:
+            return
+        try:
+            results = await self._scheduler.submit(specs, client_id)
+        except Exception as exc:  # overload: reject the whole batch, keep the stream
+            for s in specs:
+                await out.put(pb.StreamRolloutsResponse(job_id=s.job_id, rejected=_rejected(exc)))
+            return
+        for r in results:
+            if r.error is not None:
+                await out.put(pb.StreamRolloutsResponse(job_id=r.job_id,
+                                                        rejected=_rejected(r.error)))
+            else:
+                await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
+                    duplicate=r.duplicate, state=convert.state_to_proto(r.state))))
+
+    # ------------------------------------------------------------------ unary-ish RPCs
+
+    async def SubmitRollout(self, request: pb.SubmitRolloutRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.SubmitRolloutResponse]:
+        if not request.HasField("job"):
+            raise InvalidArgument("job is required", "MISSING_FIELD", "job")
+        spec = convert.spec_from_proto(request.job)
+        # Each job submitted here gets a private delivery channel, so re-submitting the same
+        # job id re-attaches and replays its result.
+        client_id = f"rpc:{spec.job_id}"
+        sub = await self._scheduler.attach(client_id, acked_through=0,
+                                           max_unacked=DEFAULT_MAX_UNACKED)
+        try:
+            (result,) = await self._scheduler.submit([spec], client_id)
+            if result.error is not None:
+                raise result.error
+            yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
+                duplicate=result.duplicate, state=convert.state_to_proto(result.state)))
+            rec = await self._scheduler.get(spec.job_id)
+            if rec is not None and rec.client_id != client_id:
+                async for msg in self._follow_foreign(spec.job_id):
+                    yield msg
+                return
+            async for ev in sub:
+                if isinstance(ev, StageProgress):
+                    yield pb.SubmitRolloutResponse(progress=_progress_to_proto(ev))
+                elif isinstance(ev, TrajectoryReady):
+                    await self._scheduler.ack(client_id, [ev.delivery_id])
+                    yield pb.SubmitRolloutResponse(
+                        trajectory=convert.trajectory_to_proto(ev.trajectory))
+                elif isinstance(ev, JobFinished):
+                    yield pb.SubmitRolloutResponse(finished=_finished_to_proto(ev))
+                    return
+        finally:
+            await sub.close()
+
+    async def _follow_foreign(self, job_id: str) -> AsyncIterator[pb.SubmitRolloutResponse]:
+        """The job belongs to a stream session: watch its state without taking its deliveries."""
+        while True:
+            rec = await self._scheduler.get(job_id)
+            if rec is not None and rec.state.terminal:
+                traj = await self._scheduler.get_trajectory(job_id)
+                if traj is not None:
+                    yield pb.SubmitRolloutResponse(trajectory=convert.trajectory_to_proto(traj))
+                yield pb.SubmitRolloutResponse(finished=_finished_to_proto(JobFinished(
+                    job_id=job_id, state=rec.state, error=rec.error, reward=rec.reward)))
+                return
+            await asyncio.sleep(0.2)
+
+    async def GetJob(self, request: pb.GetJobRequest,
+                     context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
+        if not request.job_id:
+            raise InvalidArgument("job_id is required", "MISSING_FIELD", "job_id")
+        rec = await self._scheduler.get(request.job_id)
+        if rec is None:
+            raise errors.NotFound(f"no job with id {request.job_id!r}", "JOB_NOT_FOUND",
+                                  "job_id")
+        resp = pb.GetJobResponse(job=job_to_proto(rec))
+        if rec.timings is not None:
+            resp.timings.CopyFrom(convert.timings_to_proto(rec.timings))
+        if request.include_trajectory:
+            traj = await self._scheduler.get_trajectory(request.job_id)
+            if traj is not None:
+                resp.trajectory.CopyFrom(convert.trajectory_to_proto(traj))
+        return resp
+
+    async def ListJobs(self, request: pb.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        if request.page_size < 0:
+            raise InvalidArgument("page_size must not be negative", "INVALID_ARGUMENT",
+                                  "page_size")
+        page_size = min(request.page_size or 100, 1000)
+        records, token = await self._scheduler.list(
+            page_size=page_size, page_token=request.page_token,
+            state=convert.state_from_proto(request.state),
+            group_id=request.group_id or None, client_id=request.client_id or None)
+        return pb.ListJobsResponse(jobs=[job_to_proto(r) for r in records],
+                                   next_page_token=token or "")
+
+    async def CancelJob(self, request: pb.CancelJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        target = request.WhichOneof("target")
+        if target is None or not getattr(request, target):
+            raise InvalidArgument("set job_id or group_id", "MISSING_FIELD", "target")
+        ids = await self._scheduler.cancel(**{target: getattr(request, target)})
+        return pb.CancelJobResponse(cancelled_job_ids=ids)
+
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest,
+                              context: grpc.aio.ServicerContext) -> pb.GetServerStatusResponse:
+        st = self._scheduler.status()
+        resp = pb.GetServerStatusResponse(
+            version=VERSION, uptime=convert.seconds_to_duration(time.monotonic() - self._started),
+            environments=self._scheduler.environments(), sessions=self.sessions)
+        for s in st.stages:
+            resp.stages.append(pb.StageStatus(
+                stage=convert.stage_to_proto(s.stage), queue_depth=s.queue_depth,
+                in_flight=s.in_flight, workers=s.workers, completed=s.completed,
+                failed=s.failed, latency_p50=convert.seconds_to_duration(s.p50_s),
+                latency_p95=convert.seconds_to_duration(s.p95_s),
+                throughput_per_second=s.throughput_per_s))
+        for state, n in st.jobs_by_state.items():
+            name = state.name if isinstance(state, JobState) else str(state).upper()
+            resp.jobs_by_state[name] = n
+        return resp
