@@ -1,0 +1,255 @@
+"""The sandbox interface every runtime implements, its configuration, and the factory.
+
+A sandbox is one job's private machine: a read-only root, a writable workspace, its own ``/tmp``,
+no network, resource limits, and processes that cannot outlive it. Runtimes (bubblewrap,
+Apptainer) differ only in how they start processes; everything a handler or tool needs goes
+through :class:`Sandbox`, so the scheduler can swap runtimes by configuration.
+
+Cleanup is the contract that matters most: ``destroy()`` is idempotent and kills every process
+the sandbox started, then removes its directory; ``async with`` calls it on any exit (success,
+exception, cancellation). A crash of the server is covered by ``--die-with-parent`` plus
+:func:`runtime.sandbox.reaper.reap_stale` at the next start-up.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from runtime.sandbox import hostfs
+
+Network = Literal["none", "loopback"]
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be created or used (runtime missing, spawn failed, destroyed)."""
+
+    def __init__(self, message: str, reason: str = "SANDBOX_ERROR") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class SandboxUnavailable(SandboxError):
+    """The configured runtime cannot run on this machine; the message says what to install."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "SANDBOX_RUNTIME_MISSING")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits applied (as rlimits) to every process started inside the sandbox."""
+
+    cpu_seconds: int = 600
+    """RLIMIT_CPU per process: CPU time, not wall time."""
+    address_space_bytes: int = 4 << 30
+    """RLIMIT_AS per process: big enough for numpy/ipykernel thread arenas, small enough to
+    stop a memory hog long before the host swaps."""
+    processes: int = 256
+    """RLIMIT_NPROC: processes+threads of the sandbox user (per sandbox when the server runs
+    as root, since each sandbox gets its own uid)."""
+    open_files: int = 1024
+    """RLIMIT_NOFILE."""
+    file_size_bytes: int = 1 << 30
+    """RLIMIT_FSIZE: largest file a process may write."""
+    default_timeout_s: float = 60.0
+    """Wall-clock timeout of ``exec`` when the caller passes none."""
+
+    def prlimit_args(self) -> list[str]:
+        """Arguments for util-linux ``prlimit`` (soft=hard so the sandbox cannot raise them)."""
+        def pair(value: int) -> str:
+            return f"{value}:{value}"
+        return [f"--cpu={pair(self.cpu_seconds)}", f"--as={pair(self.address_space_bytes)}",
+                f"--nproc={pair(self.processes)}", f"--nofile={pair(self.open_files)}",
+                f"--fsize={pair(self.file_size_bytes)}"]
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Server-wide sandbox settings (one per server); per-job options go to ``create_sandbox``."""
+
+    runtime: Literal["bwrap", "apptainer"] = "bwrap"
+    state_dir: Path = Path(".rollout")
+    """Server state; sandboxes live in ``<state_dir>/sandboxes/<id>`` and the whole state dir
+    is hidden inside every sandbox."""
+    rootfs: Path | None = None
+    """bwrap: a directory used read-only as ``/``; None binds the host root read-only."""
+    image: str | None = None
+    """apptainer: a SIF file or sandbox directory (required for that runtime)."""
+    workspace_in_sandbox: str = "/workspace"
+    hide_paths: tuple[str, ...] = ("/root", "/run", "/var/run", "/home", "/mnt", "/media")
+    """Host-root mode: paths covered by an empty tmpfs (secrets, host sockets). The Python
+    installation of the server stays visible even if it lies below one of them."""
+    extra_ro_binds: tuple[tuple[str, str], ...] = ()
+    """(host path, sandbox path) pairs bound read-only, e.g. a dataset directory."""
+    uid_base: int = 200_000
+    """First uid handed to sandboxes when the server runs as root (one uid per sandbox)."""
+    uid_count: int = 10_000
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    python: str = ""
+    """Interpreter used inside the sandbox for the IPython kernel ('' = the server's own)."""
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return Path(os.path.abspath(self.state_dir)) / "sandboxes"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one non-interactive command."""
+
+    exit_code: int
+    """The command's status; 128+N when killed by signal N, -1 when it never ran."""
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    """True when output beyond the cap was dropped (the text then says so)."""
+    duration_s: float = 0.0
+
+    @property
+    def output(self) -> str:
+        """stdout followed by stderr, for showing to a model."""
+        return self.stdout + self.stderr
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class Sandbox(abc.ABC):
+    """One job's sandbox. Create it with :func:`create_sandbox`; always destroy it."""
+
+    id: str
+    workspace: Path
+    """Host path of the workspace directory."""
+    workspace_in_sandbox: str
+    env: dict[str, str]
+    network: Network
+
+    def __init__(self) -> None:
+        self._bash: Any = None
+        self._ipython: Any = None
+        self._tool_lock = asyncio.Lock()
+        self.destroyed = False
+
+    # -- processes ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                   cwd: str | None = None, env: Mapping[str, str] | None = None,
+                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+        """Run a command to completion (``str`` goes through ``bash -c``)."""
+
+    @abc.abstractmethod
+    def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
+                     env: Mapping[str, str] | None = None, tty: bool = False) -> list[str]:
+        """The host argv that runs ``argv`` inside this sandbox (for long-lived processes that
+        a tool manages itself, e.g. the pty bash or the IPython kernel)."""
+
+    @abc.abstractmethod
+    def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The host environment to start ``command_argv`` with."""
+
+    def track(self, pid: int) -> None:  # noqa: B027 - optional hook
+        """Register a long-lived process the sandbox must kill on destroy."""
+
+    def control_dir(self) -> tuple[Path, str]:
+        """(host path, sandbox path) of a private directory for sockets (kernel ipc)."""
+        raise SandboxError("this runtime has no control directory")
+
+    # -- files -------------------------------------------------------------------------------
+    def _rel(self, path: str) -> str:
+        prefix = self.workspace_in_sandbox.rstrip("/") + "/"
+        if path.startswith(prefix):
+            return path[len(prefix):]
+        if path == self.workspace_in_sandbox:
+            return ""
+        return path
+
+    async def put_file(self, rel_path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a workspace file (never following symlinks the sandbox may have planted)."""
+        raw = data.encode() if isinstance(data, str) else data
+        await asyncio.to_thread(hostfs.write_beneath, self.workspace, self._rel(rel_path), raw,
+                                mode, self._owner())
+
+    async def get_file(self, rel_path: str) -> bytes:
+        """Read a workspace file; FileNotFoundError when it does not exist."""
+        return await asyncio.to_thread(hostfs.read_beneath, self.workspace, self._rel(rel_path))
+
+    def _owner(self) -> tuple[int, int] | None:
+        return None
+
+    # -- tools -------------------------------------------------------------------------------
+    async def bash(self) -> Any:
+        """The sandbox's persistent bash session (created on first use, then cached)."""
+        from runtime.tools.bash import BashSession
+        async with self._tool_lock:
+            self._check_alive()
+            if self._bash is None:
+                self._bash = await BashSession.start(self)
+            return self._bash
+
+    async def ipython(self) -> Any:
+        """The sandbox's IPython kernel (started on first use, then cached)."""
+        from runtime.tools.ipython import IPythonKernel
+        async with self._tool_lock:
+            self._check_alive()
+            if self._ipython is None:
+                self._ipython = await IPythonKernel.start(self)
+            return self._ipython
+
+    async def _close_tools(self) -> None:
+        bash, kernel, self._bash, self._ipython = self._bash, self._ipython, None, None
+        for tool in (bash, kernel):
+            if tool is not None:
+                try:
+                    await tool.close()
+                except Exception:  # destroy must go on; the process kill below is the backstop
+                    pass
+
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise SandboxError(f"sandbox {self.id} is destroyed", "SANDBOX_DESTROYED")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def destroy(self) -> None:
+        """Kill every process and remove every file of the sandbox. Idempotent; never raises
+        for an already-dead sandbox; safe to call from a cancelled task."""
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await asyncio.shield(self.destroy())
+
+
+async def create_sandbox(config: SandboxConfig | None = None, *,
+                         workspace_files: Mapping[str, bytes | str] | None = None,
+                         env: Mapping[str, str] | None = None, network: Network = "none",
+                         limits: SandboxLimits | None = None, **options: Any) -> Sandbox:
+    """Create a started sandbox. Use ``functools.partial(create_sandbox, cfg)`` as
+    ``JobContext.sandbox_factory``. If anything fails half-way, what was made is removed."""
+    config = config or SandboxConfig()
+    if network not in ("none", "loopback"):
+        raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
+                           "INVALID_SANDBOX_OPTIONS")
+    if config.runtime == "bwrap":
+        from runtime.sandbox.bwrap import BwrapSandbox
+        return await BwrapSandbox.create(config, workspace_files=workspace_files or {},
+                                         env=env or {}, network=network,
+                                         limits=limits or config.limits, **options)
+    if config.runtime == "apptainer":
+        from runtime.sandbox.apptainer import ApptainerSandbox
+        return await ApptainerSandbox.create(config, workspace_files=workspace_files or {},
+                                             env=env or {}, network=network,
+                                             limits=limits or config.limits, **options)
+    raise SandboxError(f"unknown sandbox runtime {config.runtime!r} (use bwrap or apptainer)",
+                       "INVALID_SANDBOX_OPTIONS")

@@ -1,0 +1,288 @@
+"""The bubblewrap runtime (the default): one sandbox = one directory + a launcher line.
+
+Layout of a sandbox on the host, ``<state_dir>/sandboxes/<id>/``::
+
+    lock        flock held while the sandbox lives (the reaper skips locked dirs)
+    meta.json   uid and creator pid, for the reaper
+    workspace/  -> /workspace (rw)
+    tmp/        -> /tmp (rw, shared by every process of the sandbox)
+    ctl/        -> /.sandbox (rw; the IPython kernel's ipc sockets)
+
+Every process of the sandbox (``exec`` commands, the pty bash, the IPython kernel) is started
+by the same launcher line, so they all see the same files; each gets its own PID namespace
+whose anchor is the bwrap process we spawn, so killing that one process kills everything it
+started (including commands that ignore SIGINT, and fork bombs).
+
+The root is an empty tmpfs onto which each top-level entry of the host root (or ``rootfs``) is
+bound read-only, then remounted read-only: bwrap cannot create ``/workspace`` on a read-only
+bind of ``/`` itself. The server's state dir, other sandboxes, ``/root``, ``/run`` (host
+sockets) and similar are covered by empty tmpfs mounts.
+
+When the server runs as root, bwrap runs privileged (it can read ``/root/.pyenv`` to bind the
+interpreter) and the command then drops to a per-sandbox uid with ``setpriv`` and
+``no_new_privs`` — so RLIMIT_NPROC applies (root is exempt from it) and counts per sandbox.
+Otherwise bwrap runs rootless in a user namespace as the server's own user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.sandbox import hostfs, procs
+from runtime.sandbox.base import (
+    ExecResult,
+    Network,
+    Sandbox,
+    SandboxConfig,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+)
+
+CTL_IN_SANDBOX = "/.sandbox"
+_SKIP_TOP = {"proc", "dev", "sys", "tmp"}
+_LIVE: dict[str, BwrapSandbox] = {}
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@functools.lru_cache(maxsize=8)
+def _root_binds(root: str, hide: tuple[str, ...], state_dir: str,
+                expose: tuple[str, ...]) -> tuple[str, ...]:
+    """bwrap arguments that rebuild ``root`` read-only on a tmpfs (cached: ~60 stat calls)."""
+    args: list[str] = ["--tmpfs", "/"]
+    for name in sorted(os.listdir(root)):
+        if name in _SKIP_TOP:
+            continue
+        src = os.path.join(root, name)
+        if os.path.islink(src):
+            args += ["--symlink", os.readlink(src), "/" + name]
+        elif os.path.isdir(src) or os.path.isfile(src):
+            args += ["--ro-bind", src, "/" + name]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    hidden: list[str] = []
+    for path in (*hide, state_dir):
+        host = os.path.join(root, path.lstrip("/"))
+        if os.path.isdir(host) and not os.path.islink(host):
+            args += ["--tmpfs", path]
+            hidden.append(path.rstrip("/") + "/")
+    for path in expose:
+        under = [h for h in hidden if (path + "/").startswith(h)]
+        if under and os.path.isdir(path):
+            # bwrap would create the missing parents 0700, unreachable for the sandbox uid.
+            parent = os.path.dirname(path)
+            chain: list[str] = []
+            while parent.rstrip("/") + "/" != under[0] and parent != "/":
+                chain.append(parent)
+                parent = os.path.dirname(parent)
+            for d in reversed(chain):
+                args += ["--perms", "0755", "--dir", d]
+            args += ["--ro-bind", path, path]
+    return tuple(args)
+
+
+def _python_prefixes(extra: str) -> tuple[str, ...]:
+    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
+             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
+    if extra:
+        paths.add(os.path.dirname(os.path.dirname(os.path.realpath(extra))))
+    return tuple(sorted(paths))
+
+
+def default_env(python: str) -> dict[str, str]:
+    """What a sandboxed process sees; nothing of the server's own environment leaks in."""
+    bindir = os.path.dirname(python)
+    return {"PATH": f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/tmp/home", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+            "TERM": "dumb", "USER": "sandbox", "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg",
+            "PYTHONDONTWRITEBYTECODE": "1", "PAGER": "cat", "GIT_PAGER": "cat"}
+
+
+class BwrapSandbox(Sandbox):
+    def __init__(self, config: SandboxConfig, sid: str, path: Path, lock_fd: int,
+                 lease: procs.UidLease | None, env: dict[str, str], network: Network,
+                 limits: SandboxLimits, rootfs: Path | None) -> None:
+        super().__init__()
+        self.config = config
+        self.id = sid
+        self.path = path
+        self.workspace = path / "workspace"
+        self.workspace_in_sandbox = config.workspace_in_sandbox
+        self.env = env
+        self.network = network
+        self.limits = limits
+        self.python = config.python or sys.executable
+        self._lock_fd = lock_fd
+        self._lease = lease
+        self._pids: set[int] = set()
+        self._destroy_task: asyncio.Task[None] | None = None
+        root = str(rootfs) if rootfs else "/"
+        binds = _root_binds(root, config.hide_paths if rootfs is None else (),
+                            os.path.abspath(config.state_dir),
+                            _python_prefixes(self.python) if rootfs is None else ())
+        ns = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--hostname", "sandbox", "--die-with-parent"]
+        if network == "none":
+            ns.append("--unshare-net")
+        if lease is None:
+            ns.append("--unshare-user")
+        else:
+            ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        mounts = ["--bind", str(path / "tmp"), "/tmp",
+                  "--bind", str(self.workspace), self.workspace_in_sandbox,
+                  "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
+        for host, inside in config.extra_ro_binds:
+            mounts += ["--ro-bind", host, inside]
+        mounts += ["--remount-ro", "/"]
+        self._prefix = ["prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
+        self._drop: list[str] = []
+        if lease is not None:
+            u = str(lease.uid)
+            self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                          "--inh-caps=-all", "--no-new-privs", "--"]
+
+    # -- creation ----------------------------------------------------------------------------
+    @classmethod
+    async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
+                     env: Mapping[str, str], network: Network, limits: SandboxLimits,
+                     rootfs: Path | str | None = None, **unknown: Any) -> BwrapSandbox:
+        if unknown:
+            raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
+                               "INVALID_SANDBOX_OPTIONS")
+        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else ()):
+            if shutil.which(tool) is None:
+                raise SandboxUnavailable(
+                    f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
+                    "`apt-get install bubblewrap util-linux` (or your distribution's packages)")
+        rootfs = Path(rootfs) if rootfs else config.rootfs
+        if rootfs is not None and not Path(rootfs).is_dir():
+            raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
+        return await asyncio.to_thread(cls._create_sync, config, dict(workspace_files),
+                                       dict(env), network, limits, rootfs)
+
+    @classmethod
+    def _create_sync(cls, config: SandboxConfig, files: dict[str, bytes | str],
+                     env: dict[str, str], network: Network, limits: SandboxLimits,
+                     rootfs: Path | None) -> BwrapSandbox:
+        root = config.sandboxes_dir
+        root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        sid = uuid.uuid4().hex[:12]
+        path = root / sid
+        path.mkdir(mode=0o711)
+        lease: procs.UidLease | None = None
+        lock_fd = -1
+        try:
+            lock_fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _is_root():
+                lease = procs.UidLease.acquire(root / ".uids", config.uid_base, config.uid_count)
+            (path / "meta.json").write_text(json.dumps({
+                "uid": lease.uid if lease else None, "server_pid": os.getpid(),
+                "created": time.time()}))
+            owner = (lease.uid, lease.uid) if lease else None
+            for sub in ("workspace", "tmp", "tmp/home", "ctl"):
+                (path / sub).mkdir(mode=0o755)
+                if owner:
+                    os.chown(path / sub, *owner)
+            os.chmod(path / "tmp", 0o1777)
+            for rel, data in files.items():
+                hostfs.write_beneath(path / "workspace", rel,
+                                     data.encode() if isinstance(data, str) else data,
+                                     0o644, owner)
+            sb_env = default_env(config.python or sys.executable)
+            sb_env.update(env)
+            sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs)
+        except BaseException:
+            if lease:
+                lease.release()
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            hostfs.rmtree(path)
+            raise
+        _LIVE[sid] = sb
+        return sb
+
+    # -- processes ---------------------------------------------------------------------------
+    def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
+                     env: Mapping[str, str] | None = None, tty: bool = False) -> list[str]:
+        self._check_alive()
+        session = [] if tty else ["--new-session"]
+        return [*self._prefix, *session, "--chdir", cwd or self.workspace_in_sandbox,
+                *self._drop, *argv]
+
+    def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        merged = dict(self.env)
+        if env:
+            merged.update(env)
+        return merged
+
+    def track(self, pid: int) -> None:
+        self._pids.add(pid)
+
+    def untrack(self, pid: int) -> None:
+        self._pids.discard(pid)
+
+    def control_dir(self) -> tuple[Path, str]:
+        return self.path / "ctl", CTL_IN_SANDBOX
+
+    def _owner(self) -> tuple[int, int] | None:
+        return (self._lease.uid, self._lease.uid) if self._lease else None
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                   cwd: str | None = None, env: Mapping[str, str] | None = None,
+                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return await procs.run_collect(
+            self.command_argv(argv, cwd=cwd), env=self.spawn_env(env),
+            timeout=timeout if timeout is not None else self.limits.default_timeout_s,
+            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    async def destroy(self) -> None:
+        if self._destroy_task is None:
+            self.destroyed = True
+            self._destroy_task = asyncio.ensure_future(self._destroy())
+        await asyncio.shield(self._destroy_task)
+
+    async def _destroy(self) -> None:
+        await self._close_tools()
+        await asyncio.to_thread(self._teardown_sync)
+
+    def _teardown_sync(self) -> None:
+        for pid in list(self._pids):
+            procs.kill_pid(pid)
+        self._pids.clear()
+        if self._lease is not None:
+            if procs.uid_has_processes(self._lease.uid):
+                procs.kill_uid(self._lease.uid)
+        hostfs.rmtree(self.path)
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        _LIVE.pop(self.id, None)
+
+
+@atexit.register
+def _destroy_leftovers() -> None:
+    """Last resort at interpreter exit for sandboxes nobody destroyed."""
+    for sb in list(_LIVE.values()):
+        with contextlib.suppress(Exception):
+            sb._teardown_sync()
