@@ -1,0 +1,82 @@
+"""Per-test outcomes out of a ``pytest -rA`` log, and the SWE-bench style verdict over them.
+
+We run pytest on the test *files* that hold the named tests and read the short test summary
+(``-rA`` prints one ``PASSED``/``FAILED``/``ERROR``/... line per test). Passing the node ids
+themselves would be fragile: a single id that no longer exists (the agent renamed a test)
+makes pytest abort the whole session, and we want that test to count as failed, not the run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+PASSING = frozenset({"PASSED", "XFAIL"})
+"""Outcomes that count as "the test passes" (SWE-bench counts an expected failure as passing)."""
+
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*?)\s*$")
+
+
+def parse_pytest_report(log: str) -> dict[str, str]:
+    """Map node id → outcome from the short test summary of ``pytest -rA``.
+
+    A ``FAILED`` line reads ``FAILED path::test - message``; the message is dropped. A test that
+    appears twice (a failing test whose teardown also errors) keeps its worst outcome.
+    """
+    outcomes: dict[str, str] = {}
+    for line in log.splitlines():
+        m = _SUMMARY_LINE.match(line.strip())
+        if m is None:
+            continue
+        outcome, rest = m.groups()
+        if outcome == "SKIPPED":  # "SKIPPED [1] path:line: reason" names no node id
+            continue
+        node = rest.split(" - ", 1)[0].strip()
+        if "::" not in node:  # collection errors name a file: every test in it failed
+            outcomes.setdefault(node, outcome)
+            continue
+        if outcomes.get(node) not in ("FAILED", "ERROR"):
+            outcomes[node] = outcome
+    return outcomes
+
+
+def files_of(node_ids: Iterable[str]) -> list[str]:
+    """The distinct files of some pytest node ids, in first-seen order."""
+    files: dict[str, None] = {}
+    for node in node_ids:
+        files.setdefault(node.split("::", 1)[0], None)
+    return list(files)
+
+
+def outcome_of(node: str, outcomes: Mapping[str, str]) -> str:
+    """The outcome of ``node``; ``MISSING`` when the log never mentions it."""
+    if node in outcomes:
+        return outcomes[node]
+    file_outcome = outcomes.get(node.split("::", 1)[0])
+    return file_outcome if file_outcome is not None else "MISSING"
+
+
+@dataclass
+class SweVerdict:
+    """Which named tests passed; ``resolved`` is the SWE-bench criterion."""
+
+    fail_to_pass: dict[str, str] = field(default_factory=dict)
+    pass_to_pass: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def resolved(self) -> bool:
+        return all(o in PASSING for o in self.fail_to_pass.values()) and all(
+            o in PASSING for o in self.pass_to_pass.values())
+
+    def passed_fraction(self, which: str) -> float:
+        tests = self.fail_to_pass if which == "fail_to_pass" else self.pass_to_pass
+        if not tests:
+            return 1.0
+        return sum(o in PASSING for o in tests.values()) / len(tests)
+
+
+def judge(outcomes: Mapping[str, str], fail_to_pass: Iterable[str],
+          pass_to_pass: Iterable[str]) -> SweVerdict:
+    return SweVerdict({n: outcome_of(n, outcomes) for n in fail_to_pass},
+                      {n: outcome_of(n, outcomes) for n in pass_to_pass})

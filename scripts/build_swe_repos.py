@@ -1,0 +1,558 @@
+"""Build the five tiny git repositories behind the shipped ``swe`` tasks, and ``swe.jsonl``.
+
+Each repository is a small Python package with one bug and a pytest suite. For every spec below
+the script commits the buggy base (fixed author and dates, so commit ids are identical on every
+machine), derives the gold ``patch`` (the fix) and the hidden ``test_patch`` (new tests) with
+``git diff``, checks that the FAIL_TO_PASS tests fail before the fix and everything passes after
+it, and writes ``runtime/envs/data/swe_repos/<name>.bundle`` plus ``runtime/envs/data/swe.jsonl``.
+
+    PYTHONPATH=. .venv/bin/python scripts/build_swe_repos.py           # rebuild
+    PYTHONPATH=. .venv/bin/python scripts/build_swe_repos.py --check   # verify the shipped data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from runtime.envs.pytest_log import PASSING, files_of, outcome_of, parse_pytest_report
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "runtime" / "envs" / "data"
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "Rollout Service", "GIT_AUTHOR_EMAIL": "rollout@example.invalid",
+    "GIT_COMMITTER_NAME": "Rollout Service", "GIT_COMMITTER_EMAIL": "rollout@example.invalid",
+    "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1", "TZ": "UTC",
+}
+_DATES = ("2025-01-06T10:00:00+00:00", "2025-01-07T11:30:00+00:00")
+
+_PYPROJECT = """[project]
+name = "{name}"
+version = "0.1.0"
+requires-python = ">=3.9"
+"""
+
+SPECS: list[dict[str, Any]] = [
+    {
+        "name": "textstats",
+        "problem_statement": (
+            "`word_count` miscounts text with repeated whitespace\n\n"
+            "`textstats.word_count(\"hello   world\")` returns 4 instead of 2, and text with "
+            "newlines or tabs between words is miscounted as well. Words are maximal runs of "
+            "non-whitespace characters; an empty or blank string has 0 words."),
+        "files": {
+            "textstats/__init__.py": "from textstats.core import char_count, word_count\n\n"
+                                     "__all__ = [\"char_count\", \"word_count\"]\n",
+            "textstats/core.py": (
+                '"""Counting helpers for plain text."""\n\n\n'
+                "def word_count(text):\n"
+                '    """Number of whitespace-separated words in ``text``."""\n'
+                "    if text == \"\":\n"
+                "        return 0\n"
+                "    return len(text.split(\" \"))\n\n\n"
+                "def char_count(text, include_spaces=True):\n"
+                '    """Number of characters, optionally ignoring whitespace."""\n'
+                "    if include_spaces:\n"
+                "        return len(text)\n"
+                "    return sum(1 for c in text if not c.isspace())\n"),
+            "tests/test_core.py": (
+                "from textstats import char_count, word_count\n\n\n"
+                "def test_simple_sentence():\n"
+                "    assert word_count(\"the quick brown fox\") == 4\n\n\n"
+                "def test_empty():\n"
+                "    assert word_count(\"\") == 0\n\n\n"
+                "def test_char_count():\n"
+                "    assert char_count(\"a b\") == 3\n"
+                "    assert char_count(\"a b\", include_spaces=False) == 2\n"),
+        },
+        "fix": {
+            "textstats/core.py": (
+                '"""Counting helpers for plain text."""\n\n\n'
+                "def word_count(text):\n"
+                '    """Number of whitespace-separated words in ``text``."""\n'
+                "    return len(text.split())\n\n\n"
+                "def char_count(text, include_spaces=True):\n"
+                '    """Number of characters, optionally ignoring whitespace."""\n'
+                "    if include_spaces:\n"
+                "        return len(text)\n"
+                "    return sum(1 for c in text if not c.isspace())\n"),
+        },
+        "tests_after": {
+            "tests/test_core.py": (
+                "from textstats import char_count, word_count\n\n\n"
+                "def test_simple_sentence():\n"
+                "    assert word_count(\"the quick brown fox\") == 4\n\n\n"
+                "def test_empty():\n"
+                "    assert word_count(\"\") == 0\n\n\n"
+                "def test_char_count():\n"
+                "    assert char_count(\"a b\") == 3\n"
+                "    assert char_count(\"a b\", include_spaces=False) == 2\n\n\n"
+                "def test_repeated_spaces():\n"
+                "    assert word_count(\"hello   world\") == 2\n\n\n"
+                "def test_newlines_and_tabs():\n"
+                "    assert word_count(\"one\\ttwo\\nthree \\n\") == 3\n\n\n"
+                "def test_blank():\n"
+                "    assert word_count(\"   \") == 0\n"),
+        },
+        "fail_to_pass": ["tests/test_core.py::test_repeated_spaces",
+                         "tests/test_core.py::test_newlines_and_tabs",
+                         "tests/test_core.py::test_blank"],
+        "pass_to_pass": ["tests/test_core.py::test_simple_sentence",
+                         "tests/test_core.py::test_empty",
+                         "tests/test_core.py::test_char_count"],
+    },
+    {
+        "name": "intervals",
+        "problem_statement": (
+            "`merge` leaves touching intervals apart\n\n"
+            "`intervals.merge([(1, 3), (3, 5)])` returns `[(1, 3), (3, 5)]`, but closed "
+            "intervals that share an endpoint overlap and must be merged into `[(1, 5)]`."),
+        "files": {
+            "intervals/__init__.py": "from intervals.merge import merge, total_length\n\n"
+                                     "__all__ = [\"merge\", \"total_length\"]\n",
+            "intervals/merge.py": (
+                '"""Operations on closed integer intervals given as (start, end) tuples."""\n\n\n'
+                "def merge(intervals):\n"
+                '    """Merge overlapping intervals; the result is sorted by start."""\n'
+                "    result = []\n"
+                "    for start, end in sorted(intervals):\n"
+                "        if result and start < result[-1][1]:\n"
+                "            last_start, last_end = result[-1]\n"
+                "            result[-1] = (last_start, max(last_end, end))\n"
+                "        else:\n"
+                "            result.append((start, end))\n"
+                "    return result\n\n\n"
+                "def total_length(intervals):\n"
+                '    """Length of the union of the intervals."""\n'
+                "    return sum(end - start for start, end in merge(intervals))\n"),
+            "tests/test_merge.py": (
+                "from intervals import merge, total_length\n\n\n"
+                "def test_disjoint():\n"
+                "    assert merge([(5, 6), (1, 2)]) == [(1, 2), (5, 6)]\n\n\n"
+                "def test_overlapping():\n"
+                "    assert merge([(1, 4), (2, 6), (8, 9)]) == [(1, 6), (8, 9)]\n\n\n"
+                "def test_total_length_disjoint():\n"
+                "    assert total_length([(0, 1), (2, 4)]) == 3\n"),
+        },
+        "fix": {
+            "intervals/merge.py": (
+                '"""Operations on closed integer intervals given as (start, end) tuples."""\n\n\n'
+                "def merge(intervals):\n"
+                '    """Merge overlapping intervals; the result is sorted by start."""\n'
+                "    result = []\n"
+                "    for start, end in sorted(intervals):\n"
+                "        if result and start <= result[-1][1]:\n"
+                "            last_start, last_end = result[-1]\n"
+                "            result[-1] = (last_start, max(last_end, end))\n"
+                "        else:\n"
+                "            result.append((start, end))\n"
+                "    return result\n\n\n"
+                "def total_length(intervals):\n"
+                '    """Length of the union of the intervals."""\n'
+                "    return sum(end - start for start, end in merge(intervals))\n"),
+        },
+        "tests_after": {
+            "tests/test_merge.py": (
+                "from intervals import merge, total_length\n\n\n"
+                "def test_disjoint():\n"
+                "    assert merge([(5, 6), (1, 2)]) == [(1, 2), (5, 6)]\n\n\n"
+                "def test_overlapping():\n"
+                "    assert merge([(1, 4), (2, 6), (8, 9)]) == [(1, 6), (8, 9)]\n\n\n"
+                "def test_total_length_disjoint():\n"
+                "    assert total_length([(0, 1), (2, 4)]) == 3\n\n\n"
+                "def test_touching():\n"
+                "    assert merge([(3, 5), (1, 3)]) == [(1, 5)]\n\n\n"
+                "def test_chain_of_touching():\n"
+                "    assert merge([(1, 2), (2, 3), (3, 4)]) == [(1, 4)]\n"),
+        },
+        "fail_to_pass": ["tests/test_merge.py::test_touching",
+                         "tests/test_merge.py::test_chain_of_touching"],
+        "pass_to_pass": ["tests/test_merge.py::test_disjoint",
+                         "tests/test_merge.py::test_overlapping",
+                         "tests/test_merge.py::test_total_length_disjoint"],
+    },
+    {
+        "name": "minicsv",
+        "problem_statement": (
+            "`parse_line` splits inside quoted fields\n\n"
+            "`minicsv.parse_line('a,\"b,c\",d')` returns `['a', '\"b', 'c\"', 'd']`. A field "
+            "wrapped in double quotes may contain commas and must come back without its "
+            "quotes: `['a', 'b,c', 'd']`. A doubled quote inside a quoted field (`\"\"`) "
+            "stands for one literal quote character."),
+        "files": {
+            "minicsv/__init__.py": "from minicsv.parser import parse, parse_line\n\n"
+                                   "__all__ = [\"parse\", \"parse_line\"]\n",
+            "minicsv/parser.py": (
+                '"""A minimal CSV reader."""\n\n\n'
+                "def parse_line(line):\n"
+                '    """Split one CSV record into its fields."""\n'
+                "    return line.split(\",\")\n\n\n"
+                "def parse(text):\n"
+                '    """All records of ``text``, skipping blank lines."""\n'
+                "    return [parse_line(line) for line in text.splitlines() if line.strip()]\n"),
+            "tests/test_parser.py": (
+                "from minicsv import parse, parse_line\n\n\n"
+                "def test_plain_fields():\n"
+                "    assert parse_line(\"a,b,c\") == [\"a\", \"b\", \"c\"]\n\n\n"
+                "def test_empty_fields():\n"
+                "    assert parse_line(\"a,,c\") == [\"a\", \"\", \"c\"]\n\n\n"
+                "def test_parse_skips_blank_lines():\n"
+                "    assert parse(\"x,y\\n\\n1,2\\n\") == [[\"x\", \"y\"], [\"1\", \"2\"]]\n"),
+        },
+        "fix": {
+            "minicsv/parser.py": (
+                '"""A minimal CSV reader."""\n\n\n'
+                "def parse_line(line):\n"
+                '    """Split one CSV record into its fields."""\n'
+                "    fields, current, quoted, i = [], [], False, 0\n"
+                "    while i < len(line):\n"
+                "        ch = line[i]\n"
+                "        if quoted:\n"
+                "            if ch == '\"' and line[i + 1:i + 2] == '\"':\n"
+                "                current.append('\"')\n"
+                "                i += 1\n"
+                "            elif ch == '\"':\n"
+                "                quoted = False\n"
+                "            else:\n"
+                "                current.append(ch)\n"
+                "        elif ch == '\"':\n"
+                "            quoted = True\n"
+                "        elif ch == \",\":\n"
+                "            fields.append(\"\".join(current))\n"
+                "            current = []\n"
+                "        else:\n"
+                "            current.append(ch)\n"
+                "        i += 1\n"
+                "    fields.append(\"\".join(current))\n"
+                "    return fields\n\n\n"
+                "def parse(text):\n"
+                '    """All records of ``text``, skipping blank lines."""\n'
+                "    return [parse_line(line) for line in text.splitlines() if line.strip()]\n"),
+        },
+        "tests_after": {
+            "tests/test_parser.py": (
+                "from minicsv import parse, parse_line\n\n\n"
+                "def test_plain_fields():\n"
+                "    assert parse_line(\"a,b,c\") == [\"a\", \"b\", \"c\"]\n\n\n"
+                "def test_empty_fields():\n"
+                "    assert parse_line(\"a,,c\") == [\"a\", \"\", \"c\"]\n\n\n"
+                "def test_parse_skips_blank_lines():\n"
+                "    assert parse(\"x,y\\n\\n1,2\\n\") == [[\"x\", \"y\"], [\"1\", \"2\"]]\n\n\n"
+                "def test_quoted_comma():\n"
+                "    assert parse_line('a,\"b,c\",d') == [\"a\", \"b,c\", \"d\"]\n\n\n"
+                "def test_escaped_quote():\n"
+                "    assert parse_line('\"say \"\"hi\"\"\",x') == ['say \"hi\"', \"x\"]\n"),
+        },
+        "fail_to_pass": ["tests/test_parser.py::test_quoted_comma",
+                         "tests/test_parser.py::test_escaped_quote"],
+        "pass_to_pass": ["tests/test_parser.py::test_plain_fields",
+                         "tests/test_parser.py::test_empty_fields",
+                         "tests/test_parser.py::test_parse_skips_blank_lines"],
+    },
+    {
+        "name": "lrucache",
+        "problem_statement": (
+            "`LRUCache.get` does not count as a use\n\n"
+            "With capacity 2: `put('a', 1); put('b', 2); get('a'); put('c', 3)` evicts `'a'`, "
+            "although `'b'` is the least recently used key. Reading a key with `get` must make "
+            "it the most recently used one."),
+        "files": {
+            "lrucache/__init__.py": "from lrucache.cache import LRUCache\n\n"
+                                    "__all__ = [\"LRUCache\"]\n",
+            "lrucache/cache.py": (
+                '"""A least-recently-used cache with a fixed capacity."""\n\n'
+                "from collections import OrderedDict\n\n\n"
+                "class LRUCache:\n"
+                "    def __init__(self, capacity):\n"
+                "        if capacity <= 0:\n"
+                "            raise ValueError(\"capacity must be positive\")\n"
+                "        self.capacity = capacity\n"
+                "        self._data = OrderedDict()\n\n"
+                "    def get(self, key, default=None):\n"
+                "        if key not in self._data:\n"
+                "            return default\n"
+                "        return self._data[key]\n\n"
+                "    def put(self, key, value):\n"
+                "        if key in self._data:\n"
+                "            self._data.move_to_end(key)\n"
+                "        self._data[key] = value\n"
+                "        if len(self._data) > self.capacity:\n"
+                "            self._data.popitem(last=False)\n\n"
+                "    def __len__(self):\n"
+                "        return len(self._data)\n\n"
+                "    def __contains__(self, key):\n"
+                "        return key in self._data\n"),
+            "tests/test_cache.py": (
+                "import pytest\n\n"
+                "from lrucache import LRUCache\n\n\n"
+                "def test_put_and_get():\n"
+                "    cache = LRUCache(2)\n"
+                "    cache.put(\"a\", 1)\n"
+                "    assert cache.get(\"a\") == 1\n"
+                "    assert cache.get(\"missing\", 0) == 0\n\n\n"
+                "def test_evicts_oldest_put():\n"
+                "    cache = LRUCache(2)\n"
+                "    for key in \"abc\":\n"
+                "        cache.put(key, key)\n"
+                "    assert \"a\" not in cache and len(cache) == 2\n\n\n"
+                "def test_rejects_zero_capacity():\n"
+                "    with pytest.raises(ValueError):\n"
+                "        LRUCache(0)\n"),
+        },
+        "fix": {
+            "lrucache/cache.py": (
+                '"""A least-recently-used cache with a fixed capacity."""\n\n'
+                "from collections import OrderedDict\n\n\n"
+                "class LRUCache:\n"
+                "    def __init__(self, capacity):\n"
+                "        if capacity <= 0:\n"
+                "            raise ValueError(\"capacity must be positive\")\n"
+                "        self.capacity = capacity\n"
+                "        self._data = OrderedDict()\n\n"
+                "    def get(self, key, default=None):\n"
+                "        if key not in self._data:\n"
+                "            return default\n"
+                "        self._data.move_to_end(key)\n"
+                "        return self._data[key]\n\n"
+                "    def put(self, key, value):\n"
+                "        if key in self._data:\n"
+                "            self._data.move_to_end(key)\n"
+                "        self._data[key] = value\n"
+                "        if len(self._data) > self.capacity:\n"
+                "            self._data.popitem(last=False)\n\n"
+                "    def __len__(self):\n"
+                "        return len(self._data)\n\n"
+                "    def __contains__(self, key):\n"
+                "        return key in self._data\n"),
+        },
+        "tests_after": {
+            "tests/test_cache.py": (
+                "import pytest\n\n"
+                "from lrucache import LRUCache\n\n\n"
+                "def test_put_and_get():\n"
+                "    cache = LRUCache(2)\n"
+                "    cache.put(\"a\", 1)\n"
+                "    assert cache.get(\"a\") == 1\n"
+                "    assert cache.get(\"missing\", 0) == 0\n\n\n"
+                "def test_evicts_oldest_put():\n"
+                "    cache = LRUCache(2)\n"
+                "    for key in \"abc\":\n"
+                "        cache.put(key, key)\n"
+                "    assert \"a\" not in cache and len(cache) == 2\n\n\n"
+                "def test_rejects_zero_capacity():\n"
+                "    with pytest.raises(ValueError):\n"
+                "        LRUCache(0)\n\n\n"
+                "def test_get_refreshes_recency():\n"
+                "    cache = LRUCache(2)\n"
+                "    cache.put(\"a\", 1)\n"
+                "    cache.put(\"b\", 2)\n"
+                "    assert cache.get(\"a\") == 1\n"
+                "    cache.put(\"c\", 3)\n"
+                "    assert \"a\" in cache and \"b\" not in cache\n"),
+        },
+        "fail_to_pass": ["tests/test_cache.py::test_get_refreshes_recency"],
+        "pass_to_pass": ["tests/test_cache.py::test_put_and_get",
+                         "tests/test_cache.py::test_evicts_oldest_put",
+                         "tests/test_cache.py::test_rejects_zero_capacity"],
+    },
+    {
+        "name": "semver",
+        "problem_statement": (
+            "`compare` orders versions as strings\n\n"
+            "`semver.compare(\"1.10.0\", \"1.9.0\")` returns -1, so 1.10.0 sorts before 1.9.0. "
+            "Versions must compare numerically, component by component (major, minor, patch); "
+            "`compare` returns -1, 0 or 1 and `max_version` picks the highest version."),
+        "files": {
+            "semver/__init__.py": "from semver.version import compare, max_version, parse\n\n"
+                                  "__all__ = [\"compare\", \"max_version\", \"parse\"]\n",
+            "semver/version.py": (
+                '"""Parsing and ordering of MAJOR.MINOR.PATCH version strings."""\n\n'
+                "import functools\n\n\n"
+                "def parse(version):\n"
+                '    """The three components of ``version`` as strings."""\n'
+                "    parts = version.strip().split(\".\")\n"
+                "    if len(parts) != 3 or not all(p.isdigit() for p in parts):\n"
+                "        raise ValueError(f\"not a MAJOR.MINOR.PATCH version: {version!r}\")\n"
+                "    return tuple(parts)\n\n\n"
+                "def compare(a, b):\n"
+                '    """-1, 0 or 1 as ``a`` is lower than, equal to or higher than ``b``."""\n'
+                "    pa, pb = parse(a), parse(b)\n"
+                "    return (pa > pb) - (pa < pb)\n\n\n"
+                "def max_version(versions):\n"
+                "    return max(versions, key=functools.cmp_to_key(compare))\n"),
+            "tests/test_version.py": (
+                "import pytest\n\n"
+                "from semver import compare, max_version, parse\n\n\n"
+                "def test_equal():\n"
+                "    assert compare(\"1.2.3\", \"1.2.3\") == 0\n\n\n"
+                "def test_single_digit_order():\n"
+                "    assert compare(\"1.2.3\", \"1.3.0\") == -1\n"
+                "    assert compare(\"2.0.0\", \"1.9.9\") == 1\n\n\n"
+                "def test_parse_rejects_garbage():\n"
+                "    with pytest.raises(ValueError):\n"
+                "        parse(\"1.2\")\n"),
+        },
+        "fix": {
+            "semver/version.py": (
+                '"""Parsing and ordering of MAJOR.MINOR.PATCH version strings."""\n\n'
+                "import functools\n\n\n"
+                "def parse(version):\n"
+                '    """The three components of ``version`` as integers."""\n'
+                "    parts = version.strip().split(\".\")\n"
+                "    if len(parts) != 3 or not all(p.isdigit() for p in parts):\n"
+                "        raise ValueError(f\"not a MAJOR.MINOR.PATCH version: {version!r}\")\n"
+                "    return tuple(int(p) for p in parts)\n\n\n"
+                "def compare(a, b):\n"
+                '    """-1, 0 or 1 as ``a`` is lower than, equal to or higher than ``b``."""\n'
+                "    pa, pb = parse(a), parse(b)\n"
+                "    return (pa > pb) - (pa < pb)\n\n\n"
+                "def max_version(versions):\n"
+                "    return max(versions, key=functools.cmp_to_key(compare))\n"),
+        },
+        "tests_after": {
+            "tests/test_version.py": (
+                "import pytest\n\n"
+                "from semver import compare, max_version, parse\n\n\n"
+                "def test_equal():\n"
+                "    assert compare(\"1.2.3\", \"1.2.3\") == 0\n\n\n"
+                "def test_single_digit_order():\n"
+                "    assert compare(\"1.2.3\", \"1.3.0\") == -1\n"
+                "    assert compare(\"2.0.0\", \"1.9.9\") == 1\n\n\n"
+                "def test_parse_rejects_garbage():\n"
+                "    with pytest.raises(ValueError):\n"
+                "        parse(\"1.2\")\n\n\n"
+                "def test_multi_digit_components():\n"
+                "    assert compare(\"1.10.0\", \"1.9.0\") == 1\n"
+                "    assert compare(\"0.0.9\", \"0.0.10\") == -1\n\n\n"
+                "def test_max_version():\n"
+                "    assert max_version([\"1.9.0\", \"1.10.0\", \"1.2.11\"]) == \"1.10.0\"\n"),
+        },
+        "fail_to_pass": ["tests/test_version.py::test_multi_digit_components",
+                         "tests/test_version.py::test_max_version"],
+        "pass_to_pass": ["tests/test_version.py::test_equal",
+                         "tests/test_version.py::test_single_digit_order",
+                         "tests/test_version.py::test_parse_rejects_garbage"],
+    },
+]
+
+for _spec in SPECS:
+    _spec["files"]["pyproject.toml"] = _PYPROJECT.format(name=_spec["name"])
+    _spec["files"]["README.md"] = f"# {_spec['name']}\n\nA tiny library. Run `python -m pytest`.\n"
+
+
+def _git(repo: Path, *args: str, date: str = _DATES[0]) -> str:
+    env = {**os.environ, **_GIT_ENV, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    return subprocess.run(["git", "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false",
+                           "-c", "pack.threads=1", *args], cwd=repo, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def _write(repo: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = repo / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _diff(repo: Path, files: dict[str, str]) -> str:
+    """The patch that turns the checked-out tree into one with ``files`` written."""
+    _write(repo, files)
+    patch = _git(repo, "diff", "--no-color", "--no-ext-diff")
+    _git(repo, "checkout", "--", ".")
+    return patch
+
+
+def _outcomes(repo: Path, node_ids: list[str]) -> dict[str, bool]:
+    """Pass/fail of each node id, found the way the environment's EVAL finds them."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
+                           *files_of(node_ids)], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    outcomes = parse_pytest_report(proc.stdout)
+    return {node: outcome_of(node, outcomes) in PASSING for node in node_ids}
+
+
+def _verify(repo: Path, spec: dict[str, Any], patch: str, test_patch: str) -> None:
+    def apply(text: str) -> None:
+        subprocess.run(["git", "apply", "-"], cwd=repo, input=text, text=True, check=True)
+
+    apply(test_patch)
+    before = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"])
+    apply(patch)
+    after = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"])
+    _git(repo, "checkout", "--", ".")
+    _git(repo, "clean", "-fdxq")
+    bad = [n for n in spec["fail_to_pass"] if before[n]] + [n for n, ok in after.items() if not ok]
+    bad += [n for n in spec["pass_to_pass"] if not before[n]]
+    if bad:
+        raise SystemExit(f"{spec['name']}: tests behave unexpectedly: {bad}")
+
+
+def build_one(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Create one repository and its bundle; return its task (SWE-bench instance format)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / spec["name"]
+        repo.mkdir()
+        _git(repo, "init", "-q", "-b", "main")
+        sources = {k: v for k, v in spec["files"].items() if not k.startswith("tests/")}
+        _write(repo, sources)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"Initial import of {spec['name']}", date=_DATES[0])
+        _write(repo, spec["files"])
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", "Add tests", date=_DATES[1])
+        base_commit = _git(repo, "rev-parse", "HEAD").strip()
+        patch = _diff(repo, spec["fix"])
+        test_patch = _diff(repo, spec["tests_after"])
+        _verify(repo, spec, patch, test_patch)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        bundle = out_dir / f"{spec['name']}.bundle"
+        _git(repo, "bundle", "create", "-q", str(bundle), "HEAD", "main")
+    return {
+        "instance_id": f"rollout__{spec['name']}-1",
+        "repo": f"rollout-service/{spec['name']}",
+        "repo_source": f"swe_repos/{spec['name']}.bundle",
+        "test_env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        "base_commit": base_commit,
+        "problem_statement": spec["problem_statement"],
+        "patch": patch,
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": spec["fail_to_pass"],
+        "PASS_TO_PASS": spec["pass_to_pass"],
+    }
+
+
+def build(data_dir: Path) -> list[dict[str, Any]]:
+    tasks = [build_one(spec, data_dir / "swe_repos") for spec in SPECS]
+    with open(data_dir / "swe.jsonl", "w") as f:
+        for task in tasks:
+            f.write(json.dumps({"environment": "swe", "task": task}) + "\n")
+    return tasks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="rebuild into a temporary folder and compare with the shipped data")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    args = parser.parse_args(argv)
+    if not args.check:
+        tasks = build(args.data_dir)
+        print(f"wrote {len(tasks)} repositories and swe.jsonl under {args.data_dir}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        build(Path(tmp))
+        fresh = (Path(tmp) / "swe.jsonl").read_text()
+    if fresh != (args.data_dir / "swe.jsonl").read_text():
+        print("swe.jsonl is stale: run scripts/build_swe_repos.py", file=sys.stderr)
+        return 1
+    print("swe.jsonl matches a fresh build")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
