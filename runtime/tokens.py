@@ -154,11 +154,13 @@ class ChatTokenizer:
         return frozenset(out)
 
     def delta(self, history: Sequence[Message], output_ids: Sequence[int],
-              new_messages: Sequence[Message], *,
+              new_messages: Sequence[Message], *, assistant_text: str | None = None,
               tools: Sequence[Mapping[str, Any]] | None = None,
               add_generation_prompt: bool = True) -> Delta:
         """Ids to append after ``output_ids`` (the raw ids of the assistant turn that follows
-        ``history``) so that ``new_messages`` and the next generation prompt come after it."""
+        ``history``) so that ``new_messages`` and the next generation prompt come after it.
+
+        ``assistant_text`` (the decoded output) is used only to check append-only-ness."""
         assistant = {"role": "assistant", "content": _SENTINEL}
         conv = [*history, assistant, *new_messages]
         tail_obs = _after_sentinel(self.render(conv, add_generation_prompt=False, tools=tools))
@@ -175,7 +177,9 @@ class ChatTokenizer:
         emitted = _overlap(list(output_ids), obs_ids, bound)
         return Delta(observation_ids=obs_ids[emitted:], prompt_ids=self.encode(prompt_text),
                      closing_ids=obs_ids[emitted:bound],
-                     append_only=self.is_append_only(history, new_messages, tools=tools))
+                     append_only=self.is_append_only(
+                         [*history, {"role": "assistant", "content": assistant_text or ""}],
+                         new_messages, tools=tools))
 
     def is_append_only(self, history: Sequence[Message], new_messages: Sequence[Message], *,
                        tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
@@ -185,9 +189,8 @@ class ChatTokenizer:
         are not; the ledger still appends only, so its ids then differ from a fresh render,
         which is correct: they are what the model saw.
         """
-        conv = [*history, {"role": "assistant", "content": _SENTINEL}]
-        before = self.render(conv, add_generation_prompt=False, tools=tools)
-        after = self.render([*conv, *new_messages], add_generation_prompt=False, tools=tools)
+        before = self.render(history, add_generation_prompt=False, tools=tools)
+        after = self.render([*history, *new_messages], add_generation_prompt=False, tools=tools)
         return after.startswith(before)
 
     def _find_anchor(self) -> tuple[str, list[int]]:
@@ -249,6 +252,7 @@ class ChatLedger:
         if self.token_ids:
             raise RuntimeError("ledger already started")
         ids = self.chat.initial_prompt(self.messages, self.tools)
+        _ = self.chat.end_of_turn_ids  # a template unfit for deltas fails here, before any turn
         self.token_ids = list(ids)
         self._awaiting_output = True
         return ids
@@ -270,7 +274,8 @@ class ChatLedger:
         if self._awaiting_output:
             raise RuntimeError("add_messages needs a model turn before it")
         delta = self.chat.delta(self.messages[:-1], self._last_output, new_messages,
-                                tools=self.tools, add_generation_prompt=add_generation_prompt)
+                                assistant_text=self.messages[-1]["content"], tools=self.tools,
+                                add_generation_prompt=add_generation_prompt)
         self.token_ids.extend(delta.observation_ids + delta.prompt_ids)
         self.messages.extend(dict(m) for m in new_messages)
         self.append_only = self.append_only and delta.append_only

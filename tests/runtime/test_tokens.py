@@ -1,0 +1,172 @@
+"""Token accounting: deltas are appended after the model's raw ids, which are never re-tokenized."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.tokens import ChatLedger, ChatTemplateError, ChatTokenizer
+from runtime.types import Turn
+from tests.runtime.doubles import QWEN25_TEMPLATE, THINK_STRIPPING_TEMPLATE, smollm2_tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
+                   "required": ["command"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return smollm2_tokenizer()
+
+
+def ids(tok: Any, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def run_turns(ledger: ChatLedger, outputs: list[list[int]],
+              observations: list[list[dict[str, Any]]]) -> list[Turn]:
+    """Drive a ledger the way the agent loop does, collecting Turns."""
+    turns: list[Turn] = []
+    prompt = ledger.start()
+    for k, out in enumerate(outputs):
+        turn = Turn(prompt_ids=prompt, output_ids=list(out), output_logprobs=[0.0] * len(out))
+        ledger.add_output(out)
+        turns.append(turn)
+        if k < len(observations):
+            delta = ledger.add_messages(observations[k])
+            turn.observation_ids = delta.observation_ids
+            prompt = delta.prompt_ids
+    return turns
+
+
+def concat(turns: list[Turn]) -> list[int]:
+    out: list[int] = []
+    for t in turns:
+        out += t.prompt_ids + t.output_ids + t.observation_ids
+    return out
+
+
+def test_noncanonical_output_ids_survive_verbatim_over_turns(tok: Any) -> None:
+    eot = tok.eos_token_id
+    odd = tok.convert_tokens_to_ids(["h", "ello"])  # decodes to "hello", which encodes as 1 id
+    assert ids(tok, tok.decode(odd)) != odd
+    outputs = [[*odd, *ids(tok, " there"), eot],
+               [*ids(tok, "second"), *odd, eot],
+               [*ids(tok, "third turn"), eot]]
+    obs = [[{"role": "tool", "content": "out 1"}], [{"role": "user", "content": "more please"}]]
+    ledger = ChatLedger(ChatTokenizer(tok), [{"role": "system", "content": "S"},
+                                             {"role": "user", "content": "task"}])
+    turns = run_turns(ledger, outputs, obs)
+
+    assert ledger.token_ids == concat(turns)
+    offset = 0
+    for turn, out in zip(turns, outputs, strict=True):
+        offset += len(turn.prompt_ids)
+        assert ledger.token_ids[offset:offset + len(out)] == out  # verbatim, in place
+        offset += len(out) + len(turn.observation_ids)
+    # The model stopped on <|im_end|>; only the template's "\n" after it is appended.
+    assert turns[0].observation_ids[0] == ids(tok, "\n")[0]
+    assert tok.decode(ledger.token_ids) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\ntask<|im_end|>\n"
+        "<|im_start|>assistant\nhello there<|im_end|>\n<|im_start|>tool\nout 1<|im_end|>\n"
+        "<|im_start|>assistant\nsecondhello<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n"
+        "<|im_start|>assistant\nthird turn<|im_end|>")
+    # A fresh re-tokenization would have changed the model's ids: the ledger did not.
+    assert ids(tok, tok.decode(ledger.token_ids)) != ledger.token_ids
+    mask = [m for t in turns for m in t.loss_mask]
+    model_ids = [i for out in outputs for i in out]
+    assert [i for i, m in zip(ledger.token_ids, mask, strict=True) if m] == model_ids
+
+
+def test_canonical_outputs_match_a_fresh_render_of_the_whole_chat(tok: Any) -> None:
+    """With canonical output ids the incremental ids equal the template's full rendering."""
+    chat = ChatTokenizer(tok, chat_template=QWEN25_TEMPLATE)
+    msgs = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "2+2?"}]
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    outputs = [[*ids(tok, call), tok.eos_token_id], [*ids(tok, "4"), tok.eos_token_id]]
+    obs = [[{"role": "tool", "content": "a.txt"}, {"role": "tool", "content": "b.txt"}]]
+    ledger = ChatLedger(chat, list(msgs), TOOLS)
+    turns = run_turns(ledger, outputs, obs)
+    full = [*msgs, {"role": "assistant", "content": call}, *obs[0],
+            {"role": "assistant", "content": "4"}]
+    rendered = chat.render(full, add_generation_prompt=False, tools=TOOLS)
+    assert rendered.endswith("<|im_end|>\n")
+    assert ledger.token_ids == ids(tok, rendered[:-1])  # the last "\n" comes with a next turn
+    assert concat(turns) == ledger.token_ids
+    assert "<tools>" in tok.decode(turns[0].prompt_ids)
+    assert tok.decode(turns[0].observation_ids).startswith(
+        "\n<|im_start|>user\n<tool_response>\na.txt\n</tool_response>\n<tool_response>")
+    assert tok.decode(turns[1].prompt_ids) == "<|im_start|>assistant\n"
+    assert ledger.append_only
+
+
+@pytest.mark.parametrize("template", [None, QWEN25_TEMPLATE], ids=["smollm2", "qwen25"])
+def test_turn_cut_by_max_tokens_gets_its_end_of_turn_as_prompt_tokens(tok: Any,
+                                                                      template: str | None) -> None:
+    chat = ChatTokenizer(tok, chat_template=template)
+    ledger = ChatLedger(chat, [{"role": "system", "content": "S"},
+                               {"role": "user", "content": "u"}])
+    cut = ids(tok, "an unfinished sent")  # no <|im_end|>: max_tokens ran out
+    turns = run_turns(ledger, [cut, [*ids(tok, "ok"), tok.eos_token_id]],
+                      [[{"role": "user", "content": "go on"}]])
+    closing = ids(tok, "<|im_end|>\n")
+    assert turns[0].observation_ids[:len(closing)] == closing
+    assert turns[0].loss_mask[-len(turns[0].observation_ids):] == [0] * len(
+        turns[0].observation_ids)
+    assert concat(turns) == ledger.token_ids
+    assert "an unfinished sent<|im_end|>\n<|im_start|>user\ngo on" in tok.decode(ledger.token_ids)
+
+
+def test_history_rewriting_template_is_detected_and_model_tokens_kept(tok: Any) -> None:
+    chat = ChatTokenizer(tok, chat_template=THINK_STRIPPING_TEMPLATE)
+    ledger = ChatLedger(chat, [{"role": "user", "content": "q"}])
+    thought = [*ids(tok, "<think>\nlet me see\n</think>\nanswer"), tok.eos_token_id]
+    turns = run_turns(ledger, [thought, [*ids(tok, "done"), tok.eos_token_id]],
+                      [[{"role": "user", "content": "sure?"}]])
+    assert not ledger.append_only  # reported, not silently re-rendered
+    assert ledger.token_ids[len(turns[0].prompt_ids):][:len(thought)] == thought
+    assert concat(turns) == ledger.token_ids
+    fresh = chat.render(ledger.messages, add_generation_prompt=False)
+    assert "let me see" not in fresh  # what re-rendering would have trained on instead
+
+
+def test_template_that_rewrites_assistant_content_is_refused(tok: Any) -> None:
+    upper = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content | upper"
+             " + '<|im_end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    ledger = ChatLedger(ChatTokenizer(tok, chat_template=upper), [{"role": "user", "content": "q"}])
+    with pytest.raises(ChatTemplateError):  # before any model turn is wasted
+        ledger.start()
+
+
+def test_supports_tools_and_end_of_turn(tok: Any) -> None:
+    assert not ChatTokenizer(tok).supports_tools  # SmolLM2's template ignores tools
+    assert ChatTokenizer(tok, chat_template=QWEN25_TEMPLATE).supports_tools
+    assert ChatTokenizer(tok).end_of_turn_ids == {tok.convert_tokens_to_ids("<|im_end|>")}
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(outputs=st.lists(st.lists(st.integers(3, 49151), max_size=12), min_size=1, max_size=4),
+       stop_on_eot=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_any_output_ids_are_kept_and_the_sequence_is_the_concatenation(
+        tok: Any, outputs: list[list[int]], stop_on_eot: list[bool]) -> None:
+    outs = [[*o, tok.eos_token_id] if stop_on_eot[i] else o for i, o in enumerate(outputs)]
+    obs = [[{"role": "tool", "content": f"observation {k}"}] for k in range(len(outs) - 1)]
+    ledger = ChatLedger(ChatTokenizer(tok, chat_template=QWEN25_TEMPLATE),
+                        [{"role": "user", "content": "t"}], TOOLS)
+    turns = run_turns(ledger, outs, obs)
+    assert concat(turns) == ledger.token_ids
+    assert [t.output_ids for t in turns] == outs
+    for k, turn in enumerate(turns[:-1]):
+        text = tok.decode(turn.observation_ids)
+        assert f"<tool_response>\nobservation {k}\n</tool_response>" in text
+        # Exactly one end-of-turn between the model's tokens and the next message.
+        closes = turn.output_ids[-1:] + turn.observation_ids[:1]
+        assert closes.count(tok.eos_token_id) == 1
