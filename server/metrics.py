@@ -1,0 +1,157 @@
+"""Pipeline observability: an in-memory status snapshot and Prometheus metrics.
+
+Why both: the status snapshot answers ``GetServerStatus`` without a metrics stack (p50/p95 and
+recent throughput per stage, computed from small ring buffers), and Prometheus gets the same
+numbers as histograms and counters for dashboards. Each server instance owns its own
+``CollectorRegistry`` so several servers (tests, benchmarks) can live in one process. Gauges that
+describe current state (queue depth, in-flight) are read from the scheduler at scrape time by a
+custom collector, so the hot path never updates them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from runtime.types import JobState, Stage
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                    120, 300, 600, 1800)
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """One stage pool at one instant."""
+
+    stage: Stage
+    workers: int
+    queue_depth: int
+    """Jobs waiting for a worker of this stage."""
+    in_flight: int
+    """Jobs this stage's workers hold (running, or finished and waiting for room downstream)."""
+    completed: int
+    """Stage executions that succeeded since the server started."""
+    failed: int
+    """Stage executions that failed, timed out or were cancelled since the server started."""
+    latency_p50_s: float
+    latency_p95_s: float
+    throughput_per_s: float
+    """Completed executions per second over the last ``window_s`` seconds."""
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """What ``GetServerStatus`` reports about the pipeline."""
+
+    stages: tuple[StageStatus, ...]
+    jobs_by_state: dict[JobState, int]
+    """Live jobs (QUEUED, RUNNING) now, terminal jobs finished since this process started."""
+    pending: int
+    """Accepted jobs not yet terminal (counts against ``max_pending_jobs``)."""
+    max_pending: int
+    sessions: int
+    """Attached client subscriptions."""
+    uptime_s: float
+    window_s: float
+
+
+@dataclass
+class StageStats:
+    """Counters and ring buffers for one stage; cheap enough to update per job."""
+
+    window_s: float = 30.0
+    completed: int = 0
+    failed: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    _buckets: deque[list[int]] = field(default_factory=deque)
+    """[second, count] pairs for the throughput window."""
+
+    def observe(self, seconds: float, ok: bool, now: float | None = None) -> None:
+        if ok:
+            self.completed += 1
+            sec = int(now if now is not None else time.monotonic())
+            if self._buckets and self._buckets[-1][0] == sec:
+                self._buckets[-1][1] += 1
+            else:
+                self._buckets.append([sec, 1])
+                self._trim(sec)
+        else:
+            self.failed += 1
+        self.latencies.append(seconds)
+
+    def _trim(self, sec: int) -> None:
+        while self._buckets and self._buckets[0][0] <= sec - self.window_s:
+            self._buckets.popleft()
+
+    def throughput(self, now: float | None = None) -> float:
+        sec = int(now if now is not None else time.monotonic())
+        self._trim(sec)
+        return sum(n for s, n in self._buckets if s < sec + 1) / self.window_s
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        data = sorted(self.latencies)
+        return data[min(len(data) - 1, int(q * len(data)))]
+
+
+class SchedulerMetrics:
+    """Prometheus instruments of one scheduler, in a registry of its own."""
+
+    def __init__(self, status: Callable[[], SchedulerStatus]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.stage_seconds = Histogram(
+            "rollout_stage_duration_seconds", "Time spent inside a stage, per execution.",
+            ["stage", "outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_seconds = Histogram(
+            "rollout_stage_queue_seconds", "Time a job waited for a stage worker.",
+            ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.jobs_finished = Counter(
+            "rollout_jobs_finished", "Jobs that reached a terminal state.", ["state", "code"],
+            registry=self.registry)
+        self.jobs_submitted = Counter(
+            "rollout_jobs_submitted", "Jobs accepted (duplicates excluded).",
+            registry=self.registry)
+        self.registry.register(_StatusCollector(status))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Expose ``/metrics`` over HTTP (a daemon thread; lives as long as the process)."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _StatusCollector(Collector):
+    """Scrape-time gauges from the status snapshot, so the hot path never sets gauges."""
+
+    def __init__(self, status: Callable[[], SchedulerStatus]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st = self._status()
+        depth = GaugeMetricFamily("rollout_stage_queue_depth", "Jobs waiting for a stage worker.",
+                                  labels=["stage"])
+        flight = GaugeMetricFamily("rollout_stage_in_flight", "Jobs held by a stage's workers.",
+                                   labels=["stage"])
+        workers = GaugeMetricFamily("rollout_stage_workers", "Configured workers per stage.",
+                                    labels=["stage"])
+        tput = GaugeMetricFamily("rollout_stage_throughput_per_second",
+                                 "Completed stage executions per second, recent window.",
+                                 labels=["stage"])
+        for s in st.stages:
+            depth.add_metric([s.stage.value], s.queue_depth)
+            flight.add_metric([s.stage.value], s.in_flight)
+            workers.add_metric([s.stage.value], s.workers)
+            tput.add_metric([s.stage.value], s.throughput_per_s)
+        jobs = GaugeMetricFamily("rollout_jobs", "Live jobs by state.", labels=["state"])
+        for state in (JobState.QUEUED, JobState.RUNNING):
+            jobs.add_metric([state.value], st.jobs_by_state.get(state, 0))
+        pending = GaugeMetricFamily("rollout_pending_jobs", "Accepted jobs not yet terminal.",
+                                    value=st.pending)
+        sessions = GaugeMetricFamily("rollout_sessions", "Attached client sessions.",
+                                     value=st.sessions)
+        yield from (depth, flight, workers, tput, jobs, pending, sessions)

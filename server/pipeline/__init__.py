@@ -1,0 +1,1 @@
+"""Internals of the scheduler (server/scheduler.py): stage pools, sessions, groups, records."""

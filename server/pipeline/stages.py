@@ -1,0 +1,121 @@
+"""Running one stage of one job, and turning what happened into a typed outcome.
+
+Kept apart from the scheduler's bookkeeping so the rules for "what counts as which failure"
+live in one small place:
+- a stage timeout (the stage's own ``asyncio.timeout`` expired) -> TIMEOUT / ``<STAGE>_TIMEOUT``;
+- ``LLMUnavailable`` -> BACKEND_UNAVAILABLE; ``HandlerError`` -> HANDLER_ERROR with its reason;
+  ``InvalidArgument`` from a handler -> INVALID_TASK; any other exception -> HANDLER_ERROR with
+  the exception type as reason;
+- cancellation is not an outcome here: it propagates to the caller, which knows why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+
+from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from runtime.llm import LLMUnavailable
+from runtime.types import (
+    InvalidArgument,
+    JobError,
+    Reward,
+    Stage,
+    StageTimings,
+    TerminationReason,
+    Trajectory,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StageResult:
+    error: JobError | None = None
+    reward: Reward | None = None
+
+
+def _upper_snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
+                    timeout_s: float) -> StageResult:
+    """Run ``stage`` of the handler under its own timeout. Raises CancelledError if cancelled."""
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            if stage is Stage.INIT:
+                await handler.init(ctx)
+            elif stage is Stage.RUN:
+                outcome = await handler.run(ctx)
+                if not isinstance(outcome, RunOutcome):
+                    raise HandlerError(f"run() returned {type(outcome).__name__}, not RunOutcome",
+                                       "BAD_RUN_OUTCOME")
+                ctx.outcome = outcome
+            else:
+                reward = await handler.eval(ctx)
+                if not isinstance(reward, Reward):
+                    raise HandlerError(f"eval() returned {type(reward).__name__}, not Reward",
+                                       "BAD_REWARD")
+                return StageResult(reward=reward)
+        return StageResult()
+    except TimeoutError as exc:
+        if deadline.expired():
+            return StageResult(JobError(
+                "TIMEOUT", f"{stage.name}_TIMEOUT",
+                f"{stage.value} stage exceeded its {timeout_s:g}s limit", stage))
+        return StageResult(_handler_error(exc, stage))
+    except LLMUnavailable as exc:
+        return StageResult(JobError("BACKEND_UNAVAILABLE", "BACKEND_UNAVAILABLE", str(exc), stage))
+    except HandlerError as exc:
+        return StageResult(JobError("HANDLER_ERROR", exc.reason, str(exc), stage))
+    except InvalidArgument as exc:
+        return StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage))
+    except Exception as exc:
+        return StageResult(_handler_error(exc, stage))
+
+
+def _handler_error(exc: BaseException, stage: Stage) -> JobError:
+    log.warning("%s stage raised %s: %s", stage.value, type(exc).__name__, exc)
+    return JobError("HANDLER_ERROR", _upper_snake(type(exc).__name__),
+                    str(exc) or type(exc).__name__, stage)
+
+
+async def release(handler: AgentHandler, ctx: JobContext, llm_end: object | None,
+                  job_id: str, deadline_s: float) -> None:
+    """Free everything the job holds; each step bounded, none allowed to stop the next."""
+    with contextlib.suppress(Exception, TimeoutError):
+        async with asyncio.timeout(deadline_s):
+            await handler.cleanup(ctx)
+    with contextlib.suppress(Exception, TimeoutError):
+        async with asyncio.timeout(deadline_s):
+            await ctx.resources.aclose()
+    end = getattr(llm_end, "end_session", None)
+    if end is not None:
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(deadline_s):
+                await end(job_id)
+
+
+def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings: StageTimings,
+                     reward: Reward | None, termination: TerminationReason | None) -> Trajectory:
+    """Every terminal job gets a trajectory, so a trainer's accounting is one delivery per job.
+
+    A job that failed or was cancelled carries the turns RUN produced (if RUN finished),
+    reward 0, and ``termination`` saying why it ended.
+    """
+    outcome = ctx.outcome if ctx is not None else None
+    metadata = dict(outcome.metadata) if outcome else {}
+    if reward is not None:
+        metadata.update({f"reward.{k}": v for k, v in reward.info.items()})
+    return Trajectory(
+        job_id=job_id, group_id=group_id, turns=list(outcome.turns) if outcome else [],
+        reward=reward.value if reward else 0.0,
+        reward_components=dict(reward.components) if reward else {},
+        termination=termination or (outcome.termination if outcome
+                                    else TerminationReason.ERROR),
+        timings=timings, metadata=metadata)

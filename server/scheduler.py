@@ -1,0 +1,554 @@
+"""The three-stage scheduler: INIT -> RUN -> EVAL pools over a durable job store.
+
+Public API (what the servicer calls)::
+
+    store = JobStore(state_dir / "jobs.sqlite3"); await store.open()
+    sched = Scheduler(store, registry, llm=pool, sandbox_factory=..., config=PipelineConfig())
+    await sched.start()                      # recovers QUEUED/RUNNING jobs from a previous run
+    results = await sched.submit(specs, client_id)   # list[SubmitResult]; raises Overloaded
+    ids = await sched.cancel(job_id=..., group_id=..., reason="CANCELLED_BY_CLIENT")
+                                             # raises JobNotFound / NotCancellable for a job id
+    rec = await sched.get(job_id)            # JobRecord | None (history=True adds transitions)
+    traj = await sched.get_trajectory(job_id)
+    recs, token = await sched.list(page_size, page_token, state=, group_id=, client_id=)
+    sub = await sched.attach(client_id, acked_through=0, max_unacked=0)
+    async for event in sub: ...              # JobAccepted | StageProgress | TrajectoryReady
+                                             # | JobFinished (server/pipeline/session.py)
+    await sched.ack(client_id, [delivery_id, ...]); await sub.close()
+    sched.status() -> SchedulerStatus; sched.metrics_registry; sched.serve_metrics(port)
+    await sched.stop(grace_s); await store.close()
+
+Decisions:
+- Every terminal job (SUCCEEDED, FAILED, CANCELLED) produces one durable delivery: a
+  TrajectoryReady (failed/cancelled ones with reward 0, the turns RUN produced if it finished,
+  termination ERROR/DEADLINE/CANCELLED) immediately followed by JobFinished with the state and
+  typed error. One delivery per accepted job keeps a trainer's accounting trivial.
+- submit() returns per-job results: one bad job does not reject its batch. The pending cap and the
+  per-client cap reject the whole batch with Overloaded (RESOURCE_EXHAUSTED).
+- cancel() waits (bounded by the cleanup deadline) until the cancelled jobs are terminal and their
+  resources are freed, unless ``wait=False``. Cancelling a group also closes it: later jobs of
+  that group are cancelled at once, like jobs of a group that reached ``finish_after``.
+- ``attempts`` counts INIT starts; a job interrupted (crash, stop) more than ``max_attempts``
+  times fails with INTERNAL / TOO_MANY_ATTEMPTS instead of crash-looping the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from runtime.handler import HandlerRegistry, JobContext
+from runtime.llm import LLMClient
+from runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage, TerminationReason
+from server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from server.metrics import SchedulerMetrics, SchedulerStatus, StageStats, StageStatus
+from server.pipeline.groups import GROUP_FINISHED, Groups
+from server.pipeline.pool import LiveJob, StagePool
+from server.pipeline.records import JobRecord, SubmitResult, record_from_live, record_from_stored
+from server.pipeline.session import (
+    Event,
+    JobAccepted,
+    JobFinished,
+    StageProgress,
+    Subscription,
+    TrajectoryReady,
+)
+from server.pipeline.stages import build_trajectory, release, run_stage
+from server.store import FinishRecord, JobStore, now
+
+__all__ = [
+    "GROUP_FINISHED", "Event", "JobAccepted", "JobFinished", "JobNotFound", "JobRecord",
+    "NotCancellable", "Overloaded", "PipelineConfig", "Scheduler", "StageProgress",
+    "SubmitResult", "Subscription", "TrajectoryReady",
+]
+
+log = logging.getLogger(__name__)
+_STAGES = (Stage.INIT, Stage.RUN, Stage.EVAL)
+
+
+class Overloaded(ResourceExhausted):
+    """Too many unfinished jobs (server-wide or for this client). RESOURCE_EXHAUSTED."""
+
+    default_reason = "SERVER_OVERLOADED"
+
+
+class JobNotFound(NotFound):
+    default_reason = "JOB_NOT_FOUND"
+
+
+class NotCancellable(FailedPrecondition):
+    """The job already reached (or is committing) a terminal state."""
+
+    default_reason = "JOB_ALREADY_FINISHED"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    init_workers: int = 8
+    run_workers: int = 8
+    eval_workers: int = 8
+    stage_queue_size: int = 1024
+    """Jobs that may wait for RUN and for EVAL; a full queue holds the upstream job back."""
+    max_pending_jobs: int = 100_000
+    """Accepted, unfinished jobs server-wide; beyond it submit raises Overloaded."""
+    max_in_flight_per_client: int = 0
+    """Unfinished jobs per client id; 0 = only the server-wide cap applies."""
+    cleanup_deadline_s: float = 30.0
+    """Bound on each of handler.cleanup, resources.aclose and llm.end_session."""
+    max_attempts: int = 3
+    status_window_s: float = 30.0
+
+    def workers(self, stage: Stage) -> int:
+        return {Stage.INIT: self.init_workers, Stage.RUN: self.run_workers,
+                Stage.EVAL: self.eval_workers}[stage]
+
+
+class Scheduler:
+    def __init__(self, store: JobStore, registry: HandlerRegistry, *,
+                 llm: LLMClient | None = None,
+                 sandbox_factory: Callable[..., Awaitable[Any]] | None = None,
+                 config: PipelineConfig | None = None) -> None:
+        self.store = store
+        self.registry = registry
+        self.llm = llm
+        self.sandbox_factory = sandbox_factory
+        self.config = cfg = config or PipelineConfig()
+        self.pools = {
+            Stage.INIT: StagePool(Stage.INIT, cfg.init_workers, cfg.max_pending_jobs + 1,
+                                  self._launch),
+            Stage.RUN: StagePool(Stage.RUN, cfg.run_workers, cfg.stage_queue_size, self._launch),
+            Stage.EVAL: StagePool(Stage.EVAL, cfg.eval_workers, cfg.stage_queue_size,
+                                  self._launch),
+        }
+        for up, down in ((Stage.INIT, Stage.RUN), (Stage.RUN, Stage.EVAL)):
+            self.pools[up].downstream = self.pools[down]
+            self.pools[down].upstream = self.pools[up]
+        self._live: dict[str, LiveJob] = {}
+        self._pending = 0
+        self._per_client: dict[str, int] = {}
+        self._groups = Groups()
+        self._subs: dict[str, Subscription] = {}
+        self._stats = {s: StageStats(window_s=cfg.status_window_s) for s in _STAGES}
+        self._finished_counts: dict[JobState, int] = {}
+        self._started_at = time.monotonic()
+        self._running = False
+        self._stopping = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.metrics = SchedulerMetrics(self.status)
+
+    @property
+    def metrics_registry(self) -> Any:
+        return self.metrics.registry
+
+    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> None:
+        self.metrics.serve(port, addr)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Recover: jobs left QUEUED or RUNNING by a previous process run again from INIT."""
+        self._groups.load_closed(await self.store.closed_groups())
+        stored = await self.store.live_jobs()
+        counts = await self.store.succeeded_counts(sorted({s.group_id for s in stored}))
+        interrupted = [s.job_id for s in stored if s.state is JobState.RUNNING]
+        if interrupted:
+            await self.store.requeue(interrupted, now())
+        self._running = True
+        for s in stored:
+            job = LiveJob(spec=s.spec, client_id=s.client_id, seq=s.seq, created_at=s.created_at,
+                          attempts=s.attempts, updated_at=s.updated_at)
+            self._adopt(job, counts.get(s.group_id, 0))
+            if s.attempts >= self.config.max_attempts:
+                self._finish(job, JobState.FAILED, JobError(
+                    "INTERNAL", "TOO_MANY_ATTEMPTS",
+                    f"interrupted {s.attempts} times; giving up", None), None)
+            elif (reason := self._groups.closed_reason(s.group_id)) is not None:
+                self._cancel(job, reason)
+            else:
+                self.pools[Stage.INIT].push(job)
+        if stored:
+            log.info("recovered %d unfinished jobs (%d interrupted)", len(stored),
+                     len(interrupted))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop starting stages, let running ones finish within ``grace_s``, then cancel them.
+
+        Interrupted jobs are not marked terminal: they stay QUEUED/RUNNING in the store and run
+        again on the next start(). Their resources are released either way.
+        """
+        if self._stopping:
+            return
+        self._stopping = True
+        for pool in self.pools.values():
+            pool.paused = True
+        tasks = [j.task for j in self._live.values() if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for job in list(self._live.values()):
+            if job.task is not None and not job.finishing:
+                job.task.cancel()
+        pending = [j.task for j in self._live.values() if j.task is not None]
+        pending += list(self._tasks)
+        if pending:
+            await asyncio.wait(pending, timeout=self.config.cleanup_deadline_s * 3 + 1)
+        holders = [j for j in self._live.values()
+                   if j.ctx is not None and j.task is None and not j.finishing]
+        await asyncio.gather(*(self._release(j) for j in holders))
+        await self.store.flush()
+        for sub in list(self._subs.values()):
+            sub.close_nowait()
+        self._running = False
+
+    # -- submit ------------------------------------------------------------------------------
+
+    async def submit(self, specs: Sequence[JobSpec], client_id: str) -> list[SubmitResult]:
+        """Validate, commit, then queue. Returns after the accepted jobs are durable."""
+        if not self._running or self._stopping:
+            raise Unavailable("the scheduler is not running", "SHUTTING_DOWN")
+        results: list[SubmitResult | None] = [None] * len(specs)
+        fresh: list[int] = []
+        for i, spec in enumerate(specs):
+            if spec.job_id in self._live:
+                results[i] = SubmitResult(spec.job_id, duplicate=True)
+                self._emit(client_id, JobAccepted(spec.job_id, duplicate=True))
+                continue
+            try:
+                self._validate(spec)
+            except InvalidArgument as exc:
+                results[i] = SubmitResult(spec.job_id, error=exc)
+                continue
+            fresh.append(i)
+        n = len(fresh)
+        cfg = self.config
+        if n and self._pending + n > cfg.max_pending_jobs:
+            raise Overloaded(f"{self._pending} unfinished jobs; the server takes at most "
+                             f"{cfg.max_pending_jobs}. Retry after some finish.")
+        mine = self._per_client.get(client_id, 0)
+        if n and cfg.max_in_flight_per_client and mine + n > cfg.max_in_flight_per_client:
+            raise Overloaded(f"client {client_id!r} has {mine} unfinished jobs; at most "
+                             f"{cfg.max_in_flight_per_client} allowed", "CLIENT_OVERLOADED")
+        # Reserve before awaiting the commit so concurrent submits cannot overshoot the caps.
+        self._pending += n
+        self._per_client[client_id] = mine + n
+        try:
+            seqs = await self.store.insert_jobs([(specs[i], client_id) for i in fresh], now())
+        except BaseException:
+            self._pending -= n
+            self._per_client[client_id] -= n
+            raise
+        created = now()
+        for i, seq in zip(fresh, seqs, strict=True):
+            spec = specs[i]
+            if seq is None:  # lost the race to an earlier submit of the same id
+                self._pending -= 1
+                self._per_client[client_id] -= 1
+                results[i] = SubmitResult(spec.job_id, duplicate=True)
+                self._emit(client_id, JobAccepted(spec.job_id, duplicate=True))
+                continue
+            results[i] = SubmitResult(spec.job_id)
+            job = LiveJob(spec=spec, client_id=client_id, seq=seq, created_at=created,
+                          updated_at=created)
+            self._adopt(job, 0, counted=True)
+            self.metrics.jobs_submitted.inc()
+            self._emit(client_id, JobAccepted(spec.job_id))
+            reason = self._groups.closed_reason(spec.group_id) if spec.group_id else None
+            if reason is not None:
+                self._cancel(job, reason)
+            else:
+                self.pools[Stage.INIT].push(job)
+        return [r for r in results if r is not None]
+
+    def _validate(self, spec: JobSpec) -> None:
+        handler = self.registry.get(spec.environment)  # raises UNKNOWN_ENVIRONMENT
+        spec.sampling.validate()
+        spec.limits.validate()
+        if spec.group is not None:
+            g = spec.group
+            if not g.group_id:
+                raise InvalidArgument("group.group_id must not be empty", "INVALID_GROUP",
+                                      "group.group_id")
+            if g.finish_after < 0 or g.size < 0:
+                raise InvalidArgument("group.size and group.finish_after must be >= 0",
+                                      "INVALID_GROUP", "group.finish_after")
+        handler.validate_task(spec.task)
+
+    def _adopt(self, job: LiveJob, succeeded_before: int, counted: bool = False) -> None:
+        self._live[job.job_id] = job
+        if not counted:
+            self._pending += 1
+            self._per_client[job.client_id] = self._per_client.get(job.client_id, 0) + 1
+        self._groups.add(job, succeeded_before)
+
+    # -- running stages ----------------------------------------------------------------------
+
+    def _launch(self, job: LiveJob, pool: StagePool) -> None:
+        job.task = asyncio.get_running_loop().create_task(self._stage_task(job, pool))
+
+    async def _stage_task(self, job: LiveJob, pool: StagePool) -> None:
+        stage = pool.stage
+        t0 = time.monotonic()
+        waited = t0 - job.enqueued_at
+        setattr(job.timings, f"{stage.value}_queue_s",
+                getattr(job.timings, f"{stage.value}_queue_s") + waited)
+        self.metrics.queue_seconds.labels(stage.value).observe(waited)
+        job.state, job.stage, job.stage_started = JobState.RUNNING, stage, t0
+        job.updated_at = wall = now()
+        if stage is Stage.INIT:
+            job.attempts += 1
+            job.ctx = JobContext(spec=job.spec, llm=self.llm,
+                                 sandbox_factory=self.sandbox_factory,
+                                 progress=lambda ev, d: self._progress(job, ev, d))
+        assert job.ctx is not None
+        job.ctx.stage = stage
+        self.store.record_stage(job.job_id, stage, job.attempts, wall)
+        self._emit(job.client_id, StageProgress(job.job_id, stage, "started"))
+        handler = self.registry.get(job.spec.environment)
+        handed_on = False
+        try:
+            try:
+                result = await run_stage(handler, job.ctx, stage,
+                                         job.spec.limits.timeout(stage))
+            except asyncio.CancelledError:
+                if job.cancel_reason is None:  # the scheduler is stopping: run again later
+                    await self._release(job)
+                    raise
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                self._observe(stage, t0, "cancelled")
+                job.finishing = True
+                await self._release(job)
+                self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+                return
+            ok = result.error is None
+            elapsed = self._observe(stage, t0, "ok" if ok else "error")
+            self._emit(job.client_id, StageProgress(
+                job.job_id, stage, "finished", {"ok": ok}, elapsed))
+            if ok and stage is not Stage.EVAL:
+                job.task = None
+                pool.hand_on(job)
+                handed_on = True
+                return
+            job.finishing = True
+            await self._release(job)
+            if ok:
+                self._finish(job, JobState.SUCCEEDED, None, result.reward)
+            else:
+                self._finish(job, JobState.FAILED, result.error, None)
+        finally:
+            if not handed_on:
+                job.task = None
+                pool.release()
+
+    def _observe(self, stage: Stage, t0: float, outcome: str) -> float:
+        elapsed = time.monotonic() - t0
+        self._stats[stage].observe(elapsed, outcome == "ok")
+        self.metrics.stage_seconds.labels(stage.value, outcome).observe(elapsed)
+        return elapsed
+
+    def _progress(self, job: LiveJob, event: str, detail: Mapping[str, Any]) -> None:
+        if job.stage is None:
+            return
+        self._emit(job.client_id, StageProgress(
+            job.job_id, job.stage, event, dict(detail), time.monotonic() - job.stage_started))
+
+    async def _release(self, job: LiveJob) -> None:
+        if job.ctx is None:
+            return
+        handler = self.registry.get(job.spec.environment)
+        await release(handler, job.ctx, self.llm, job.job_id, self.config.cleanup_deadline_s)
+
+    def _finish(self, job: LiveJob, state: JobState, error: JobError | None,
+                reward: Any) -> None:
+        """Decide the terminal state now; announce it once it is durable."""
+        job.finishing = True
+        job.state, job.error = state, error
+        term = {JobState.SUCCEEDED: None, JobState.CANCELLED: TerminationReason.CANCELLED}.get(
+            state, TerminationReason.DEADLINE if error and error.code == "TIMEOUT"
+            and error.stage is Stage.RUN else TerminationReason.ERROR)
+        traj = build_trajectory(job.ctx, job.job_id, job.spec.group_id, job.timings, reward, term)
+        delivery_id = self.store.next_delivery_id(job.client_id)
+        rec = FinishRecord(job.job_id, job.client_id, state, job.stage, error,
+                           reward.value if reward is not None else None, job.timings, traj,
+                           now())
+        fut = self.store.finish(rec, delivery_id)
+        to_cancel = self._groups.job_ended(job, state is JobState.SUCCEEDED)
+        if to_cancel:
+            self._spawn(self.store.close_group(job.spec.group_id, GROUP_FINISHED, now()))
+            for other in to_cancel:
+                self._cancel(other, GROUP_FINISHED)
+        fut.add_done_callback(lambda f: self._announce(job, rec, delivery_id, traj, f))
+
+    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any,
+                  fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("could not persist the end of job %s: %s", job.job_id, fut.exception())
+        self._live.pop(job.job_id, None)
+        self._pending -= 1
+        left = self._per_client.get(job.client_id, 1) - 1
+        if left:
+            self._per_client[job.client_id] = left
+        else:
+            self._per_client.pop(job.client_id, None)
+        self._finished_counts[rec.state] = self._finished_counts.get(rec.state, 0) + 1
+        self.metrics.jobs_finished.labels(rec.state.value,
+                                          rec.error.code if rec.error else "").inc()
+        sub = self._subs.get(job.client_id)
+        if sub is not None:
+            sub.publish_delivery(
+                TrajectoryReady(delivery_id, job.job_id, traj),
+                JobFinished(job.job_id, rec.state, rec.error, rec.reward, delivery_id))
+        job.ctx = None
+        job.mark_done()
+
+    # -- cancel ------------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str | None = None, group_id: str | None = None,
+                     reason: str = "CANCELLED_BY_CLIENT", *, wait: bool = True) -> list[str]:
+        """Cancel one job and/or a whole group; returns the ids actually cancelled."""
+        jobs: list[LiveJob] = []
+        if job_id:
+            job = self._live.get(job_id)
+            if job is None or job.finishing:
+                if job is None and await self.store.get(job_id) is None:
+                    raise JobNotFound(f"no job with id {job_id!r}")
+                raise NotCancellable(f"job {job_id!r} already finished")
+            jobs.append(job)
+        if group_id:
+            jobs += [j for j in self._groups.close(group_id, reason) if j not in jobs]
+            await self.store.close_group(group_id, reason, now())
+        waits = [j.wait_done() for j in jobs if not j.finishing] if wait else []
+        ids = [j.job_id for j in jobs if self._cancel(j, reason)]
+        if waits:
+            await asyncio.gather(*waits)
+        return ids
+
+    def _cancel(self, job: LiveJob, reason: str) -> bool:
+        if job.finishing or job.cancel_reason is not None:
+            return False
+        job.cancel_reason = reason
+        if job.task is not None:
+            job.task.cancel()  # the stage task releases resources and finishes the job
+        else:
+            if job.pool is not None:
+                job.pool.remove(job)
+            job.finishing = True
+            if job.ctx is None:
+                self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+            else:
+                self._spawn(self._release_then_cancel(job))
+        return True
+
+    async def _release_then_cancel(self, job: LiveJob) -> None:
+        await self._release(job)
+        self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+
+    @staticmethod
+    def _cancel_error(job: LiveJob) -> JobError:
+        reason = job.cancel_reason or "CANCELLED"
+        msg = ("the job's group reached its finish_after count" if reason == GROUP_FINISHED
+               else "the job was cancelled")
+        return JobError("CANCELLED", reason, msg, job.stage)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    async def get(self, job_id: str, *, history: bool = False) -> JobRecord | None:
+        job = self._live.get(job_id)
+        hist = tuple(await self.store.history(job_id)) if history else ()
+        if job is not None:
+            return replace(record_from_live(job), history=hist)
+        stored = await self.store.get(job_id)
+        return replace(record_from_stored(stored), history=hist) if stored else None
+
+    async def get_trajectory(self, job_id: str) -> Any:
+        if job_id in self._live:
+            return None
+        return await self.store.get_trajectory(job_id)
+
+    async def list(self, page_size: int = 100, page_token: str = "", *,
+                   state: JobState | None = None, group_id: str | None = None,
+                   client_id: str | None = None) -> tuple[list[JobRecord], str]:
+        """Jobs in submission order; ``next_page_token`` is "" on the last page."""
+        try:
+            after = int(page_token) if page_token else 0
+        except ValueError:
+            raise InvalidArgument("page_token is not one this server issued",
+                                  "INVALID_PAGE_TOKEN", "page_token") from None
+        size = max(1, min(page_size or 100, 1000))
+        rows = await self.store.list_jobs(after_seq=after, limit=size + 1, state=state,
+                                          group_id=group_id, client_id=client_id)
+        more = len(rows) > size
+        rows = rows[:size]
+        out = []
+        for r in rows:
+            live = self._live.get(r.job_id)
+            out.append(record_from_live(live) if live is not None else record_from_stored(r))
+        return out, (str(rows[-1].seq) if more else "")
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    async def attach(self, client_id: str, acked_through: int = 0, *,
+                     max_unacked: int = 0) -> Subscription:
+        """Subscribe a client: replay its unacknowledged deliveries, then live events."""
+        old = self._subs.get(client_id)
+        if old is not None:
+            old.close_nowait()
+        sub = Subscription(client_id, max_unacked=max_unacked, on_close=self._detached)
+        self._subs[client_id] = sub
+        if acked_through > 0:
+            await self.store.ack(client_id, through=acked_through)
+        stored = await self.store.unacked(client_id)
+        replay = []
+        for d in stored:
+            traj = d.trajectory
+            if traj is None:
+                continue
+            replay.append((TrajectoryReady(d.delivery_id, d.job.job_id, traj, replayed=True),
+                           JobFinished(d.job.job_id, d.job.state, d.job.error, d.job.reward,
+                                       d.delivery_id)))
+        sub.finish_replay(replay, acked_through)
+        return sub
+
+    def _detached(self, sub: Subscription) -> None:
+        if self._subs.get(sub.client_id) is sub:
+            del self._subs[sub.client_id]
+
+    async def ack(self, client_id: str, delivery_ids: Sequence[int] = (),
+                  through: int = 0) -> None:
+        await self.store.ack(client_id, delivery_ids, through)
+        sub = self._subs.get(client_id)
+        if sub is not None:
+            sub.acked(delivery_ids, through)
+
+    def _emit(self, client_id: str, event: Event) -> None:
+        sub = self._subs.get(client_id)
+        if sub is not None:
+            sub.publish(event)
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> SchedulerStatus:
+        stages = []
+        for stage in _STAGES:
+            pool, st = self.pools[stage], self._stats[stage]
+            stages.append(StageStatus(
+                stage=stage, workers=pool.workers, queue_depth=pool.depth, in_flight=pool.busy,
+                completed=st.completed, failed=st.failed, latency_p50_s=st.percentile(0.5),
+                latency_p95_s=st.percentile(0.95), throughput_per_s=st.throughput()))
+        by_state = dict(self._finished_counts)
+        for job in self._live.values():
+            if not job.finishing:
+                by_state[job.state] = by_state.get(job.state, 0) + 1
+        return SchedulerStatus(
+            stages=tuple(stages), jobs_by_state=by_state, pending=self._pending,
+            max_pending=self.config.max_pending_jobs, sessions=len(self._subs),
+            uptime_s=time.monotonic() - self._started_at, window_s=self.config.status_window_s)

@@ -1,0 +1,541 @@
+"""Durable job store: SQLite in WAL mode, one writer thread with group commit.
+
+Why this shape:
+- WAL with ``synchronous=NORMAL`` keeps every committed transaction across a process crash
+  (SIGKILL) without an fsync per commit; only an OS crash can lose the last few commits.
+- Every write goes through ONE writer thread that drains whatever has queued up while the last
+  transaction was committing and applies it all in one transaction (group commit). Throughput
+  then grows with load instead of being capped by one commit per job, and the event loop never
+  blocks on SQLite.
+- Reads use a second connection on a reader thread; WAL lets them run beside the writer.
+- Writes keep their submission order (one FIFO), so "stage started" can never overtake
+  "job finished" for the same job. Callers that need durability (submit, a finished job's
+  delivery, acks) await the returned future; progress bookkeeping is fire-and-forget.
+- Delivery ids are assigned here, on the event loop, monotonically per client; a delivery is only
+  announced to its client after its transaction committed, so an id a client has seen is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from runtime.types import (
+    JobError,
+    JobSpec,
+    JobState,
+    Stage,
+    StageTimings,
+    Trajectory,
+)
+from server.convert import (
+    spec_from_bytes,
+    spec_to_bytes,
+    trajectory_from_bytes,
+    trajectory_to_bytes,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id      TEXT NOT NULL UNIQUE,
+    client_id   TEXT NOT NULL,
+    group_id    TEXT NOT NULL DEFAULT '',
+    state       TEXT NOT NULL,
+    stage       TEXT,
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    priority    INTEGER NOT NULL DEFAULT 0,
+    spec        BLOB NOT NULL,
+    error       TEXT,
+    reward      REAL,
+    timings     TEXT,
+    trajectory  BLOB,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_by_group ON jobs (group_id, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_client ON jobs (client_id, seq);
+CREATE TABLE IF NOT EXISTS transitions (
+    job_id  TEXT NOT NULL,
+    at      REAL NOT NULL,
+    state   TEXT NOT NULL,
+    stage   TEXT
+);
+CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
+CREATE TABLE IF NOT EXISTS deliveries (
+    client_id   TEXT NOT NULL,
+    delivery_id INTEGER NOT NULL,
+    job_id      TEXT NOT NULL,
+    acked       INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (client_id, delivery_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS closed_groups (
+    group_id TEXT PRIMARY KEY,
+    reason   TEXT NOT NULL,
+    at       REAL NOT NULL
+);
+"""
+
+_LIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One entry of a job's history: it entered ``state`` (and ``stage``) at ``at``."""
+
+    at: float
+    state: JobState
+    stage: Stage | None
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """A job row as read back from the store."""
+
+    seq: int
+    job_id: str
+    client_id: str
+    group_id: str
+    state: JobState
+    stage: Stage | None
+    attempts: int
+    priority: int
+    spec: JobSpec
+    error: JobError | None
+    reward: float | None
+    timings: StageTimings
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StoredDelivery:
+    """An unacknowledged delivery: the finished job's row plus its trajectory."""
+
+    delivery_id: int
+    job: StoredJob
+    trajectory: Trajectory | None
+
+
+@dataclass(frozen=True)
+class FinishRecord:
+    """Everything written when a job reaches a terminal state, in one statement group."""
+
+    job_id: str
+    client_id: str
+    state: JobState
+    stage: Stage | None
+    error: JobError | None
+    reward: float | None
+    timings: StageTimings
+    trajectory: Trajectory | None
+    at: float
+
+
+class StoreClosed(RuntimeError):
+    """The store was closed while an operation was pending."""
+
+
+def error_to_json(err: JobError | None) -> str | None:
+    if err is None:
+        return None
+    return json.dumps({"code": err.code, "reason": err.reason, "message": err.message,
+                       "stage": err.stage.value if err.stage else None})
+
+
+def error_from_json(text: str | None) -> JobError | None:
+    if not text:
+        return None
+    d = json.loads(text)
+    return JobError(d["code"], d["reason"], d["message"], Stage(d["stage"]) if d["stage"] else None)
+
+
+_Op = Callable[[sqlite3.Connection], Any]
+
+
+class _Writer(threading.Thread):
+    """The single writer: applies queued ops in batches, one transaction per batch."""
+
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
+        super().__init__(name="jobstore-writer", daemon=True)
+        self._path = path
+        self._loop = loop
+        self._max_batch = max_batch
+        self.queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any] | None] | None] = (
+            queue.SimpleQueue())
+        self.ready = threading.Event()
+        self.startup_error: BaseException | None = None
+        self.batches = 0
+        self.ops = 0
+
+    def run(self) -> None:
+        try:
+            conn = _connect(self._path)
+            conn.executescript(_SCHEMA)
+        except BaseException as exc:  # reported to open()
+            self.startup_error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        stop = False
+        while not stop:
+            item = self.queue.get()
+            batch = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= self._max_batch:
+                    break
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                stop = True
+            if batch:
+                self._apply(conn, batch)
+        conn.close()
+
+    def _apply(self, conn: sqlite3.Connection,
+               batch: list[tuple[_Op, asyncio.Future[Any] | None]]) -> None:
+        results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN")
+            for op, fut in batch:
+                try:
+                    results.append((fut, op(conn), None))
+                except Exception as exc:  # one bad op must not sink the batch
+                    log.exception("job store write failed")
+                    results.append((fut, None, exc))
+            conn.execute("COMMIT")
+        except Exception as exc:
+            log.exception("job store commit failed")
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            results = [(fut, None, exc) for _, fut in batch]
+        self.batches += 1
+        self.ops += len(batch)
+        if any(fut is not None for fut, _, _ in results):
+            try:
+                self._loop.call_soon_threadsafe(_resolve, results)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+
+def _resolve(results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
+    for fut, value, exc in results:
+        if fut is None or fut.done():
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=OFF")
+    return conn
+
+
+class JobStore:
+    """Jobs, their transitions, and per-client deliveries of finished trajectories."""
+
+    def __init__(self, path: str | Path, *, max_batch: int = 2048) -> None:
+        self.path = str(path)
+        self._max_batch = max_batch
+        self._writer: _Writer | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._reader_local = threading.local()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_delivery: dict[str, int] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._loop = asyncio.get_running_loop()
+        self._writer = _Writer(self.path, self._loop, self._max_batch)
+        self._writer.start()
+        await asyncio.to_thread(self._writer.ready.wait)
+        if self._writer.startup_error is not None:
+            raise self._writer.startup_error
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="jobstore-reader")
+        rows = await self._read(lambda c: c.execute(
+            "SELECT client_id, MAX(delivery_id) FROM deliveries GROUP BY client_id").fetchall())
+        self._next_delivery = {cid: int(mx) + 1 for cid, mx in rows}
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.queue.put(None)
+            await asyncio.to_thread(self._writer.join)
+            self._writer = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+    @property
+    def write_stats(self) -> tuple[int, int]:
+        """(transactions, ops) committed so far; ops/transactions is the group-commit factor."""
+        w = self._writer
+        return (w.batches, w.ops) if w else (0, 0)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _write(self, op: _Op, wait: bool) -> asyncio.Future[Any] | None:
+        if self._writer is None or self._loop is None:
+            raise StoreClosed("job store is not open")
+        fut = self._loop.create_future() if wait else None
+        self._writer.queue.put((op, fut))
+        return fut
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._reader is None:
+            raise StoreClosed("job store is not open")
+
+        def call() -> T:
+            conn = getattr(self._reader_local, "conn", None)
+            if conn is None:
+                conn = self._reader_local.conn = _connect(self.path)
+            return fn(conn)
+
+        return await asyncio.get_running_loop().run_in_executor(self._reader, call)
+
+    async def flush(self) -> None:
+        """Wait until every write queued before this call is committed."""
+        fut = self._write(lambda c: None, wait=True)
+        assert fut is not None
+        await fut
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def insert_jobs(self, jobs: Sequence[tuple[JobSpec, str]],
+                          now: float) -> list[int | None]:
+        """Insert (spec, client_id) pairs; returns, per job, its ``seq`` (submission order) or
+        None when the id already existed.
+
+        Duplicates are detected by the UNIQUE constraint inside the writer, so two concurrent
+        submits of one id can never both win.
+        """
+        rows = [(s.job_id, cid, s.group_id, JobState.QUEUED.value, s.priority, s, now)
+                for s, cid in jobs]
+
+        def op(c: sqlite3.Connection) -> list[int | None]:
+            out: list[int | None] = []
+            for job_id, cid, gid, state, prio, spec, ts in rows:
+                cur = c.execute(
+                    "INSERT OR IGNORE INTO jobs (job_id, client_id, group_id, state, priority,"
+                    " spec, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?)",
+                    (job_id, cid, gid, state, prio, spec_to_bytes(spec), ts, ts))
+                if cur.rowcount == 1:
+                    c.execute("INSERT INTO transitions VALUES (?,?,?,NULL)", (job_id, ts, state))
+                    out.append(cur.lastrowid)
+                else:
+                    out.append(None)
+            return out
+
+        fut = self._write(op, wait=True)
+        assert fut is not None
+        return list(await fut)
+
+    def record_stage(self, job_id: str, stage: Stage, attempts: int, at: float) -> None:
+        """The job entered ``stage`` (fire-and-forget; ordering is kept by the writer queue)."""
+        running = JobState.RUNNING.value
+
+        def op(c: sqlite3.Connection) -> None:
+            c.execute("UPDATE jobs SET state=?, stage=?, attempts=?, updated_at=? WHERE job_id=?",
+                      (running, stage.value, attempts, at, job_id))
+            c.execute("INSERT INTO transitions VALUES (?,?,?,?)",
+                      (job_id, at, running, stage.value))
+
+        self._write(op, wait=False)
+
+    def requeue(self, job_ids: Iterable[str], at: float) -> asyncio.Future[Any]:
+        """Mark interrupted jobs QUEUED again (recovery after a crash or a stop)."""
+        ids = list(job_ids)
+        queued = JobState.QUEUED.value
+
+        def op(c: sqlite3.Connection) -> None:
+            c.executemany("UPDATE jobs SET state=?, stage=NULL, updated_at=? WHERE job_id=?",
+                          [(queued, at, j) for j in ids])
+            c.executemany("INSERT INTO transitions VALUES (?,?,?,NULL)",
+                          [(j, at, queued) for j in ids])
+
+        fut = self._write(op, wait=True)
+        assert fut is not None
+        return fut
+
+    def next_delivery_id(self, client_id: str) -> int:
+        n = self._next_delivery.get(client_id, 1)
+        self._next_delivery[client_id] = n + 1
+        return n
+
+    def finish(self, rec: FinishRecord, delivery_id: int | None) -> asyncio.Future[Any]:
+        """Write the terminal state, the trajectory and (if given) its delivery, atomically.
+
+        The trajectory is encoded in the writer thread, off the event loop.
+        """
+        timings = json.dumps(asdict(rec.timings))
+        err = error_to_json(rec.error)
+
+        def op(c: sqlite3.Connection) -> None:
+            blob = trajectory_to_bytes(rec.trajectory) if rec.trajectory is not None else None
+            c.execute(
+                "UPDATE jobs SET state=?, stage=?, error=?, reward=?, timings=?, trajectory=?,"
+                " updated_at=? WHERE job_id=?",
+                (rec.state.value, rec.stage.value if rec.stage else None, err, rec.reward,
+                 timings, blob, rec.at, rec.job_id))
+            c.execute("INSERT INTO transitions VALUES (?,?,?,?)",
+                      (rec.job_id, rec.at, rec.state.value,
+                       rec.stage.value if rec.stage else None))
+            if delivery_id is not None:
+                c.execute("INSERT OR REPLACE INTO deliveries VALUES (?,?,?,0)",
+                          (rec.client_id, delivery_id, rec.job_id))
+
+        fut = self._write(op, wait=True)
+        assert fut is not None
+        return fut
+
+    async def ack(self, client_id: str, delivery_ids: Sequence[int] = (),
+                  through: int = 0) -> None:
+        """Mark deliveries acknowledged: the listed ids, and every id <= ``through``."""
+        ids = list(delivery_ids)
+
+        def op(c: sqlite3.Connection) -> None:
+            if through > 0:
+                c.execute("UPDATE deliveries SET acked=1 WHERE client_id=? AND delivery_id<=?"
+                          " AND acked=0", (client_id, through))
+            if ids:
+                c.executemany("UPDATE deliveries SET acked=1 WHERE client_id=? AND delivery_id=?",
+                              [(client_id, i) for i in ids])
+
+        fut = self._write(op, wait=True)
+        assert fut is not None
+        await fut
+
+    async def close_group(self, group_id: str, reason: str, at: float) -> None:
+        fut = self._write(lambda c: c.execute(
+            "INSERT OR IGNORE INTO closed_groups VALUES (?,?,?)", (group_id, reason, at)), True)
+        assert fut is not None
+        await fut
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> StoredJob | None:
+        row = await self._read(lambda c: c.execute(
+            f"SELECT {_COLS} FROM jobs WHERE job_id=?", (job_id,)).fetchone())
+        return _row_to_job(row) if row else None
+
+    async def history(self, job_id: str) -> list[Transition]:
+        rows = await self._read(lambda c: c.execute(
+            "SELECT at, state, stage FROM transitions WHERE job_id=? ORDER BY rowid",
+            (job_id,)).fetchall())
+        return [Transition(at, JobState(st), Stage(sg) if sg else None) for at, st, sg in rows]
+
+    async def get_trajectory(self, job_id: str) -> Trajectory | None:
+        """The stored trajectory of a finished job (decoded on the reader thread)."""
+        def q(c: sqlite3.Connection) -> Trajectory | None:
+            row = c.execute("SELECT trajectory FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            return trajectory_from_bytes(row[0]) if row and row[0] is not None else None
+        return await self._read(q)
+
+    async def list_jobs(self, *, after_seq: int, limit: int, state: JobState | None = None,
+                        group_id: str | None = None,
+                        client_id: str | None = None) -> list[StoredJob]:
+        """Jobs in submission order (``seq``), starting after ``after_seq``."""
+        where, args = ["seq > ?"], [after_seq]
+        if state is not None:
+            where.append("state = ?")
+            args.append(state.value)
+        if group_id is not None:
+            where.append("group_id = ?")
+            args.append(group_id)
+        if client_id is not None:
+            where.append("client_id = ?")
+            args.append(client_id)
+        sql = f"SELECT {_COLS} FROM jobs WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
+        rows = await self._read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        return [_row_to_job(r) for r in rows]
+
+    async def live_jobs(self) -> list[StoredJob]:
+        """Jobs that were QUEUED or RUNNING when the last process stopped, in submit order."""
+        rows = await self._read(lambda c: c.execute(
+            f"SELECT {_COLS} FROM jobs WHERE state IN (?,?) ORDER BY seq", _LIVE).fetchall())
+        return [_row_to_job(r) for r in rows]
+
+    async def unacked(self, client_id: str) -> list[StoredDelivery]:
+        cols = ", ".join(f"j.{c.strip()}" for c in _COLS.split(","))
+
+        def q(c: sqlite3.Connection) -> list[StoredDelivery]:
+            rows = c.execute(
+                f"SELECT d.delivery_id, j.trajectory, {cols} FROM deliveries d"
+                " JOIN jobs j ON j.job_id = d.job_id"
+                " WHERE d.client_id=? AND d.acked=0 ORDER BY d.delivery_id",
+                (client_id,)).fetchall()
+            return [StoredDelivery(r[0], _row_to_job(r[2:]),
+                                   trajectory_from_bytes(r[1]) if r[1] is not None else None)
+                    for r in rows]
+
+        return await self._read(q)
+
+    async def closed_groups(self) -> dict[str, str]:
+        rows = await self._read(lambda c: c.execute(
+            "SELECT group_id, reason FROM closed_groups").fetchall())
+        return dict(rows)
+
+    async def succeeded_counts(self, group_ids: Sequence[str]) -> dict[str, int]:
+        ids = [g for g in group_ids if g]
+        if not ids:
+            return {}
+
+        def q(c: sqlite3.Connection) -> list[Any]:
+            out = []
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                out += c.execute(
+                    f"SELECT group_id, COUNT(*) FROM jobs WHERE state=? AND group_id IN"
+                    f" ({','.join('?' * len(chunk))}) GROUP BY group_id",
+                    (JobState.SUCCEEDED.value, *chunk)).fetchall()
+            return out
+
+        return dict(await self._read(q))
+
+    async def count_by_state(self) -> dict[JobState, int]:
+        rows = await self._read(lambda c: c.execute(
+            "SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
+        return {JobState(s): n for s, n in rows}
+
+
+_COLS = ("seq, job_id, client_id, group_id, state, stage, attempts, priority, spec, error,"
+         " reward, timings, created_at, updated_at")
+
+
+def _row_to_job(r: Sequence[Any]) -> StoredJob:
+    timings = StageTimings(**json.loads(r[11])) if r[11] else StageTimings()
+    return StoredJob(
+        seq=r[0], job_id=r[1], client_id=r[2], group_id=r[3], state=JobState(r[4]),
+        stage=Stage(r[5]) if r[5] else None, attempts=r[6], priority=r[7],
+        spec=spec_from_bytes(r[8]), error=error_from_json(r[9]), reward=r[10],
+        timings=timings, created_at=r[12], updated_at=r[13])
+
+
+def now() -> float:
+    """Wall-clock seconds; stored timestamps are wall time so they survive restarts."""
+    return time.time()
