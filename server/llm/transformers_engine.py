@@ -104,6 +104,8 @@ class TransformersEngine(Engine):
         self.eos_ids = frozenset(self._eos_ids())
         self.kv_store = KVStore(kv_cache_budget_bytes)
         self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
+        self.decode_steps = 0
+        self.max_batch_seen = 0
         self._version = policy_version
         self._executor = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-worker")
         self._pending: collections.deque[_Seq] = collections.deque()
@@ -194,6 +196,23 @@ class TransformersEngine(Engine):
                 self._paused = False
                 assert self._wakeup is not None
                 self._wakeup.set()
+
+    async def pause(self, wait: bool = True) -> None:
+        """Stop admitting turns (vLLM's ``/pause``); with ``wait``, return once none is running."""
+        self._ensure_started()
+        self._paused = True
+        if wait:
+            assert self._idle is not None
+            await self._idle.wait()
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     async def close(self) -> None:
         self._closed = True
@@ -316,6 +335,8 @@ class TransformersEngine(Engine):
         out = self.model(input_ids=last, position_ids=positions, attention_mask=mask,
                          past_key_values=batch.cache, use_cache=True)
         batch.width += 1
+        self.decode_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch.seqs))
         return out.logits[:, -1, :]
 
     def _append(self, seq: _Seq, token: int, logprob: float) -> None:

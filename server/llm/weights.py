@@ -39,12 +39,16 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 def load_state_dict_into(model: Any, source: Mapping[str, torch.Tensor] | Path) -> None:
     """Load ``source`` into ``model``; refuse a checkpoint of a different architecture."""
     state = dict(source) if isinstance(source, Mapping) else read_checkpoint(source)
-    with torch.no_grad():
-        missing, unexpected = model.load_state_dict(state, strict=False)
+    expected = model.state_dict()
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    really_missing = [k for k in missing if k not in tied]
-    if unexpected or really_missing:
-        raise ValueError(f"checkpoint does not match the model: missing={really_missing[:5]} "
-                         f"unexpected={list(unexpected)[:5]}")
+    missing = [k for k in expected if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [k for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    # Check everything before copying anything: a half-loaded model would serve garbage.
+    if missing or unexpected or wrong:
+        raise ValueError(f"checkpoint does not match the model: missing={missing[:5]} "
+                         f"unexpected={unexpected[:5]} wrong_shape={wrong[:5]}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()

@@ -1,0 +1,210 @@
+"""A vLLM server (or ``rollout llm-serve``) over HTTP, token IDs in and token IDs out.
+
+Two request shapes, both from vLLM's OpenAI-compatible server (checked against vLLM's docs and
+source, ``vllm/entrypoints/serve/disagg/{protocol,serving}.py`` and the completions protocol):
+
+``protocol="generate"`` (default; vLLM >= 0.11, the "tokens in <> tokens out" route)
+    ``POST /inference/v1/generate`` with ``{"model", "token_ids": [...], "stream": false,
+    "sampling_params": {"max_tokens", "temperature", "top_p", "top_k", "seed",
+    "stop_token_ids", "logprobs": 0, "detokenize": false, "skip_special_tokens": false}}``.
+    Reply: ``choices[0].token_ids``, ``choices[0].finish_reason`` and, because ``logprobs`` is
+    set, ``choices[0].logprobs.content[i].logprob`` (chat-style logprobs, one per token).
+``protocol="completions"`` (older vLLM, >= 0.6)
+    ``POST /v1/completions`` with ``prompt`` as a list of token ids, ``logprobs: 0``,
+    ``return_tokens_as_token_ids: true`` (vLLM extension: tokens come back as ``token_id:<n>``),
+    ``return_token_ids: true`` (vLLM >= 0.10.2 adds ``choices[0].token_ids``) and
+    ``skip_special_tokens: false``. Reply: ``choices[0].logprobs.tokens`` /
+    ``token_logprobs``; ``token_ids`` is used when present.
+
+``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). vLLM V1 returns raw
+model logprobs by default, like the in-process engine. ``top_k`` is sent as ``-1`` when disabled
+(older vLLM rejects 0; newer accepts both). A turn's session id travels in the
+``X-Rollout-Session`` header, which vLLM ignores and ``rollout llm-serve`` uses for its sticky KV.
+
+Weight coordination: :meth:`pause` / :meth:`resume` call vLLM's ``POST /pause?mode=wait`` and
+``POST /resume`` (vLLM's async-RL API; ``mode`` replaced the older
+``wait_for_inflight_requests`` query in later versions, so both are sent); :meth:`sleep` /
+:meth:`wake_up` call ``POST /sleep?level=1`` / ``POST /wake_up`` (vLLM sleep mode, needs
+``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``). :meth:`update_weights` pauses, asks the
+server to load a checkpoint directory through ``POST /update_weights`` (a ``rollout llm-serve``
+extension; with vLLM, push weights out of band and call :meth:`set_policy_version`), and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any
+
+import aiohttp
+
+from runtime.llm import GenerateRequest, GenerateResult
+from runtime.types import InvalidArgument
+from server.llm.engine import Engine, EngineError
+
+SESSION_HEADER = "X-Rollout-Session"
+_ids = itertools.count()
+
+
+class HttpEngine(Engine):
+    """Client of one OpenAI-compatible vLLM (or ``rollout llm-serve``) server."""
+
+    def __init__(self, url: str, model: str, *, name: str | None = None,
+                 protocol: str = "generate", tokenizer: Any = None, policy_version: int = 0,
+                 request_timeout_s: float = 600.0, health_timeout_s: float = 5.0) -> None:
+        if protocol not in ("generate", "completions"):
+            raise ValueError(f"protocol must be 'generate' or 'completions', got {protocol!r}")
+        self.url = url.rstrip("/")
+        self.model = model
+        self.name = name or self.url
+        self.protocol = protocol
+        self._tokenizer = tokenizer
+        self._version = policy_version
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def set_policy_version(self, version: int) -> None:
+        """Weights were pushed to the server out of band; label its turns ``version`` now."""
+        self._version = version
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    # ----------------------------------------------------------------- generate
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        request.sampling.validate()
+        if request.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {request.max_tokens}",
+                                  "INVALID_SAMPLING_PARAMS", "max_tokens")
+        path, body = self._body(request)
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.setdefault(request.session_id, set()).add(task)
+        try:
+            data = await self._post_json(path, body, {SESSION_HEADER: request.session_id})
+        finally:
+            if task is not None:
+                self._inflight.get(request.session_id, set()).discard(task)
+        return self._parse(data)
+
+    def _body(self, request: GenerateRequest) -> tuple[str, dict[str, Any]]:
+        s = request.sampling
+        seed = request.seed if request.seed is not None else s.seed
+        params: dict[str, Any] = {
+            "max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1, "stop_token_ids": list(s.stop_token_ids),
+            "logprobs": 0, "skip_special_tokens": False,
+        }
+        if seed is not None:
+            params["seed"] = seed
+        if s.stop:
+            params["stop"] = list(s.stop)
+            params["include_stop_str_in_output"] = True
+        prompt = [int(t) for t in request.prompt_ids]
+        if self.protocol == "generate":
+            params["detokenize"] = bool(s.stop)  # stop strings need text; token ids never do
+            return "/inference/v1/generate", {
+                "model": self.model, "token_ids": prompt, "sampling_params": params,
+                "stream": False, "request_id": f"{request.session_id}-{next(_ids)}"}
+        return "/v1/completions", {"model": self.model, "prompt": prompt, **params,
+                                   "return_tokens_as_token_ids": True, "return_token_ids": True}
+
+    def _parse(self, data: dict[str, Any]) -> GenerateResult:
+        try:
+            choice = data["choices"][0]
+            finish = choice.get("finish_reason") or "stop"
+            logprobs = choice.get("logprobs") or {}
+            if self.protocol == "generate":
+                ids = [int(t) for t in choice["token_ids"]]
+                values = [float(c["logprob"]) for c in logprobs.get("content") or []]
+            else:
+                tokens = logprobs.get("tokens") or []
+                ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") \
+                    is not None else [int(t.removeprefix("token_id:")) for t in tokens]
+                values = [float(v) for v in logprobs.get("token_logprobs") or []]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.name}: malformed reply ({exc!r})") from exc
+        if len(values) != len(ids):
+            raise EngineError(f"{self.name}: {len(ids)} tokens but {len(values)} logprobs")
+        version = int(data.get("policy_version", self._version))
+        return GenerateResult(ids, values, finish if finish in ("stop", "length") else "abort",
+                              version, self.name)
+
+    async def _post_json(self, path: str, body: dict[str, Any] | None,
+                         headers: dict[str, str] | None = None) -> dict[str, Any]:
+        try:
+            async with self._http().post(self.url + path, json=body, headers=headers,
+                                         timeout=self._timeout) as response:
+                if response.status == 400:
+                    raise InvalidArgument(f"{self.name} rejected the request: "
+                                          f"{(await response.text())[:500]}",
+                                          "BACKEND_REJECTED_REQUEST")
+                if response.status >= 300:
+                    raise EngineError(f"{self.name}: HTTP {response.status} on {path}: "
+                                      f"{(await response.text())[:500]}")
+                return dict(await response.json(content_type=None) or {})
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EngineError(f"{self.name}: {path} failed: {exc!r}") from exc
+
+    # ----------------------------------------------------------------- control
+    async def abort(self, session_id: str) -> None:
+        """vLLM aborts a request whose client disconnects, so cancelling the call is the abort."""
+        for task in list(self._inflight.get(session_id, ())):
+            task.cancel()
+
+    async def release_session(self, session_id: str) -> None:
+        self._inflight.pop(session_id, None)
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(self.url + "/health",
+                                        timeout=self._health_timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def pause(self) -> None:
+        """Stop scheduling; in-flight requests finish first (vLLM ``mode=wait``)."""
+        await self._post_json("/pause?mode=wait&wait_for_inflight_requests=true", None)
+
+    async def resume(self) -> None:
+        await self._post_json("/resume", None)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._post_json(f"/sleep?level={level}", None)
+
+    async def wake_up(self) -> None:
+        await self._post_json("/wake_up", None)
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """Pause (in-flight turns finish on the old weights), load ``source``, resume."""
+        if not isinstance(source, (str, bytes)) and not hasattr(source, "__fspath__"):
+            raise NotImplementedError(f"{self.name}: an HTTP backend loads weights from a "
+                                      "checkpoint path on the server's filesystem")
+        await self.pause()
+        try:
+            await self._post_json("/update_weights", {"path": str(source), "version": version})
+            self._version = version
+        finally:
+            await self.resume()
+
+    async def close(self) -> None:
+        for tasks in self._inflight.values():
+            for task in tasks:
+                task.cancel()
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.close()

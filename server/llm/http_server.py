@@ -1,0 +1,239 @@
+"""``rollout llm-serve``: the in-process engine behind the subset of vLLM's HTTP API we use.
+
+It makes the vLLM path (:class:`~server.llm.http_engine.HttpEngine`, the pool, weight
+coordination) run end to end on a machine with no GPU and no vLLM. Routes, with vLLM's shapes:
+
+- ``POST /inference/v1/generate`` — tokens in, ``choices[0].token_ids`` + chat-style logprobs out.
+- ``POST /v1/completions`` — ``prompt`` as token ids (or text, tokenized here);
+  ``return_tokens_as_token_ids`` / ``return_token_ids`` honoured.
+- ``GET /health``, ``GET /v1/models``, ``POST /pause``, ``POST /resume``, ``GET /is_paused``.
+- Extensions (not in vLLM): ``POST /update_weights`` ``{"path", "version"}`` hot-swaps a
+  checkpoint; every reply carries ``policy_version``; the ``X-Rollout-Session`` header names the
+  trajectory so its KV cache is kept between turns (vLLM uses prefix caching instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from runtime.llm import GenerateRequest
+from runtime.types import InvalidArgument, SamplingParams
+from server.llm.engine import EngineError
+from server.llm.http_engine import SESSION_HEADER
+from server.llm.transformers_engine import TransformersEngine
+
+log = logging.getLogger(__name__)
+ENGINE_KEY = web.AppKey("engine", TransformersEngine)
+MODEL_KEY = web.AppKey("model_name", str)
+
+
+def build_app(engine: TransformersEngine, model_name: str) -> web.Application:
+    app = web.Application(client_max_size=64 * 2**20)
+    app[ENGINE_KEY] = engine
+    app[MODEL_KEY] = model_name
+    app.add_routes([
+        web.get("/health", _health), web.get("/v1/models", _models),
+        web.post("/inference/v1/generate", _generate), web.post("/v1/completions", _completions),
+        web.post("/pause", _pause), web.post("/resume", _resume), web.get("/is_paused", _is_paused),
+        web.post("/update_weights", _update_weights),
+    ])
+    return app
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
+                             status=status)
+
+
+async def _health(request: web.Request) -> web.Response:
+    ok = await request.app[ENGINE_KEY].health()
+    return web.Response(status=200 if ok else 503)
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": request.app[MODEL_KEY], "object": "model", "owned_by": "rollout",
+        "max_model_len": engine.max_context}]})
+
+
+def _sampling(params: dict[str, Any]) -> tuple[SamplingParams, int, int | None]:
+    try:
+        top_k = int(params.get("top_k", 0) or 0)
+        sampling = SamplingParams(
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=0 if top_k == -1 else top_k,
+            stop=tuple(params.get("stop") or ()) if not isinstance(params.get("stop"), str)
+            else (params["stop"],),
+            stop_token_ids=tuple(int(t) for t in params.get("stop_token_ids") or ()),
+        )
+        max_tokens = int(params.get("max_tokens", 16))
+        seed = params.get("seed")
+        return sampling, max_tokens, None if seed is None else int(seed)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad sampling parameter: {exc}") from exc
+
+
+async def _run(request: web.Request, prompt: list[int],
+               params: dict[str, Any]) -> tuple[Any, web.Response | None]:
+    engine = request.app[ENGINE_KEY]
+    try:
+        sampling, max_tokens, seed = _sampling(params)
+        session = request.headers.get(SESSION_HEADER) or f"anon-{uuid.uuid4().hex}"
+        result = await engine.generate(GenerateRequest(prompt, sampling, max_tokens, session,
+                                                       seed=seed))
+        if not request.headers.get(SESSION_HEADER):
+            await engine.release_session(session)
+        return result, None
+    except InvalidArgument as exc:
+        return None, _error(400, str(exc))
+    except EngineError as exc:
+        return None, _error(500, str(exc), "InternalServerError")
+
+
+async def _generate(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if body is None or not isinstance(body.get("token_ids"), list):
+        return _error(400, "body must be a JSON object with token_ids (a list of ints)")
+    params = body.get("sampling_params") or {}
+    result, error = await _run(request, [int(t) for t in body["token_ids"]], params)
+    if error is not None:
+        return error
+    content = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+               for t, lp in zip(result.output_ids, result.logprobs, strict=True)]
+    return web.json_response({
+        "request_id": body.get("request_id") or uuid.uuid4().hex,
+        "choices": [{"index": 0, "token_ids": result.output_ids,
+                     "finish_reason": result.finish_reason,
+                     "logprobs": {"content": content} if params.get("logprobs") is not None
+                     else None}],
+        "policy_version": result.policy_version,
+    })
+
+
+async def _completions(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if body is None or "prompt" not in body:
+        return _error(400, "body must be a JSON object with a prompt")
+    prompt = body["prompt"]
+    engine = request.app[ENGINE_KEY]
+    if isinstance(prompt, str):
+        prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        return _error(400, "prompt must be a string or a list of token ids")
+    result, error = await _run(request, prompt, body)
+    if error is not None:
+        return error
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    tokens = [f"token_id:{t}" if as_ids else engine.tokenizer.decode([t])
+              for t in result.output_ids]
+    choice: dict[str, Any] = {
+        "index": 0, "text": engine.tokenizer.decode(result.output_ids),
+        "finish_reason": result.finish_reason,
+        "logprobs": {"tokens": tokens, "token_logprobs": result.logprobs,
+                     "top_logprobs": None, "text_offset": []}
+        if body.get("logprobs") is not None else None}
+    if body.get("return_token_ids"):
+        choice["token_ids"] = result.output_ids
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        "created": int(time.time()), "model": request.app[MODEL_KEY], "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(result.output_ids),
+                  "total_tokens": len(prompt) + len(result.output_ids)},
+        "policy_version": result.policy_version,
+    })
+
+
+async def _pause(request: web.Request) -> web.Response:
+    mode = request.query.get("mode", "wait")
+    wait = mode == "wait" or request.query.get("wait_for_inflight_requests") == "true"
+    await request.app[ENGINE_KEY].pause(wait=wait)
+    return web.json_response({"status": "paused"})
+
+
+async def _resume(request: web.Request) -> web.Response:
+    await request.app[ENGINE_KEY].resume()
+    return web.json_response({"status": "resumed"})
+
+
+async def _is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[ENGINE_KEY].paused})
+
+
+async def _update_weights(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if body is None or not isinstance(body.get("path"), str) or \
+            not isinstance(body.get("version"), int):
+        return _error(400, "body must be {\"path\": str, \"version\": int}")
+    engine = request.app[ENGINE_KEY]
+    try:
+        await engine.update_weights(body["path"], body["version"])
+    except (OSError, ValueError) as exc:
+        return _error(400, f"cannot load {body['path']}: {exc}")
+    return web.json_response({"policy_version": engine.policy_version})
+
+
+async def _json(request: web.Request) -> dict[str, Any] | None:
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+async def serve(engine: TransformersEngine, host: str, port: int, model_name: str,
+                ready: asyncio.Future[int] | None = None) -> None:
+    """Serve until cancelled; ``ready`` receives the bound port (useful with port 0)."""
+    runner = web.AppRunner(build_app(engine, model_name), access_log=None,
+                           handler_cancellation=True)  # a disconnect aborts the turn
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    log.info("llm-serve listening on http://%s:%d (model %s)", host, bound, model_name)
+    print(f"llm-serve listening on http://{host}:{bound}", flush=True)
+    if ready is not None and not ready.done():
+        ready.set_result(bound)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout llm-serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if args.model is None:
+        from server.llm.smollm2 import MODEL_NAME, smollm2_dir
+        model_dir, name = smollm2_dir(), MODEL_NAME
+    else:
+        model_dir, name = args.model, args.model
+    engine = TransformersEngine(model_dir, device=args.device, name="llm-serve",
+                                max_batch_size=args.max_batch_size)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(engine, args.host, args.port, args.served_model_name or name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,379 @@
+"""The LLM backend pool: implements ``runtime.llm.LLMClient`` over a set of engines.
+
+Routing, in order of precedence:
+1. **Sticky sessions** — every turn of a trajectory goes to the backend that served its previous
+   turn (that backend holds the session's KV cache), as long as it is healthy and at the required
+   policy version.
+2. **Group affinity** — the first turn of a sample whose group already has a backend goes there
+   (the group shares its prompt prefix), unless that backend is more than
+   ``group_affinity_slack`` requests busier than the least-loaded one.
+3. **Least loaded** — a min-heap keyed on ``in_flight / weight``: in-flight is incremented on
+   dispatch and decremented when the request ends, whether it succeeded, failed or was cancelled,
+   so the keys never drift. Weights let a big backend take proportionally more.
+
+Failures: an :class:`~server.llm.engine.EngineError` ejects the backend (the health checker
+re-admits it when its probe succeeds again) and the turn is retried on another backend, up to
+``max_attempts`` backends. A request that needs ``min_policy_version`` waits up to
+``wait_for_backend_s`` for a backend at that version; so does one that finds no healthy backend.
+Then it raises :class:`~runtime.llm.LLMUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.llm import GenerateRequest, GenerateResult, LLMUnavailable
+from server.llm.engine import Engine, EngineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    """The pool's view of one engine."""
+
+    engine: Engine
+    weight: float = 1.0
+    in_flight: int = 0
+    healthy: bool = True
+    draining: bool = False
+    """Removed from the pool: takes no new turns, closed once its in-flight turns end."""
+    served: int = 0
+    failures: int = 0
+    last_error: str = ""
+    added_at: float = 0.0
+    stamp: int = 0
+    """Bumped on every load change; heap entries with an older stamp are stale."""
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def score(self) -> float:
+        return self.in_flight / self.weight
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A snapshot of one backend, for ``ListBackends`` and the CLI."""
+
+    name: str
+    kind: str
+    address: str
+    weight: float
+    healthy: bool
+    draining: bool
+    in_flight: int
+    policy_version: int
+    served: int
+    failures: int
+    last_error: str
+    sessions: int
+
+
+class BackendPool:
+    """See the module docstring. Not thread-safe: use it from one event loop."""
+
+    def __init__(self, engines: Iterable[Engine] = (), health_interval_s: float = 5.0, *,
+                 max_attempts: int = 3, wait_for_backend_s: float = 30.0,
+                 health_timeout_s: float = 5.0, group_affinity_slack: float = 4.0,
+                 tokenizer: Any = None) -> None:
+        self.health_interval_s = health_interval_s
+        self.max_attempts = max_attempts
+        self.wait_for_backend_s = wait_for_backend_s
+        self.health_timeout_s = health_timeout_s
+        self.group_affinity_slack = group_affinity_slack
+        self._tokenizer = tokenizer
+        self._backends: dict[str, Backend] = {}
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._tiebreak = itertools.count()
+        self._sticky: dict[str, str] = {}
+        self._groups: dict[str, str] = {}
+        self._changed: asyncio.Condition | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._closers: set[asyncio.Task[None]] = set()
+        for engine in engines:
+            self.add(engine)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the periodic health checker."""
+        self._condition()
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="pool-health")
+
+    async def close(self) -> None:
+        """Stop health checks and close every engine."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        engines = [b.engine for b in self._backends.values()]
+        self._backends.clear()
+        await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        await asyncio.gather(*self._closers, return_exceptions=True)
+
+    # ----------------------------------------------------------------- membership
+    def add(self, engine: Engine, weight: float = 1.0) -> None:
+        """Admit a backend at run time. Its name must be unique in the pool."""
+        if weight <= 0:
+            raise ValueError(f"backend weight must be > 0, got {weight}")
+        if not engine.name:
+            raise ValueError("an engine needs a name to join the pool")
+        if engine.name in self._backends:
+            raise KeyError(f"backend {engine.name!r} already in the pool")
+        backend = Backend(engine, weight=weight, added_at=time.time())
+        self._backends[engine.name] = backend
+        self._push(backend)
+        self._notify()
+
+    def remove(self, name: str) -> Engine:
+        """Take a backend out: no new turns go to it; it is closed once its turns finish.
+
+        Its sessions continue on other backends (which rebuild their KV from the prompt).
+        """
+        backend = self._backends.pop(name, None)
+        if backend is None:
+            raise KeyError(f"no backend named {name!r}")
+        backend.draining = True
+        for table in (self._sticky, self._groups):
+            for key in [k for k, v in table.items() if v == name]:
+                del table[key]
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(backend))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+        return backend.engine
+
+    def get(self, name: str) -> Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise KeyError(f"no backend named {name!r}") from None
+
+    def backends(self) -> list[BackendInfo]:
+        sessions: dict[str, int] = {}
+        for owner in self._sticky.values():
+            sessions[owner] = sessions.get(owner, 0) + 1
+        return [BackendInfo(b.name, type(b.engine).__name__, str(getattr(b.engine, "url", "")),
+                            b.weight, b.healthy, b.draining, b.in_flight, b.policy_version,
+                            b.served, b.failures, b.last_error, sessions.get(b.name, 0))
+                for b in self._backends.values()]
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is not None:
+            return self._tokenizer
+        for backend in self._backends.values():
+            if backend.engine.tokenizer is not None:
+                return backend.engine.tokenizer
+        return None
+
+    # ----------------------------------------------------------------- LLMClient
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        tried: set[str] = set()
+        errors: list[str] = []
+        deadline = time.monotonic() + self.wait_for_backend_s
+        while len(tried) < self.max_attempts:
+            backend = await self._select(request, tried, deadline)
+            tried.add(backend.name)
+            try:
+                result = await self._dispatch(backend, request)
+            except EngineError as exc:
+                errors.append(f"{backend.name}: {exc}")
+                self._eject(backend, str(exc))
+                if self._sticky.get(request.session_id) == backend.name:
+                    del self._sticky[request.session_id]
+                continue
+            self._sticky[request.session_id] = backend.name
+            if request.group_id:
+                self._groups.setdefault(request.group_id, backend.name)
+            return result
+        raise LLMUnavailable(f"turn failed on {len(tried)} backends: {'; '.join(errors)}")
+
+    async def end_session(self, session_id: str) -> None:
+        name = self._sticky.pop(session_id, None)
+        backend = self._backends.get(name) if name else None
+        if backend is not None:
+            with contextlib.suppress(Exception):
+                await backend.engine.release_session(session_id)
+
+    async def abort(self, session_id: str) -> None:
+        """Stop the session's in-flight turn (job cancelled)."""
+        name = self._sticky.get(session_id)
+        targets = [self._backends[name]] if name in self._backends else []
+        for backend in targets or list(self._backends.values()):
+            with contextlib.suppress(Exception):
+                await backend.engine.abort(session_id)
+
+    def end_group(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
+    # ----------------------------------------------------------------- weights
+    async def update_weights(self, source: Any, version: int,
+                             names: Sequence[str] | None = None) -> list[str]:
+        """Rolling hot-swap: one backend at a time, so the others keep serving meanwhile.
+
+        Each engine lets its in-flight turns finish on the old weights (see the engines).
+        Returns the names updated.
+        """
+        targets = [self.get(n) for n in names] if names else list(self._backends.values())
+        for backend in targets:
+            await backend.engine.update_weights(source, version)
+            self._notify()
+        return [b.name for b in targets]
+
+    def set_policy_version(self, version: int, names: Sequence[str] | None = None) -> list[str]:
+        """Record that weights were pushed to backends out of band (e.g. NCCL from the trainer)."""
+        targets = [self.get(n) for n in names] if names else list(self._backends.values())
+        for backend in targets:
+            setter = getattr(backend.engine, "set_policy_version", None)
+            if setter is None:
+                raise NotImplementedError(f"{backend.name} cannot have its version set")
+            setter(version)
+        self._notify()
+        return [b.name for b in targets]
+
+    # ----------------------------------------------------------------- routing
+    async def _select(self, request: GenerateRequest, tried: set[str],
+                      deadline: float) -> Backend:
+        condition = self._condition()
+        while True:
+            backend = self._pick(request, tried)
+            if backend is not None:
+                return backend
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                need = (f" at policy version >= {request.min_policy_version}"
+                        if request.min_policy_version else "")
+                raise LLMUnavailable(f"no healthy backend{need} within "
+                                     f"{self.wait_for_backend_s:.1f}s (tried {sorted(tried)})")
+            async with condition:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(condition.wait(), min(remaining, 1.0))
+
+    def _eligible(self, backend: Backend, request: GenerateRequest, tried: set[str]) -> bool:
+        return (backend.healthy and not backend.draining and backend.name not in tried
+                and backend.policy_version >= request.min_policy_version)
+
+    def _pick(self, request: GenerateRequest, tried: set[str]) -> Backend | None:
+        sticky = self._backends.get(self._sticky.get(request.session_id, ""))
+        if sticky is not None and self._eligible(sticky, request, tried):
+            return sticky
+        least = self._least_loaded(request, tried)
+        group = self._backends.get(self._groups.get(request.group_id, "")) \
+            if request.group_id else None
+        if (group is not None and least is not None and self._eligible(group, request, tried)
+                and group.score <= least.score + self.group_affinity_slack):
+            return group
+        return least
+
+    def _least_loaded(self, request: GenerateRequest, tried: set[str]) -> Backend | None:
+        """Pop heap entries until the freshest eligible one; push back the skipped ones."""
+        skipped: list[tuple[float, int, int, str]] = []
+        found: Backend | None = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            backend = self._backends.get(entry[3])
+            if backend is None or entry[2] != backend.stamp:
+                continue  # stale: the backend's load changed or it left
+            skipped.append(entry)
+            if self._eligible(backend, request, tried):
+                found = backend
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def _push(self, backend: Backend) -> None:
+        backend.stamp += 1
+        heapq.heappush(self._heap, (backend.score, next(self._tiebreak), backend.stamp,
+                                    backend.name))
+        if len(self._heap) > 8 * len(self._backends) + 64:  # drop stale entries now and then
+            self._heap = [e for e in self._heap if e[3] in self._backends
+                          and e[2] == self._backends[e[3]].stamp]
+            heapq.heapify(self._heap)
+
+    async def _dispatch(self, backend: Backend, request: GenerateRequest) -> GenerateResult:
+        backend.in_flight += 1
+        self._push(backend)
+        try:
+            result = await backend.engine.generate(request)
+            backend.served += 1
+            return result
+        finally:
+            backend.in_flight -= 1
+            if backend.name in self._backends:
+                self._push(backend)
+            self._notify()
+
+    # ----------------------------------------------------------------- health
+    def _eject(self, backend: Backend, reason: str) -> None:
+        backend.failures += 1
+        backend.last_error = reason
+        if backend.healthy:
+            log.warning("ejecting backend %s: %s", backend.name, reason)
+        backend.healthy = False
+
+    async def check_health(self) -> None:
+        """Probe every backend once; eject failures, re-admit recoveries."""
+        async def probe(backend: Backend) -> None:
+            try:
+                ok = await asyncio.wait_for(backend.engine.health(), self.health_timeout_s)
+            except Exception as exc:  # a probe that raises is a failed probe
+                ok, reason = False, repr(exc)
+            else:
+                reason = "health probe failed"
+            if ok and not backend.healthy:
+                log.info("re-admitting backend %s", backend.name)
+                backend.healthy = True
+                self._push(backend)
+                self._notify()
+            elif not ok:
+                self._eject(backend, reason)
+        await asyncio.gather(*(probe(b) for b in list(self._backends.values())))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # never let the checker die
+                log.exception("health check failed")
+
+    async def _close_when_idle(self, backend: Backend) -> None:
+        while backend.in_flight > 0:
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(Exception):
+            await backend.engine.close()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def _notify(self) -> None:
+        condition = self._changed
+        if condition is None:
+            return
+
+        async def wake() -> None:
+            async with condition:
+                condition.notify_all()
+        with contextlib.suppress(RuntimeError):  # no running loop (construction time)
+            task = asyncio.get_running_loop().create_task(wake())
+            self._closers.add(task)
+            task.add_done_callback(self._closers.discard)
