@@ -182,16 +182,23 @@ class Sandbox(abc.ABC):
         """Read a workspace file; FileNotFoundError when it does not exist."""
         return await asyncio.to_thread(hostfs.read_beneath, self.workspace, self._rel(rel_path))
 
+    async def remove_file(self, rel_path: str) -> None:
+        """Delete a workspace file (a symlink is removed itself, never its target)."""
+        await asyncio.to_thread(hostfs.unlink_beneath, self.workspace, self._rel(rel_path))
+
     def _owner(self) -> tuple[int, int] | None:
         return None
 
     # -- tools -------------------------------------------------------------------------------
     async def bash(self) -> Any:
-        """The sandbox's persistent bash session (created on first use, then cached)."""
+        """The sandbox's persistent bash session (created on first use, cached, and replaced
+        by a fresh one if it died or was killed at a timeout)."""
         from runtime.tools.bash import BashSession
         async with self._tool_lock:
             self._check_alive()
-            if self._bash is None:
+            if self._bash is None or not self._bash.alive:
+                if self._bash is not None:
+                    await self._bash.close()
                 self._bash = await BashSession.start(self)
             return self._bash
 

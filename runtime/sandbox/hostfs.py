@@ -91,6 +91,15 @@ def write_beneath(root: Path, rel_path: str, data: bytes, mode: int = 0o644,
         os.close(dfd)
 
 
+def unlink_beneath(root: Path, rel_path: str) -> None:
+    parts = _components(rel_path)
+    dfd = _open_parent(root, parts, create=False, owner=None)
+    try:
+        os.unlink(parts[-1], dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
 def exists_beneath(root: Path, rel_path: str) -> bool:
     try:
         read_beneath(root, rel_path)

@@ -1,0 +1,304 @@
+"""A persistent IPython kernel inside the sandbox, reached over ZeroMQ ``ipc`` (Unix sockets).
+
+Why ipc: the sandbox has no network, and Unix sockets in a bind-mounted directory are the one
+channel that crosses the sandbox wall without opening one; they are also faster than loopback
+TCP. The kernel runs *inside* the sandbox (``python -m ipykernel_launcher``) with a connection
+file whose ``ip`` is the socket path prefix as the sandbox sees it; the client gets the same
+file with the host-side path.
+
+Timeouts send ``interrupt_request`` on the control channel (ipykernel answers by raising
+KeyboardInterrupt in the running cell; a signal would not cross the PID namespace); if the
+kernel stays busy it is killed and restarted, and the result says that state was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from runtime.tools.base import ToolResult
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+_counter = itertools.count(1)
+MAX_UNIX_PATH = 100
+
+
+class KernelError(RuntimeError):
+    """The kernel could not be started or answered nothing."""
+
+
+@dataclass
+class CellResult:
+    output: str
+    """stdout/stderr, the result's text/plain, display data and tracebacks, in order."""
+    status: Literal["ok", "error", "timeout", "restarted"] = "ok"
+    error_name: str = ""
+    data: list[Mapping[str, Any]] = field(default_factory=list)
+    """Rich outputs (display_data / execute_result bundles), e.g. image/png."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class IPythonKernel:
+    """One kernel process plus its client. ``await IPythonKernel.start(sandbox)``."""
+
+    def __init__(self, sandbox: Any, transport: str, python: str) -> None:
+        self.sandbox = sandbox
+        self.transport = transport
+        self.python = python
+        self._proc: asyncio.subprocess.Process | None = None
+        self._client: Any = None
+        self._lock = asyncio.Lock()
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @classmethod
+    async def start(cls, sandbox: Any = None, *, transport: Literal["ipc", "tcp"] = "ipc",
+                    python: str | None = None, startup_timeout: float = 30.0) -> IPythonKernel:
+        """Start a kernel in ``sandbox`` (``None``: on the host, used for baselines)."""
+        py = python or (getattr(sandbox, "python", None) if sandbox else None) or sys.executable
+        kernel = cls(sandbox, transport, py)
+        await kernel._launch(startup_timeout)
+        return kernel
+
+    def _dirs(self) -> tuple[Path, str]:
+        if self.sandbox is not None:
+            host, inside = self.sandbox.control_dir()
+            return Path(host), str(inside)
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ipk")
+        return Path(self._tmp.name), self._tmp.name
+
+    async def _launch(self, timeout: float) -> None:
+        from jupyter_client.asynchronous import AsyncKernelClient
+        host_dir, inside_dir = self._dirs()
+        n = next(_counter)
+        info: dict[str, Any] = {"transport": self.transport, "key": secrets.token_hex(16),
+                                "signature_scheme": "hmac-sha256", "kernel_name": "python3"}
+        if self.transport == "ipc":
+            host_ip, inside_ip = str(host_dir / f"k{n}"), f"{inside_dir}/k{n}"
+            if len(host_ip) + 3 > MAX_UNIX_PATH:
+                raise KernelError(f"socket path {host_ip!r} is too long for a Unix socket; "
+                                  "use a shorter state_dir")
+            info.update(zip(_CHANNELS, range(1, 6), strict=True))
+        else:
+            host_ip = inside_ip = "127.0.0.1"
+            info.update(zip(_CHANNELS, _free_ports(5), strict=True))
+        conn_host = host_dir / f"k{n}.json"
+        conn_host.write_text(json.dumps({**info, "ip": inside_ip}))
+        argv = [self.python, "-m", "ipykernel_launcher", "-f", f"{inside_dir}/k{n}.json",
+                "--HistoryManager.enabled=False", "--IPKernelApp.log_level=ERROR"]
+        log = open(host_dir / f"k{n}.log", "wb")  # noqa: SIM115 - handed to the child
+        try:
+            if self.sandbox is not None:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self.sandbox.command_argv(argv), env=self.sandbox.spawn_env(),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+                self.sandbox.track(self._proc.pid)
+            else:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True, env={**os.environ, "MPLBACKEND": "Agg"})
+        finally:
+            log.close()
+        client = AsyncKernelClient()
+        client.load_connection_info({**info, "ip": host_ip})
+        client.start_channels()
+        self._client = client
+        self._log = host_dir / f"k{n}.log"
+        ready = asyncio.ensure_future(client.wait_for_ready(timeout=timeout))
+        died = asyncio.ensure_future(self._proc.wait())
+        try:
+            done, _ = await asyncio.wait({ready, died}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (ready, died):
+                fut.cancel()
+        if ready not in done or ready.cancelled() or ready.exception() is not None:
+            detail = self._log.read_bytes()[-2000:].decode(errors="replace") \
+                if self._log.exists() else ""
+            await self.close()
+            raise KernelError(f"IPython kernel did not start within {timeout:g} s: {detail}")
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.stop_channels()
+            self._client = None
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 5)
+            if self.sandbox is not None and hasattr(self.sandbox, "untrack"):
+                self.sandbox.untrack(proc.pid)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def restart(self, timeout: float = 30.0) -> None:
+        """A fresh kernel (all variables are lost)."""
+        async with self._lock:
+            await self.close()
+            await self._launch(timeout)
+
+    async def interrupt(self) -> None:
+        if self._client is not None:
+            msg = self._client.session.msg("interrupt_request", {})
+            self._client.control_channel.send(msg)
+
+    async def execute(self, code: str, timeout: float = 60.0,
+                      interrupt_grace_s: float = 2.0) -> CellResult:
+        async with self._lock:
+            if not self.alive or self._client is None:
+                await self.close()
+                await self._launch(30.0)
+                prefix = "[the kernel had died and was restarted; earlier state is lost]\n"
+            else:
+                prefix = ""
+            res = await self._execute(code, timeout, interrupt_grace_s)
+            if prefix:
+                res.output = prefix + res.output
+            return res
+
+    async def _execute(self, code: str, timeout: float, grace: float) -> CellResult:
+        client = self._client
+        msg_id = client.execute(code, store_history=True, allow_stdin=False)
+        parts: list[str] = []
+        rich: list[Mapping[str, Any]] = []
+        state = {"error": ""}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        interrupted = False
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                if interrupted:
+                    await self.close()
+                    await self._launch(30.0)
+                    return CellResult("".join(parts) + f"\n[timed out after {timeout:g} s and "
+                                      "ignored the interrupt: the kernel was restarted, all "
+                                      "variables are lost]", "restarted", "Timeout", rich)
+                interrupted = True
+                await self.interrupt()
+                deadline = loop.time() + grace
+                continue
+            try:
+                msg = await client.get_iopub_msg(timeout=remaining)
+            except Exception:  # queue.Empty on timeout
+                if not self.alive:
+                    await self.close()
+                    await self._launch(30.0)
+                    return CellResult("".join(parts) + "\n[the kernel died (out of memory or "
+                                      "killed); it was restarted, all variables are lost]",
+                                      "restarted", "KernelDied", rich)
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if self._collect(msg, parts, rich, state):
+                break
+        with contextlib.suppress(Exception):
+            await client.get_shell_msg(timeout=1.0)
+        out = "".join(parts)
+        if interrupted:
+            return CellResult(out + f"\n[timed out after {timeout:g} s; interrupted]",
+                              "timeout", "KeyboardInterrupt", rich)
+        return CellResult(out, "error" if state["error"] else "ok", state["error"], rich)
+
+    @staticmethod
+    def _collect(msg: Mapping[str, Any], parts: list[str], rich: list[Mapping[str, Any]],
+                 state: dict[str, str]) -> bool:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status":
+            return bool(content.get("execution_state") == "idle")
+        if kind == "stream":
+            parts.append(content.get("text", ""))
+        elif kind in ("execute_result", "display_data"):
+            data = content.get("data", {})
+            rich.append(data)
+            text = data.get("text/plain", "")
+            others = [k for k in data if k != "text/plain"]
+            if others and not text:
+                text = f"[{', '.join(others)} output]"
+            parts.append(text + "\n")
+        elif kind == "error":
+            state["error"] = content.get("ename", "Error")
+            parts.append(_ANSI.sub("", "\n".join(content.get("traceback", []))) + "\n")
+        return False
+
+
+class IPythonTool:
+    """The agent-facing ``python`` tool: a persistent IPython kernel in the sandbox."""
+
+    name = "python"
+    description = ("Execute Python code in a persistent IPython kernel inside the sandbox. "
+                   "Variables and imports persist between calls. The value of the last "
+                   "expression is shown; use print() for anything else.")
+    parameters: Mapping[str, Any] = {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "description": "Python code to execute."},
+            "timeout": {"type": "number", "description": "Seconds before the cell is "
+                        "interrupted (default 60)."},
+        },
+        "required": ["code"],
+    }
+
+    def __init__(self, sandbox: Any, default_timeout: float = 60.0,
+                 max_output: int = 16 * 1024) -> None:
+        self.sandbox = sandbox
+        self.default_timeout = default_timeout
+        self.max_output = max_output
+
+    async def run(self, code: str, timeout: float | None = None) -> CellResult:
+        kernel = await self.sandbox.ipython()
+        return await kernel.execute(code, timeout or self.default_timeout)
+
+    async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return ToolResult("python needs a string argument 'code'", is_error=True)
+        timeout = arguments.get("timeout")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+            return ToolResult("'timeout' must be a positive number of seconds", is_error=True)
+        res = await self.run(code, float(timeout) if timeout is not None else None)
+        out = res.output
+        if len(out) > self.max_output:
+            half = self.max_output // 2
+            out = (f"{out[:half]}\n[... {len(out) - 2 * half} characters truncated ...]\n"
+                   f"{out[-half:]}")
+        return ToolResult(out, is_error=not res.ok)
