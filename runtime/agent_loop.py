@@ -1,0 +1,259 @@
+"""The multi-turn agent loop: model turn, tool calls, observations, repeat — all in token ids.
+
+Every environment's RUN stage calls :func:`run_agent_loop`. The model sees a system prompt that
+lists the tools (Hermes/Qwen ``<tools>`` format, rendered by the chat template itself when it
+supports tools), answers with ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, and
+the loop runs those calls and appends their results as tokens (loss mask 0). Token accounting
+lives in :mod:`runtime.tokens`: the model's output ids go into the trajectory untouched.
+
+The loop never raises for the model's mistakes (bad JSON, unknown tools, tools that crash):
+those become error observations the model can react to. It does raise
+:class:`runtime.llm.LLMUnavailable` (no backend: the job fails, a partial trajectory would be
+bad training data) and lets cancellation through. While it runs, ``ctx.state[TURNS_KEY]`` is
+the live list of finished turns, so a scheduler that cancels RUN can still salvage them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from runtime.handler import HandlerError, JobContext, RunOutcome
+from runtime.llm import GenerateRequest, LLMClient
+from runtime.tokens import ChatLedger, ChatTokenizer
+from runtime.toolcalls import parse_tool_calls
+from runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult, tool_schema
+from runtime.tools.submit import SUBMITTED_ANSWER_KEY
+from runtime.types import TerminationReason, Turn
+
+log = logging.getLogger(__name__)
+
+TURNS_KEY = "agent_loop.turns"
+"""``ctx.state`` key of the live list of finished turns."""
+
+DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Solve the task by calling the tools."
+
+DEADLINE_MARGIN_S = 2.0
+"""Default deadline = RUN timeout minus this, so the loop returns before the scheduler cancels."""
+
+MAX_CONTEXT_HINT = 10_000_000
+"""Tokenizers without a known limit report ~1e30 as ``model_max_length``; ignore those."""
+
+
+def tools_block(tools: Sequence[Tool]) -> str:
+    """The Hermes/Qwen2.5 tool section, for chat templates that do not render tools."""
+    lines = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def build_system_prompt(tools: Sequence[Tool], instructions: str = DEFAULT_INSTRUCTIONS) -> str:
+    """System prompt text: the environment's instructions, then the tool section."""
+    return f"{instructions}\n\n{tools_block(tools)}" if tools else instructions
+
+
+def prepare_messages(chat: ChatTokenizer, tools: Sequence[Tool],
+                     messages: Sequence[Mapping[str, Any]], *,
+                     tools_in_template: bool | None = None,
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Messages with the tool-listing system prompt, and the schemas for the template (if any).
+
+    A leading system message in ``messages`` supplies the instructions.
+    """
+    msgs = [dict(m) for m in messages]
+    instructions = DEFAULT_INSTRUCTIONS
+    if msgs and msgs[0].get("role") == "system":
+        instructions = str(msgs.pop(0).get("content", ""))
+    use_template = chat.supports_tools if tools_in_template is None else tools_in_template
+    if use_template and tools:
+        return ([{"role": "system", "content": instructions}, *msgs],
+                [tool_schema(t) for t in tools])
+    return [{"role": "system", "content": build_system_prompt(tools, instructions)}, *msgs], None
+
+
+def context_length_of(llm: LLMClient) -> int | None:
+    """The served model's context length, where the client or its tokenizer knows it."""
+    for value in (getattr(llm, "context_length", None),
+                  getattr(llm.tokenizer, "model_max_length", None)):
+        if isinstance(value, int) and 0 < value < MAX_CONTEXT_HINT:
+            return value
+    return None
+
+
+async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
+                         messages: Sequence[Mapping[str, Any]], *, max_turns: int | None = None,
+                         deadline: float | None = None, context_length: int | None = None,
+                         chat_template: str | None = None, tools_in_template: bool | None = None,
+                         max_observation_chars: int = 16_000) -> RunOutcome:
+    """Run the job's conversation until submit, no tool call, a limit, or the deadline.
+
+    ``messages``: the task (optionally led by a system message with instructions).
+    ``max_turns`` defaults to ``spec.limits.max_turns``; ``deadline`` (``time.monotonic()``
+    time) to ``spec.limits.run_timeout_s - DEADLINE_MARGIN_S`` from now; ``context_length`` to
+    what :func:`context_length_of` finds. The outcome's metadata carries ``final_text`` (the last
+    assistant text, for answer extraction), ``submitted_answer`` when the submit tool ran, and
+    ``template_append_only``.
+    """
+    if ctx.llm is None:
+        raise HandlerError("this environment needs an LLM but the job has none", "NO_LLM")
+    llm, spec = ctx.llm, ctx.spec
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise HandlerError(f"duplicate tool names: {names}", "DUPLICATE_TOOLS")
+    by_name = {t.name: t for t in tools}
+    max_turns = max_turns or spec.limits.max_turns
+    if deadline is None:
+        deadline = time.monotonic() + max(0.0, spec.limits.run_timeout_s - DEADLINE_MARGIN_S)
+    limit_ctx = context_length or context_length_of(llm)
+    budget = spec.sampling.total_token_budget
+    chat = ChatTokenizer(llm.tokenizer, chat_template=chat_template)
+    msgs, template_tools = prepare_messages(chat, tools, messages,
+                                            tools_in_template=tools_in_template)
+    ledger = ChatLedger(chat, msgs, template_tools)
+    turns: list[Turn] = []
+    ctx.state[TURNS_KEY] = turns
+    final_text = ""
+    slowest_turn_s = 0.0
+    termination = TerminationReason.MAX_TURNS
+    try:
+        prompt_ids = await asyncio.to_thread(ledger.start)
+        for index in range(max_turns):
+            used = len(ledger.token_ids)
+            room = min(budget, limit_ctx or budget) - used
+            if room <= 0:
+                termination = _limit_reason(budget, limit_ctx)
+                break
+            max_tokens = min(spec.sampling.max_tokens_per_turn, room)
+            started = time.monotonic()
+            if started + slowest_turn_s >= deadline:
+                termination = TerminationReason.DEADLINE
+                break
+            request = GenerateRequest(
+                prompt_ids=list(ledger.token_ids), sampling=spec.sampling, max_tokens=max_tokens,
+                session_id=spec.job_id, group_id=spec.group_id,
+                min_policy_version=spec.min_policy_version,
+                seed=None if spec.sampling.seed is None else spec.sampling.seed + index)
+            result = await _before(deadline, llm.generate(request))
+            if result is None:
+                termination = TerminationReason.DEADLINE
+                break
+            if result.finish_reason == "abort":
+                termination = TerminationReason.CANCELLED
+                break
+            turn = Turn(prompt_ids=prompt_ids, output_ids=list(result.output_ids),
+                        output_logprobs=list(result.logprobs),
+                        policy_version=result.policy_version, finish_reason=result.finish_reason,
+                        backend=result.backend, latency_s=time.monotonic() - started)
+            final_text = await asyncio.to_thread(ledger.add_output, turn.output_ids)
+            turns.append(turn)
+            calls = parse_tool_calls(final_text)
+            tool_started = time.monotonic()
+            observations, finished, timed_out = await _run_calls(
+                calls, by_name, deadline, max_observation_chars, turn)
+            _report(ctx, index, turn, len(ledger.token_ids), time.monotonic() - tool_started)
+            slowest_turn_s = max(slowest_turn_s, time.monotonic() - started)
+            if not calls:
+                clipped = result.finish_reason == "length" and max_tokens < (
+                    spec.sampling.max_tokens_per_turn)
+                termination = (_limit_reason(budget, limit_ctx) if clipped
+                               else TerminationReason.NO_TOOL_CALL)
+                break
+            if finished:
+                termination = TerminationReason.SUBMITTED
+                break
+            if timed_out:
+                termination = TerminationReason.DEADLINE
+                break
+            if index == max_turns - 1:
+                break  # MAX_TURNS; the last calls ran (their effects count), nothing follows
+            delta = await asyncio.to_thread(ledger.add_messages, observations)
+            if len(ledger.token_ids) >= min(budget, limit_ctx or budget):
+                termination = _limit_reason(budget, limit_ctx)
+                break  # no room for a reply: the observation would be dead weight
+            turn.observation_ids = delta.observation_ids
+            prompt_ids = delta.prompt_ids
+    finally:
+        try:
+            await llm.end_session(spec.job_id)
+        except Exception:  # never mask the loop's own outcome or exception
+            log.exception("end_session(%s) failed", spec.job_id)
+    metadata = {"final_text": final_text, "num_turns": str(len(turns)),
+                "template_append_only": str(ledger.append_only).lower()}
+    if SUBMITTED_ANSWER_KEY in ctx.state:
+        metadata[SUBMITTED_ANSWER_KEY] = str(ctx.state[SUBMITTED_ANSWER_KEY])
+    return RunOutcome(turns=list(turns), termination=termination, metadata=metadata)
+
+
+def _limit_reason(budget: int, limit_ctx: int | None) -> TerminationReason:
+    if limit_ctx is not None and limit_ctx < budget:
+        return TerminationReason.CONTEXT_LENGTH
+    return TerminationReason.TOKEN_BUDGET
+
+
+async def _before(deadline: float, call: Any) -> Any:
+    """Await ``call`` unless the deadline passes first (then cancel it and return None)."""
+    try:
+        return await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return None
+
+
+async def _run_calls(calls: Sequence[ToolCall | ToolCallError], by_name: Mapping[str, Tool],
+                     deadline: float, max_chars: int, turn: Turn,
+                     ) -> tuple[list[dict[str, Any]], bool, bool]:
+    """Run the turn's calls in order; returns (tool messages, finished, deadline hit).
+
+    Calls after a finishing call are not run: the episode is over.
+    """
+    observations: list[dict[str, Any]] = []
+    for call in calls:
+        if isinstance(call, ToolCallError):
+            observations.append(_tool_message("", f"Error: could not parse tool call: "
+                                                  f"{call.message}", max_chars))
+            continue
+        turn.tool_calls.append(call.name)
+        tool = by_name.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(by_name)) or "none"
+            observations.append(_tool_message(call.name, f"Error: unknown tool {call.name!r}. "
+                                                         f"Available tools: {known}.", max_chars))
+            continue
+        try:
+            result: ToolResult | None = await _before(deadline, tool(call.arguments))
+        except Exception as e:  # a crashing tool is an observation, not a crashed job
+            result = ToolResult(f"Error: tool {call.name} failed: {type(e).__name__}: {e}",
+                                is_error=True)
+        if result is None:
+            return observations, False, True
+        observations.append(_tool_message(call.name, result.output, max_chars))
+        if result.finish:
+            return observations, True, False
+    return observations, False, False
+
+
+def _tool_message(name: str, content: str, max_chars: int) -> dict[str, Any]:
+    if len(content) > max_chars:
+        half = max_chars // 2
+        content = (f"{content[:half]}\n[... {len(content) - 2 * half} characters cut ...]\n"
+                   f"{content[-half:]}")
+    message: dict[str, Any] = {"role": "tool", "content": content}
+    if name:
+        message["name"] = name
+    return message
+
+
+def _report(ctx: JobContext, index: int, turn: Turn, total_tokens: int, tool_s: float) -> None:
+    ctx.progress("turn", {
+        "turn": index, "output_tokens": len(turn.output_ids), "total_tokens": total_tokens,
+        "finish_reason": turn.finish_reason, "tool_calls": list(turn.tool_calls),
+        "latency_s": round(turn.latency_s, 4), "tool_s": round(tool_s, 4),
+        "policy_version": turn.policy_version, "backend": turn.backend})
+

@@ -1,0 +1,264 @@
+"""The agent loop against the scripted policy (real tokenizer, real token accounting)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from runtime.agent_loop import TURNS_KEY, build_system_prompt, prepare_messages, run_agent_loop
+from runtime.handler import JobContext
+from runtime.llm import LLMUnavailable
+from runtime.tokens import ChatTokenizer
+from runtime.tools.base import ToolResult
+from runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
+from runtime.types import GroupSpec, JobSpec, Limits, SamplingParams, TerminationReason
+from server.llm.scripted import ScriptedEngine
+from tests.runtime.doubles import QWEN25_TEMPLATE, EngineClient, smollm2_tokenizer
+from tests.util import assert_eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+TASK = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Do it."}]
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+class EchoTool:
+    name = "echo"
+    description = "Echo the text back."
+    parameters: Mapping[str, Any] = {"type": "object", "properties": {"text": {"type": "string"}}}
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls: list[Mapping[str, Any]] = []
+        self.delay_s = delay_s
+
+    async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
+        self.calls.append(arguments)
+        await asyncio.sleep(self.delay_s)
+        return ToolResult(f"echo: {arguments.get('text')}")
+
+
+class CrashTool:
+    name = "crash"
+    description = "Always fails."
+    parameters: Mapping[str, Any] = {"type": "object", "properties": {}}
+
+    async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
+        raise RuntimeError("disk on fire")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return smollm2_tokenizer()
+
+
+def make_ctx(tok: Any, script: Sequence[str], *, job_id: str = "job-1", latency_s: float = 0.0,
+             context_length: int | None = None,
+             **sampling: Any) -> tuple[JobContext, ScriptedEngine, EngineClient, list[Any]]:
+    engine = ScriptedEngine(tok, {job_id: list(script)}, policy_version=4, latency_s=latency_s)
+    client = EngineClient(engine, context_length=context_length)
+    events: list[Any] = []
+    spec = JobSpec(job_id=job_id, environment="test", task={},
+                   sampling=SamplingParams(**{"seed": 100, **sampling}),
+                   limits=Limits(max_turns=5), group=GroupSpec("g-1", size=2),
+                   min_policy_version=2)
+    ctx = JobContext(spec=spec, llm=client, progress=lambda e, d: events.append((e, dict(d))))
+    return ctx, engine, client, events
+
+
+async def test_tool_call_then_submit_builds_an_exact_trajectory(tok: Any) -> None:
+    script = [f"Let me look.\n{call('echo', text='hi')}", call("submit", answer="42")]
+    ctx, engine, client, events = make_ctx(tok, script)
+    echo = EchoTool()
+    out = await run_agent_loop(ctx, [echo, SubmitTool(ctx.state)], TASK)
+
+    assert out.termination is TerminationReason.SUBMITTED
+    assert out.metadata[SUBMITTED_ANSWER_KEY] == "42" == ctx.state[SUBMITTED_ANSWER_KEY]
+    assert echo.calls == [{"text": "hi"}]
+    t0, t1 = out.turns
+    assert [t.tool_calls for t in out.turns] == [["echo"], ["submit"]]
+    # Model tokens are exactly what the policy produced, with their logprobs.
+    eot = tok.eos_token_id
+    assert t0.output_ids == [*tok.encode(script[0], add_special_tokens=False), eot]
+    assert len(t0.output_logprobs) == len(t0.output_ids)
+    assert (t0.policy_version, t0.backend, t0.finish_reason) == (4, "scripted", "stop")
+    # Each request's prompt is the previous prompt + output + observation + generation prompt.
+    r0, r1 = engine.requests
+    assert list(r0.prompt_ids) == t0.prompt_ids
+    assert list(r1.prompt_ids) == (t0.prompt_ids + t0.output_ids + t0.observation_ids
+                                   + t1.prompt_ids)
+    assert tok.decode(t0.observation_ids) == "\n<|im_start|>tool\necho: hi<|im_end|>\n"
+    assert tok.decode(t1.prompt_ids) == "<|im_start|>assistant\n"
+    # Sampling routing: session = job, group, policy floor, per-turn seed.
+    assert [(r.session_id, r.group_id, r.min_policy_version, r.seed) for r in engine.requests] \
+        == [("job-1", "g-1", 2, 100), ("job-1", "g-1", 2, 101)]
+    system = tok.decode(t0.prompt_ids)
+    assert system.startswith("<|im_start|>system\nUse the tools.\n\n# Tools")
+    assert '"name": "submit"' in system and "<tool_call>" in system
+    assert client.ended == ["job-1"]
+    assert [e for e, _ in events] == ["turn", "turn"]
+    assert events[0][1]["tool_calls"] == ["echo"] and events[1][1]["turn"] == 1
+    assert out.metadata["final_text"] == script[1]
+
+
+async def test_model_mistakes_become_error_observations(tok: Any) -> None:
+    script = ['<tool_call>\n{"name": "echo", "arguments": {oops</tool_call>',
+              call("nosuch", x=1), call("crash"), "I give up; the answer is 7."]
+    ctx, _, _, _ = make_ctx(tok, script)
+    out = await run_agent_loop(ctx, [EchoTool(), CrashTool()], TASK)
+    assert out.termination is TerminationReason.NO_TOOL_CALL
+    assert len(out.turns) == 4
+    obs = [tok.decode(t.observation_ids) for t in out.turns]
+    assert "Error: could not parse tool call" in obs[0]
+    assert "unknown tool 'nosuch'" in obs[1] and "crash, echo" in obs[1]
+    assert "tool crash failed: RuntimeError: disk on fire" in obs[2]
+    assert out.turns[3].observation_ids == []
+    assert out.metadata["final_text"] == "I give up; the answer is 7."
+    assert SUBMITTED_ANSWER_KEY not in out.metadata
+
+
+async def test_max_turns_runs_the_last_calls_and_stops(tok: Any) -> None:
+    ctx, engine, _, _ = make_ctx(tok, [call("echo", text=str(i)) for i in range(5)])
+    echo = EchoTool()
+    out = await run_agent_loop(ctx, [echo], TASK, max_turns=3)
+    assert out.termination is TerminationReason.MAX_TURNS
+    assert len(out.turns) == len(engine.requests) == 3
+    assert len(echo.calls) == 3  # the last turn's edit still counts for EVAL
+    assert out.turns[-1].observation_ids == []
+
+
+def initial_prompt(tok: Any) -> list[int]:
+    chat = ChatTokenizer(tok)
+    msgs, tools = prepare_messages(chat, [EchoTool()], TASK)
+    return chat.initial_prompt(msgs, tools)
+
+
+async def test_token_budget_clips_turns_and_bounds_the_trajectory(tok: Any) -> None:
+    budget = len(initial_prompt(tok)) + 60
+    ctx, engine, _, _ = make_ctx(tok, [call("echo", text="x"), "word " * 200],
+                                 total_token_budget=budget, max_tokens_per_turn=512)
+    out = await run_agent_loop(ctx, [EchoTool()], TASK)
+    assert out.termination is TerminationReason.TOKEN_BUDGET
+    traj = [i for t in out.turns for i in t.prompt_ids + t.output_ids + t.observation_ids]
+    assert len(traj) == budget
+    assert engine.requests[0].max_tokens == 60
+    assert engine.requests[1].max_tokens == budget - len(engine.requests[1].prompt_ids)
+    assert out.turns[1].finish_reason == "length"
+
+
+async def test_context_length_smaller_than_budget_is_the_reported_limit(tok: Any) -> None:
+    ctx, engine, _, _ = make_ctx(tok, ["word " * 100],
+                                 context_length=len(initial_prompt(tok)) + 10)
+    out = await run_agent_loop(ctx, [EchoTool()], TASK)
+    assert out.termination is TerminationReason.CONTEXT_LENGTH
+    assert engine.requests[0].max_tokens == 10
+
+
+async def test_deadline_during_generation_returns_turns_so_far(tok: Any) -> None:
+    ctx, engine, client, _ = make_ctx(tok, [call("echo", text="a"), "never"], latency_s=0.0)
+    echo = EchoTool()
+    real_generate = engine.generate
+
+    async def slow_second_turn(request: Any) -> Any:
+        if len(engine.requests) == 1:
+            engine.latency_s = 30.0
+        return await real_generate(request)
+
+    engine.generate = slow_second_turn  # type: ignore[method-assign]
+    out = await run_agent_loop(ctx, [echo], TASK, deadline=time.monotonic() + 1.0)
+    assert out.termination is TerminationReason.DEADLINE
+    assert len(out.turns) == 1 and out.turns[0].tool_calls == ["echo"]
+    assert client.ended == ["job-1"]
+
+
+async def test_does_not_start_a_turn_that_cannot_finish(tok: Any) -> None:
+    ctx, engine, _, _ = make_ctx(tok, [call("echo", text="a"), "x"])
+    out = await run_agent_loop(ctx, [EchoTool(delay_s=0.4)], TASK,
+                               deadline=time.monotonic() + 0.6)
+    assert out.termination is TerminationReason.DEADLINE
+    assert len(engine.requests) == 1  # turn 1 (expected to take ~0.4 s) was never started
+
+
+async def test_backend_failure_raises_and_still_ends_the_session(tok: Any) -> None:
+    ctx, _, client, _ = make_ctx(tok, [call("echo", text="a")])  # the 2nd turn has no script
+    with pytest.raises(LLMUnavailable):
+        await run_agent_loop(ctx, [EchoTool()], TASK)
+    assert client.ended == ["job-1"]
+    assert len(ctx.state[TURNS_KEY]) == 1
+
+
+async def test_cancellation_propagates_and_turns_stay_salvageable(tok: Any) -> None:
+    ctx, engine, client, _ = make_ctx(tok, [call("echo", text="a"), "slow"])
+    engine.latency_s = 0.0
+    echo = EchoTool()
+
+    async def run() -> Any:
+        return await run_agent_loop(ctx, [echo], TASK)
+
+    real_generate = engine.generate
+
+    async def gated(request: Any) -> Any:
+        if engine.requests:
+            engine.latency_s = 30.0
+        return await real_generate(request)
+
+    engine.generate = gated  # type: ignore[method-assign]
+    task = asyncio.create_task(run())
+    await assert_eventually(lambda: len(engine.requests) == 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert client.ended == ["job-1"]
+    assert [t.tool_calls for t in ctx.state[TURNS_KEY]] == [["echo"]]
+
+
+async def test_abort_from_the_backend_is_a_cancelled_trajectory(tok: Any) -> None:
+    ctx, engine, _, _ = make_ctx(tok, [call("echo", text="a"), "slow"])
+    real_generate = engine.generate
+
+    async def aborting(request: Any) -> Any:
+        if engine.requests:
+            engine.latency_s = 30.0
+            asyncio.get_running_loop().call_later(0.05, asyncio.ensure_future,
+                                                  engine.abort(request.session_id))
+        return await real_generate(request)
+
+    engine.generate = aborting  # type: ignore[method-assign]
+    out = await run_agent_loop(ctx, [EchoTool()], TASK)
+    assert out.termination is TerminationReason.CANCELLED and len(out.turns) == 1
+
+
+async def test_template_with_tool_support_renders_the_tools_itself(tok: Any) -> None:
+    ctx, _, _, _ = make_ctx(tok, [call("echo", text="q"), call("submit", answer="x")])
+    out = await run_agent_loop(ctx, [EchoTool(), SubmitTool(ctx.state)], TASK,
+                               chat_template=QWEN25_TEMPLATE)
+    assert out.termination is TerminationReason.SUBMITTED
+    text = tok.decode(out.turns[0].prompt_ids)
+    assert text.count("# Tools") == 1 and text.startswith("<|im_start|>system\nUse the tools.")
+    assert "<tool_response>\necho: q\n</tool_response>" in tok.decode(out.turns[0].observation_ids)
+    assert out.metadata["template_append_only"] == "true"
+
+
+def test_build_system_prompt_lists_every_tool() -> None:
+    text = build_system_prompt([EchoTool(), SubmitTool()], "Be brief.")
+    assert text.startswith("Be brief.\n\n# Tools")
+    schemas = [json.loads(line) for line in text.split("<tools>\n")[1].split("\n</tools>")[0]
+               .splitlines()]
+    assert [s["function"]["name"] for s in schemas] == ["echo", "submit"]
+    assert build_system_prompt([], "Be brief.") == "Be brief."
+
+
+async def test_submit_tool_requires_an_answer_and_stringifies_values() -> None:
+    state: dict[str, Any] = {}
+    tool = SubmitTool(state)
+    bad = await tool({})
+    assert bad.is_error and not bad.finish and SUBMITTED_ANSWER_KEY not in state
+    ok = await tool({"answer": [1, 2]})
+    assert ok.finish and state[SUBMITTED_ANSWER_KEY] == "[1, 2]" == tool.answer
