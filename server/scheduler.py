@@ -319,13 +319,13 @@ class Scheduler:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
-                self._observe(stage, t0, "cancelled")
+                self._observe(job, stage, t0, "cancelled")
                 job.finishing = True
                 await self._release(job)
                 self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
                 return
             ok = result.error is None
-            elapsed = self._observe(stage, t0, "ok" if ok else "error")
+            elapsed = self._observe(job, stage, t0, "ok" if ok else "error")
             self._emit(job.client_id, StageProgress(
                 job.job_id, stage, "finished", {"ok": ok}, elapsed))
             if ok and stage is not Stage.EVAL:
@@ -344,8 +344,10 @@ class Scheduler:
                 job.task = None
                 pool.release()
 
-    def _observe(self, stage: Stage, t0: float, outcome: str) -> float:
+    def _observe(self, job: LiveJob, stage: Stage, t0: float, outcome: str) -> float:
         elapsed = time.monotonic() - t0
+        name = f"{stage.value}_s"
+        setattr(job.timings, name, getattr(job.timings, name) + elapsed)
         self._stats[stage].observe(elapsed, outcome == "ok")
         self.metrics.stage_seconds.labels(stage.value, outcome).observe(elapsed)
         return elapsed
@@ -491,7 +493,9 @@ class Scheduler:
         out = []
         for r in rows:
             live = self._live.get(r.job_id)
-            out.append(record_from_live(live) if live is not None else record_from_stored(r))
+            rec = record_from_live(live) if live is not None else record_from_stored(r)
+            if state is None or rec.state is state:  # the row may lag the live state
+                out.append(rec)
         return out, (str(rows[-1].seq) if more else "")
 
     # -- sessions ----------------------------------------------------------------------------

@@ -460,7 +460,8 @@ class JobStore:
                         group_id: str | None = None,
                         client_id: str | None = None) -> list[StoredJob]:
         """Jobs in submission order (``seq``), starting after ``after_seq``."""
-        where, args = ["seq > ?"], [after_seq]
+        where: list[str] = ["seq > ?"]
+        args: list[Any] = [after_seq]
         if state is not None:
             where.append("state = ?")
             args.append(state.value)

@@ -1,0 +1,118 @@
+"""Sessions: durable replay of unacknowledged trajectories, acks, flow control, status/metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+
+from runtime.types import JobState
+from server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
+from tests.server.handlers import collect_finished, eventually, running_scheduler, spec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _all_done(sched, n: int) -> None:
+    await eventually(lambda: sched.status().pending == 0
+                     and sum(sched.status().jobs_by_state.values()) >= n)
+
+
+async def test_detached_client_gets_unacked_trajectories_on_attach(tmp_path):
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        await sched.submit([spec(f"j{i}") for i in range(3)], "t")
+        await _all_done(sched, 3)
+        sub = await sched.attach("t")
+        got = sub.drain()
+        ready = [e for e in got if isinstance(e, TrajectoryReady)]
+        assert [e.delivery_id for e in ready] == [1, 2, 3]
+        assert all(e.replayed for e in ready)
+        assert not any(isinstance(e, StageProgress) for e in got), "progress is ephemeral"
+        assert [type(e) for e in got] == [TrajectoryReady, JobFinished] * 3
+        await sched.ack("t", [1, 2])
+
+        sub = await sched.attach("t")  # re-attach: only what is still unacked
+        assert [e.delivery_id for e in sub.drain() if isinstance(e, TrajectoryReady)] == [3]
+        sub = await sched.attach("t", acked_through=3)
+        assert sub.drain() == []
+        await sched.submit([spec("new")], "t")
+        fin = await collect_finished(sub, ["new"])
+        assert fin["new"].delivery_id == 4
+
+
+async def test_second_attach_closes_the_first(tmp_path):
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        first = await sched.attach("t")
+        second = await sched.attach("t")
+        assert first.closed and not second.closed
+        with pytest.raises(StopAsyncIteration):
+            await first.__anext__()
+        assert sched.status().sessions == 1
+        await second.close()
+        assert sched.status().sessions == 0
+
+
+async def test_replay_and_live_deliveries_never_duplicate(tmp_path):
+    n = 150
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        await sched.submit([spec(f"j{i}") for i in range(n)], "t")
+        await eventually(lambda: sched.status().pending < n - 10)
+        sub = await sched.attach("t")  # attach while jobs are still finishing
+        ids: list[int] = []
+        async with asyncio.timeout(20):
+            async for ev in sub:
+                if isinstance(ev, TrajectoryReady):
+                    ids.append(ev.delivery_id)
+                    if len(ids) == n:
+                        break
+        assert sorted(ids) == list(range(1, n + 1))
+        assert ids == sorted(ids), "deliveries arrive in delivery_id order"
+
+
+async def test_max_unacked_holds_trajectories_until_acks(tmp_path):
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        sub = await sched.attach("t", max_unacked=2)
+        await sched.submit([spec(f"j{i}") for i in range(4)], "t")
+        await _all_done(sched, 4)
+        ready = [e for e in sub.drain() if isinstance(e, TrajectoryReady)]
+        assert [e.delivery_id for e in ready] == [1, 2] and sub.outstanding == 2
+        await sched.ack("t", [1])
+        assert [e.delivery_id for e in sub.drain() if isinstance(e, TrajectoryReady)] == [3]
+        await sched.ack("t", through=3)
+        assert [e.delivery_id for e in sub.drain() if isinstance(e, TrajectoryReady)] == [4]
+
+
+async def test_status_and_prometheus_metrics(tmp_path):
+    async with running_scheduler(tmp_path / "db", init_workers=2) as (sched, handler):
+        await sched.submit([spec(f"j{i}") for i in range(5)] + [spec("f", fail="run")], "t")
+        await _all_done(sched, 6)
+        st = sched.status()
+        init, run, ev = st.stages
+        assert (init.completed, run.completed, run.failed, ev.completed) == (6, 5, 1, 5)
+        assert init.workers == 2 and init.throughput_per_s > 0 and run.latency_p95_s >= 0
+        assert st.jobs_by_state == {JobState.SUCCEEDED: 5, JobState.FAILED: 1}
+        await sched.submit([spec("held", gate=["init"])], "t")
+        await eventually(lambda: handler.started("held", "init"))
+        text = generate_latest(sched.metrics_registry).decode()
+        assert 'rollout_stage_in_flight{stage="init"} 1.0' in text
+        assert 'rollout_stage_duration_seconds_count{outcome="ok",stage="eval"} 5.0' in text
+        assert 'rollout_jobs_finished_total{code="HANDLER_ERROR",state="failed"} 1.0' in text
+        assert "rollout_pending_jobs 1.0" in text
+        handler.open("held", "init")
+
+
+async def test_list_pages_with_live_state(tmp_path):
+    async with running_scheduler(tmp_path / "db") as (sched, handler):
+        await sched.submit([spec(f"j{i}") for i in range(5)] + [spec("g", gate=["run"])], "t")
+        await eventually(lambda: handler.started("g", "run"))
+        await sched.store.flush()
+        page, token = await sched.list(page_size=4)
+        rest, end = await sched.list(page_size=4, page_token=token)
+        assert [r.job_id for r in page + rest] == ["j0", "j1", "j2", "j3", "j4", "g"]
+        assert end == ""
+        running, _ = await sched.list(state=JobState.RUNNING)
+        assert [r.job_id for r in running] == ["g"]
+        live = next(r for r in rest if r.job_id == "g")
+        assert live.state is JobState.RUNNING and live.stage is not None
+        handler.open("g", "run")
