@@ -141,7 +141,7 @@ class Sandbox(abc.ABC):
 
     # -- processes ---------------------------------------------------------------------------
     @abc.abstractmethod
-    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
         """Run a command to completion (``str`` goes through ``bash -c``)."""

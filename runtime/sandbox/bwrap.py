@@ -170,7 +170,7 @@ class BwrapSandbox(Sandbox):
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
                     "`apt-get install bubblewrap util-linux` (or your distribution's packages)")
         rootfs = Path(rootfs) if rootfs else config.rootfs
-        if rootfs is not None and not Path(rootfs).is_dir():
+        if rootfs is not None and not await asyncio.to_thread(Path(rootfs).is_dir):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
         return await asyncio.to_thread(cls._create_sync, config, dict(workspace_files),
                                        dict(env), network, limits, rootfs)
@@ -243,7 +243,7 @@ class BwrapSandbox(Sandbox):
     def _owner(self) -> tuple[int, int] | None:
         return (self._lease.uid, self._lease.uid) if self._lease else None
 
-    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
         argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)

@@ -62,7 +62,7 @@ async def _pump(stream: asyncio.StreamReader | None, sink: _Capped) -> None:
         sink.feed(chunk)
 
 
-async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: float,
+async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: float,  # noqa: ASYNC109
                       stdin: bytes | None = None, max_output: int = 1 << 20,
                       on_spawn: object = None, on_exit: object = None,
                       kill_grace_s: float = 0.0) -> ExecResult:

@@ -217,7 +217,7 @@ class BashSession:
                 view = view[n:]
             except BlockingIOError:
                 fut: asyncio.Future[None] = self._loop.create_future()
-                self._loop.add_writer(self._fd, lambda: fut.done() or fut.set_result(None))
+                self._loop.add_writer(self._fd, _resolve, fut)
                 try:
                     await fut
                 finally:
@@ -226,14 +226,14 @@ class BashSession:
     def _sentinel_cmd(self, ident: str, status: str = '"$?"') -> str:
         return f"printf '\\036__RS_{self._nonce}_{ident}__%d\\036\\n' {status}"
 
-    async def _wait(self, timeout: float) -> bool:
+    async def _wait(self, timeout: float) -> bool:  # noqa: ASYNC109
         try:
             await asyncio.wait_for(self._event.wait(), timeout)
         except TimeoutError:
             return False
         return True
 
-    async def run(self, command: str, timeout: float = 60.0,
+    async def run(self, command: str, timeout: float = 60.0,  # noqa: ASYNC109
                   interrupt_grace_s: float = 1.0) -> BashResult:
         """Run one command; cwd and environment carry over to the next."""
         async with self._lock:
@@ -262,7 +262,7 @@ class BashSession:
             return BashResult(self._sink.text(), self._done[1],
                               truncated=bool(self._sink.dropped))
 
-    async def _on_timeout(self, timeout: float, grace: float) -> BashResult:
+    async def _on_timeout(self, timeout: float, grace: float) -> BashResult:  # noqa: ASYNC109
         await self._write(b"\x03")
         await self._write((self._sentinel_cmd(f"{self._seq}r", "130") + "\n").encode())
         if await self._wait(grace) and self._done is not None:
@@ -275,6 +275,11 @@ class BashSession:
                           "shell was killed; the next command runs in a new shell (working "
                           "directory and environment were reset)]", -1, timed_out=True,
                           truncated=bool(self._sink.dropped), restarted=True)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _raw_terminal(fd: int) -> None:
@@ -318,7 +323,7 @@ class BashTool:
         self.default_timeout = default_timeout
         self.max_timeout = max_timeout
 
-    async def run(self, command: str, timeout: float | None = None) -> BashResult:
+    async def run(self, command: str, timeout: float | None = None) -> BashResult:  # noqa: ASYNC109
         """Python API for handlers; restarts a shell that died since the last call."""
         session = await self.sandbox.bash()
         t = min(timeout if timeout is not None else self.default_timeout, self.max_timeout)

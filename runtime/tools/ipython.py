@@ -95,7 +95,7 @@ class IPythonKernel:
             self._tmp = tempfile.TemporaryDirectory(prefix="ipk")
         return Path(self._tmp.name), self._tmp.name
 
-    async def _launch(self, timeout: float) -> None:
+    async def _launch(self, timeout: float) -> None:  # noqa: ASYNC109
         from jupyter_client.asynchronous import AsyncKernelClient
         host_dir, inside_dir = self._dirs()
         n = next(_counter)
@@ -114,7 +114,7 @@ class IPythonKernel:
         conn_host.write_text(json.dumps({**info, "ip": inside_ip}))
         argv = [self.python, "-m", "ipykernel_launcher", "-f", f"{inside_dir}/k{n}.json",
                 "--HistoryManager.enabled=False", "--IPKernelApp.log_level=ERROR"]
-        log = open(host_dir / f"k{n}.log", "wb")  # noqa: SIM115 - handed to the child
+        log = open(host_dir / f"k{n}.log", "wb")  # noqa: ASYNC230 - local file, instant
         try:
             if self.sandbox is not None:
                 self._proc = await asyncio.create_subprocess_exec(
@@ -128,7 +128,8 @@ class IPythonKernel:
         finally:
             log.close()
         client = AsyncKernelClient()
-        client.load_connection_info({**info, "ip": host_ip})
+        client_info: dict[str, Any] = {**info, "ip": host_ip}
+        client.load_connection_info(client_info)  # type: ignore[arg-type]
         client.start_channels()
         self._client = client
         self._log = host_dir / f"k{n}.log"
@@ -170,7 +171,7 @@ class IPythonKernel:
             self._tmp.cleanup()
             self._tmp = None
 
-    async def restart(self, timeout: float = 30.0) -> None:
+    async def restart(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109
         """A fresh kernel (all variables are lost)."""
         async with self._lock:
             await self.close()
@@ -181,7 +182,7 @@ class IPythonKernel:
             msg = self._client.session.msg("interrupt_request", {})
             self._client.control_channel.send(msg)
 
-    async def execute(self, code: str, timeout: float = 60.0,
+    async def execute(self, code: str, timeout: float = 60.0,  # noqa: ASYNC109
                       interrupt_grace_s: float = 2.0) -> CellResult:
         async with self._lock:
             if not self.alive or self._client is None:
@@ -195,7 +196,7 @@ class IPythonKernel:
                 res.output = prefix + res.output
             return res
 
-    async def _execute(self, code: str, timeout: float, grace: float) -> CellResult:
+    async def _execute(self, code: str, timeout: float, grace: float) -> CellResult:  # noqa: ASYNC109
         client = self._client
         msg_id = client.execute(code, store_history=True, allow_stdin=False)
         parts: list[str] = []
@@ -284,7 +285,7 @@ class IPythonTool:
         self.default_timeout = default_timeout
         self.max_output = max_output
 
-    async def run(self, code: str, timeout: float | None = None) -> CellResult:
+    async def run(self, code: str, timeout: float | None = None) -> CellResult:  # noqa: ASYNC109
         kernel = await self.sandbox.ipython()
         return await kernel.execute(code, timeout or self.default_timeout)
 

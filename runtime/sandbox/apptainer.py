@@ -1,0 +1,214 @@
+"""The Apptainer/Singularity runtime (``SandboxConfig(runtime="apptainer", image=...)``).
+
+For clusters where an admin provides Apptainer and users bring SIF images. The instance is
+started through spython (``instance start --containall --writable-tmpfs --no-home`` with no
+network and the sandbox's directories bound in), and stopped through it at destroy. Commands
+run with ``singularity exec instance://<name>`` launched by us directly rather than through
+spython's ``execute``, because that call blocks without a timeout and we need an asynchronous,
+killable process for timeouts, the pty bash and the IPython kernel.
+
+spython hard-codes the executable name ``singularity``; Apptainer installs that name as a
+compatibility link. The sandbox's own directory layout is the bwrap runtime's (workspace, tmp,
+ctl), so tools work the same on both runtimes.
+
+Gaps compared with bwrap: Apptainer runs the container as the calling user, so when the server
+runs as root RLIMIT_NPROC does not bind; a timed-out ``exec`` is killed from the host side and
+anything it left inside the instance dies when the instance stops at destroy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.sandbox import hostfs, procs
+from runtime.sandbox.base import (
+    ExecResult,
+    Network,
+    Sandbox,
+    SandboxConfig,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+)
+
+CTL_IN_SANDBOX = "/.sandbox"
+INSTALL_HINT = ("the apptainer sandbox runtime needs the `singularity` executable on PATH "
+                "(spython calls that name): install Apptainer "
+                "(https://apptainer.org/docs/admin/main/installation.html; it provides "
+                "`singularity` as a compatibility link) or SingularityCE, or use the default "
+                "bwrap runtime")
+
+
+def find_singularity() -> str:
+    exe = shutil.which("singularity")
+    if exe is None:
+        if shutil.which("apptainer"):
+            raise SandboxUnavailable(INSTALL_HINT + "; `apptainer` was found but not "
+                                     "`singularity`: add a `singularity` link to it")
+        raise SandboxUnavailable(INSTALL_HINT)
+    return exe
+
+
+def instance_options(sb_path: Path, workspace_in_sandbox: str, network: Network,
+                     extra_ro_binds: Sequence[tuple[str, str]]) -> list[str]:
+    opts = ["--containall", "--writable-tmpfs", "--no-home", "--cleanenv"]
+    if network == "none":
+        opts += ["--net", "--network", "none"]
+    opts += ["--bind", f"{sb_path / 'workspace'}:{workspace_in_sandbox}",
+             "--bind", f"{sb_path / 'tmp'}:/tmp",
+             "--bind", f"{sb_path / 'ctl'}:{CTL_IN_SANDBOX}"]
+    for host, inside in extra_ro_binds:
+        opts += ["--bind", f"{host}:{inside}:ro"]
+    return opts
+
+
+class ApptainerSandbox(Sandbox):
+    def __init__(self, config: SandboxConfig, sid: str, path: Path, lock_fd: int,
+                 exe: str, instance: Any, env: dict[str, str], network: Network,
+                 limits: SandboxLimits) -> None:
+        super().__init__()
+        self.config = config
+        self.id = sid
+        self.path = path
+        self.workspace = path / "workspace"
+        self.workspace_in_sandbox = config.workspace_in_sandbox
+        self.env = env
+        self.network = network
+        self.limits = limits
+        self.python = config.python or "python3"
+        self.exe = exe
+        self.instance = instance
+        self.instance_name = f"rollout-{sid}"
+        self._lock_fd = lock_fd
+        self._pids: set[int] = set()
+        self._destroy_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
+                     env: Mapping[str, str], network: Network, limits: SandboxLimits,
+                     image: str | None = None, **unknown: Any) -> ApptainerSandbox:
+        if unknown:
+            raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
+                               "INVALID_SANDBOX_OPTIONS")
+        exe = find_singularity()
+        image = image or config.image
+        if not image:
+            raise SandboxError("the apptainer runtime needs an image (a .sif file or a "
+                               "sandbox directory): set SandboxConfig.image",
+                               "INVALID_SANDBOX_OPTIONS")
+        if "://" not in image and not await asyncio.to_thread(os.path.exists, image):
+            raise SandboxError(f"image {image} does not exist", "INVALID_SANDBOX_OPTIONS")
+        return await asyncio.to_thread(cls._create_sync, config, exe, image,
+                                       dict(workspace_files), dict(env), network, limits)
+
+    @classmethod
+    def _create_sync(cls, config: SandboxConfig, exe: str, image: str,
+                     files: dict[str, bytes | str], env: dict[str, str], network: Network,
+                     limits: SandboxLimits) -> ApptainerSandbox:
+        from spython.main import Client
+        root = config.sandboxes_dir
+        root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        sid = uuid.uuid4().hex[:12]
+        path = root / sid
+        path.mkdir(mode=0o711)
+        lock_fd = -1
+        name = f"rollout-{sid}"
+        try:
+            lock_fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            (path / "meta.json").write_text(json.dumps({
+                "uid": None, "server_pid": os.getpid(), "created": time.time(),
+                "runtime": "apptainer", "instance": name}))
+            for sub in ("workspace", "tmp", "tmp/home", "ctl"):
+                (path / sub).mkdir(mode=0o755)
+            os.chmod(path / "tmp", 0o1777)
+            for rel, data in files.items():
+                hostfs.write_beneath(path / "workspace", rel,
+                                     data.encode() if isinstance(data, str) else data)
+            opts = instance_options(path, config.workspace_in_sandbox, network,
+                                    config.extra_ro_binds)
+            instance = Client.instance(image, name=name, options=opts, start=True,
+                                       capture=True, quiet=True)
+            listed = Client.instances(name=name, return_json=True, quiet=True)
+            if not listed:
+                raise SandboxError(f"`singularity instance start` of {image} failed (no "
+                                   f"instance {name} is running)", "SANDBOX_START_FAILED")
+            sb_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                      "HOME": "/tmp/home", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                      "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg", "TERM": "dumb", **env}
+            return cls(config, sid, path, lock_fd, exe, instance, sb_env, network, limits)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                subprocess.run([exe, "instance", "stop", name], capture_output=True,
+                                     timeout=30, check=False)
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            hostfs.rmtree(path)
+            raise
+
+    def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
+                     env: Mapping[str, str] | None = None, tty: bool = False) -> list[str]:
+        self._check_alive()
+        return ["prlimit", *self.limits.prlimit_args(), "--", self.exe, "exec", "--cleanenv",
+                "--pwd", cwd or self.workspace_in_sandbox, f"instance://{self.instance_name}",
+                *argv]
+
+    def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Host environment: PATH to find the CLI, the sandbox env as SINGULARITYENV_*/
+        APPTAINERENV_* (the only variables ``--cleanenv`` lets through)."""
+        merged = {**self.env, **(env or {})}
+        host = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        for k, v in merged.items():
+            host[f"SINGULARITYENV_{k}"] = v
+            host[f"APPTAINERENV_{k}"] = v
+        return host
+
+    def track(self, pid: int) -> None:
+        self._pids.add(pid)
+
+    def untrack(self, pid: int) -> None:
+        self._pids.discard(pid)
+
+    def control_dir(self) -> tuple[Path, str]:
+        return self.path / "ctl", CTL_IN_SANDBOX
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
+                   cwd: str | None = None, env: Mapping[str, str] | None = None,
+                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return await procs.run_collect(
+            self.command_argv(argv, cwd=cwd), env=self.spawn_env(env),
+            timeout=timeout if timeout is not None else self.limits.default_timeout_s,
+            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack)
+
+    async def destroy(self) -> None:
+        if self._destroy_task is None:
+            self.destroyed = True
+            self._destroy_task = asyncio.ensure_future(self._destroy())
+        await asyncio.shield(self._destroy_task)
+
+    async def _destroy(self) -> None:
+        await self._close_tools()
+        await asyncio.to_thread(self._teardown_sync)
+
+    def _teardown_sync(self) -> None:
+        for pid in list(self._pids):
+            procs.kill_pid(pid)
+        self._pids.clear()
+        with contextlib.suppress(Exception):
+            self.instance.stop(quiet=True)
+        hostfs.rmtree(self.path)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
