@@ -1,0 +1,232 @@
+"""The ``swe`` environment: fix a bug in a repository, judged by hidden tests (SWE-bench style).
+
+Task format: a SWE-bench instance plus where to find the repository without network::
+
+    {
+      "instance_id": "rollout__semver-1",
+      "repo": "rollout-service/semver",          # informational
+      "repo_source": "swe_repos/semver.bundle",  # git bundle, git directory, or .tar[.gz]
+                                                 # archive; relative = under runtime/envs/data
+      "base_commit": "060baae...",               # the commit the agent starts from
+      "problem_statement": "...",                # what the agent sees
+      "patch": "diff --git ...",                 # gold fix (optional; never shown; for tests)
+      "test_patch": "diff --git ...",            # hidden tests, applied only in EVAL
+      "FAIL_TO_PASS": ["tests/test_v.py::test_x"],   # list, or a JSON string of one
+      "PASS_TO_PASS": ["tests/test_v.py::test_y"],
+      "test_env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},   # optional, for the test run
+      "test_timeout_s": 300                      # optional
+    }
+
+INIT copies the source into the sandbox, checks out ``base_commit`` as branch ``main`` in the
+workspace and then deletes every other ref and prunes unreachable objects, so the agent cannot
+read the fix from later history. The agent gets bash, the editor and submit; the test patch
+stays on the host until EVAL, which restores the files it touches to ``base_commit`` (the
+agent's edits to those tests do not count), applies it with ``git apply``, runs pytest on the
+test files that hold the named tests and parses ``-rA``. Reward 1 iff every FAIL_TO_PASS test
+and every PASS_TO_PASS test passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from runtime.agent_loop import run_agent_loop
+from runtime.envs.common import (
+    DATA_DIR,
+    SANDBOX_KEY,
+    check_task_object,
+    invalid,
+    optional_number,
+    require_str,
+    sandbox_of,
+    sandbox_tools,
+    string_env,
+    write_private,
+)
+from runtime.envs.pytest_log import files_of, judge, parse_pytest_report
+from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from runtime.tools.submit import SubmitTool
+from runtime.types import Reward
+
+ENV = "swe"
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+INSTRUCTIONS = (
+    "You are an expert software engineer working in a Linux sandbox. The repository is checked "
+    "out in the current directory ({workspace}). Fix the issue described by the user by editing "
+    "the source code with the tools; you may run the existing tests with "
+    "`python -m pytest`. Do not edit the tests to make them pass. When the fix is complete, call "
+    "`submit` (its answer is a one-line summary of the change).")
+
+_CHECKOUT = r"""
+set -euo pipefail
+src=$1 kind=$2 base=$3
+if [ "$kind" = archive ]; then
+  tar -xf "$src" -C .
+  if [ ! -d .git ]; then
+    git init -q -b main && git add -A
+    git -c user.name=rollout -c user.email=rollout@localhost commit -qm base
+  fi
+else
+  git init -q -b main
+  git fetch -q "$src" '+refs/*:refs/rollout-src/*'
+fi
+git -c advice.detachedHead=false checkout -q --force -B main "$base"
+git for-each-ref --format='%(refname)' | grep -v '^refs/heads/main$' \
+  | while read -r ref; do git update-ref -d "$ref"; done
+git reflog expire --expire=now --all
+git gc -q --prune=now
+git config user.name agent && git config user.email agent@localhost
+rm -f "$src"
+git rev-parse HEAD
+"""
+
+_APPLY_TESTS = r"""
+set -uo pipefail
+patch=$1 base=$2; shift 2
+for f in "$@"; do
+  if git cat-file -e "$base:$f" 2>/dev/null; then git checkout -q "$base" -- "$f"
+  else rm -f -- "$f"; fi
+done
+git apply --whitespace=nowarn "$patch" || exit 97
+"""
+_PATCH_FAILED = 97
+
+
+class SweHandler(AgentHandler):
+    name = ENV
+
+    def validate_task(self, task: Mapping[str, Any]) -> None:
+        check_task_object(task, ENV)
+        for name in ("instance_id", "problem_statement", "test_patch"):
+            require_str(task, name, env=ENV)
+        base = require_str(task, "base_commit", env=ENV)
+        if not re.fullmatch(r"[0-9a-f]{7,64}", base):
+            raise invalid(f"swe task field 'base_commit' must be a hex commit id, got {base!r}",
+                          "base_commit")
+        source = resolve_source(require_str(task, "repo_source", env=ENV))
+        if not source.exists():
+            raise invalid(f"swe task 'repo_source' {source} does not exist on the server",
+                          "repo_source")
+        if source.is_file() and not (source.suffix == ".bundle"
+                                     or source.name.endswith(_ARCHIVE_SUFFIXES)):
+            raise invalid("swe task 'repo_source' must be a git bundle (.bundle), a git "
+                          f"directory or a .tar/.tar.gz archive, got {source.name!r}",
+                          "repo_source")
+        if not named_tests(task, "FAIL_TO_PASS"):
+            raise invalid("swe task needs at least one FAIL_TO_PASS test", "FAIL_TO_PASS")
+        named_tests(task, "PASS_TO_PASS")
+        string_env(task, "test_env", env=ENV)
+        optional_number(task, "test_timeout_s", 300.0, env=ENV)
+        if "patch" in task and not isinstance(task["patch"], str):
+            raise invalid("swe task field 'patch' must be a string", "patch")
+
+    async def init(self, ctx: JobContext) -> None:
+        task = ctx.spec.task
+        self.validate_task(task)
+        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+        sandbox = await ctx.open_sandbox()
+        ctx.state[SANDBOX_KEY] = sandbox
+        src = await write_private(sandbox, "repo-source", data)
+        result = await sandbox.exec(["bash", "-c", _CHECKOUT, "checkout", src, kind,
+                                     task["base_commit"]],
+                                    timeout=ctx.spec.limits.init_timeout_s,
+                                    cwd=sandbox.workspace_in_sandbox)
+        head = result.stdout.strip().splitlines()[-1:] if result.ok else []
+        if not head or not head[0].startswith(task["base_commit"]):
+            raise HandlerError(f"could not check out {task['base_commit']} from "
+                               f"{task['repo_source']}: {result.output[-800:]}",
+                               "REPO_CHECKOUT_FAILED")
+
+    async def run(self, ctx: JobContext) -> RunOutcome:
+        sandbox = sandbox_of(ctx)
+        tools = [*sandbox_tools(sandbox, ["bash", "editor"]),
+                 SubmitTool(ctx.state, answer_description="A one-line summary of your fix.")]
+        messages = [
+            {"role": "system",
+             "content": INSTRUCTIONS.format(workspace=sandbox.workspace_in_sandbox)},
+            {"role": "user", "content": ctx.spec.task["problem_statement"]}]
+        return await run_agent_loop(ctx, tools, messages)
+
+    async def eval(self, ctx: JobContext) -> Reward:
+        task = ctx.spec.task
+        sandbox = sandbox_of(ctx)
+        f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
+        patch_path = await write_private(sandbox, "test.patch", task["test_patch"])
+        applied = await sandbox.exec(
+            ["bash", "-c", _APPLY_TESTS, "apply", patch_path, task["base_commit"],
+             *patched_files(task["test_patch"])], timeout=60.0,
+            cwd=sandbox.workspace_in_sandbox)
+        if not applied.ok:
+            why = ("the test patch does not apply" if applied.exit_code == _PATCH_FAILED
+                   else "restoring the test files failed")
+            return Reward(0.0, {"fail_to_pass": 0.0, "pass_to_pass": 0.0},
+                          {"error": why, "log": applied.output[-1000:]})
+        timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
+        run = await sandbox.exec(
+            ["python", "-m", "pytest", "-rA", "-p", "no:cacheprovider", *files_of(f2p + p2p)],
+            timeout=timeout, cwd=sandbox.workspace_in_sandbox,
+            env=string_env(task, "test_env", env=ENV), max_output=4 << 20)
+        verdict = judge(parse_pytest_report(run.stdout), f2p, p2p)
+        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
+                   if o not in ("PASSED", "XFAIL")]
+        info = {"pytest_exit": str(run.exit_code), "failing": ",".join(failing)[:1000]}
+        if run.timed_out:
+            info["error"] = f"tests timed out after {timeout:g} s"
+        return Reward(1.0 if verdict.resolved else 0.0,
+                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
+                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+
+    async def cleanup(self, ctx: JobContext) -> None:
+        ctx.state.pop(SANDBOX_KEY, None)
+
+
+def named_tests(task: Mapping[str, Any], name: str) -> list[str]:
+    """FAIL_TO_PASS / PASS_TO_PASS as a list (SWE-bench exports store them as JSON strings)."""
+    value = task.get(name, [])
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise invalid(f"swe task field {name!r} is a string but not a JSON list",
+                          name) from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise invalid(f"swe task field {name!r} must be a list of pytest node ids", name)
+    return list(value)
+
+
+def patched_files(patch: str) -> list[str]:
+    """Paths a unified git diff touches (both sides of renames), in order."""
+    files: dict[str, None] = {}
+    for m in re.finditer(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE):
+        files.setdefault(m.group(1), None)
+        files.setdefault(m.group(2), None)
+    return list(files)
+
+
+def resolve_source(repo_source: str) -> Path:
+    path = Path(repo_source).expanduser()
+    return path if path.is_absolute() else DATA_DIR / path
+
+
+def read_source(path: Path) -> tuple[str, bytes]:
+    """("bundle" | "archive", bytes) for the sandbox; a git directory is bundled first."""
+    if path.is_dir():
+        with tempfile.TemporaryDirectory(prefix="rollout-swe-") as tmp:
+            bundle = Path(tmp) / "repo.bundle"
+            proc = subprocess.run(["git", "-C", str(path), "bundle", "create", "-q",
+                                   str(bundle), "--all"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise HandlerError(f"could not bundle the git directory {path}: "
+                                   f"{proc.stderr[-500:]}", "REPO_SOURCE_INVALID")
+            return "bundle", bundle.read_bytes()
+    kind = "archive" if path.name.endswith(_ARCHIVE_SUFFIXES) else "bundle"
+    return kind, path.read_bytes()
+
