@@ -1,0 +1,93 @@
+"""``rollout jobs …`` and ``rollout status``: thin renderings of the unary RPCs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+from rich.console import Console
+from rich.table import Table
+
+from client.aio import RolloutClient
+from rollout.v1 import job_pb2
+
+
+def _client(settings: Any) -> RolloutClient:
+    return RolloutClient(settings.address, token=settings.token)
+
+
+def state_name(value: int) -> str:
+    return job_pb2.Job.State.Name(value).removeprefix("STATE_")
+
+
+def stage_name(value: int) -> str:
+    return job_pb2.Stage.Name(value).removeprefix("STAGE_")
+
+
+def fmt_duration(d: Duration) -> str:
+    s = d.ToNanoseconds() / 1e9
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def _fmt_time(ts: Timestamp) -> str:
+    return ts.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if ts.seconds else ""
+
+
+async def jobs(args: argparse.Namespace, settings: Any, console: Console | None = None) -> int:
+    console = console or Console()
+    async with _client(settings) as client:
+        if args.jobs_command == "list":
+            table = Table(title="jobs (newest first)")
+            for col in ("job", "environment", "state", "stage", "attempts", "reward",
+                        "group", "client", "created"):
+                table.add_column(col)
+            n = 0
+            async for job in client.list_jobs(state=args.state or 0, group_id=args.group,
+                                              client_id=args.client_id, limit=args.limit):
+                n += 1
+                table.add_row(job.job_id, job.spec.environment, state_name(job.state),
+                              stage_name(job.stage), str(job.attempts),
+                              f"{job.reward:.3f}" if job.state == job.STATE_SUCCEEDED else "",
+                              job.spec.group.group_id, job.client_id,
+                              _fmt_time(job.create_time))
+            console.print(table)
+            console.print(f"{n} job(s)")
+        elif args.jobs_command == "get":
+            resp = await client.get_job(args.job_id, include_trajectory=args.trajectory)
+            console.print_json(json_format.MessageToJson(resp, preserving_proto_field_name=True))
+        else:
+            if bool(args.job_id) == bool(args.group):
+                from client.cli import CliError
+
+                raise CliError("INVALID_ARGUMENT", "MISSING_FIELD",
+                               "name a job id or --group (exactly one)")
+            ids = await client.cancel(job_id=args.job_id, group_id=args.group)
+            console.print(f"cancelled {len(ids)} job(s)" + (": " + ", ".join(ids) if ids else ""))
+    return 0
+
+
+async def status(settings: Any, console: Console | None = None) -> int:
+    console = console or Console()
+    async with _client(settings) as client:
+        st = await client.status()
+    table = Table(title=f"rollout service {st.version} — up {fmt_duration(st.uptime)}, "
+                  f"{st.sessions} session(s)")
+    for col in ("stage", "workers", "queued", "in flight", "completed", "failed", "p50",
+                "p95", "jobs/s"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for s in st.stages:
+        table.add_row(stage_name(s.stage), str(s.workers), str(s.queue_depth),
+                      str(s.in_flight), str(s.completed), str(s.failed),
+                      fmt_duration(s.latency_p50), fmt_duration(s.latency_p95),
+                      f"{s.throughput_per_second:.2f}")
+    console.print(table)
+    counts = ", ".join(f"{k.removeprefix('STATE_')}={v}"
+                       for k, v in sorted(st.jobs_by_state.items())) or "none"
+    console.print(f"jobs: {counts}")
+    console.print(f"environments: {', '.join(st.environments) or 'none'}")
+    return 0

@@ -1,0 +1,208 @@
+"""``rollout submit FILE.jsonl --out OUT.jsonl``: run a file of jobs, keep every trajectory.
+
+Crash safety is the point of the design: a trajectory is acknowledged only after its line is
+written and flushed, and the output file is appended to. The default client id is derived
+from the output path, so re-running the same command after a crash (or Ctrl-C) re-opens the
+same session: the server replays exactly the trajectories that were not yet written, the
+re-submitted jobs are recognised as duplicates, and nothing runs or lands in the file twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from client.aio import RolloutClient
+from client.cli import CliError, ClientSettings
+from client.errors import RolloutError
+from client.specs import group_specs, job_spec
+from client.trajectory import to_json, total_tokens
+from rollout.v1 import job_pb2
+from rollout.v1 import rollout_service_pb2 as pb
+
+SUBMIT_BATCH = 500
+_STAGES = (job_pb2.STAGE_INIT, job_pb2.STAGE_RUN, job_pb2.STAGE_EVAL)
+_TERMINAL = {job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED, job_pb2.Job.STATE_CANCELLED}
+
+
+def default_client_id(out: str) -> str:
+    return "submit-" + hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+
+
+def load_specs(path: str, samples: int = 1, finish_after: int = 0) -> list[job_pb2.JobSpec]:
+    """One job per line (or a group of ``samples`` jobs); ids default to ``<stem>-<line>``."""
+    if samples < 1:
+        raise CliError("INVALID_ARGUMENT", "BAD_FLAG", "--samples must be at least 1")
+    stem = re.sub(r"[^A-Za-z0-9._:/-]", "_", Path(path).stem) or "job"
+    specs: list[job_pb2.JobSpec] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise ValueError("a line must be a JSON object")
+                data.setdefault("job_id", f"{stem}-{lineno}")
+                spec = job_spec(data)
+            except ValueError as exc:
+                raise CliError("INVALID_ARGUMENT", "BAD_INPUT",
+                               f"{path}:{lineno}: {exc}") from None
+            if samples > 1 or finish_after:
+                gid = spec.group.group_id or spec.job_id
+                specs += group_specs(spec, samples, gid, finish_after)
+            else:
+                specs.append(spec)
+    if not specs:
+        raise CliError("INVALID_ARGUMENT", "BAD_INPUT", f"{path} holds no jobs")
+    return specs
+
+
+@dataclass
+class _EnvStats:
+    jobs: int = 0
+    states: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    rewards: list[float] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tokens: int = 0
+    stage_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+class RunStats:
+    """What the summary table shows, gathered from the frames."""
+
+    def __init__(self, specs: list[job_pb2.JobSpec]) -> None:
+        self.env_of = {s.job_id: s.environment for s in specs}
+        self.envs: dict[str, _EnvStats] = defaultdict(_EnvStats)
+        for s in specs:
+            self.envs[s.environment].jobs += 1
+        self.rejected: list[str] = []
+        self.already_done = 0
+        self.written = 0
+
+    def env(self, job_id: str) -> _EnvStats:
+        return self.envs[self.env_of.get(job_id, "(earlier run)")]
+
+    def trajectory(self, t: Any) -> None:
+        e = self.env(t.job_id)
+        e.turns.append(len(t.turns))
+        e.tokens += total_tokens(t)
+        for name in ("init", "run", "eval"):
+            e.stage_s[name].append(getattr(t.timings, name).ToNanoseconds() / 1e9)
+        self.written += 1
+
+    def finished(self, job_id: str, f: pb.JobFinished) -> None:
+        e = self.env(job_id)
+        e.states[f.state] += 1
+        if f.state == job_pb2.Job.STATE_SUCCEEDED:
+            e.rewards.append(f.reward)
+
+    def table(self) -> Table:
+        t = Table(title="rollout summary")
+        for col in ("environment", "jobs", "succeeded", "failed", "cancelled", "mean reward",
+                    "mean turns", "tokens", "INIT", "RUN", "EVAL"):
+            t.add_column(col, justify="left" if col == "environment" else "right")
+        S = job_pb2.Job
+        for name, e in sorted(self.envs.items()):
+            def mean(xs: list[float] | list[int]) -> str:
+                return f"{statistics.fmean(xs):.3f}" if xs else "-"
+
+            t.add_row(name, str(e.jobs), str(e.states[S.STATE_SUCCEEDED]),
+                      str(e.states[S.STATE_FAILED]), str(e.states[S.STATE_CANCELLED]),
+                      mean(e.rewards), mean(e.turns), str(e.tokens),
+                      *(f"{statistics.fmean(e.stage_s[s]):.3f} s" if e.stage_s[s] else "-"
+                        for s in ("init", "run", "eval")))
+        return t
+
+
+class _Bars:
+    """One bar per stage (jobs past that stage) and one for finished jobs."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.p = progress
+        self.ok = self.failed = 0
+        self._past: dict[str, set[int]] = defaultdict(set)
+        self._done: set[str] = set()  # a replayed `finished` must not count twice
+        if progress is not None:
+            self.tasks = {st: progress.add_task(job_pb2.Stage.Name(st).removeprefix("STAGE_"),
+                                                total=total) for st in _STAGES}
+            self.done = progress.add_task(self._done_label(), total=total)
+
+    def _done_label(self) -> str:
+        return f"done  [green]✓{self.ok}[/] [red]✗{self.failed}[/]"
+
+    def stage_finished(self, job_id: str, stage: int) -> None:
+        if self.p is not None and stage in self.tasks and stage not in self._past[job_id]:
+            self._past[job_id].add(stage)
+            self.p.advance(self.tasks[stage])
+
+    def job_done(self, job_id: str, ok: bool) -> None:
+        if job_id in self._done:
+            return
+        self._done.add(job_id)
+        if ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+        for st in _STAGES:  # a failed job never passes its later stages; fill them in
+            self.stage_finished(job_id, st)
+        if self.p is not None:
+            self.p.update(self.done, advance=1, description=self._done_label())
+
+
+async def run_submit(args: argparse.Namespace, settings: ClientSettings,
+                     console: Console | None = None) -> int:
+    console = console or Console()
+    specs = load_specs(args.file, args.samples, args.finish_after)
+    client_id = settings.client_id or default_client_id(args.out)
+    stats = RunStats(specs)
+    progress = (Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn(), console=console, transient=False)
+                if args.progress else None)
+    bars = _Bars(progress, len(specs))
+    async with RolloutClient(settings.address, token=settings.token) as client, \
+            client.session(client_id, progress=bool(args.progress)) as session:
+        with open(args.out, "a") as out, (progress or contextlib.nullcontext()):
+            for i in range(0, len(specs), SUBMIT_BATCH):
+                await session.submit(specs[i:i + SUBMIT_BATCH])
+            await session.close()
+            async for frame in session.events():
+                kind = frame.WhichOneof("kind")
+                if kind == "trajectory":
+                    out.write(json.dumps(to_json(frame.trajectory.trajectory)) + "\n")
+                    out.flush()  # written before acknowledged: a crash never loses one
+                    stats.trajectory(frame.trajectory.trajectory)
+                    await session.ack([frame.trajectory.delivery_id])
+                elif kind == "finished":
+                    stats.finished(frame.job_id, frame.finished)
+                    bars.job_done(frame.job_id,
+                                  frame.finished.state == job_pb2.Job.STATE_SUCCEEDED)
+                elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_FINISHED:
+                    bars.stage_finished(frame.job_id, frame.progress.stage)
+                elif kind == "accepted" and frame.accepted.state in _TERMINAL:
+                    stats.already_done += 1  # finished in an earlier run of this command
+                    bars.job_done(frame.job_id,
+                                  frame.accepted.state == job_pb2.Job.STATE_SUCCEEDED)
+                elif kind == "rejected":
+                    stats.rejected.append(frame.job_id)
+                    bars.job_done(frame.job_id, False)
+                    err = RolloutError.from_rejected(frame.rejected)
+                    console.print(f"[red]rejected[/] {frame.job_id}: {err.one_line()}",
+                                  markup=True, highlight=False)
+    console.print(stats.table())
+    console.print(f"{stats.written} trajectories appended to {args.out} "
+                  f"(client id {client_id}); {stats.already_done} finished in an earlier run; "
+                  f"{len(stats.rejected)} rejected")
+    return 1 if stats.rejected else 0

@@ -1,0 +1,324 @@
+"""A ``StreamRollouts`` session that survives dropped connections.
+
+Guarantees (what a trainer may rely on):
+
+- **Every trajectory reaches the caller exactly once per Session object.** The server stores
+  each trajectory until it is acknowledged and replays unacknowledged ones when the same
+  ``client_id`` reconnects; the session drops replays of delivery ids it has already yielded.
+- **An acknowledged trajectory is never sent again** once the server has seen the ack. The
+  session re-opens with ``acked_through`` = the highest delivery id below which everything is
+  acknowledged (so those stay acknowledged even if the last ack frame died with the
+  connection) and re-sends the acks above it first thing. A trajectory whose ack was lost in
+  flight can be replayed once; the session swallows that replay and re-acks it.
+- **No submission is lost or doubled.** A job stays "pending" until the server answers it
+  with ``accepted`` or ``rejected``; pending jobs are re-sent after a reconnect, and since
+  submission is idempotent by ``job_id`` the server runs each job once (the late answer then
+  says ``duplicate=True``).
+- Cancels issued while disconnected are sent after the reconnect. A cancel written just
+  before the connection died may be lost; cancelling again is harmless.
+
+What resumes: UNAVAILABLE and CANCELLED (connection reset, server restart or graceful
+shutdown), with jittered exponential backoff, at most ``max_reconnects`` failed attempts in a
+row. What does not: ABORTED (``SESSION_TAKEN_OVER``: another process owns this client id),
+INVALID_ARGUMENT, UNAUTHENTICATED and every other verdict on the request; those end
+``events()`` with a :class:`RolloutError`.
+
+Sequence numbers restart at 1 on each underlying stream; every re-open shows up as a new
+``opened`` frame.
+
+Ending: ``close()`` means "nothing more to submit". The session half-closes the stream only
+when it owes the server nothing: every submit answered, every trajectory it yielded acknowledged, and a heartbeat
+confirming that the server has no unfinished job and no unacknowledged trajectory for this
+client. Half-closing earlier would
+strand the last trajectories: a half-closed stream can no longer carry their acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+
+from client.errors import RolloutError
+from client.specs import SpecLike, group_specs, job_specs
+from rollout.v1 import job_pb2
+from rollout.v1 import rollout_service_pb2 as pb
+
+_END = object()
+_STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+
+
+class Session:
+    def __init__(self, client: Any, client_id: str, *, progress: bool = False,
+                 max_unacked: int = 0, auto_ack: bool = False,
+                 heartbeat_s: float | None = None, max_reconnects: int = 10,
+                 on_wire: Callable[[pb.StreamRolloutsResponse], None] | None = None,
+                 backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
+        self.client = client
+        self.client_id = client_id
+        self.progress = progress
+        self.max_unacked = max_unacked
+        self.auto_ack = auto_ack
+        self.heartbeat_s = 1.0 if heartbeat_s is None else heartbeat_s
+        """Heartbeats also tell a closing session when the server owes it nothing."""
+        self.max_reconnects = max_reconnects
+        self.on_wire = on_wire
+        """Sees every frame as received, before de-duplication (tests, debugging)."""
+        self.backoff_s = backoff_s
+        self.reconnects = 0
+        """Successful re-opens after a drop."""
+        self.opened: pb.SessionOpened | None = None
+
+        self._events: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
+        self._lock = asyncio.Lock()  # one writer at a time; (re)connect is atomic to writers
+        self._call: Any = None
+        self._half_closed = False
+        self._closing = False
+        self._pending: dict[str, job_pb2.JobSpec] = {}
+        self._finished: set[str] = set()
+        self._acked_through = 0
+        self._acked: set[int] = set()  # acked ids above _acked_through
+        self._seen: set[int] = set()  # yielded ids above _acked_through
+        self._queued_cancels: list[pb.CancelJobs] = []
+        self._first_open: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Session:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the stream; raises :class:`RolloutError` if the server refuses the session."""
+        if self._task is not None:
+            return
+        self._first_open = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(), name=f"session:{self.client_id}")
+        await asyncio.shield(self._first_open)
+
+    async def close(self) -> None:
+        """No more submits: the stream ends once everything owed is done (see module doc).
+        Keep iterating ``events()`` (and acknowledging) until it ends."""
+        self._closing = True
+
+    async def aclose(self) -> None:
+        """Drop the stream now. Unacknowledged trajectories stay stored on the server."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._call is not None:
+            self._call.cancel()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._events.put_nowait(_END)
+
+    # ------------------------------------------------------------------ requests
+
+    async def submit(self, specs: SpecLike | Iterable[SpecLike]) -> list[str]:
+        """Submit jobs; each is answered by an ``accepted`` or ``rejected`` frame."""
+        protos = job_specs(specs)
+        if self._closing:
+            raise RuntimeError("session is closing; no more submits")
+        async with self._lock:
+            for p in protos:
+                self._pending[p.job_id] = p
+            await self._write_locked(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(jobs=protos)))
+        return [p.job_id for p in protos]
+
+    async def submit_group(self, template: SpecLike, n: int, group_id: str,
+                           finish_after: int = 0) -> list[str]:
+        """``n`` samples of one prompt as jobs ``{group_id}/{i}`` of one group."""
+        return await self.submit(group_specs(template, n, group_id, finish_after))
+
+    async def ack(self, delivery_ids: Iterable[int]) -> None:
+        new = [i for i in delivery_ids if i > self._acked_through and i not in self._acked]
+        if not new:
+            return
+        self._acked.update(new)
+        self._seen.difference_update(new)
+        while self._acked_through + 1 in self._acked:
+            self._acked_through += 1
+            self._acked.discard(self._acked_through)
+        self._seen = {i for i in self._seen if i > self._acked_through}
+        async with self._lock:
+            await self._write_locked(pb.StreamRolloutsRequest(
+                ack=pb.AckTrajectories(delivery_ids=new)))
+
+    async def cancel(self, job_ids: Iterable[str] = (), group_ids: Iterable[str] = ()) -> None:
+        msg = pb.CancelJobs(job_ids=list(job_ids), group_ids=list(group_ids))
+        async with self._lock:
+            if not await self._write_locked(pb.StreamRolloutsRequest(cancel=msg)):
+                self._queued_cancels.append(msg)
+
+    @property
+    def acked_through(self) -> int:
+        return self._acked_through
+
+    @property
+    def pending_job_ids(self) -> list[str]:
+        return list(self._pending)
+
+    # ------------------------------------------------------------------ responses
+
+    async def events(self) -> AsyncIterator[pb.StreamRolloutsResponse]:
+        """Every frame once: opened, accepted, rejected, progress, trajectory, finished,
+        heartbeat. With ``auto_ack`` a trajectory is acknowledged when the caller asks for
+        the next frame, i.e. after it has handled this one."""
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if self.auto_ack and item.WhichOneof("kind") == "trajectory":
+                await self.ack([item.trajectory.delivery_id])
+
+    async def trajectories(self) -> AsyncIterator[pb.TrajectoryReady]:
+        async for frame in self.events():
+            if frame.WhichOneof("kind") == "trajectory":
+                yield frame.trajectory
+
+    # ------------------------------------------------------------------ the connection
+
+    async def _write_locked(self, req: pb.StreamRolloutsRequest) -> bool:
+        """Write on the live stream; False when there is none (the state is re-sent on
+        reconnect, so a failed write loses nothing but a cancel)."""
+        if self._call is None or self._half_closed:
+            return False
+        try:
+            await self._call.write(req)
+            return True
+        except _STREAM_BROKEN:
+            return False
+
+    def _open_request(self) -> pb.StreamRolloutsRequest:
+        open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
+                               max_unacked=self.max_unacked, progress=self.progress)
+        if self.heartbeat_s > 0:
+            open_.heartbeat_interval.CopyFrom(Duration(
+                seconds=int(self.heartbeat_s),
+                nanos=int((self.heartbeat_s % 1) * 1e9)))
+        return pb.StreamRolloutsRequest(open=open_)
+
+    async def _connect(self) -> Any:
+        async with self._lock:
+            call = self.client.stub.StreamRollouts(metadata=self.client.metadata())
+            self._call, self._half_closed = call, False
+            await call.write(self._open_request())
+            if self._acked:
+                await call.write(pb.StreamRolloutsRequest(
+                    ack=pb.AckTrajectories(delivery_ids=sorted(self._acked))))
+            if self._pending:
+                await call.write(pb.StreamRolloutsRequest(
+                    submit=pb.SubmitJobs(jobs=list(self._pending.values()))))
+            for msg in self._queued_cancels:
+                await call.write(pb.StreamRolloutsRequest(cancel=msg))
+            self._queued_cancels.clear()
+            return call
+
+    async def _run(self) -> None:
+        try:
+            await self._run_streams()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a client bug must end events(), not hang it
+            await self._fail(RolloutError(grpc.StatusCode.INTERNAL, "CLIENT_ERROR", repr(exc)))
+
+    async def _run_streams(self) -> None:
+        failures = 0
+        assert self._first_open is not None
+        while True:
+            try:
+                call = await self._connect()
+                first = await call.read()
+                if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
+                    raise RolloutError(grpc.StatusCode.INTERNAL, "PROTOCOL_ERROR",
+                                       "the server did not answer `open` with `opened`")
+                failures = 0
+                if self._first_open.done():
+                    self.reconnects += 1
+                else:
+                    self._first_open.set_result(None)
+                await self._on_frame(first)
+                while (frame := await call.read()) is not grpc.aio.EOF:
+                    await self._on_frame(frame)
+                self._call = None
+                await self._events.put(_END)
+                return
+            except _STREAM_BROKEN as exc:
+                self._call = None
+                err = (RolloutError.from_rpc_error(exc) if isinstance(exc, grpc.RpcError)
+                       else RolloutError(grpc.StatusCode.UNAVAILABLE, "STREAM_BROKEN",
+                                         str(exc)))
+                failures += 1
+                if not err.retryable or failures > self.max_reconnects:
+                    await self._fail(err)
+                    return
+            except RolloutError as err:
+                self._call = None
+                await self._fail(err)
+                return
+            lo, hi = self.backoff_s
+            await asyncio.sleep(min(hi, lo * 2 ** (failures - 1)) * random.uniform(0.5, 1.0))
+
+    async def _fail(self, err: RolloutError) -> None:
+        assert self._first_open is not None
+        if not self._first_open.done():
+            self._first_open.set_exception(err)
+            self._first_open.exception()  # the caller of start() re-raises it; mark retrieved
+        await self._events.put(err)
+
+    async def _on_frame(self, frame: pb.StreamRolloutsResponse) -> None:
+        if self.on_wire is not None:
+            self.on_wire(frame)
+        kind = frame.WhichOneof("kind")
+        if kind == "opened":
+            self.opened = frame.opened
+        elif kind == "accepted":
+            self._pending.pop(frame.job_id, None)
+        elif kind == "rejected":
+            self._pending.pop(frame.job_id, None)
+        elif kind == "finished":
+            if frame.job_id in self._finished:
+                return
+            self._finished.add(frame.job_id)
+        elif kind == "trajectory":
+            did = frame.trajectory.delivery_id
+            if did <= self._acked_through or did in self._acked:
+                await self.ack_again(did)
+                return
+            if did in self._seen:
+                return
+            self._seen.add(did)
+        elif kind == "heartbeat":
+            await self._maybe_half_close(frame.heartbeat)
+        await self._events.put(frame)
+
+    async def ack_again(self, delivery_id: int) -> None:
+        """A replay of an acknowledged trajectory means the ack was lost: send it again."""
+        async with self._lock:
+            await self._write_locked(pb.StreamRolloutsRequest(
+                ack=pb.AckTrajectories(delivery_ids=[delivery_id])))
+
+    async def _maybe_half_close(self, hb: pb.Heartbeat) -> None:
+        # The server's counts are authoritative (they include jobs submitted by an earlier
+        # process with this client id); the local checks cover frames still in flight.
+        owes_nothing = (self._closing and not self._pending and not self._seen
+                        and hb.jobs_in_flight == 0 and hb.unacked == 0)
+        if not owes_nothing:
+            return
+        async with self._lock:
+            if self._call is not None and not self._half_closed:
+                with contextlib.suppress(*_STREAM_BROKEN):
+                    await self._call.done_writing()
+                self._half_closed = True

@@ -1,0 +1,98 @@
+"""Trainer-facing views of a trajectory: one flat token sequence, and JSON lines.
+
+A trainer wants one sequence per trajectory with per-token masks and logprobs, not turns. The
+flat view is the concatenation, turn by turn, of ``prompt_ids + output_ids + observation_ids``
+(the proto's definition), so position ``i`` of every list refers to the same token. Logprobs
+exist only for model tokens; other positions hold 0.0 and carry loss mask 0, so a PPO ratio
+computed over masked positions never reads a made-up value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+
+from rollout.v1 import trajectory_pb2
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A trajectory as aligned per-token lists plus its scalars."""
+
+    job_id: str
+    group_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 for tokens the model generated, 0 for prompts, scaffolding and observations."""
+    logprobs: list[float]
+    """Sampling logprob per token; 0.0 wherever ``loss_mask`` is 0."""
+    prompt_length: int
+    """Length of turn 0's prompt: the part shared by every sample of one task."""
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    policy_versions: list[int] = field(default_factory=list)
+    """Per token, the policy version that generated it (0 where mask is 0)."""
+    num_turns: int = 0
+    termination: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_length:]
+
+    @property
+    def response_mask(self) -> list[int]:
+        return self.loss_mask[self.prompt_length:]
+
+
+def flatten(traj: trajectory_pb2.Trajectory) -> Flat:
+    """Concatenate the turns; checks the invariants a trainer silently depends on."""
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for n, turn in enumerate(traj.turns):
+        if len(turn.output_logprobs) != len(turn.output_ids):
+            raise ValueError(f"turn {n}: {len(turn.output_ids)} output ids but "
+                             f"{len(turn.output_logprobs)} logprobs")
+        p, o, obs = len(turn.prompt_ids), len(turn.output_ids), len(turn.observation_ids)
+        ids += [*turn.prompt_ids, *turn.output_ids, *turn.observation_ids]
+        turn_mask = list(turn.loss_mask) or [0] * p + [1] * o + [0] * obs
+        if len(turn_mask) != p + o + obs:
+            raise ValueError(f"turn {n}: loss_mask has {len(turn_mask)} entries for "
+                             f"{p + o + obs} tokens")
+        mask += turn_mask
+        logprobs += [0.0] * p + list(turn.output_logprobs) + [0.0] * obs
+        versions += [0] * p + [turn.policy_version] * o + [0] * obs
+    # A mask of 1 on a non-output position would have no logprob; zero it out explicitly.
+    logprobs = [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)]
+    return Flat(
+        job_id=traj.job_id, group_id=traj.group_id, token_ids=ids, loss_mask=mask,
+        logprobs=logprobs,
+        prompt_length=len(traj.turns[0].prompt_ids) if traj.turns else 0,
+        reward=traj.reward, reward_components=dict(traj.reward_components),
+        policy_versions=versions, num_turns=len(traj.turns),
+        termination=trajectory_pb2.TerminationReason.Name(traj.termination_reason)
+        .removeprefix("TERMINATION_REASON_"),
+        metadata=dict(traj.metadata))
+
+
+def to_json(traj: trajectory_pb2.Trajectory) -> dict[str, Any]:
+    """The proto's JSON form with snake_case names and every field present, so JSONL files
+    read the same whatever was set (int64 fields come out as strings, per the JSON mapping)."""
+    return json_format.MessageToDict(traj, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def from_json(data: Mapping[str, Any]) -> trajectory_pb2.Trajectory:
+    """Inverse of :func:`to_json`; ignores unknown fields so newer files still load."""
+    return json_format.ParseDict(dict(data), trajectory_pb2.Trajectory(),
+                                 ignore_unknown_fields=True)
+
+
+def total_tokens(traj: trajectory_pb2.Trajectory) -> int:
+    return sum(len(t.prompt_ids) + len(t.output_ids) + len(t.observation_ids)
+               for t in traj.turns)
