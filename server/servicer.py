@@ -58,7 +58,7 @@ def _progress_to_proto(ev: StageProgress) -> pb.StageProgress:
     return pb.StageProgress(
         stage=convert.stage_to_proto(ev.stage),
         event=_PROGRESS_EVENTS.get(ev.event, pb.StageProgress.EVENT_UNSPECIFIED),
-        elapsed=convert.seconds_to_duration(ev.elapsed),
+        elapsed=convert.seconds_to_duration(ev.elapsed_s),
         turns=int((ev.detail or {}).get("turn", 0)) if ev.stage is Stage.RUN else 0)
 
 
@@ -168,8 +168,16 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             with contextlib.suppress(Exception):
                 await sub.close()
 
+    def _client_stats(self, client_id: str, sub: Any) -> dict[str, int]:
+        """Unfinished jobs of this client, and deliveries sent or queued but not acked."""
+        stats = getattr(self._scheduler, "client_stats", None)
+        if stats is not None:
+            return dict(stats(client_id))
+        in_flight = getattr(self._scheduler, "_per_client", {}).get(client_id, 0)
+        return {"in_flight": in_flight, "unacked": getattr(sub, "outstanding", 0)}
+
     async def _has_pending(self, client_id: str, sub: Any) -> bool:
-        st = self._scheduler.client_stats(client_id)
+        st = self._client_stats(client_id, sub)
         return bool(st.get("in_flight") or st.get("unacked"))
 
     async def _drain_then_end(self, client_id: str, sub: Any, out: asyncio.Queue[Any]) -> None:
@@ -183,7 +191,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             return frame(item.job_id, **{item.WhichOneof("kind"): getattr(
                 item, item.WhichOneof("kind"))})
         if item == "heartbeat":
-            st = self._scheduler.client_stats(client_id)
+            st = self._client_stats(client_id, sub)
             now = Timestamp()
             now.GetCurrentTime()
             return frame(heartbeat=pb.Heartbeat(server_time=now,
@@ -246,7 +254,15 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                                                         rejected=_rejected(r.error)))
             else:
                 await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
-                    duplicate=r.duplicate, state=convert.state_to_proto(r.state))))
+                    duplicate=r.duplicate, state=await self._accepted_state(r))))
+
+    async def _accepted_state(self, r: Any) -> int:
+        """QUEUED for a new job; a duplicate reports the existing job's state (it may be
+        finished already, which tells a resuming client not to wait for it)."""
+        if not r.duplicate:
+            return job_pb2.Job.STATE_QUEUED
+        rec = await self._scheduler.get(r.job_id)
+        return convert.state_to_proto(rec.state) if rec is not None else job_pb2.Job.STATE_QUEUED
 
     # ------------------------------------------------------------------ unary-ish RPCs
 
@@ -266,7 +282,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             if result.error is not None:
                 raise result.error
             yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
-                duplicate=result.duplicate, state=convert.state_to_proto(result.state)))
+                duplicate=result.duplicate, state=await self._accepted_state(result)))
             rec = await self._scheduler.get(spec.job_id)
             if rec is not None and rec.client_id != client_id:
                 async for msg in self._follow_foreign(spec.job_id):
@@ -341,13 +357,13 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         st = self._scheduler.status()
         resp = pb.GetServerStatusResponse(
             version=VERSION, uptime=convert.seconds_to_duration(time.monotonic() - self._started),
-            environments=self._scheduler.environments(), sessions=self.sessions)
+            environments=self._scheduler.registry.names(), sessions=self.sessions)
         for s in st.stages:
             resp.stages.append(pb.StageStatus(
                 stage=convert.stage_to_proto(s.stage), queue_depth=s.queue_depth,
                 in_flight=s.in_flight, workers=s.workers, completed=s.completed,
-                failed=s.failed, latency_p50=convert.seconds_to_duration(s.p50_s),
-                latency_p95=convert.seconds_to_duration(s.p95_s),
+                failed=s.failed, latency_p50=convert.seconds_to_duration(s.latency_p50_s),
+                latency_p95=convert.seconds_to_duration(s.latency_p95_s),
                 throughput_per_second=s.throughput_per_s))
         for state, n in st.jobs_by_state.items():
             name = state.name if isinstance(state, JobState) else str(state).upper()
