@@ -190,6 +190,8 @@ class BackendPool:
         while len(tried) < self.max_attempts:
             backend = await self._select(request, tried, deadline)
             tried.add(backend.name)
+            if request.group_id:  # at dispatch, so concurrent samples of the group follow
+                self._groups.setdefault(request.group_id, backend.name)
             try:
                 result = await self._dispatch(backend, request)
             except EngineError as exc:
@@ -197,10 +199,10 @@ class BackendPool:
                 self._eject(backend, str(exc))
                 if self._sticky.get(request.session_id) == backend.name:
                     del self._sticky[request.session_id]
+                if self._groups.get(request.group_id) == backend.name:
+                    del self._groups[request.group_id]
                 continue
             self._sticky[request.session_id] = backend.name
-            if request.group_id:
-                self._groups.setdefault(request.group_id, backend.name)
             return result
         raise LLMUnavailable(f"turn failed on {len(tried)} backends: {'; '.join(errors)}")
 
