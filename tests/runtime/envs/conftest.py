@@ -34,10 +34,10 @@ class RolloutResult:
     ctx: JobContext
     engine: ScriptedEngine
 
-    def prompt_text(self) -> str:
-        """Everything the policy was shown (decoded prompt of its last turn)."""
-        last = self.engine.requests[-1].prompt_ids
-        return str(self.engine.tokenizer.decode(list(last)))
+    def prompt_text(self, turn: int = -1) -> str:
+        """What the policy was shown before ``turn`` (default: the whole conversation)."""
+        ids = self.engine.requests[turn].prompt_ids
+        return str(self.engine.tokenizer.decode(list(ids)))
 
 
 @pytest.fixture(scope="session")
