@@ -199,11 +199,18 @@ def _limit_reason(budget: int, limit_ctx: int | None) -> TerminationReason:
 
 
 async def _before(deadline: float, call: Any) -> Any:
-    """Await ``call`` unless the deadline passes first (then cancel it and return None)."""
+    """Await ``call`` unless the deadline passes first (then cancel it and return None).
+
+    A ``TimeoutError`` raised by ``call`` itself (a tool's own timeout) is not the deadline
+    and propagates.
+    """
     try:
-        return await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())) as scope:
+            return await call
     except TimeoutError:
-        return None
+        if scope.expired():
+            return None
+        raise
 
 
 async def _run_calls(calls: Sequence[ToolCall | ToolCallError], by_name: Mapping[str, Tool],

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,6 +53,8 @@ class CrashTool:
     parameters: Mapping[str, Any] = {"type": "object", "properties": {}}
 
     async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
+        if arguments.get("timeout"):
+            raise TimeoutError("the tool's own timeout, not the job's deadline")
         raise RuntimeError("disk on fire")
 
 
@@ -110,16 +114,18 @@ async def test_tool_call_then_submit_builds_an_exact_trajectory(tok: Any) -> Non
 
 async def test_model_mistakes_become_error_observations(tok: Any) -> None:
     script = ['<tool_call>\n{"name": "echo", "arguments": {oops</tool_call>',
-              call("nosuch", x=1), call("crash"), "I give up; the answer is 7."]
+              call("nosuch", x=1), call("crash"), call("crash", timeout=True),
+              "I give up; the answer is 7."]
     ctx, _, _, _ = make_ctx(tok, script)
     out = await run_agent_loop(ctx, [EchoTool(), CrashTool()], TASK)
     assert out.termination is TerminationReason.NO_TOOL_CALL
-    assert len(out.turns) == 4
+    assert len(out.turns) == 5
     obs = [tok.decode(t.observation_ids) for t in out.turns]
     assert "Error: could not parse tool call" in obs[0]
     assert "unknown tool 'nosuch'" in obs[1] and "crash, echo" in obs[1]
     assert "tool crash failed: RuntimeError: disk on fire" in obs[2]
-    assert out.turns[3].observation_ids == []
+    assert "tool crash failed: TimeoutError: the tool's own timeout" in obs[3]
+    assert out.turns[4].observation_ids == []
     assert out.metadata["final_text"] == "I give up; the answer is 7."
     assert SUBMITTED_ANSWER_KEY not in out.metadata
 
@@ -262,3 +268,74 @@ async def test_submit_tool_requires_an_answer_and_stringifies_values() -> None:
     assert bad.is_error and not bad.finish and SUBMITTED_ANSWER_KEY not in state
     ok = await tool({"answer": [1, 2]})
     assert ok.finish and state[SUBMITTED_ANSWER_KEY] == "[1, 2]" == tool.answer
+
+
+async def test_real_bash_tool_in_a_bwrap_sandbox(tok: Any, tmp_path: Path) -> None:
+    from runtime.sandbox.base import SandboxConfig, create_sandbox
+    from runtime.tools import make_tools
+
+    script = [call("bash", command="cd /workspace && echo hello > f.txt && export X=41"),
+              call("bash", command="cat f.txt; pwd; echo $((X + 1)); id -u"),
+              call("submit", answer="done")]
+    ctx, _, _, _ = make_ctx(tok, script)
+    ctx.sandbox_factory = functools.partial(create_sandbox, SandboxConfig(state_dir=tmp_path))
+    async with ctx.resources:
+        sandbox = await ctx.open_sandbox()
+        tools = [*make_tools(sandbox, ["bash"]), SubmitTool(ctx.state)]
+        out = await run_agent_loop(ctx, tools, TASK)
+    assert out.termination is TerminationReason.SUBMITTED
+    second = tok.decode(out.turns[1].observation_ids)
+    assert "hello\n/workspace\n42\n" in second  # the shell kept cwd and exports across turns
+    assert "\n0\n" not in second  # not root inside the sandbox
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_real_smollm2_trajectory_round_trips(tok: Any) -> None:
+    """The real model through the in-process engine: ids, mask and logprobs line up."""
+    from server.llm.smollm2 import smollm2_dir
+    from server.llm.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(smollm2_dir(), name="smol")
+    client = EngineClient(engine)
+    spec = JobSpec(job_id="real-1", environment="test", task={},
+                   sampling=SamplingParams(temperature=0.0, max_tokens_per_turn=40, seed=3),
+                   limits=Limits(max_turns=3))
+    ctx = JobContext(spec=spec, llm=client)
+    example = call("echo", text="hello")
+    # A worked example in the history makes the 135M model reliably use the tool format.
+    task = [{"role": "system", "content": "You call tools."},
+            {"role": "user", "content": "Call the echo tool with the text 'hello'."},
+            {"role": "assistant", "content": example}, {"role": "tool", "content": "echo: hello"},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "Call the echo tool with the text 'hi'."}]
+    echo = EchoTool()
+    try:
+        out = await run_agent_loop(ctx, [echo], task)
+    finally:
+        await engine.close()
+    assert echo.calls == [{"text": "hi"}] and len(out.turns) == 2
+    ids = [i for t in out.turns for i in t.prompt_ids + t.output_ids + t.observation_ids]
+    mask = [m for t in out.turns for m in t.loss_mask]
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == [
+        i for t in out.turns for i in t.output_ids]
+    for t in out.turns:
+        assert len(t.output_logprobs) == len(t.output_ids) > 0
+        assert all(lp <= 0.0 for lp in t.output_logprobs)
+        assert t.backend == "smol" and t.finish_reason in ("stop", "length")
+    # The ids decode back to the conversation as the template renders it.
+    chat = ChatTokenizer(tok)
+    msgs, _ = prepare_messages(chat, [echo], task)
+    texts = [chat.decode(client_strip(tok, t.output_ids)) for t in out.turns]
+    conversation = [*msgs, {"role": "assistant", "content": texts[0]},
+                    {"role": "tool", "name": "echo", "content": "echo: hi"},
+                    {"role": "assistant", "content": texts[1]}]
+    rendered = chat.render(conversation, add_generation_prompt=False)
+    expected = rendered[:-1]  # the last turn's "\n" after <|im_end|> comes with a next turn
+    if out.turns[-1].output_ids[-1] != tok.eos_token_id:  # cut by max_tokens: no closing
+        expected = rendered[:-len("<|im_end|>\n")]
+    assert tok.decode(ids) == expected
+
+
+def client_strip(tok: Any, ids: list[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids
