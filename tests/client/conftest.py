@@ -8,7 +8,6 @@ store) with ``llm.backends = []``; only the environments are test doubles
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,8 @@ async def harness(tmp_path: Path) -> AsyncIterator[ServerHarness]:
 
 
 @pytest.fixture
-def make_harness(tmp_path: Path) -> Callable[..., ServerHarness]:
+async def make_harness(tmp_path: Path) -> AsyncIterator[Callable[..., ServerHarness]]:
+    """Harnesses with non-default server settings (tokens, message limits); not started."""
     made: list[ServerHarness] = []
 
     def make(**server: Any) -> ServerHarness:
@@ -86,16 +86,9 @@ def make_harness(tmp_path: Path) -> Callable[..., ServerHarness]:
         made.append(h)
         return h
 
-    yield make  # type: ignore[misc]
+    yield make
     for h in made:
-        if h.server is not None:
-            asyncio.get_event_loop().run_until_complete(h.stop())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        await h.stop()
 
 
 async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,  # noqa: ASYNC109
