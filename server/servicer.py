@@ -106,7 +106,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                      if opened.HasField("heartbeat_interval") else self._heartbeat_s)
         sub = await self._scheduler.attach(
             client_id, acked_through=opened.acked_through,
-            max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED)
+            max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED, progress=opened.progress)
         out: asyncio.Queue[Any] = asyncio.Queue(maxsize=4096)
         seq = 0
 
