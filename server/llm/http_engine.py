@@ -50,6 +50,8 @@ _ids = itertools.count()
 class HttpEngine(Engine):
     """Client of one OpenAI-compatible vLLM (or ``rollout llm-serve``) server."""
 
+    kind = "http"
+
     def __init__(self, url: str, model: str, *, name: str | None = None,
                  protocol: str = "generate", tokenizer: Any = None, policy_version: int = 0,
                  request_timeout_s: float = 600.0, health_timeout_s: float = 5.0) -> None:

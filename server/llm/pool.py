@@ -82,6 +82,9 @@ class BackendInfo:
     failures: int
     last_error: str
     sessions: int
+    model: str = ""
+    added_at: float = 0.0
+    """Unix time the backend joined the pool."""
 
 
 class BackendPool:
@@ -141,10 +144,11 @@ class BackendPool:
         self._push(backend)
         self._notify()
 
-    def remove(self, name: str) -> Engine:
+    def remove(self, name: str) -> Backend:
         """Take a backend out: no new turns go to it; it is closed once its turns finish.
 
         Its sessions continue on other backends (which rebuild their KV from the prompt).
+        Returns the removed backend (marked draining).
         """
         backend = self._backends.pop(name, None)
         if backend is None:
@@ -156,7 +160,7 @@ class BackendPool:
         task = asyncio.get_running_loop().create_task(self._close_when_idle(backend))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
-        return backend.engine
+        return backend
 
     def get(self, name: str) -> Backend:
         try:
@@ -168,10 +172,18 @@ class BackendPool:
         sessions: dict[str, int] = {}
         for owner in self._sticky.values():
             sessions[owner] = sessions.get(owner, 0) + 1
-        return [BackendInfo(b.name, type(b.engine).__name__, str(getattr(b.engine, "url", "")),
-                            b.weight, b.healthy, b.draining, b.in_flight, b.policy_version,
-                            b.served, b.failures, b.last_error, sessions.get(b.name, 0))
-                for b in self._backends.values()]
+        return [self.info(b, sessions.get(b.name, 0)) for b in self._backends.values()]
+
+    def info(self, backend: Backend, sessions: int | None = None) -> BackendInfo:
+        if sessions is None:
+            sessions = sum(1 for owner in self._sticky.values() if owner == backend.name)
+        engine = backend.engine
+        model = getattr(engine, "model_name", None) or getattr(engine, "model", "")
+        return BackendInfo(backend.name, getattr(engine, "kind", type(engine).__name__),
+                           str(getattr(engine, "url", "")), backend.weight, backend.healthy,
+                           backend.draining, backend.in_flight, backend.policy_version,
+                           backend.served, backend.failures, backend.last_error, sessions,
+                           model if isinstance(model, str) else "", backend.added_at)
 
     @property
     def tokenizer(self) -> Any:
@@ -235,16 +247,21 @@ class BackendPool:
         targets = [self.get(n) for n in names] if names else list(self._backends.values())
         for backend in targets:
             await backend.engine.update_weights(source, version)
+            self._push(backend)
             self._notify()
         return [b.name for b in targets]
 
     def set_policy_version(self, version: int, names: Sequence[str] | None = None) -> list[str]:
         """Record that weights were pushed to backends out of band (e.g. NCCL from the trainer)."""
         targets = [self.get(n) for n in names] if names else list(self._backends.values())
-        for backend in targets:
+        setters = []
+        for backend in targets:  # check them all before relabelling any
             setter = getattr(backend.engine, "set_policy_version", None)
             if setter is None:
-                raise NotImplementedError(f"{backend.name} cannot have its version set")
+                raise NotImplementedError(f"{backend.name} loads its own weights; its version "
+                                          "changes only through update_weights")
+            setters.append(setter)
+        for setter in setters:
             setter(version)
         self._notify()
         return [b.name for b in targets]

@@ -85,6 +85,8 @@ class _Seq:
 class TransformersEngine(Engine):
     """A Hugging Face causal LM served in-process. See the module docstring."""
 
+    kind = "in_process"
+
     def __init__(self, model_dir: str | Path, device: str = "cpu", name: str | None = None,
                  kv_cache_budget_bytes: int = 512 * 2**20, max_batch_size: int = 16,
                  dtype: torch.dtype | None = None, drain_timeout_s: float = 60.0,
@@ -93,6 +95,7 @@ class TransformersEngine(Engine):
 
         self.name = name or f"transformers-{next(_names)}"
         self.model_dir = Path(model_dir)
+        self.model_name = str(model_dir)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.drain_timeout_s = drain_timeout_s

@@ -160,7 +160,7 @@ async def test_add_and_remove_at_run_time() -> None:
     await assert_eventually(lambda: a.in_flight == 1)
     assert (await pool.generate(req("fresh"))).backend == "b"
     removed = pool.remove("a")
-    assert removed is a and [i.name for i in pool.backends()] == ["b"]
+    assert removed.engine is a and removed.draining and [i.name for i in pool.backends()] == ["b"]
     a.gate.set()
     assert (await held).backend == "a"  # the in-flight turn finished where it was
     assert (await pool.generate(req("s"))).backend == "b"  # the session moved

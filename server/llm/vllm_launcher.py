@@ -1,0 +1,198 @@
+"""Launch and supervise ``vllm serve`` processes, and register them in the backend pool.
+
+Only where the optional ``vllm`` package (or a ``vllm`` executable) is installed. The launcher:
+- builds the command line (``vllm serve MODEL --host H --port P [--served-model-name N] ...``);
+- starts it in its own process group with ``VLLM_SERVER_DEV_MODE=1`` (which exposes vLLM's
+  ``/pause``, ``/resume``, ``/sleep`` and ``/wake_up`` routes used for weight coordination);
+- waits for ``GET /health`` to answer 200, failing fast if the process exits first;
+- restarts it (up to ``max_restarts``) when it dies unexpectedly, while the pool's health checker
+  ejects it meanwhile and re-admits it when it answers again;
+- on close, sends SIGTERM to the whole process group, then SIGKILL after a grace period, so no
+  worker process outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from server.llm.http_engine import HttpEngine
+
+log = logging.getLogger(__name__)
+
+
+class VllmNotInstalled(RuntimeError):
+    """``vllm`` is an optional extra; it is not installed here."""
+
+
+def vllm_executable() -> list[str] | None:
+    """How to run vLLM's CLI: the ``vllm`` script, or ``python -m vllm.entrypoints.cli.main``."""
+    path = shutil.which("vllm")
+    if path:
+        return [path]
+    if importlib.util.find_spec("vllm") is not None:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_command(model: str, host: str, port: int, *, served_model_name: str | None = None,
+                  extra_args: Sequence[str] = (), executable: Sequence[str] | None = None
+                  ) -> list[str]:
+    """The ``vllm serve`` command line for one backend."""
+    exe = list(executable) if executable else vllm_executable()
+    if not exe:
+        raise VllmNotInstalled("vllm is not installed (pip install 'rollout-service[vllm]')")
+    command = [*exe, "serve", model, "--host", host, "--port", str(port)]
+    if served_model_name:
+        command += ["--served-model-name", served_model_name]
+    return command + list(extra_args)
+
+
+class VllmProcess:
+    """One supervised ``vllm serve`` process."""
+
+    def __init__(self, command: Sequence[str], url: str, *, log_path: Path | None = None,
+                 max_restarts: int = 3, startup_timeout_s: float = 600.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.command = list(command)
+        self.url = url
+        self.log_path = log_path
+        self.max_restarts = max_restarts
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        self.restarts = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self) -> None:
+        """Spawn the process, wait until healthy, then supervise it."""
+        await self._spawn()
+        await self.wait_healthy()
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise {self.url}")
+
+    async def _spawn(self) -> None:
+        out: Any = asyncio.subprocess.DEVNULL
+        if self.log_path is not None:
+            out = open(self.log_path, "ab")  # noqa: ASYNC230 - tiny, local; handed to the child
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env,
+                start_new_session=True)
+        finally:
+            if out is not asyncio.subprocess.DEVNULL:
+                out.close()
+        log.info("started %s (pid %d)", " ".join(self.command), self.process.pid)
+
+    async def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if not self.running:
+                    code = self.process.returncode if self.process else None
+                    raise RuntimeError(f"vllm serve exited with code {code} before it was "
+                                       f"healthy: {' '.join(self.command)}")
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with http.get(self.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=2)) as response:
+                        if response.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    await self.stop()
+                    raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout_s}s")
+                await asyncio.sleep(0.2)
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            assert self.process is not None
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            if self.restarts >= self.max_restarts:
+                log.error("vllm serve at %s died (code %s); restart budget spent", self.url, code)
+                return
+            self.restarts += 1
+            log.warning("vllm serve at %s died (code %s); restart %d/%d", self.url, code,
+                        self.restarts, self.max_restarts)
+            await self._spawn()
+            try:
+                await self.wait_healthy()
+            except (RuntimeError, TimeoutError):
+                log.exception("restarted vllm serve at %s did not become healthy", self.url)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``."""
+        self._stopping = True
+        if self._supervisor is not None and self._supervisor is not asyncio.current_task():
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+
+class ManagedVllmEngine(HttpEngine):
+    """An :class:`HttpEngine` whose server this process launched; closing it stops the server."""
+
+    kind = "managed_vllm"
+
+    def __init__(self, process: VllmProcess, model: str, **kwargs: Any) -> None:
+        super().__init__(process.url, model, **kwargs)
+        self.process = process
+
+    async def health(self) -> bool:
+        return self.process.running and await super().health()
+
+    async def close(self) -> None:
+        await super().close()
+        await self.process.stop()
+
+
+async def launch_vllm(model: str, *, name: str | None = None, host: str = "127.0.0.1",
+                      port: int = 0, extra_args: Sequence[str] = (),
+                      executable: Sequence[str] | None = None, startup_timeout_s: float = 600.0,
+                      max_restarts: int = 3, log_dir: Path | None = None,
+                      tokenizer: Any = None) -> ManagedVllmEngine:
+    """Start ``vllm serve`` for ``model`` and return an engine ready for ``pool.add``."""
+    port = port or free_port(host)
+    command = build_command(model, host, port, extra_args=extra_args, executable=executable)
+    log_path = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - one local mkdir
+        log_path = log_dir / f"vllm-{name or port}.log"
+    process = VllmProcess(command, f"http://{host}:{port}", log_path=log_path,
+                          max_restarts=max_restarts, startup_timeout_s=startup_timeout_s)
+    await process.start()
+    return ManagedVllmEngine(process, model, name=name or f"vllm-{port}", tokenizer=tokenizer)

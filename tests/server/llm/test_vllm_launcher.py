@@ -1,0 +1,65 @@
+"""Launching and supervising ``vllm serve`` with a fake executable (vLLM is not installed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.llm import GenerateRequest
+from runtime.types import SamplingParams
+from server.llm import vllm_launcher
+from server.llm.pool import BackendPool
+from server.llm.vllm_launcher import VllmNotInstalled, build_command, launch_vllm
+from tests.server.llm.conftest import assert_eventually
+
+FAKE = [sys.executable, str(Path(__file__).with_name("fake_vllm.py"))]
+
+
+def test_command_line() -> None:
+    cmd = build_command("Qwen/Qwen3-0.6B", "0.0.0.0", 8123, served_model_name="policy",
+                        extra_args=["--tensor-parallel-size", "2"], executable=["/opt/vllm"])
+    assert cmd == ["/opt/vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "0.0.0.0", "--port",
+                   "8123", "--served-model-name", "policy", "--tensor-parallel-size", "2"]
+
+
+def test_missing_vllm_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_launcher.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(vllm_launcher.importlib.util, "find_spec", lambda _name: None)
+    assert vllm_launcher.vllm_executable() is None
+    with pytest.raises(VllmNotInstalled):
+        build_command("m", "127.0.0.1", 1)
+
+
+async def test_process_that_exits_early_fails_the_launch() -> None:
+    with pytest.raises(RuntimeError, match="exited"):
+        await launch_vllm("m", executable=FAKE, extra_args=["--fail-fast"],
+                          startup_timeout_s=30)
+
+
+@pytest.mark.timeout(120)
+async def test_launch_serve_supervise_and_stop(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = await launch_vllm(str(tiny_dir), name="managed", executable=FAKE,
+                               startup_timeout_s=60, max_restarts=1, log_dir=tmp_path)
+    pool = BackendPool([engine], health_interval_s=0.05, wait_for_backend_s=60)
+    await pool.start()
+    try:
+        assert pool.backends()[0].kind == "managed_vllm"
+        greedy = SamplingParams(temperature=0.0)
+        result = await pool.generate(GenerateRequest([1, 5, 6], greedy, 3, "s"))
+        assert result.backend == "managed" and 1 <= len(result.output_ids) <= 3
+        first_pid = engine.process.process.pid  # type: ignore[union-attr]
+        os.killpg(first_pid, signal.SIGKILL)
+        await assert_eventually(lambda: not pool.get("managed").healthy, timeout_s=20)
+        await assert_eventually(lambda: engine.process.restarts == 1, timeout_s=20)
+        # The pool waits for the restarted server to be re-admitted, then serves the turn.
+        result = await pool.generate(GenerateRequest([1, 5, 6], greedy, 3, "s"))
+        assert result.backend == "managed"
+        assert engine.process.process.pid != first_pid  # type: ignore[union-attr]
+    finally:
+        await pool.close()
+    assert not engine.process.running
+    assert (tmp_path / "vllm-managed.log").exists()
