@@ -1,0 +1,106 @@
+"""Every shipped swe task: the gold patch earns 1, no change or a wrong change 0; the test
+patch and the fix's history stay hidden from the agent."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.envs.common import DATA_DIR
+from runtime.envs.swe import SweHandler
+from runtime.envs.tasks import load_tasks
+from runtime.handler import JobContext
+from runtime.types import TerminationReason
+from tests.runtime.envs.conftest import Rollout, call
+
+pytestmark = pytest.mark.timeout(90)
+
+TASKS = load_tasks("swe")
+IDS = [t["instance_id"] for t in TASKS]
+SUBMIT = call("submit", answer="fixed")
+
+
+def apply_with_bash(patch: str) -> str:
+    return call("bash", command=f"cat > /tmp/fix.patch <<'PATCH_EOF'\n{patch}PATCH_EOF\n"
+                                "git apply /tmp/fix.patch && git status --short")
+
+
+@pytest.mark.parametrize("task", TASKS, ids=IDS)
+async def test_gold_patch_earns_1(task: dict[str, Any], rollout: Rollout) -> None:
+    result = await rollout(SweHandler(), task, [apply_with_bash(task["patch"]), SUBMIT])
+    assert result.outcome.termination is TerminationReason.SUBMITTED
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 1.0}
+
+
+@pytest.mark.parametrize("task", TASKS, ids=IDS)
+async def test_no_change_earns_0(task: dict[str, Any], rollout: Rollout) -> None:
+    result = await rollout(SweHandler(), task, [SUBMIT])
+    assert result.reward.value == 0.0
+    assert result.reward.components["fail_to_pass"] < 1.0
+    assert result.reward.components["pass_to_pass"] == 1.0
+    assert set(result.reward.info["failing"].split(",")) == set(task["FAIL_TO_PASS"])
+
+
+@pytest.mark.parametrize("task", TASKS, ids=IDS)
+async def test_breaking_the_package_earns_0(task: dict[str, Any], rollout: Rollout) -> None:
+    # A "fix" that gets the new tests wrong and the old ones too: empty every source module.
+    wreck = call("bash", command="git ls-files '*.py' | grep -v '^tests/' | "
+                                 "while read f; do : > \"$f\"; done")
+    result = await rollout(SweHandler(), task, [wreck, SUBMIT])
+    assert result.reward.value == 0.0
+    assert result.reward.components["pass_to_pass"] == 0.0
+
+
+async def test_editing_the_tests_does_not_help(rollout: Rollout) -> None:
+    task = TASKS[0]
+    # The agent deletes the tests and writes trivially passing ones under the hidden names.
+    fake = "\n".join(f"def {n.split('::')[1]}():\n    pass\n"
+                     for n in task["FAIL_TO_PASS"] + task["PASS_TO_PASS"])
+    cheat = call("editor", command="create", path="/workspace/tests/test_core.py",
+                 file_text=fake)
+    result = await rollout(SweHandler(), task, [cheat, SUBMIT])
+    assert result.reward.value == 0.0
+
+
+async def test_agent_sees_neither_test_patch_nor_later_history(rollout: Rollout) -> None:
+    task = TASKS[4]
+    views: list[str] = []
+
+    async def look(ctx: JobContext) -> None:
+        sandbox = ctx.state["env.sandbox"]
+        out = await sandbox.exec("git log --all --format=%H; git status --short; "
+                                 "git count-objects -v | grep -E '^(count|in-pack)'; "
+                                 "ls -A /tmp; grep -rn multi_digit . || true", timeout=30)
+        views.append(out.stdout)
+
+    result = await rollout(SweHandler(), task, [SUBMIT], inspect=look)
+    view = views[0]
+    log = [line for line in view.splitlines() if len(line) == 40]
+    assert task["base_commit"] in log and len(log) == 2  # base and its parent, nothing later
+    assert "multi_digit" not in view  # the F2P test names appear only in the hidden patch
+    assert "test_multi_digit_components" not in result.prompt_text(0)
+    assert task["problem_statement"].splitlines()[0] in result.prompt_text(0)
+
+
+@pytest.fixture
+def other_sources(tmp_path: Path) -> list[str]:
+    """The second task's repository as a plain git clone and as a .tar.gz of that clone."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(DATA_DIR / TASKS[1]["repo_source"]), str(clone)],
+                   check=True)
+    archive = tmp_path / "repo.tar.gz"
+    subprocess.run(["tar", "-czf", str(archive), "-C", str(clone), "."], check=True)
+    return [str(clone), str(archive)]
+
+
+async def test_repo_source_may_be_a_git_directory_or_an_archive(
+        rollout: Rollout, other_sources: list[str]) -> None:
+    task = TASKS[1]
+    for source in other_sources:
+        result = await rollout(SweHandler(), {**task, "repo_source": source},
+                               [apply_with_bash(task["patch"]), SUBMIT])
+        assert result.reward.value == 1.0, (source, result.reward.info)
