@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -119,10 +120,26 @@ class SchedulerMetrics:
             "rollout_jobs_submitted", "Jobs accepted (duplicates excluded).",
             registry=self.registry)
         self.registry.register(_StatusCollector(status))
+        self._children: dict[tuple[str, ...], Any] = {}
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose ``/metrics`` over HTTP (a daemon thread; lives as long as the process)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    # Label lookups take a lock and build a tuple; cache the children for the hot path.
+    def stage_duration(self, stage: Stage, outcome: str) -> Any:
+        key = ("d", stage.value, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.stage_seconds.labels(stage.value, outcome)
+        return child
+
+    def queue_wait(self, stage: Stage) -> Any:
+        key = ("q", stage.value)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.queue_seconds.labels(stage.value)
+        return child
+
+    def serve(self, host: str, port: int) -> Any:
+        """Expose ``/metrics`` over HTTP from a daemon thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
 
 
 class _StatusCollector(Collector):

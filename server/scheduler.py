@@ -144,8 +144,18 @@ class Scheduler:
     def metrics_registry(self) -> Any:
         return self.metrics.registry
 
-    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> None:
-        self.metrics.serve(port, addr)
+    def serve_metrics(self, host: str, port: int) -> Any:
+        """Serve ``/metrics`` on ``host:port``; returns prometheus' (server, thread) pair."""
+        return self.metrics.serve(host, port)
+
+    def client_stats(self, client_id: str) -> dict[str, int]:
+        """Unfinished jobs of a client and its deliveries not yet acknowledged (sent or held).
+
+        Lets a servicer tell when the server owes a half-closed session nothing more.
+        """
+        sub = self._subs.get(client_id)
+        return {"in_flight": self._per_client.get(client_id, 0),
+                "unacked": sub.unacked if sub is not None else 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -294,7 +304,7 @@ class Scheduler:
         waited = t0 - job.enqueued_at
         setattr(job.timings, f"{stage.value}_queue_s",
                 getattr(job.timings, f"{stage.value}_queue_s") + waited)
-        self.metrics.queue_seconds.labels(stage.value).observe(waited)
+        self.metrics.queue_wait(stage).observe(waited)
         job.state, job.stage, job.stage_started = JobState.RUNNING, stage, t0
         job.updated_at = wall = now()
         if stage is Stage.INIT:
@@ -349,7 +359,7 @@ class Scheduler:
         name = f"{stage.value}_s"
         setattr(job.timings, name, getattr(job.timings, name) + elapsed)
         self._stats[stage].observe(elapsed, outcome == "ok")
-        self.metrics.stage_seconds.labels(stage.value, outcome).observe(elapsed)
+        self.metrics.stage_duration(stage, outcome).observe(elapsed)
         return elapsed
 
     def _progress(self, job: LiveJob, event: str, detail: Mapping[str, Any]) -> None:
@@ -501,12 +511,17 @@ class Scheduler:
     # -- sessions ----------------------------------------------------------------------------
 
     async def attach(self, client_id: str, acked_through: int = 0, *,
-                     max_unacked: int = 0) -> Subscription:
-        """Subscribe a client: replay its unacknowledged deliveries, then live events."""
+                     max_unacked: int = 0, progress: bool = True) -> Subscription:
+        """Subscribe a client: replay its unacknowledged deliveries, then live events.
+
+        ``progress=False`` leaves StageProgress events out (a trainer that only wants results
+        saves the server most of its per-job event work).
+        """
         old = self._subs.get(client_id)
         if old is not None:
             old.close_nowait()
-        sub = Subscription(client_id, max_unacked=max_unacked, on_close=self._detached)
+        sub = Subscription(client_id, max_unacked=max_unacked, on_close=self._detached,
+                           progress=progress)
         self._subs[client_id] = sub
         if acked_through > 0:
             await self.store.ack(client_id, through=acked_through)

@@ -72,8 +72,11 @@ class Subscription:
     """One attached client's ordered event stream (an async iterator)."""
 
     def __init__(self, client_id: str, *, max_unacked: int = 0, max_buffered: int = 10_000,
-                 on_close: Callable[[Subscription], None] | None = None) -> None:
+                 on_close: Callable[[Subscription], None] | None = None,
+                 progress: bool = True) -> None:
         self.client_id = client_id
+        self.progress = progress
+        """Whether StageProgress events are wanted at all."""
         self.max_unacked = max_unacked
         """0 means unlimited."""
         self._max_buffered = max_buffered
@@ -86,6 +89,8 @@ class Subscription:
         self._closed = False
         self._on_close = on_close
         self.dropped_progress = 0
+        self.replaying = 0
+        """How many stored deliveries were replayed on attach."""
 
     @property
     def closed(self) -> bool:
@@ -96,16 +101,22 @@ class Subscription:
         """Deliveries sent (or queued to send) and not yet acknowledged."""
         return len(self._outstanding)
 
+    @property
+    def unacked(self) -> int:
+        """Outstanding deliveries plus those held back by ``max_unacked``."""
+        return len(self._outstanding) + len(self._held)
+
     # -- producer side (scheduler, on the event loop) ---------------------------------------
 
     def publish(self, event: Event) -> None:
         if self._closed:
             return
+        if isinstance(event, StageProgress) and (
+                not self.progress or len(self._events) >= self._max_buffered):
+            self.dropped_progress += self.progress
+            return
         if self._replaying:
             self._early.append(event)
-            return
-        if isinstance(event, StageProgress) and len(self._events) >= self._max_buffered:
-            self.dropped_progress += 1
             return
         self._events.append(event)
         self._wake()
@@ -124,6 +135,7 @@ class Subscription:
         """Queue the stored deliveries, then whatever arrived live meanwhile (de-duplicated)."""
         seen: set[int] = set()
         for pair in replay:
+            self.replaying += 1
             seen.add(pair[0].delivery_id)
             self._held.append(pair)
         self._replaying = False

@@ -87,13 +87,19 @@ def _handler_error(exc: BaseException, stage: Stage) -> JobError:
 
 async def release(handler: AgentHandler, ctx: JobContext, llm_end: object | None,
                   job_id: str, deadline_s: float) -> None:
-    """Free everything the job holds; each step bounded, none allowed to stop the next."""
-    with contextlib.suppress(Exception, TimeoutError):
-        async with asyncio.timeout(deadline_s):
-            await handler.cleanup(ctx)
-    with contextlib.suppress(Exception, TimeoutError):
-        async with asyncio.timeout(deadline_s):
-            await ctx.resources.aclose()
+    """Free everything the job holds; each step bounded, none allowed to stop the next.
+
+    Steps with nothing to do (the base class's no-op cleanup, an empty exit stack) are skipped
+    so a cheap job does not pay for timers it cannot need.
+    """
+    if type(handler).cleanup is not AgentHandler.cleanup:
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(deadline_s):
+                await handler.cleanup(ctx)
+    if getattr(ctx.resources, "_exit_callbacks", True):
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(deadline_s):
+                await ctx.resources.aclose()
     end = getattr(llm_end, "end_session", None)
     if end is not None:
         with contextlib.suppress(Exception, TimeoutError):

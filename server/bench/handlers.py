@@ -1,0 +1,52 @@
+"""Benchmark-only environments: they do no real work, so the pipeline's own cost shows.
+
+Not registered as entry points and never used by a production server unless a benchmark (or a
+user who wants to measure overhead) registers them explicitly:
+
+- ``noop``: every stage returns at once (measures scheduler + store + transport overhead).
+- ``sleep``: each stage sleeps ``task["init_s"|"run_s"|"eval_s"]`` seconds (measures overlap
+  of stages against the bottleneck-stage bound, as if each stage waited on I/O).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from runtime.handler import AgentHandler, JobContext, RunOutcome
+from runtime.types import Reward, TerminationReason, Turn
+
+_TURN = Turn(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.5, -0.25])
+
+
+class NoopHandler(AgentHandler):
+    name = "noop"
+
+    async def init(self, ctx: JobContext) -> None:
+        return None
+
+    async def run(self, ctx: JobContext) -> RunOutcome:
+        return RunOutcome(turns=[_TURN], termination=TerminationReason.NO_TOOL_CALL)
+
+    async def eval(self, ctx: JobContext) -> Reward:
+        return Reward(1.0)
+
+
+class SleepHandler(AgentHandler):
+    name = "sleep"
+
+    async def init(self, ctx: JobContext) -> None:
+        await asyncio.sleep(float(ctx.spec.task.get("init_s", 0.0)))
+
+    async def run(self, ctx: JobContext) -> RunOutcome:
+        await asyncio.sleep(float(ctx.spec.task.get("run_s", 0.0)))
+        return RunOutcome(turns=[_TURN], termination=TerminationReason.NO_TOOL_CALL)
+
+    async def eval(self, ctx: JobContext) -> Reward:
+        await asyncio.sleep(float(ctx.spec.task.get("eval_s", 0.0)))
+        return Reward(1.0)
+
+
+def register_bench_handlers(registry: object) -> None:
+    """Add ``noop`` and ``sleep`` to a ``HandlerRegistry``."""
+    registry.register("noop", NoopHandler())  # type: ignore[attr-defined]
+    registry.register("sleep", SleepHandler())  # type: ignore[attr-defined]

@@ -1,0 +1,338 @@
+"""``rollout bench pipeline``: what the pipeline itself costs, and whether its stages overlap.
+
+(a) Overhead. A real server process (loopback gRPC, SQLite store, ``noop`` environment) is
+    driven by the async client: submit N jobs in batches over one ``StreamRollouts`` session,
+    receive every trajectory, acknowledge it. Target: >= 1,000 jobs/s end to end on 2 cores.
+    Baseline, same run: the same scheduler and store in-process, without gRPC, which shows what
+    the transport adds. Then 10,000 jobs are queued behind busy workers and the server's
+    resident memory is read from /proc (target: < 300 MB). The server process never imports
+    torch: it is started with no LLM backend.
+(b) Overlap. The ``sleep`` environment sleeps per stage (default 40/60/20 ms) as if waiting on
+    I/O. With equal pools of W workers, the bound is W / max(stage time); the target is >= 90 %
+    of it. Baseline, same run: one "coupled" pool of 3W workers, each running the three stages
+    back to back (bound 3W / sum(stage times)). With pure sleeps the coupled pool can be
+    faster, because no stage's workers idle; what stage pools buy is isolation (a slow EVAL never
+    holds a sandbox or an LLM slot) and per-resource sizing, shown by the "sized pools" row.
+
+Run: ``PYTHONPATH=.:proto .venv/bin/python -m server.bench.pipeline [--jobs 5000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from runtime.handler import HandlerError, HandlerRegistry, JobContext
+from runtime.types import JobSpec
+from server.bench.handlers import SleepHandler, register_bench_handlers
+from server.scheduler import JobFinished, PipelineConfig, Scheduler, TrajectoryReady
+from server.store import JobStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Row:
+    name: str
+    jobs: int
+    seconds: float
+    extra: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.jobs / self.seconds if self.seconds else 0.0
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+async def _inproc_run(n: int, env: str, task: dict[str, Any], cfg: PipelineConfig,
+                      batch: int = 200) -> tuple[float, tuple[int, int]]:
+    """Submit n jobs and consume + ack every delivery in-process; returns (seconds, writes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        registry = HandlerRegistry()
+        register_bench_handlers(registry)
+        store = JobStore(Path(tmp) / "jobs.sqlite3")
+        await store.open()
+        sched = Scheduler(store, registry, config=cfg)
+        await sched.start()
+        sub = await sched.attach("bench", progress=False)
+        t0 = time.perf_counter()
+
+        async def submit_all() -> None:
+            for i in range(0, n, batch):
+                specs = [JobSpec(job_id=f"j{k}", environment=env, task=task)
+                         for k in range(i, min(n, i + batch))]
+                await sched.submit(specs, "bench")
+
+        submitter = asyncio.create_task(submit_all())
+        done, acks = 0, []
+        async for ev in sub:
+            if isinstance(ev, TrajectoryReady):
+                acks.append(ev.delivery_id)
+                if len(acks) >= batch:
+                    await sched.ack("bench", acks)
+                    acks = []
+            elif isinstance(ev, JobFinished):
+                done += 1
+                if done == n:
+                    break
+        if acks:
+            await sched.ack("bench", acks)
+        elapsed = time.perf_counter() - t0
+        await submitter
+        writes = store.write_stats
+        await sched.stop(0)
+        await store.close()
+        return elapsed, writes
+
+
+async def _coupled_run(n: int, workers: int, task: dict[str, Any]) -> float:
+    """Baseline for (b): one pool whose workers run INIT, RUN and EVAL back to back."""
+    handler = SleepHandler()
+    queue: asyncio.Queue[JobSpec] = asyncio.Queue()
+    for k in range(n):
+        queue.put_nowait(JobSpec(job_id=f"c{k}", environment="sleep", task=task))
+
+    async def worker() -> None:
+        while not queue.empty():
+            ctx = JobContext(spec=queue.get_nowait())
+            await handler.init(ctx)
+            ctx.outcome = await handler.run(ctx)
+            await handler.eval(ctx)
+            await ctx.resources.aclose()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- over gRPC
+
+
+def _serve(state_dir: str) -> int:
+    """Child process: a real server with the bench environments and no LLM backend."""
+    from server.app import Server
+    from server.config import Config
+
+    async def run() -> None:
+        cfg = Config()
+        cfg.server.port = 0
+        cfg.server.state_dir = state_dir
+        cfg.server.heartbeat_s = 0
+        cfg.llm.backends = []
+        cfg.pipeline.init_workers = cfg.pipeline.run_workers = cfg.pipeline.eval_workers = 8
+        registry = HandlerRegistry()
+        register_bench_handlers(registry)
+        server = await Server(cfg, registry=registry, sandbox_factory=_no_sandbox).start()
+        print(f"PORT {server.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(run())
+    return 0
+
+
+async def _no_sandbox(**options: Any) -> Any:
+    raise HandlerError("the bench server has no sandbox runtime", "NO_SANDBOX")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _stream_jobs(client: Any, n: int, prefix: str, progress: bool,
+                       batch: int = 250) -> float:
+    """Submit n no-op jobs over one session, ack every trajectory; returns seconds."""
+    from rollout.v1 import job_pb2
+
+    specs = [job_pb2.JobSpec(job_id=f"{prefix}{k}", environment="noop", task={"k": k})
+             for k in range(n)]
+    async with client.session(f"bench-{prefix}", progress=progress, heartbeat_s=0) as session:
+        t0 = time.perf_counter()
+
+        async def submit_all() -> None:
+            for i in range(0, n, batch):
+                await session.submit(specs[i:i + batch])
+
+        submitter = asyncio.create_task(submit_all())
+        done, acks = 0, []
+        async for frame in session.events():
+            kind = frame.WhichOneof("kind")
+            if kind == "trajectory":
+                acks.append(frame.trajectory.delivery_id)
+                if len(acks) >= batch:
+                    await session.ack(acks)
+                    acks = []
+            elif kind == "finished":
+                done += 1
+                if done == n:
+                    break
+            elif kind == "rejected":
+                raise RuntimeError(f"job rejected: {frame.rejected}")
+        if acks:
+            await session.ack(acks)
+        elapsed = time.perf_counter() - t0
+        await submitter
+        await session.aclose()
+    return elapsed
+
+
+async def _grpc_run(n: int, queued: int) -> dict[str, float]:
+    from client.aio import RolloutClient
+    from rollout.v1 import job_pb2
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.bench.pipeline", "--serve", tmp, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"},
+            stdout=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+            if not line or line[0] != "PORT":
+                raise RuntimeError("bench server did not start")
+            async with RolloutClient(f"127.0.0.1:{line[1]}") as client:
+                out["rss_idle_mb"] = _rss_mb(proc.pid)
+                cpu0 = _cpu_s(proc.pid)
+                out["grpc_s"] = await _stream_jobs(client, n, "a", progress=False)
+                out["server_cpu_ms_per_job"] = (_cpu_s(proc.pid) - cpu0) / n * 1e3
+                cpu0 = _cpu_s(proc.pid)
+                out["grpc_progress_s"] = await _stream_jobs(client, n, "p", progress=True)
+                out["server_cpu_progress"] = (_cpu_s(proc.pid) - cpu0) / n * 1e3
+                out["rss_after_mb"] = _rss_mb(proc.pid)
+
+                # Memory with `queued` jobs waiting: 8 INIT workers sleep, the rest queue.
+                hold = [job_pb2.JobSpec(job_id=f"q{k}", environment="sleep",
+                                        task={"init_s": 3600}) for k in range(queued)]
+                async with client.session("bench-hold", heartbeat_s=0) as session:
+                    for i in range(0, queued, 1000):
+                        await session.submit(hold[i:i + 1000])
+                    answered = 0
+                    async for frame in session.events():
+                        if frame.WhichOneof("kind") in ("accepted", "rejected"):
+                            answered += 1
+                            if answered == queued:
+                                break
+                    status = await client.status()
+                    out["queued_seen"] = float(sum(
+                        s.queue_depth for s in getattr(status, "stages", [])))
+                    out["rss_queued_mb"] = _rss_mb(proc.pid)
+                    await session.aclose()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    console = Console()
+    ok = True
+    if args.only in (None, "overhead"):
+        g = await _grpc_run(args.jobs, args.queued)
+        cfg = PipelineConfig(init_workers=8, run_workers=8, eval_workers=8)
+        base_s, (txns, ops) = await _inproc_run(args.jobs, "noop", {}, cfg)
+        t = Table(title=f"(a) overhead: {args.jobs} no-op jobs end to end (submit -> ack)")
+        for col in ("path", "jobs/s", "target", "notes"):
+            t.add_column(col)
+        rate = args.jobs / g["grpc_s"]
+        ok &= rate >= 1000 and g["rss_queued_mb"] < 300
+        t.add_row("gRPC loopback + SQLite (server process)", f"{rate:,.0f}", ">= 1,000",
+                  f"server CPU {g['server_cpu_ms_per_job']:.2f} ms/job")
+        t.add_row("  same, session asks for stage progress",
+                  f"{args.jobs / g['grpc_progress_s']:,.0f}", "",
+                  f"server CPU {g['server_cpu_progress']:.2f} ms/job (6 more frames/job)")
+        t.add_row("baseline: in-process scheduler + SQLite", f"{args.jobs / base_s:,.0f}", "",
+                  f"group commit: {ops / max(txns, 1):.0f} writes/transaction")
+        console.print(t)
+        m = Table(title="(a) server resident memory")
+        for col in ("moment", "RSS MB", "target"):
+            m.add_column(col)
+        m.add_row("idle, after start", f"{g['rss_idle_mb']:.0f}", "")
+        m.add_row(f"after {args.jobs} jobs", f"{g['rss_after_mb']:.0f}", "")
+        m.add_row(f"{args.queued:,} jobs queued ({g['queued_seen']:.0f} waiting for INIT)",
+                  f"{g['rss_queued_mb']:.0f}", "< 300")
+        console.print(m)
+    if args.only in (None, "overlap"):
+        s_init, s_run, s_eval = (float(x) / 1000 for x in args.sleeps.split(","))
+        task = {"init_s": s_init, "run_s": s_run, "eval_s": s_eval}
+        w, n = args.workers, args.overlap_jobs
+        eq = PipelineConfig(init_workers=w, run_workers=w, eval_workers=w)
+        eq_s, _ = await _inproc_run(n, "sleep", task, eq)
+        coupled_s = await _coupled_run(n, 3 * w, task)
+        total = 3 * w
+        times = (s_init, s_run, s_eval)
+        sized = [max(1, round(total * x / sum(times))) for x in times]
+        sz = PipelineConfig(init_workers=sized[0], run_workers=sized[1], eval_workers=sized[2])
+        sized_s, _ = await _inproc_run(n, "sleep", task, sz)
+        bound_eq = w / max(times)
+        bound_coupled = total / sum(times)
+        bound_sized = min(k / x for k, x in zip(sized, times, strict=True))
+        t = Table(title=f"(b) overlap: {n} jobs, stage sleeps {args.sleeps} ms, "
+                        f"{total} workers in all")
+        for col in ("configuration", "jobs/s", "bound", "of bound"):
+            t.add_column(col)
+        eq_rate = n / eq_s
+        ok &= eq_rate >= 0.9 * bound_eq
+        t.add_row(f"pipeline, equal pools {w}/{w}/{w}", f"{eq_rate:.1f}", f"{bound_eq:.1f}",
+                  f"{eq_rate / bound_eq:.0%} (target >= 90%)")
+        t.add_row(f"baseline: coupled pool of {total}", f"{n / coupled_s:.1f}",
+                  f"{bound_coupled:.1f}", f"{n / coupled_s / bound_coupled:.0%}")
+        t.add_row(f"pipeline, sized pools {sized[0]}/{sized[1]}/{sized[2]}",
+                  f"{n / sized_s:.1f}", f"{bound_sized:.1f}",
+                  f"{n / sized_s / bound_sized:.0%}")
+        console.print(t)
+    console.print("[green]targets met[/green]" if ok else "[red]some targets missed[/red]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollout bench pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--jobs", type=int, default=5000, help="no-op jobs for (a)")
+    p.add_argument("--queued", type=int, default=10_000, help="jobs held queued for the RSS check")
+    p.add_argument("--overlap-jobs", type=int, default=400, help="sleep jobs for (b)")
+    p.add_argument("--workers", type=int, default=8, help="workers per stage in (b)")
+    p.add_argument("--sleeps", default="40,60,20", help="INIT,RUN,EVAL sleep in ms for (b)")
+    p.add_argument("--only", choices=("overhead", "overlap"))
+    p.add_argument("--serve", metavar="STATE_DIR", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        return _serve(args.serve)
+    return asyncio.run(_bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
