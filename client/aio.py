@@ -153,9 +153,10 @@ class RolloutClient:
 
     def session(self, client_id: str, *, progress: bool = False, max_unacked: int = 0,
                 auto_ack: bool = False, heartbeat_s: float | None = None,
-                max_reconnects: int = 10, on_wire: Any = None) -> Session:
+                max_reconnects: int = 10, backoff_s: tuple[float, float] = (0.05, 2.0),
+                on_wire: Any = None) -> Session:
         """A ``StreamRollouts`` session; see :class:`client.session.Session`. Use it as an
         async context manager, or ``await session.start()`` and ``await session.aclose()``."""
         return Session(self, client_id, progress=progress, max_unacked=max_unacked,
                        auto_ack=auto_ack, heartbeat_s=heartbeat_s,
-                       max_reconnects=max_reconnects, on_wire=on_wire)
+                       max_reconnects=max_reconnects, backoff_s=backoff_s, on_wire=on_wire)

@@ -22,13 +22,18 @@ _CODES_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 # Codes after which re-opening the same stream can succeed: the transport broke or the server
 # went away (restart, graceful shutdown). Everything else is a verdict about the request.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# gRPC core reports some broken connections (a write racing a reset) as INTERNAL or UNKNOWN
+# "Internal error from Core". The server's own failures always carry an ErrorInfo, so these
+# codes without one came from the transport and are as retryable as UNAVAILABLE.
+_TRANSPORT_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class RolloutError(Exception):
     """An RPC failure or a rejected job, with the server's machine-readable reason."""
 
     def __init__(self, code: grpc.StatusCode, reason: str, message: str, field: str = "",
-                 *, violations: list[tuple[str, str]] | None = None) -> None:
+                 *, violations: list[tuple[str, str]] | None = None,
+                 from_server: bool = True) -> None:
         super().__init__(f"{code.name} {reason}: {message}")
         self.code = code
         self.reason = reason
@@ -38,10 +43,15 @@ class RolloutError(Exception):
         """Dotted path of the offending request field, when one field is to blame."""
         self.violations = violations or []
         """``(field, description)`` pairs from a ``BadRequest`` detail."""
+        self.from_server = from_server
+        """False when no rollout.v1 ErrorInfo came with it: the transport or gRPC itself
+        (connection reset, message too large) produced the status."""
 
     @property
     def retryable(self) -> bool:
-        return self.code in RETRYABLE_CODES
+        """Re-opening the same stream may succeed (the link or the server went away)."""
+        return self.code in RETRYABLE_CODES or (
+            not self.from_server and self.code in _TRANSPORT_CODES)
 
     def one_line(self) -> str:
         """The form the command line prints: ``CODE REASON: message``."""
@@ -52,7 +62,7 @@ class RolloutError(Exception):
         call: Any = err
         code = call.code() if callable(getattr(call, "code", None)) else grpc.StatusCode.UNKNOWN
         message = (call.details() if callable(getattr(call, "details", None)) else "") or ""
-        reason, field, violations = code.name, "", []
+        reason, field, violations, from_server = code.name, "", [], False
         status = _rich_status(call)
         if status is not None:
             message = status.message or message
@@ -62,11 +72,13 @@ class RolloutError(Exception):
                     detail.Unpack(info)
                     reason = info.reason or reason
                     field = info.metadata.get("field", field)
+                    from_server = info.domain == DOMAIN
                 elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                     bad = error_details_pb2.BadRequest()
                     detail.Unpack(bad)
                     violations += [(v.field, v.description) for v in bad.field_violations]
-        return cls(code, reason, message, field, violations=violations)
+        return cls(code, reason, message, field, violations=violations,
+                   from_server=from_server)
 
     @classmethod
     def from_rejected(cls, rejected: Any) -> RolloutError:
