@@ -34,13 +34,14 @@ class ScriptedEngine(Engine):
     """Replays ``scripts[session_id][turn]`` as the model's output. TESTING TOOL ONLY.
 
     ``latency_s`` delays every turn (cancellable through :meth:`abort`), so tests can exercise
-    deadlines and cancellation. The turn index of a session counts its ``generate`` calls since
-    the session started or was released.
+    deadlines and cancellation. The turn index of a session counts its successful ``generate``
+    calls since the session started or was released; engines that share one ``turns`` dict
+    agree on it, so a session that fails over to another scripted backend continues its script.
     """
 
     def __init__(self, tokenizer: Any, scripts: Script, *, name: str = "scripted",
                  policy_version: int = 0, end_of_turn_id: int | None = None,
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, turns: dict[str, int] | None = None) -> None:
         self.name = name
         self._tokenizer = tokenizer
         self._scripts = scripts
@@ -50,7 +51,7 @@ class ScriptedEngine(Engine):
             raise ValueError("tokenizer has no eos_token_id; pass end_of_turn_id")
         self.end_of_turn_id = eot
         self.latency_s = latency_s
-        self._turns: dict[str, int] = {}
+        self._turns: dict[str, int] = turns if turns is not None else {}
         self._aborts: dict[str, set[asyncio.Event]] = {}
         self.requests: list[GenerateRequest] = []
         """Every request received, in order (tests inspect seeds, budgets, prompts)."""

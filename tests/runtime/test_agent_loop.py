@@ -19,6 +19,7 @@ from runtime.tokens import ChatTokenizer
 from runtime.tools.base import ToolResult
 from runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
 from runtime.types import GroupSpec, JobSpec, Limits, SamplingParams, TerminationReason
+from server.llm.engine import EngineError
 from server.llm.scripted import ScriptedEngine
 from tests.runtime.doubles import QWEN25_TEMPLATE, EngineClient, smollm2_tokenizer
 from tests.util import assert_eventually
@@ -268,6 +269,43 @@ async def test_submit_tool_requires_an_answer_and_stringifies_values() -> None:
     assert bad.is_error and not bad.finish and SUBMITTED_ANSWER_KEY not in state
     ok = await tool({"answer": [1, 2]})
     assert ok.finish and state[SUBMITTED_ANSWER_KEY] == "[1, 2]" == tool.answer
+
+
+async def test_through_the_backend_pool_with_failover(tok: Any) -> None:
+    """The real pool between loop and engines: the backend of turn 0 dies, the turn is retried
+    on the other one, and the trajectory carries on (the engines share the script position)."""
+    from server.llm.pool import BackendPool
+
+    turns: dict[str, int] = {}
+    script = {"job-1": [call("echo", text="a"), call("echo", text="b"), "done"]}
+    engines = [ScriptedEngine(tok, script, name=n, turns=turns, policy_version=4)
+               for n in ("a", "b")]
+    served: list[str] = []
+    for engine in engines:
+        real = engine.generate
+
+        async def generate(request: Any, engine: ScriptedEngine = engine,
+                           real: Any = real) -> Any:
+            if served and served[0] == engine.name:
+                raise EngineError(f"{engine.name} crashed")
+            result = await real(request)
+            served.append(engine.name)
+            return result
+
+        engine.generate = generate  # type: ignore[method-assign]
+    pool = BackendPool(engines, health_interval_s=0, wait_for_backend_s=5.0)
+    ctx, _, _, _ = make_ctx(tok, [])
+    ctx.llm = pool
+    try:
+        out = await run_agent_loop(ctx, [EchoTool()], TASK)
+    finally:
+        await pool.close()
+    first, other = served[0], served[1]
+    assert first != other
+    assert [t.backend for t in out.turns] == [first, other, other]
+    assert out.termination is TerminationReason.NO_TOOL_CALL
+    assert out.metadata["final_text"] == "done"
+    assert "job-1" in next(e for e in engines if e.name == other).released
 
 
 async def test_real_bash_tool_in_a_bwrap_sandbox(tok: Any, tmp_path: Path) -> None:

@@ -110,3 +110,12 @@ async def test_abort_ends_an_in_flight_turn_and_weights_update_version(tok: Any)
     res = await eng.generate(req("s"))
     assert res.finish_reason == "stop" and res.policy_version == 9
     assert await eng.health()
+
+
+async def test_engines_sharing_turns_continue_a_failed_over_session(tok: Any) -> None:
+    turns: dict[str, int] = {}
+    scripts = {"s": ["one", "two"]}
+    a = ScriptedEngine(tok, scripts, name="a", turns=turns)
+    b = ScriptedEngine(tok, scripts, name="b", turns=turns)
+    assert tok.decode((await a.generate(req("s"))).output_ids) == "one<|im_end|>"
+    assert tok.decode((await b.generate(req("s"))).output_ids) == "two<|im_end|>"
