@@ -227,6 +227,8 @@ def _values_equal(a: sympy.Basic, b: sympy.Basic, rel_tol: float) -> bool:
         return bool(a == b)
     if a == b:
         return True
+    if a.is_Rational and b.is_Rational:
+        return False  # exact values (decimals were rationalized): no tolerance, 10**9 != 10**9+1
     if a.free_symbols or b.free_symbols:
         if a.free_symbols != b.free_symbols:
             return False
@@ -246,7 +248,9 @@ def _values_equal(a: sympy.Basic, b: sympy.Basic, rel_tol: float) -> bool:
 def answers_equivalent(predicted: str | None, gold: str, *, rel_tol: float = 1e-9) -> bool:
     """True when ``predicted`` denotes the same answer as ``gold``.
 
-    Numbers compare by value (``0.75 == 3/4 == \\frac{3}{4}``, ``1,000 == 1000``); symbolic
+    Numbers compare by value (``0.75 == 3/4 == \\frac{3}{4}``, ``1,000 == 1000``): exactly when
+    both are rational (decimals are read as exact fractions), within ``rel_tol`` when one is
+    irrational (``2\\pi`` vs ``6.283185307179586``); symbolic
     answers compare by ``simplify(a - b) == 0``; tuples element-wise; anything else by its
     normalized text (case-insensitive). A percentage equals both its number and its fraction
     (``50%`` matches ``50`` and ``0.5``), because problems rarely say which they want.

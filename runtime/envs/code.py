@@ -87,8 +87,8 @@ class CodeHandler(AgentHandler):
         for i, test in enumerate(tests):
             if not isinstance(test, Mapping) or not all(
                     isinstance(test.get(k), str) for k in need):
-                raise invalid(f"code task test {i} must be an object with string fields "
-                              f"{list(need)} in {mode} mode", f"tests[{i}]")
+                raise invalid(f"code task field 'tests'[{i}] must be an object with string "
+                              f"fields {list(need)} in {mode} mode", f"tests[{i}]")
         if "solution" in task and not isinstance(task["solution"], str):
             raise invalid("code task field 'solution' must be a string", "solution")
 
