@@ -140,6 +140,10 @@ class ChatTokenizer:
         return self.encode(_after_sentinel(text))
 
     @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+
+    @functools.cached_property
     def end_of_turn_ids(self) -> frozenset[int]:
         """Ids that end an assistant turn: the EOS and the closing's first special token."""
         out: set[int] = set()
@@ -148,8 +152,7 @@ class ChatTokenizer:
             out.add(eos)
         closing = self.closing_ids([{"role": "system", "content": "s"},
                                     {"role": "user", "content": "u"}])
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        if closing and closing[0] in special:
+        if closing and closing[0] in self.special_ids:
             out.add(closing[0])
         return frozenset(out)
 
@@ -283,7 +286,9 @@ class ChatLedger:
         return delta
 
     def strip_end_of_turn(self, output_ids: Sequence[int]) -> list[int]:
-        ends = self.chat.end_of_turn_ids
+        """The output without trailing end-of-turn / special tokens (an engine may stop on any
+        of the model's EOS ids, e.g. ``<|endoftext|>`` as well as ``<|im_end|>``)."""
+        ends = self.chat.end_of_turn_ids | self.chat.special_ids
         ids = list(output_ids)
         while ids and ids[-1] in ends:
             ids.pop()

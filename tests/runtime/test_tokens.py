@@ -170,3 +170,15 @@ def test_any_output_ids_are_kept_and_the_sequence_is_the_concatenation(
         # Exactly one end-of-turn between the model's tokens and the next message.
         closes = turn.output_ids[-1:] + turn.observation_ids[:1]
         assert closes.count(tok.eos_token_id) == 1
+
+
+def test_final_text_drops_any_trailing_special_token(tok: Any) -> None:
+    ledger = ChatLedger(ChatTokenizer(tok), [{"role": "user", "content": "q"}])
+    ledger.start()
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    out = [*ids(tok, "the answer"), endoftext]
+    assert ledger.add_output(out) == "the answer"
+    delta = ledger.add_messages([{"role": "user", "content": "again"}])
+    # Not the template's closing token, so the whole closing follows it.
+    assert tok.decode(delta.observation_ids).startswith("<|im_end|>\n<|im_start|>user")
+    assert ledger.token_ids[-len(delta.prompt_ids) - len(delta.observation_ids) - 1] == endoftext
