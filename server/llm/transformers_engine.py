@@ -101,7 +101,7 @@ class TransformersEngine(Engine):
         self.drain_timeout_s = drain_timeout_s
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-        self.model.to(self.device).eval()
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
         self.eos_ids = frozenset(self._eos_ids())

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +196,22 @@ async def launch_vllm(model: str, *, name: str | None = None, host: str = "127.0
                           max_restarts=max_restarts, startup_timeout_s=startup_timeout_s)
     await process.start()
     return ManagedVllmEngine(process, model, name=name or f"vllm-{port}", tokenizer=tokenizer)
+
+
+async def launch_vllm_engine(spec: Mapping[str, Any], name: str | None = None
+                             ) -> ManagedVllmEngine:
+    """:func:`launch_vllm` from one ``[[llm.backends]]`` table (``kind = "vllm-launch"``).
+
+    Keys: ``model`` (required), ``host``, ``port``, ``extra_args`` (list), ``executable``
+    (list), ``startup_timeout_s``, ``max_restarts``, ``log_dir``.
+    """
+    if not spec.get("model"):
+        raise ValueError("a vllm-launch backend needs model = \"...\"")
+    log_dir = spec.get("log_dir")
+    return await launch_vllm(
+        str(spec["model"]), name=name or spec.get("name"), host=spec.get("host", "127.0.0.1"),
+        port=int(spec.get("port", 0)), extra_args=list(spec.get("extra_args", ())),
+        executable=spec.get("executable"),
+        startup_timeout_s=float(spec.get("startup_timeout_s", 600.0)),
+        max_restarts=int(spec.get("max_restarts", 3)),
+        log_dir=Path(log_dir) if log_dir else None)

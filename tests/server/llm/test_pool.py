@@ -99,7 +99,7 @@ async def test_group_samples_are_co_located_within_slack() -> None:
     tasks = []
     for i in range(4):  # each sample joins while the others are still in flight
         tasks.append(asyncio.create_task(pool.generate(req(f"g{i}", group="G"))))
-        await assert_eventually(lambda n=i + 1: sum(e.in_flight for e in engines) == n)
+        await assert_eventually(lambda: sum(e.in_flight for e in engines) == len(tasks))
     gate.set()
     assert len({r.backend for r in await asyncio.gather(*tasks)}) == 1
 
@@ -108,7 +108,7 @@ async def test_group_samples_are_co_located_within_slack() -> None:
     tasks = []
     for i in range(4):
         tasks.append(asyncio.create_task(pool.generate(req(f"h{i}", group="H"))))
-        await assert_eventually(lambda n=i + 1: sum(e.in_flight for e in engines) == n)
+        await assert_eventually(lambda: sum(e.in_flight for e in engines) == len(tasks))
     gate.set()
     assert len({r.backend for r in await asyncio.gather(*tasks)}) > 1
     await pool.close()
