@@ -178,10 +178,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "serve":
         return _serve(args)
-    if cmd == "llm-serve":
-        return _delegate("server.llm.http_server", args.rest)
-    if cmd == "quickstart":
-        return _delegate("server.quickstart", args.rest)
+    if cmd in _DELEGATED:
+        return _delegate(_DELEGATED[cmd], args.rest)
     if cmd == "bench":
         return _delegate(f"server.bench.{args.name}", args.rest)
     from client import cli_commands
@@ -192,7 +190,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "submit":
         from client.cli_submit import run_submit
 
-        return asyncio.run(run_submit(args, settings))
+        return run_submit(args, settings)
     if cmd == "jobs":
         return asyncio.run(cli_commands.jobs(args, settings))
     if cmd == "status":
@@ -200,10 +198,26 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise CliError("INVALID_ARGUMENT", "UNKNOWN_COMMAND", f"unknown command {cmd!r}")
 
 
+_DELEGATED = {"llm-serve": "server.llm.http_server", "quickstart": "server.quickstart"}
+
+
+def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:
+    """Commands whose flags belong to another module's parser: argparse's REMAINDER cannot
+    pass a leading ``--flag`` through a subparser, so route them before parsing."""
+    if argv and argv[0] in _DELEGATED and argv[1:2] != ["-h"]:
+        return _DELEGATED[argv[0]], argv[1:]
+    if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
+        return f"server.bench.{argv[1]}", argv[2:]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(args)
+        delegated = _delegated(argv)
+        if delegated is not None:
+            return _delegate(*delegated)
+        return _dispatch(build_parser().parse_args(argv))
     except RolloutError as err:
         return _fail(err.code.name, err.reason, err.message)
     except CliError as err:

@@ -10,6 +10,7 @@ re-submitted jobs are recognised as duplicates, and nothing runs or lands in the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -18,14 +19,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from client.aio import RolloutClient
-from client.cli import CliError, ClientSettings
+from client.cli import ClientSettings, CliError
 from client.errors import RolloutError
 from client.specs import group_specs, job_spec
 from client.trajectory import to_json, total_tokens
@@ -162,10 +163,16 @@ class _Bars:
             self.p.update(self.done, advance=1, description=self._done_label())
 
 
-async def run_submit(args: argparse.Namespace, settings: ClientSettings,
-                     console: Console | None = None) -> int:
+def run_submit(args: argparse.Namespace, settings: ClientSettings,
+               console: Console | None = None) -> int:
     console = console or Console()
     specs = load_specs(args.file, args.samples, args.finish_after)
+    with open(args.out, "a") as out:
+        return asyncio.run(_submit(args, settings, console, specs, out))
+
+
+async def _submit(args: argparse.Namespace, settings: ClientSettings, console: Console,
+                  specs: list[job_pb2.JobSpec], out: TextIO) -> int:
     client_id = settings.client_id or default_client_id(args.out)
     stats = RunStats(specs)
     progress = (Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
@@ -174,7 +181,7 @@ async def run_submit(args: argparse.Namespace, settings: ClientSettings,
     bars = _Bars(progress, len(specs))
     async with RolloutClient(settings.address, token=settings.token) as client, \
             client.session(client_id, progress=bool(args.progress)) as session:
-        with open(args.out, "a") as out, (progress or contextlib.nullcontext()):
+        with progress or contextlib.nullcontext():
             for i in range(0, len(specs), SUBMIT_BATCH):
                 await session.submit(specs[i:i + SUBMIT_BATCH])
             await session.close()

@@ -27,9 +27,9 @@ Sequence numbers restart at 1 on each underlying stream; every re-open shows up 
 ``opened`` frame.
 
 Ending: ``close()`` means "nothing more to submit". The session half-closes the stream only
-when it owes the server nothing: every submit answered, every trajectory it yielded acknowledged, and a heartbeat
-confirming that the server has no unfinished job and no unacknowledged trajectory for this
-client. Half-closing earlier would
+when it owes the server nothing: every submit answered, every trajectory it yielded
+acknowledged, and a heartbeat confirming that the server has no unfinished job and no
+unacknowledged trajectory for this client. Half-closing earlier would
 strand the last trajectories: a half-closed stream can no longer carry their acks.
 """
 
@@ -72,7 +72,8 @@ class Session:
         self.backoff_s = backoff_s
         self.reconnects = 0
         """Successful re-opens after a drop."""
-        self.opened: pb.SessionOpened | None = None
+        self.opened = pb.SessionOpened()
+        """The latest ``opened`` frame (empty until the stream is open)."""
 
         self._events: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
         self._lock = asyncio.Lock()  # one writer at a time; (re)connect is atomic to writers

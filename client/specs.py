@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from google.protobuf import json_format
 
 from rollout.v1 import job_pb2
 
-SpecLike = job_pb2.JobSpec | Mapping[str, Any]
+SpecLike: TypeAlias = job_pb2.JobSpec | Mapping[str, Any]
 
 
 def job_spec(spec: SpecLike | None = None, **fields: Any) -> job_pb2.JobSpec:

@@ -169,12 +169,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 await sub.close()
 
     def _client_stats(self, client_id: str, sub: Any) -> dict[str, int]:
-        """Unfinished jobs of this client, and deliveries sent or queued but not acked."""
-        stats = getattr(self._scheduler, "client_stats", None)
-        if stats is not None:
-            return dict(stats(client_id))
-        in_flight = getattr(self._scheduler, "_per_client", {}).get(client_id, 0)
-        return {"in_flight": in_flight, "unacked": getattr(sub, "outstanding", 0)}
+        """Unfinished jobs of this client, and deliveries sent or held but not acked."""
+        return dict(self._scheduler.client_stats(client_id))
 
     async def _has_pending(self, client_id: str, sub: Any) -> bool:
         st = self._client_stats(client_id, sub)

@@ -8,7 +8,7 @@ store) with ``llm.backends = []``; only the environments are test doubles
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +105,39 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,  # noq
 def task(**fields: Any) -> dict[str, Any]:
     """A job dict for the scripted environment."""
     return {"environment": "scripted", "task": fields or {"reward": 1.0}}
+
+
+class ThreadedServer:
+    """A harness on its own event loop thread, for code that runs ``asyncio.run`` itself
+    (the command line, the sync client)."""
+
+    def __init__(self, state_dir: Path, **server: Any) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.harness = ServerHarness(state_dir, **server)
+        self.call(self.harness.start())
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(20)
+
+    @property
+    def address(self) -> str:
+        return self.harness.address
+
+    def open_gate(self, job_id: str, stage: str) -> None:
+        self.loop.call_soon_threadsafe(self.harness.handler.open, job_id, stage)
+
+    def stop(self) -> None:
+        self.call(self.harness.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture
+def threaded_server(tmp_path: Path) -> Iterator[ThreadedServer]:
+    srv = ThreadedServer(tmp_path / "state")
+    yield srv
+    srv.stop()

@@ -3,6 +3,8 @@ reason, on the unary RPC and as `rejected` frames on the stream; nothing accepte
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,7 +19,7 @@ from tests.client.test_stream import drain, kinds
 pytestmark = pytest.mark.timeout(30)
 
 # (spec, code, reason, field)
-MALFORMED = [
+MALFORMED: list[tuple[dict[str, Any], str, str, str]] = [
     ({"job_id": "m-env", "task": {"a": 1}}, "INVALID_ARGUMENT", "MISSING_FIELD", "environment"),
     ({"job_id": "m-task", "environment": "scripted"}, "INVALID_ARGUMENT", "MISSING_FIELD",
      "task"),
@@ -68,7 +70,7 @@ async def test_stream_rejects_each_bad_job_and_keeps_going(harness: ServerHarnes
         await s.close()
         frames = await drain(s)
     rejected = [(f.job_id, f.rejected) for f in kinds(frames, "rejected")]
-    expected = [(spec.get("job_id", ""), code, reason, field)
+    expected = [(str(spec.get("job_id", "")), code, reason, field)
                 for spec, code, reason, field in MALFORMED]
     expected.append(expected[0])
     got = [(j, grpc.StatusCode(_code(r.code)).name, r.reason, r.field) for j, r in rejected]

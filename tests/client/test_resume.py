@@ -4,6 +4,8 @@ the server saw acknowledged is never sent again — checked on the frames as rec
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from client.aio import RolloutClient
@@ -62,7 +64,8 @@ async def test_dropped_connection_resumes_exactly_once(harness: ServerHarness) -
             await take_trajectories(3)
             acked_before_drop = set(seen)
             # the server has processed the acks: its unacked count for us dropped to 0
-            await eventually(lambda: not harness.server.scheduler._subs["flaky"].outstanding)
+            sched: Any = harness.server.scheduler  # type: ignore[union-attr]
+            await eventually(lambda: not sched.client_stats("flaky")["unacked"])
 
             # cut the link and keep it down while the gated jobs finish on the server
             proxy.refusing = True
@@ -117,7 +120,7 @@ async def test_lost_ack_is_resent_and_replay_swallowed(harness: ServerHarness) -
                                backoff_s=(0.02, 0.1), max_reconnects=100) as s:
             events = s.events()
             await s.submit([{"job_id": "one", **task()}, {"job_id": "two", **task()}])
-            got = []
+            got: list[int] = []
             while len(got) < 2:
                 f = await anext(events)
                 if f.WhichOneof("kind") == "trajectory":

@@ -34,7 +34,7 @@ def kinds(frames, kind: str) -> list:
 async def test_round_trip(harness: ServerHarness) -> None:
     async with RolloutClient(harness.address) as client, \
             client.session("trainer", progress=True, heartbeat_s=0.1) as s:
-        assert s.opened is not None and s.opened.client_id == "trainer"
+        assert s.opened.client_id == "trainer"
         await s.submit([{"job_id": "a", **task(reward=0.25, turns=2)},
                         {"job_id": "b", **task(reward=1.0)}])
         await s.close()
@@ -179,26 +179,14 @@ async def test_unary_helpers(harness: ServerHarness) -> None:
         assert (exc.value.code.name, exc.value.reason) == ("NOT_FOUND", "JOB_NOT_FOUND")
 
 
-@pytest.mark.timeout(30)
-def test_sync_client(tmp_path) -> None:
-    import asyncio
-    import threading
-
-    from tests.client.conftest import ServerHarness as H
-
-    loop = asyncio.new_event_loop()
-    h = H(tmp_path / "state")
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    asyncio.run_coroutine_threadsafe(h.start(), loop).result(10)
-    try:
-        with RolloutClientSync(h.address) as client:
-            assert "scripted" in client.status().environments
-            with client.session("sync", auto_ack=True, heartbeat_s=0.1) as s:
-                s.submit_group(task(reward=0.5), 2, "sg")
-                s.close()
-                trajs = list(s.trajectories())
-            assert sorted(t.trajectory.job_id for t in trajs) == ["sg/0", "sg/1"]
-            assert [j.job_id for j in client.list_jobs(group_id="sg")] != []
-    finally:
-        asyncio.run_coroutine_threadsafe(h.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+def test_sync_client(threaded_server) -> None:
+    with RolloutClientSync(threaded_server.address) as client:
+        assert "scripted" in client.status().environments
+        with client.session("sync", auto_ack=True, heartbeat_s=0.1) as s:
+            s.submit_group(task(reward=0.5), 2, "sg")
+            s.close()
+            trajs = list(s.trajectories())
+        assert sorted(t.trajectory.job_id for t in trajs) == ["sg/0", "sg/1"]
+        assert sorted(j.job_id for j in client.list_jobs(group_id="sg")) == ["sg/0", "sg/1"]
+        with pytest.raises(RolloutError):
+            client.get_job("missing")
