@@ -37,18 +37,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from runtime.handler import HandlerRegistry, JobContext
+from runtime.handler import HandlerRegistry
 from runtime.llm import LLMClient
-from runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage, TerminationReason
+from runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage
 from server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
-from server.metrics import SchedulerMetrics, SchedulerStatus, StageStats, StageStatus
-from server.pipeline.groups import GROUP_FINISHED, Groups
-from server.pipeline.pool import LiveJob, StagePool
+from server.metrics import SchedulerStatus, StageStatus
+from server.pipeline.groups import GROUP_FINISHED
+from server.pipeline.pool import LiveJob
 from server.pipeline.records import JobRecord, SubmitResult, record_from_live, record_from_stored
+from server.pipeline.runner import STAGES, PipelineConfig, StageRunner
 from server.pipeline.session import (
     Event,
     JobAccepted,
@@ -57,8 +58,7 @@ from server.pipeline.session import (
     Subscription,
     TrajectoryReady,
 )
-from server.pipeline.stages import build_trajectory, release, run_stage
-from server.store import FinishRecord, JobStore, now
+from server.store import JobStore, now
 
 __all__ = [
     "GROUP_FINISHED", "Event", "JobAccepted", "JobFinished", "JobNotFound", "JobRecord",
@@ -67,7 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_STAGES = (Stage.INIT, Stage.RUN, Stage.EVAL)
 
 
 class Overloaded(ResourceExhausted):
@@ -86,59 +85,18 @@ class NotCancellable(FailedPrecondition):
     default_reason = "JOB_ALREADY_FINISHED"
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    init_workers: int = 8
-    run_workers: int = 8
-    eval_workers: int = 8
-    stage_queue_size: int = 1024
-    """Jobs that may wait for RUN and for EVAL; a full queue holds the upstream job back."""
-    max_pending_jobs: int = 100_000
-    """Accepted, unfinished jobs server-wide; beyond it submit raises Overloaded."""
-    max_in_flight_per_client: int = 0
-    """Unfinished jobs per client id; 0 = only the server-wide cap applies."""
-    cleanup_deadline_s: float = 30.0
-    """Bound on each of handler.cleanup, resources.aclose and llm.end_session."""
-    max_attempts: int = 3
-    status_window_s: float = 30.0
+class Scheduler(StageRunner):
+    """The pipeline's public API; the mechanics live in :class:`StageRunner`."""
 
-    def workers(self, stage: Stage) -> int:
-        return {Stage.INIT: self.init_workers, Stage.RUN: self.run_workers,
-                Stage.EVAL: self.eval_workers}[stage]
-
-
-class Scheduler:
     def __init__(self, store: JobStore, registry: HandlerRegistry, *,
                  llm: LLMClient | None = None,
                  sandbox_factory: Callable[..., Awaitable[Any]] | None = None,
                  config: PipelineConfig | None = None) -> None:
-        self.store = store
-        self.registry = registry
-        self.llm = llm
-        self.sandbox_factory = sandbox_factory
-        self.config = cfg = config or PipelineConfig()
-        self.pools = {
-            Stage.INIT: StagePool(Stage.INIT, cfg.init_workers, cfg.max_pending_jobs + 1,
-                                  self._launch),
-            Stage.RUN: StagePool(Stage.RUN, cfg.run_workers, cfg.stage_queue_size, self._launch),
-            Stage.EVAL: StagePool(Stage.EVAL, cfg.eval_workers, cfg.stage_queue_size,
-                                  self._launch),
-        }
-        for up, down in ((Stage.INIT, Stage.RUN), (Stage.RUN, Stage.EVAL)):
-            self.pools[up].downstream = self.pools[down]
-            self.pools[down].upstream = self.pools[up]
-        self._live: dict[str, LiveJob] = {}
-        self._pending = 0
-        self._per_client: dict[str, int] = {}
-        self._groups = Groups()
-        self._subs: dict[str, Subscription] = {}
-        self._stats = {s: StageStats(window_s=cfg.status_window_s) for s in _STAGES}
-        self._finished_counts: dict[JobState, int] = {}
         self._started_at = time.monotonic()
         self._running = False
         self._stopping = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.metrics = SchedulerMetrics(self.status)
+        super().__init__(store, registry, llm=llm, sandbox_factory=sandbox_factory,
+                         config=config)
 
     @property
     def metrics_registry(self) -> Any:
@@ -293,130 +251,6 @@ class Scheduler:
             self._per_client[job.client_id] = self._per_client.get(job.client_id, 0) + 1
         self._groups.add(job, succeeded_before)
 
-    # -- running stages ----------------------------------------------------------------------
-
-    def _launch(self, job: LiveJob, pool: StagePool) -> None:
-        job.task = asyncio.get_running_loop().create_task(self._stage_task(job, pool))
-
-    async def _stage_task(self, job: LiveJob, pool: StagePool) -> None:
-        stage = pool.stage
-        t0 = time.monotonic()
-        waited = t0 - job.enqueued_at
-        setattr(job.timings, f"{stage.value}_queue_s",
-                getattr(job.timings, f"{stage.value}_queue_s") + waited)
-        self.metrics.queue_wait(stage).observe(waited)
-        job.state, job.stage, job.stage_started = JobState.RUNNING, stage, t0
-        job.updated_at = wall = now()
-        if stage is Stage.INIT:
-            job.attempts += 1
-            job.ctx = JobContext(spec=job.spec, llm=self.llm,
-                                 sandbox_factory=self.sandbox_factory,
-                                 progress=lambda ev, d: self._progress(job, ev, d))
-        assert job.ctx is not None
-        job.ctx.stage = stage
-        self.store.record_stage(job.job_id, stage, job.attempts, wall)
-        self._emit(job.client_id, StageProgress(job.job_id, stage, "started"))
-        handler = self.registry.get(job.spec.environment)
-        handed_on = False
-        try:
-            try:
-                result = await run_stage(handler, job.ctx, stage,
-                                         job.spec.limits.timeout(stage))
-            except asyncio.CancelledError:
-                if job.cancel_reason is None:  # the scheduler is stopping: run again later
-                    await self._release(job)
-                    raise
-                current = asyncio.current_task()
-                if current is not None:
-                    current.uncancel()
-                self._observe(job, stage, t0, "cancelled")
-                job.finishing = True
-                await self._release(job)
-                self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
-                return
-            ok = result.error is None
-            elapsed = self._observe(job, stage, t0, "ok" if ok else "error")
-            self._emit(job.client_id, StageProgress(
-                job.job_id, stage, "finished", {"ok": ok}, elapsed))
-            if ok and stage is not Stage.EVAL:
-                job.task = None
-                pool.hand_on(job)
-                handed_on = True
-                return
-            job.finishing = True
-            await self._release(job)
-            if ok:
-                self._finish(job, JobState.SUCCEEDED, None, result.reward)
-            else:
-                self._finish(job, JobState.FAILED, result.error, None)
-        finally:
-            if not handed_on:
-                job.task = None
-                pool.release()
-
-    def _observe(self, job: LiveJob, stage: Stage, t0: float, outcome: str) -> float:
-        elapsed = time.monotonic() - t0
-        name = f"{stage.value}_s"
-        setattr(job.timings, name, getattr(job.timings, name) + elapsed)
-        self._stats[stage].observe(elapsed, outcome == "ok")
-        self.metrics.stage_duration(stage, outcome).observe(elapsed)
-        return elapsed
-
-    def _progress(self, job: LiveJob, event: str, detail: Mapping[str, Any]) -> None:
-        if job.stage is None:
-            return
-        self._emit(job.client_id, StageProgress(
-            job.job_id, job.stage, event, dict(detail), time.monotonic() - job.stage_started))
-
-    async def _release(self, job: LiveJob) -> None:
-        if job.ctx is None:
-            return
-        handler = self.registry.get(job.spec.environment)
-        await release(handler, job.ctx, self.llm, job.job_id, self.config.cleanup_deadline_s)
-
-    def _finish(self, job: LiveJob, state: JobState, error: JobError | None,
-                reward: Any) -> None:
-        """Decide the terminal state now; announce it once it is durable."""
-        job.finishing = True
-        job.state, job.error = state, error
-        term = {JobState.SUCCEEDED: None, JobState.CANCELLED: TerminationReason.CANCELLED}.get(
-            state, TerminationReason.DEADLINE if error and error.code == "TIMEOUT"
-            and error.stage is Stage.RUN else TerminationReason.ERROR)
-        traj = build_trajectory(job.ctx, job.job_id, job.spec.group_id, job.timings, reward, term)
-        delivery_id = self.store.next_delivery_id(job.client_id)
-        rec = FinishRecord(job.job_id, job.client_id, state, job.stage, error,
-                           reward.value if reward is not None else None, job.timings, traj,
-                           now())
-        fut = self.store.finish(rec, delivery_id)
-        to_cancel = self._groups.job_ended(job, state is JobState.SUCCEEDED)
-        if to_cancel:
-            self._spawn(self.store.close_group(job.spec.group_id, GROUP_FINISHED, now()))
-            for other in to_cancel:
-                self._cancel(other, GROUP_FINISHED)
-        fut.add_done_callback(lambda f: self._announce(job, rec, delivery_id, traj, f))
-
-    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any,
-                  fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.error("could not persist the end of job %s: %s", job.job_id, fut.exception())
-        self._live.pop(job.job_id, None)
-        self._pending -= 1
-        left = self._per_client.get(job.client_id, 1) - 1
-        if left:
-            self._per_client[job.client_id] = left
-        else:
-            self._per_client.pop(job.client_id, None)
-        self._finished_counts[rec.state] = self._finished_counts.get(rec.state, 0) + 1
-        self.metrics.jobs_finished.labels(rec.state.value,
-                                          rec.error.code if rec.error else "").inc()
-        sub = self._subs.get(job.client_id)
-        if sub is not None:
-            sub.publish_delivery(
-                TrajectoryReady(delivery_id, job.job_id, traj),
-                JobFinished(job.job_id, rec.state, rec.error, rec.reward, delivery_id))
-        job.ctx = None
-        job.mark_done()
-
     # -- cancel ------------------------------------------------------------------------------
 
     async def cancel(self, job_id: str | None = None, group_id: str | None = None,
@@ -438,38 +272,6 @@ class Scheduler:
         if waits:
             await asyncio.gather(*waits)
         return ids
-
-    def _cancel(self, job: LiveJob, reason: str) -> bool:
-        if job.finishing or job.cancel_reason is not None:
-            return False
-        job.cancel_reason = reason
-        if job.task is not None:
-            job.task.cancel()  # the stage task releases resources and finishes the job
-        else:
-            if job.pool is not None:
-                job.pool.remove(job)
-            job.finishing = True
-            if job.ctx is None:
-                self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
-            else:
-                self._spawn(self._release_then_cancel(job))
-        return True
-
-    async def _release_then_cancel(self, job: LiveJob) -> None:
-        await self._release(job)
-        self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
-
-    @staticmethod
-    def _cancel_error(job: LiveJob) -> JobError:
-        reason = job.cancel_reason or "CANCELLED"
-        msg = ("the job's group reached its finish_after count" if reason == GROUP_FINISHED
-               else "the job was cancelled")
-        return JobError("CANCELLED", reason, msg, job.stage)
-
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -548,16 +350,11 @@ class Scheduler:
         if sub is not None:
             sub.acked(delivery_ids, through)
 
-    def _emit(self, client_id: str, event: Event) -> None:
-        sub = self._subs.get(client_id)
-        if sub is not None:
-            sub.publish(event)
-
     # -- status ------------------------------------------------------------------------------
 
     def status(self) -> SchedulerStatus:
         stages = []
-        for stage in _STAGES:
+        for stage in STAGES:
             pool, st = self.pools[stage], self._stats[stage]
             stages.append(StageStatus(
                 stage=stage, workers=pool.workers, queue_depth=pool.depth, in_flight=pool.busy,

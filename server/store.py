@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import sqlite3
 import threading
 import time
@@ -44,50 +43,10 @@ from server.convert import (
     trajectory_from_bytes,
     trajectory_to_bytes,
 )
+from server.pipeline.sqlite import Op, Writer, connect
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id      TEXT NOT NULL UNIQUE,
-    client_id   TEXT NOT NULL,
-    group_id    TEXT NOT NULL DEFAULT '',
-    state       TEXT NOT NULL,
-    stage       TEXT,
-    attempts    INTEGER NOT NULL DEFAULT 0,
-    priority    INTEGER NOT NULL DEFAULT 0,
-    spec        BLOB NOT NULL,
-    error       TEXT,
-    reward      REAL,
-    timings     TEXT,
-    trajectory  BLOB,
-    created_at  REAL NOT NULL,
-    updated_at  REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS jobs_by_group ON jobs (group_id, seq);
-CREATE INDEX IF NOT EXISTS jobs_by_client ON jobs (client_id, seq);
-CREATE TABLE IF NOT EXISTS transitions (
-    job_id  TEXT NOT NULL,
-    at      REAL NOT NULL,
-    state   TEXT NOT NULL,
-    stage   TEXT
-);
-CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
-CREATE TABLE IF NOT EXISTS deliveries (
-    client_id   TEXT NOT NULL,
-    delivery_id INTEGER NOT NULL,
-    job_id      TEXT NOT NULL,
-    acked       INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (client_id, delivery_id)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS closed_groups (
-    group_id TEXT PRIMARY KEY,
-    reason   TEXT NOT NULL,
-    at       REAL NOT NULL
-);
-"""
 
 _LIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
 
@@ -163,104 +122,13 @@ def error_from_json(text: str | None) -> JobError | None:
     return JobError(d["code"], d["reason"], d["message"], Stage(d["stage"]) if d["stage"] else None)
 
 
-_Op = Callable[[sqlite3.Connection], Any]
-
-
-class _Writer(threading.Thread):
-    """The single writer: applies queued ops in batches, one transaction per batch."""
-
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
-        super().__init__(name="jobstore-writer", daemon=True)
-        self._path = path
-        self._loop = loop
-        self._max_batch = max_batch
-        self.queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any] | None] | None] = (
-            queue.SimpleQueue())
-        self.ready = threading.Event()
-        self.startup_error: BaseException | None = None
-        self.batches = 0
-        self.ops = 0
-
-    def run(self) -> None:
-        try:
-            conn = _connect(self._path)
-            conn.executescript(_SCHEMA)
-        except BaseException as exc:  # reported to open()
-            self.startup_error = exc
-            self.ready.set()
-            return
-        self.ready.set()
-        stop = False
-        while not stop:
-            item = self.queue.get()
-            batch = []
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= self._max_batch:
-                    break
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-            else:
-                stop = True
-            if batch:
-                self._apply(conn, batch)
-        conn.close()
-
-    def _apply(self, conn: sqlite3.Connection,
-               batch: list[tuple[_Op, asyncio.Future[Any] | None]]) -> None:
-        results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
-        try:
-            conn.execute("BEGIN")
-            for op, fut in batch:
-                try:
-                    results.append((fut, op(conn), None))
-                except Exception as exc:  # one bad op must not sink the batch
-                    log.exception("job store write failed")
-                    results.append((fut, None, exc))
-            conn.execute("COMMIT")
-        except Exception as exc:
-            log.exception("job store commit failed")
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            results = [(fut, None, exc) for _, fut in batch]
-        self.batches += 1
-        self.ops += len(batch)
-        if any(fut is not None for fut, _, _ in results):
-            try:
-                self._loop.call_soon_threadsafe(_resolve, results)
-            except RuntimeError:  # loop closed during shutdown
-                pass
-
-
-def _resolve(results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
-    for fut, value, exc in results:
-        if fut is None or fut.done():
-            continue
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-
-
-def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA foreign_keys=OFF")
-    return conn
-
-
 class JobStore:
     """Jobs, their transitions, and per-client deliveries of finished trajectories."""
 
     def __init__(self, path: str | Path, *, max_batch: int = 2048) -> None:
         self.path = str(path)
         self._max_batch = max_batch
-        self._writer: _Writer | None = None
+        self._writer: Writer | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._reader_local = threading.local()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,7 +140,7 @@ class JobStore:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._loop = asyncio.get_running_loop()
-        self._writer = _Writer(self.path, self._loop, self._max_batch)
+        self._writer = Writer(self.path, self._loop, self._max_batch)
         self._writer.start()
         await asyncio.to_thread(self._writer.ready.wait)
         if self._writer.startup_error is not None:
@@ -299,7 +167,7 @@ class JobStore:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _write(self, op: _Op, wait: bool) -> asyncio.Future[Any] | None:
+    def _write(self, op: Op, wait: bool) -> asyncio.Future[Any] | None:
         if self._writer is None or self._loop is None:
             raise StoreClosed("job store is not open")
         fut = self._loop.create_future() if wait else None
@@ -313,7 +181,7 @@ class JobStore:
         def call() -> T:
             conn = getattr(self._reader_local, "conn", None)
             if conn is None:
-                conn = self._reader_local.conn = _connect(self.path)
+                conn = self._reader_local.conn = connect(self.path)
             return fn(conn)
 
         return await asyncio.get_running_loop().run_in_executor(self._reader, call)
@@ -392,10 +260,9 @@ class JobStore:
 
         The trajectory is encoded in the writer thread, off the event loop.
         """
-        timings = json.dumps(asdict(rec.timings))
-        err = error_to_json(rec.error)
-
         def op(c: sqlite3.Connection) -> None:
+            timings = json.dumps(asdict(rec.timings))
+            err = error_to_json(rec.error)
             blob = trajectory_to_bytes(rec.trajectory) if rec.trajectory is not None else None
             c.execute(
                 "UPDATE jobs SET state=?, stage=?, error=?, reward=?, timings=?, trajectory=?,"

@@ -46,6 +46,9 @@ class Groups:
             g = self._groups[spec.group.group_id] = GroupState(succeeded=succeeded_before)
         g.finish_after = max(g.finish_after, spec.group.finish_after)
         g.live.add(job)
+        if g.finish_after and g.succeeded >= g.finish_after and g.closed_reason is None:
+            # Reached before a crash whose closing write was lost: close it now.
+            g.closed_reason = GROUP_FINISHED
 
     def job_ended(self, job: LiveJob, succeeded: bool) -> list[LiveJob] | None:
         """Account for a terminal job; returns the jobs to cancel if this closed the group."""

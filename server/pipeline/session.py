@@ -133,6 +133,8 @@ class Subscription:
     def finish_replay(self, replay: Iterable[tuple[TrajectoryReady, JobFinished]],
                       acked_through: int) -> None:
         """Queue the stored deliveries, then whatever arrived live meanwhile (de-duplicated)."""
+        if self._closed:  # a newer attach of the same client took over meanwhile
+            return
         seen: set[int] = set()
         for pair in replay:
             self.replaying += 1

@@ -85,14 +85,14 @@ def _handler_error(exc: BaseException, stage: Stage) -> JobError:
                     str(exc) or type(exc).__name__, stage)
 
 
-async def release(handler: AgentHandler, ctx: JobContext, llm_end: object | None,
+async def release(handler: AgentHandler | None, ctx: JobContext, llm_end: object | None,
                   job_id: str, deadline_s: float) -> None:
     """Free everything the job holds; each step bounded, none allowed to stop the next.
 
     Steps with nothing to do (the base class's no-op cleanup, an empty exit stack) are skipped
     so a cheap job does not pay for timers it cannot need.
     """
-    if type(handler).cleanup is not AgentHandler.cleanup:
+    if handler is not None and type(handler).cleanup is not AgentHandler.cleanup:
         with contextlib.suppress(Exception, TimeoutError):
             async with asyncio.timeout(deadline_s):
                 await handler.cleanup(ctx)
