@@ -113,6 +113,30 @@ async def test_tool_call_then_submit_builds_an_exact_trajectory(tok: Any) -> Non
     assert out.metadata["final_text"] == script[1]
 
 
+async def test_noncanonical_model_ids_reach_the_trajectory_untouched(tok: Any) -> None:
+    ctx, engine, _, _ = make_ctx(tok, [call("echo", text="hello"), "ok"])
+    real_generate = engine.generate
+    odd = tok.convert_tokens_to_ids(["h", "ello"])  # "hello", canonically one token
+
+    async def respell(request: Any) -> Any:
+        res = await real_generate(request)
+        one = tok.convert_tokens_to_ids("hello")
+        out = [i for t in res.output_ids for i in (odd if t == one else [t])]
+        return type(res)(out, [0.0] * len(out), res.finish_reason, res.policy_version,
+                          res.backend)
+
+    engine.generate = respell  # type: ignore[method-assign]
+    echo = EchoTool()
+    out = await run_agent_loop(ctx, [echo], TASK)
+    assert echo.calls == [{"text": "hello"}]
+    first = out.turns[0].output_ids
+    assert any(first[i:i + 2] == odd for i in range(len(first)))
+    traj = [i for t in out.turns for i in t.prompt_ids + t.output_ids + t.observation_ids]
+    start = len(out.turns[0].prompt_ids)
+    assert traj[start:start + len(first)] == first
+    assert list(engine.requests[1].prompt_ids)[start:start + len(first)] == first
+
+
 async def test_model_mistakes_become_error_observations(tok: Any) -> None:
     script = ['<tool_call>\n{"name": "echo", "arguments": {oops</tool_call>',
               call("nosuch", x=1), call("crash"), call("crash", timeout=True),
@@ -179,7 +203,7 @@ async def test_deadline_during_generation_returns_turns_so_far(tok: Any) -> None
         return await real_generate(request)
 
     engine.generate = slow_second_turn  # type: ignore[method-assign]
-    out = await run_agent_loop(ctx, [echo], TASK, deadline=time.monotonic() + 1.0)
+    out = await run_agent_loop(ctx, [echo], TASK, deadline=time.monotonic() + 2.0)
     assert out.termination is TerminationReason.DEADLINE
     assert len(out.turns) == 1 and out.turns[0].tool_calls == ["echo"]
     assert client.ended == ["job-1"]
