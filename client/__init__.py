@@ -1,0 +1,13 @@
+"""Python client of the Rollout Service: ``RolloutClient`` (async), ``RolloutClientSync``,
+resuming sessions, typed errors, trajectory helpers. Depends only on grpcio, protobuf,
+googleapis-common-protos, grpcio-status and rich (for the command line)."""
+
+from client.aio import RolloutClient
+from client.errors import RolloutError
+from client.session import Session
+from client.specs import group_specs, job_spec
+from client.sync import RolloutClientSync, SessionSync
+from client.trajectory import Flat, flatten, from_json, to_json
+
+__all__ = ["Flat", "RolloutClient", "RolloutClientSync", "RolloutError", "Session",
+           "SessionSync", "flatten", "from_json", "group_specs", "job_spec", "to_json"]

@@ -75,7 +75,11 @@ class Session:
         self.opened = pb.SessionOpened()
         """The latest ``opened`` frame (empty until the stream is open)."""
 
-        self._events: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
+        # Unbounded on purpose: a caller that submits a large batch before it starts reading
+        # must not stall the reader, or the server's replies back up until it stops reading
+        # the submits (a deadlock). Trajectories, the large frames, stay bounded by the
+        # server's max_unacked flow control.
+        self._events: asyncio.Queue[Any] = asyncio.Queue()
         self._lock = asyncio.Lock()  # one writer at a time; (re)connect is atomic to writers
         self._call: Any = None
         self._half_closed = False
@@ -119,8 +123,7 @@ class Session:
                 await self._task
         if self._call is not None:
             self._call.cancel()
-        with contextlib.suppress(asyncio.QueueFull):
-            self._events.put_nowait(_END)
+        self._events.put_nowait(_END)
 
     # ------------------------------------------------------------------ requests
 

@@ -190,3 +190,4 @@ def test_sync_client(threaded_server) -> None:
         assert sorted(j.job_id for j in client.list_jobs(group_id="sg")) == ["sg/0", "sg/1"]
         with pytest.raises(RolloutError):
             client.get_job("missing")
+
