@@ -42,7 +42,7 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
     console = console or Console()
     async with _client(settings) as client:
         if args.jobs_command == "list":
-            table = Table(title="jobs (newest first)")
+            table = Table(title="jobs")
             for col in ("job", "environment", "state", "stage", "attempts", "reward",
                         "group", "client", "created"):
                 table.add_column(col)
