@@ -116,3 +116,21 @@ async def test_list_pages_with_live_state(tmp_path):
         live = next(r for r in rest if r.job_id == "g")
         assert live.state is JobState.RUNNING and live.stage is not None
         handler.open("g", "run")
+
+
+async def test_metrics_are_served_over_http(tmp_path):
+    import urllib.request
+
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        await sched.submit([spec("m")], "t")
+        await _all_done(sched, 1)
+        httpd, thread = sched.serve_metrics("127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{httpd.server_port}/metrics"
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            assert 'rollout_stage_queue_depth{stage="run"} 0.0' in body
+            assert 'rollout_jobs_finished_total{code="",state="succeeded"} 1.0' in body
+        finally:
+            httpd.shutdown()
+            thread.join(5)
