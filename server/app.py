@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
 from runtime.handler import HandlerRegistry
+from runtime.types import InvalidArgument
 from server.config import Config
 from server.interceptors import ServiceInterceptor
 from server.scheduler import PipelineConfig, Scheduler
@@ -143,10 +145,16 @@ def build_sandbox_factory(cfg: Config) -> Any:
     crashed predecessor left behind under the state directory."""
     from runtime.sandbox import SandboxConfig, create_sandbox, reap_stale
 
-    root = cfg.state_path / "sandboxes"
-    reap_stale(root)
-    sb_cfg = SandboxConfig(runtime=cfg.sandbox.runtime, root=root,
-                           image=cfg.sandbox.image or None)
+    image = cfg.sandbox.image or None
+    if cfg.sandbox.runtime == "bwrap":
+        sb_cfg = SandboxConfig(runtime="bwrap", state_dir=cfg.state_path,
+                               rootfs=Path(image) if image else None)
+    elif cfg.sandbox.runtime == "apptainer":
+        sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image)
+    else:
+        raise InvalidArgument(f"sandbox.runtime must be 'bwrap' or 'apptainer', got "
+                              f"{cfg.sandbox.runtime!r}", "BAD_CONFIG", "sandbox.runtime")
+    reap_stale(sb_cfg.sandboxes_dir)
     return functools.partial(create_sandbox, sb_cfg)
 
 
