@@ -192,7 +192,8 @@ def _is_safe(expr: sympy.Basic) -> bool:
             exponent = node.exp
             if not exponent.is_number or abs(complex(exponent.evalf(5))) > 1000:
                 return False
-            if isinstance(node.base, sympy.Pow):
+            # a tower multiplies exponents; reciprocals and roots of a power are harmless
+            if isinstance(node.base, sympy.Pow) and abs(complex(exponent.evalf(5))) > 1:
                 return False
     return True
 
@@ -230,12 +231,7 @@ def _values_equal(a: sympy.Basic, b: sympy.Basic, rel_tol: float) -> bool:
     if a.is_Rational and b.is_Rational:
         return False  # exact values (decimals were rationalized): no tolerance, 10**9 != 10**9+1
     if a.free_symbols or b.free_symbols:
-        if a.free_symbols != b.free_symbols:
-            return False
-        try:
-            return bool(sympy.simplify(a - b) == 0)
-        except Exception:
-            return False
+        return _agree_at_sample_points(a, b, rel_tol)
     try:
         if not (a.is_finite and b.is_finite):
             return False
@@ -245,13 +241,44 @@ def _values_equal(a: sympy.Basic, b: sympy.Basic, rel_tol: float) -> bool:
     return abs(va - vb) <= rel_tol * max(1.0, abs(vb))
 
 
+_SAMPLE_POINTS = (0.3183, 0.7071, 1.4142, 2.7183)
+
+
+def _agree_at_sample_points(a: sympy.Expr, b: sympy.Expr, rel_tol: float) -> bool:
+    """Symbolic answers agree when they agree numerically at a few fixed points.
+
+    ``simplify(a - b)`` would be exact but can run for minutes on what a model writes
+    (``\\sin(x)^{999}``); two distinct answer expressions agreeing at several unrelated
+    irrational-ish points is not a risk worth that.
+    """
+    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
+    checked = 0
+    for shift, _ in enumerate(_SAMPLE_POINTS):
+        point = {s: _SAMPLE_POINTS[(shift + i) % len(_SAMPLE_POINTS)] + 0.1 * i
+                 for i, s in enumerate(symbols)}
+        try:
+            va, vb = complex(a.evalf(30, subs=point)), complex(b.evalf(30, subs=point))
+        except (TypeError, ValueError, ArithmeticError):
+            continue
+        if not all(map(_finite, (va, vb))):
+            continue
+        if abs(va - vb) > max(rel_tol, 1e-12) * max(1.0, abs(vb)):
+            return False
+        checked += 1
+    return checked >= 2
+
+
+def _finite(z: complex) -> bool:
+    return all(abs(part) < float("inf") and part == part for part in (z.real, z.imag))
+
+
 def answers_equivalent(predicted: str | None, gold: str, *, rel_tol: float = 1e-9) -> bool:
     """True when ``predicted`` denotes the same answer as ``gold``.
 
     Numbers compare by value (``0.75 == 3/4 == \\frac{3}{4}``, ``1,000 == 1000``): exactly when
     both are rational (decimals are read as exact fractions), within ``rel_tol`` when one is
     irrational (``2\\pi`` vs ``6.283185307179586``); symbolic
-    answers compare by ``simplify(a - b) == 0``; tuples element-wise; anything else by its
+    answers compare by value at a few sample points; tuples element-wise; anything else by its
     normalized text (case-insensitive). A percentage equals both its number and its fraction
     (``50%`` matches ``50`` and ``0.5``), because problems rarely say which they want.
     """
