@@ -137,6 +137,7 @@ class StageRunner:
                 except asyncio.CancelledError:
                     if job.cancel_reason is None:  # the scheduler is stopping: run again later
                         await self._release(job)
+                        job.ctx = None  # released; the next start runs it from INIT
                         raise
                     current = asyncio.current_task()
                     if current is not None:

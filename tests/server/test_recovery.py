@@ -96,6 +96,8 @@ async def test_graceful_stop_requeues_running_jobs(tmp_path):
         await eventually(lambda: handler.started("a", "run") and handler.started("b", "init"))
         await sched.stop(grace_s=0.0)
         assert "a" in handler.resources_closed  # stopping still frees what jobs hold
+        assert handler.events.count(("a", "cleanup", "")) == 1
+        assert handler.events.count(("b", "cleanup", "")) == 1
         rec = await sched.store.get("a")
         assert rec is not None and rec.state is JobState.RUNNING and rec.stage is Stage.RUN
 
