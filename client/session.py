@@ -112,7 +112,11 @@ class Session:
 
     async def close(self) -> None:
         """No more submits: the stream ends once everything owed is done (see module doc).
-        Keep iterating ``events()`` (and acknowledging) until it ends."""
+        Keep iterating ``events()`` (and acknowledging) until it ends. The server's heartbeats
+        say when it owes nothing more, so a session opened with ``heartbeat_s=0`` cannot
+        close gracefully: use :meth:`aclose`."""
+        if self.heartbeat_s <= 0:
+            raise ValueError("close() needs heartbeats (heartbeat_s > 0); use aclose()")
         self._closing = True
 
     async def aclose(self) -> None:
@@ -208,10 +212,10 @@ class Session:
     def _open_request(self) -> pb.StreamRolloutsRequest:
         open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
                                max_unacked=self.max_unacked, progress=self.progress)
-        if self.heartbeat_s > 0:
-            open_.heartbeat_interval.CopyFrom(Duration(
-                seconds=int(self.heartbeat_s),
-                nanos=int((self.heartbeat_s % 1) * 1e9)))
+        # Always set: an explicit zero turns heartbeats off (unset would mean the default).
+        open_.heartbeat_interval.CopyFrom(Duration(
+            seconds=int(max(self.heartbeat_s, 0)),
+            nanos=int((max(self.heartbeat_s, 0) % 1) * 1e9)))
         return pb.StreamRolloutsRequest(open=open_)
 
     async def _connect(self) -> Any:
