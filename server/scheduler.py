@@ -11,11 +11,13 @@ Public API (what the servicer calls)::
     rec = await sched.get(job_id)            # JobRecord | None (history=True adds transitions)
     traj = await sched.get_trajectory(job_id)
     recs, token = await sched.list(page_size, page_token, state=, group_id=, client_id=)
-    sub = await sched.attach(client_id, acked_through=0, max_unacked=0)
+    sub = await sched.attach(client_id, acked_through=0, max_unacked=0, progress=True)
     async for event in sub: ...              # JobAccepted | StageProgress | TrajectoryReady
                                              # | JobFinished (server/pipeline/session.py)
-    await sched.ack(client_id, [delivery_id, ...]); await sub.close()
-    sched.status() -> SchedulerStatus; sched.metrics_registry; sched.serve_metrics(port)
+    await sched.ack(client_id, [delivery_id, ...], through=0); await sub.close()
+    sched.client_stats(client_id)            # {"in_flight": n, "unacked": m}
+    sched.status() -> SchedulerStatus        # server/metrics.py
+    sched.metrics_registry; sched.serve_metrics(host, port)
     await sched.stop(grace_s); await store.close()
 
 Decisions:
@@ -28,8 +30,11 @@ Decisions:
 - cancel() waits (bounded by the cleanup deadline) until the cancelled jobs are terminal and their
   resources are freed, unless ``wait=False``. Cancelling a group also closes it: later jobs of
   that group are cancelled at once, like jobs of a group that reached ``finish_after``.
-- ``attempts`` counts INIT starts; a job interrupted (crash, stop) more than ``max_attempts``
-  times fails with INTERNAL / TOO_MANY_ATTEMPTS instead of crash-looping the server.
+- ``attempts`` counts INIT starts; a job found interrupted at start() after ``max_attempts``
+  attempts fails with INTERNAL / TOO_MANY_ATTEMPTS instead of crash-looping the server.
+- Errors map through server/errors.py: Overloaded -> RESOURCE_EXHAUSTED, JobNotFound ->
+  NOT_FOUND, NotCancellable -> FAILED_PRECONDITION, submit while stopping -> UNAVAILABLE,
+  per-job InvalidArgument inside SubmitResult.error.
 """
 
 from __future__ import annotations
