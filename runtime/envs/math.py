@@ -30,6 +30,7 @@ from runtime.envs.common import (
     check_task_object,
     invalid,
     require_str,
+    sandbox_of,
     sandbox_tools,
 )
 from runtime.handler import AgentHandler, JobContext, RunOutcome
@@ -69,7 +70,7 @@ class MathHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         names = list(ctx.spec.task.get("tools", ["python"]))
-        tools: list[Any] = sandbox_tools(ctx.state[SANDBOX_KEY], names) if names else []
+        tools: list[Any] = sandbox_tools(sandbox_of(ctx), names) if names else []
         tools.append(SubmitTool(ctx.state, answer_description="The final answer only."))
         messages = [{"role": "system", "content": INSTRUCTIONS},
                     {"role": "user", "content": ctx.spec.task["question"]}]

@@ -171,7 +171,8 @@ class SweHandler(AgentHandler):
                           {"error": why, "log": applied.output[-1000:]})
         timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
         run = await sandbox.exec(
-            ["python", "-m", "pytest", "-rA", "-p", "no:cacheprovider", *files_of(f2p + p2p)],
+            ["python", "-m", "pytest", "-rA", "--tb=no", "-p", "no:cacheprovider",
+             *files_of(f2p + p2p)],
             timeout=timeout, cwd=sandbox.workspace_in_sandbox,
             env=string_env(task, "test_env", env=ENV), max_output=4 << 20)
         verdict = judge(parse_pytest_report(run.stdout), f2p, p2p)
