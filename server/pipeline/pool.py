@@ -91,6 +91,18 @@ class StagePool:
         """The pool whose blocked jobs wait for room in this one."""
         self.downstream: StagePool | None = None
 
+    def take_now(self, job: LiveJob) -> bool:
+        """Give ``job`` (done upstream) a slot at once if one is idle and nobody is queued.
+
+        Nobody queued means no better candidate exists, so priorities are kept; the caller
+        keeps running the job in its own task and releases its upstream slot.
+        """
+        if self.paused or self.busy >= self.workers or self.depth:
+            return False
+        self.busy += 1
+        job.enqueued_at = time.monotonic()
+        return True
+
     def has_room(self) -> bool:
         return self.depth < self.capacity
 

@@ -62,6 +62,12 @@ class PipelineConfig:
     status_window_s: float = 30.0
     """Window of the per-stage throughput in ``status()``."""
 
+    def __post_init__(self) -> None:
+        for name in ("init_workers", "run_workers", "eval_workers", "stage_queue_size",
+                     "max_pending_jobs", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"pipeline.{name} must be at least 1")
+
 
 class StageRunner:
     def __init__(self, store: JobStore, registry: HandlerRegistry, *,
@@ -117,12 +123,33 @@ class StageRunner:
         assert job.ctx is not None
         job.ctx.stage = stage
         self.store.record_stage(job.job_id, stage, job.attempts, job.updated_at)
-        self._emit(job.client_id, StageProgress(job.job_id, stage, "started"))
+        self._emit_progress(job, stage, "started", {}, 0.0)
         return t0
 
     async def _stage_task(self, job: LiveJob, pool: StagePool) -> None:
-        stage = pool.stage
+        """Run the job's stage in ``pool``; while the next stage has an idle worker and an
+        empty queue, go straight on in this same task (no queue round trip, no new task)."""
         handed_on = False
+        try:
+            while await self._one_stage(job, pool):
+                nxt = pool.downstream
+                assert nxt is not None
+                if nxt.take_now(job):
+                    pool.release()
+                    pool = nxt
+                    continue
+                job.task = None
+                pool.hand_on(job)
+                handed_on = True
+                return
+        finally:
+            if not handed_on:
+                job.task = None
+                pool.release()
+
+    async def _one_stage(self, job: LiveJob, pool: StagePool) -> bool:
+        """One stage of one job; True when the job goes on to the next stage."""
+        stage = pool.stage
         try:
             t0 = self._enter_stage(job, stage)
             assert job.ctx is not None
@@ -146,16 +173,12 @@ class StageRunner:
                     job.finishing = True
                     await self._release(job)
                     self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
-                    return
+                    return False
             ok = result.error is None
             elapsed = self._observe(job, stage, t0, "ok" if ok else "error")
-            self._emit(job.client_id, StageProgress(
-                job.job_id, stage, "finished", {"ok": ok}, elapsed))
+            self._emit_progress(job, stage, "finished", {"ok": ok}, elapsed)
             if ok and stage is not Stage.EVAL:
-                job.task = None
-                pool.hand_on(job)
-                handed_on = True
-                return
+                return True
             job.finishing = True
             await self._release(job)
             if ok:
@@ -169,10 +192,7 @@ class StageRunner:
                 await self._release(job)
                 self._finish(job, JobState.FAILED, JobError(
                     "INTERNAL", "INTERNAL", f"{type(exc).__name__}: {exc}", stage), None)
-        finally:
-            if not handed_on:
-                job.task = None
-                pool.release()
+        return False
 
     def _observe(self, job: LiveJob, stage: Stage, t0: float, outcome: str) -> float:
         elapsed = time.monotonic() - t0
@@ -183,10 +203,16 @@ class StageRunner:
         return elapsed
 
     def _progress(self, job: LiveJob, event: str, detail: Mapping[str, Any]) -> None:
-        if job.stage is None:
-            return
-        self._emit(job.client_id, StageProgress(
-            job.job_id, job.stage, event, dict(detail), time.monotonic() - job.stage_started))
+        """``ctx.progress`` of every job: a handler's own events (e.g. ``turn``)."""
+        if job.stage is not None:
+            self._emit_progress(job, job.stage, event, dict(detail),
+                                time.monotonic() - job.stage_started)
+
+    def _emit_progress(self, job: LiveJob, stage: Stage, event: str,
+                       detail: Mapping[str, Any], elapsed: float) -> None:
+        sub = self._subs.get(job.client_id)
+        if sub is not None and sub.progress:  # built only when someone wants it
+            sub.publish(StageProgress(job.job_id, stage, event, detail, elapsed))
 
     def _emit(self, client_id: str, event: Event) -> None:
         sub = self._subs.get(client_id)
