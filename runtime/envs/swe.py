@@ -6,7 +6,8 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "instance_id": "rollout__semver-1",
       "repo": "rollout-service/semver",          # informational
       "repo_source": "swe_repos/semver.bundle",  # git bundle, git directory, or .tar[.gz]
-                                                 # archive; relative = under runtime/envs/data
+                                                 # archive of a clone (with its .git);
+                                                 # relative = under runtime/envs/data
       "base_commit": "060baae...",               # the commit the agent starts from
       "problem_statement": "...",                # what the agent sees
       "patch": "diff --git ...",                 # gold fix (optional; never shown; for tests)
@@ -70,10 +71,13 @@ set -euo pipefail
 src=$1 kind=$2 base=$3
 if [ "$kind" = archive ]; then
   tar -xf "$src" -C .
-  if [ ! -d .git ]; then
-    git init -q -b main && git add -A
-    git -c user.name=rollout -c user.email=rollout@localhost commit -qm base
+  if [ ! -e .git ]; then  # "name/.git": one top-level folder, as GitHub tarballs have
+    set -- */.git
+    if [ $# -eq 1 ] && [ -e "$1" ]; then
+      top=${1%/.git}; shopt -s dotglob; mv -- "$top"/* .; rmdir -- "$top"
+    fi
   fi
+  [ -e .git ] || { echo "the archive holds no git repository (.git)" >&2; exit 3; }
 else
   git init -q -b main
   git fetch -q "$src" '+refs/*:refs/rollout-src/*'

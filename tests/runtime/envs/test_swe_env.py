@@ -4,6 +4,7 @@ patch and the fix's history stay hidden from the agent."""
 from __future__ import annotations
 
 import subprocess
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from runtime.envs.common import DATA_DIR
 from runtime.envs.swe import SweHandler
 from runtime.envs.tasks import load_tasks
-from runtime.handler import JobContext
+from runtime.handler import HandlerError, JobContext
 from runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
@@ -88,13 +89,28 @@ async def test_agent_sees_neither_test_patch_nor_later_history(rollout: Rollout)
 
 @pytest.fixture
 def other_sources(tmp_path: Path) -> list[str]:
-    """The second task's repository as a plain git clone and as a .tar.gz of that clone."""
+    """The second task's repository as a git clone, and as archives of that clone (flat, and
+    inside one top-level folder)."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(DATA_DIR / TASKS[1]["repo_source"]), str(clone)],
                    check=True)
-    archive = tmp_path / "repo.tar.gz"
-    subprocess.run(["tar", "-czf", str(archive), "-C", str(clone), "."], check=True)
-    return [str(clone), str(archive)]
+    flat, nested = tmp_path / "flat.tar.gz", tmp_path / "nested.tgz"
+    subprocess.run(["tar", "-czf", str(flat), "-C", str(clone), "."], check=True)
+    subprocess.run(["tar", "-czf", str(nested), "-C", str(tmp_path), "clone"], check=True)
+    return [str(clone), str(flat), str(nested)]
+
+
+async def test_archive_without_git_fails_init_with_a_reason(rollout: Rollout,
+                                                            tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "x.py").write_text("x = 1\n")
+    archive = tmp_path / "plain.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(tmp_path / "src" / "x.py", arcname="x.py")
+    with pytest.raises(HandlerError) as err:
+        await rollout(SweHandler(), {**TASKS[0], "repo_source": str(archive)}, [SUBMIT])
+    assert err.value.reason == "REPO_CHECKOUT_FAILED"
+    assert "no git repository" in str(err.value)
 
 
 async def test_repo_source_may_be_a_git_directory_or_an_archive(
