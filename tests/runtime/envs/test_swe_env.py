@@ -120,3 +120,37 @@ async def test_repo_source_may_be_a_git_directory_or_an_archive(
         result = await rollout(SweHandler(), {**task, "repo_source": source},
                                [apply_with_bash(task["patch"]), SUBMIT])
         assert result.reward.value == 1.0, (source, result.reward.info)
+
+
+@pytest.fixture
+def repo_with_the_fix_committed(tmp_path: Path) -> tuple[str, str]:
+    """A clone of the first task's repository with the gold fix committed on top of base."""
+    task, clone = TASKS[0], tmp_path / "ahead"
+    subprocess.run(["git", "clone", "-q", str(DATA_DIR / task["repo_source"]), str(clone)],
+                   check=True)
+    subprocess.run(["git", "apply"], input=task["patch"], text=True, cwd=clone, check=True)
+    subprocess.run(["git", "-c", "user.name=x", "-c", "user.email=x@x", "commit", "-qam",
+                    "the fix"], cwd=clone, check=True)
+    fix = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    return str(clone), fix
+
+
+async def test_commits_after_base_are_not_in_the_workspace(
+        rollout: Rollout, repo_with_the_fix_committed: tuple[str, str]) -> None:
+    source, fix = repo_with_the_fix_committed
+    task = {**TASKS[0], "repo_source": source}
+    views: list[str] = []
+
+    async def look(ctx: JobContext) -> None:
+        sandbox = ctx.state["env.sandbox"]
+        out = await sandbox.exec(f"git log --all --oneline | wc -l; git cat-file -t {fix} "
+                                 "2>&1; git rev-parse HEAD", timeout=30)
+        views.append(out.stdout)
+
+    result = await rollout(SweHandler(), task, [SUBMIT], inspect=look)
+    lines = views[0].split("\n")
+    assert lines[0].strip() == "2"
+    assert "could not get object info" in lines[1] or "fatal" in lines[1]
+    assert lines[2] == task["base_commit"]
+    assert result.reward.value == 0.0
