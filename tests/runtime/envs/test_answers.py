@@ -93,7 +93,7 @@ def test_normalize_strips_decorations() -> None:
 fractions = st.fractions(max_denominator=10_000).filter(lambda f: abs(f) < 10**9)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(fractions)
 def test_fraction_spellings_agree(value: Fraction) -> None:
     plain = f"{value.numerator}/{value.denominator}"
@@ -104,13 +104,13 @@ def test_fraction_spellings_agree(value: Fraction) -> None:
         assert answers_equivalent(f"{float(value):.6f}", plain)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(fractions, fractions)
 def test_distinct_fractions_differ(a: Fraction, b: Fraction) -> None:
     assert answers_equivalent(str(a), str(b)) == (a == b)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(st.integers(min_value=-10**15, max_value=10**15))
 def test_thousands_separators(n: int) -> None:
     assert answers_equivalent(f"{n:,}", str(n))
@@ -118,7 +118,7 @@ def test_thousands_separators(n: int) -> None:
     assert not answers_equivalent(f"{n:,}", str(n + 1))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(st.text(max_size=60))
 def test_arbitrary_text_never_raises(text: str) -> None:
     answers_equivalent(text, "42")
