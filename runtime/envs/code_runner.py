@@ -20,6 +20,7 @@ import resource
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 _FUNCTION_HARNESS = r"""
 import importlib.util, sys
@@ -33,7 +34,7 @@ exec(compile(sys.stdin.read(), "<hidden test>", "exec"), namespace)
 _DETAIL_CHARS = 500
 
 
-def _limits(memory_mb: int, cpu_s: int):  # type: ignore[no-untyped-def]
+def _limits(memory_mb: int, cpu_s: int) -> Callable[[], None]:
     def apply() -> None:
         mem = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
