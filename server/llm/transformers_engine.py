@@ -90,7 +90,8 @@ class TransformersEngine(Engine):
     def __init__(self, model_dir: str | Path, device: str = "cpu", name: str | None = None,
                  kv_cache_budget_bytes: int = 512 * 2**20, max_batch_size: int = 16,
                  dtype: torch.dtype | None = None, drain_timeout_s: float = 60.0,
-                 policy_version: int = 0) -> None:
+                 policy_version: int = 0, ignore_eos: bool = False) -> None:
+        """``ignore_eos`` makes every turn run to ``max_tokens`` (benchmarks: equal work)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = name or f"transformers-{next(_names)}"
@@ -104,7 +105,7 @@ class TransformersEngine(Engine):
         self.model.to(self.device).eval()  # type: ignore[arg-type]
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
-        self.eos_ids = frozenset(self._eos_ids())
+        self.eos_ids = frozenset() if ignore_eos else frozenset(self._eos_ids())
         self.kv_store = KVStore(kv_cache_budget_bytes)
         self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
         self.decode_steps = 0
