@@ -88,7 +88,9 @@ class Server:
                 init_workers=cfg.pipeline.init_workers, run_workers=cfg.pipeline.run_workers,
                 eval_workers=cfg.pipeline.eval_workers,
                 stage_queue_size=cfg.pipeline.stage_queue_size,
-                max_pending_jobs=cfg.pipeline.max_pending_jobs))
+                max_pending_jobs=cfg.pipeline.max_pending_jobs,
+                max_in_flight_per_client=cfg.pipeline.max_in_flight_per_client,
+                cleanup_deadline_s=cfg.pipeline.cleanup_deadline_s))
         await self.scheduler.start()
 
         server = grpc.aio.server(

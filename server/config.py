@@ -59,6 +59,10 @@ class PipelineSection:
     """Jobs waiting between two stages; a full queue holds the upstream worker back."""
     max_pending_jobs: int = 100_000
     """Unfinished jobs the server accepts before answering RESOURCE_EXHAUSTED."""
+    max_in_flight_per_client: int = 0
+    """Unfinished jobs one client id may have; 0 = only the server-wide cap."""
+    cleanup_deadline_s: float = 30.0
+    """Bound on each clean-up step of an ending job (handler cleanup, sandbox, LLM session)."""
 
 
 @dataclass

@@ -151,8 +151,10 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             while True:
                 item = await out.get()
                 if item is _END:
-                    # Client half-closed: keep delivering until its jobs are done, then end.
-                    if not await self._has_pending(client_id, sub):
+                    # Client half-closed: keep sending until its jobs are done and their
+                    # deliveries are on the wire, then end. Deliveries it can no longer ack
+                    # (or that flow control holds back) replay on its next session.
+                    if not self._has_pending(client_id, sub) and out.empty():
                         return
                     tasks.append(asyncio.create_task(self._drain_then_end(client_id, sub, out)))
                     continue
@@ -172,12 +174,12 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         """Unfinished jobs of this client, and deliveries sent or held but not acked."""
         return dict(self._scheduler.client_stats(client_id))
 
-    async def _has_pending(self, client_id: str, sub: Any) -> bool:
+    def _has_pending(self, client_id: str, sub: Any) -> bool:
         st = self._client_stats(client_id, sub)
-        return bool(st.get("in_flight") or st.get("unacked"))
+        return bool(st.get("in_flight") or sub.buffered)
 
     async def _drain_then_end(self, client_id: str, sub: Any, out: asyncio.Queue[Any]) -> None:
-        while await self._has_pending(client_id, sub):
+        while self._has_pending(client_id, sub):
             await asyncio.sleep(0.05)
         await out.put(_END)
 
@@ -218,7 +220,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             targets += [("group_id", g) for g in req.cancel.group_ids]
             for key, value in targets:
                 try:
-                    await self._scheduler.cancel(**{key: value})
+                    await self._scheduler.cancel(**{key: value}, wait=False)
                 except Exception as exc:
                     await out.put(pb.StreamRolloutsResponse(
                         job_id=value if key == "job_id" else "", rejected=_rejected(exc)))

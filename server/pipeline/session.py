@@ -102,6 +102,11 @@ class Subscription:
         return len(self._outstanding)
 
     @property
+    def buffered(self) -> int:
+        """Events published but not yet taken by the consumer."""
+        return len(self._events)
+
+    @property
     def unacked(self) -> int:
         """Outstanding deliveries plus those held back by ``max_unacked``."""
         return len(self._outstanding) + len(self._held)

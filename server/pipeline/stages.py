@@ -17,6 +17,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from runtime.agent_loop import TURNS_KEY
 from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from runtime.llm import LLMUnavailable
 from runtime.types import (
@@ -111,15 +112,17 @@ def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings
                      reward: Reward | None, termination: TerminationReason | None) -> Trajectory:
     """Every terminal job gets a trajectory, so a trainer's accounting is one delivery per job.
 
-    A job that failed or was cancelled carries the turns RUN produced (if RUN finished),
-    reward 0, and ``termination`` saying why it ended.
+    A job that failed or was cancelled carries the turns RUN produced, reward 0, and
+    ``termination`` saying why it ended. When RUN itself was cut (timeout, cancel), the turns
+    the agent loop finished so far are taken from its live list in ``ctx.state``.
     """
     outcome = ctx.outcome if ctx is not None else None
+    partial = list(ctx.state.get(TURNS_KEY, ())) if ctx is not None and not outcome else []
     metadata = dict(outcome.metadata) if outcome else {}
     if reward is not None:
         metadata.update({f"reward.{k}": v for k, v in reward.info.items()})
     return Trajectory(
-        job_id=job_id, group_id=group_id, turns=list(outcome.turns) if outcome else [],
+        job_id=job_id, group_id=group_id, turns=list(outcome.turns) if outcome else partial,
         reward=reward.value if reward else 0.0,
         reward_components=dict(reward.components) if reward else {},
         termination=termination or (outcome.termination if outcome

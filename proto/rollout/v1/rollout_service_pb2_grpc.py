@@ -124,7 +124,7 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """ListJobs pages through jobs, newest first, optionally filtered.
+        """ListJobs pages through jobs in submission order, optionally filtered.
 
         Errors: INVALID_ARGUMENT (negative page_size, bad page_token), UNAUTHENTICATED.
         """
