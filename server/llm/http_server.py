@@ -221,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default; 1 avoids OpenMP "
+                        "oversubscription on a busy shared CPU)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
     if args.model is None:
         from server.llm.smollm2 import MODEL_NAME, smollm2_dir
