@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,8 +61,8 @@ def test_real_smollm2_loads_with_chat_template() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = smollm2.smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+    tokenizer: Any = AutoTokenizer.from_pretrained(directory)
+    ids: Any = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                         add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
