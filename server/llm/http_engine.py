@@ -3,18 +3,20 @@
 Two request shapes, both from vLLM's OpenAI-compatible server (checked against vLLM's docs and
 source, ``vllm/entrypoints/serve/disagg/{protocol,serving}.py`` and the completions protocol):
 
-``protocol="generate"`` (default; vLLM >= 0.11, the "tokens in <> tokens out" route)
+``protocol="generate"`` (default; "tokens in <> tokens out", documented in vLLM's v0.14+ API
+reference, added around v0.11)
     ``POST /inference/v1/generate`` with ``{"model", "token_ids": [...], "stream": false,
     "sampling_params": {"max_tokens", "temperature", "top_p", "top_k", "seed",
     "stop_token_ids", "logprobs": 0, "detokenize": false, "skip_special_tokens": false}}``.
     Reply: ``choices[0].token_ids``, ``choices[0].finish_reason`` and, because ``logprobs`` is
     set, ``choices[0].logprobs.content[i].logprob`` (chat-style logprobs, one per token).
-``protocol="completions"`` (older vLLM, >= 0.6)
-    ``POST /v1/completions`` with ``prompt`` as a list of token ids, ``logprobs: 0``,
-    ``return_tokens_as_token_ids: true`` (vLLM extension: tokens come back as ``token_id:<n>``),
-    ``return_token_ids: true`` (vLLM >= 0.10.2 adds ``choices[0].token_ids``) and
-    ``skip_special_tokens: false``. Reply: ``choices[0].logprobs.tokens`` /
-    ``token_logprobs``; ``token_ids`` is used when present.
+``protocol="completions"`` (any vLLM with the OpenAI server)
+    ``POST /v1/completions`` with ``prompt`` as a list of token ids (accepted since vLLM 0.1.4,
+    PR #715), ``logprobs: 0``, ``return_tokens_as_token_ids: true`` (vLLM extension, v0.5
+    era: tokens come back as ``"token_id:<n>"``), ``return_token_ids: true`` (newer vLLM adds
+    ``choices[0].token_ids``; older servers ignore the field) and ``skip_special_tokens:
+    false``. Reply: ``choices[0].logprobs.tokens`` / ``token_logprobs``; ``token_ids`` is used
+    when present, else the ids are parsed from ``token_id:<n>``.
 
 ``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). vLLM V1 returns raw
 model logprobs by default, like the in-process engine. ``top_k`` is sent as ``-1`` when disabled
@@ -22,8 +24,10 @@ model logprobs by default, like the in-process engine. ``top_k`` is sent as ``-1
 ``X-Rollout-Session`` header, which vLLM ignores and ``rollout llm-serve`` uses for its sticky KV.
 
 Weight coordination: :meth:`pause` / :meth:`resume` call vLLM's ``POST /pause?mode=wait`` and
-``POST /resume`` (vLLM's async-RL API; ``mode`` replaced the older
-``wait_for_inflight_requests`` query in later versions, so both are sent); :meth:`sleep` /
+``POST /resume`` (vLLM's async-RL API, ``vllm/entrypoints/serve/rlhf/api_router.py``; v0.14
+took ``wait_for_inflight_requests=true``, later versions ``mode=wait``, so both are sent; the
+default ``clear_cache=true`` drops KV computed by the old weights; v0.16+ mounts these routes
+only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets); :meth:`sleep` /
 :meth:`wake_up` call ``POST /sleep?level=1`` / ``POST /wake_up`` (vLLM sleep mode, needs
 ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``). :meth:`update_weights` pauses, asks the
 server to load a checkpoint directory through ``POST /update_weights`` (a ``rollout llm-serve``
