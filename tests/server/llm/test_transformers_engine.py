@@ -208,3 +208,28 @@ async def test_update_weights_from_checkpoint_dir(engine: TransformersEngine,
     assert result.policy_version == 3
     with pytest.raises(ValueError):
         await engine.update_weights({"nonsense.weight": torch.zeros(1)}, 4)
+
+
+async def test_stop_string_ends_the_turn(engine: TransformersEngine) -> None:
+    no_stop(engine)
+    prompt = chat(engine, "say something")
+    ref = reference_greedy(engine, prompt, 12)
+    text = engine.tokenizer.decode(ref[:6])
+    stop = text[-3:] if text[-3:].strip() else text[-4:]
+    result = await engine.generate(GenerateRequest(
+        prompt, SamplingParams(temperature=0.0, stop=(stop,)), 12, "ss"))
+    assert result.finish_reason == "stop"
+    assert stop in engine.tokenizer.decode(result.output_ids)
+    assert result.output_ids == ref[:len(result.output_ids)] and len(result.output_ids) <= 6
+
+
+async def test_pause_holds_new_turns_until_resume(engine: TransformersEngine) -> None:
+    no_stop(engine)
+    await engine.pause()
+    assert engine.paused
+    held = asyncio.create_task(engine.generate(GenerateRequest([1, 2, 3], GREEDY, 3, "p")))
+    await asyncio.sleep(0.05)
+    assert not held.done() and engine.decode_steps == 0
+    await engine.resume()
+    result = await asyncio.wait_for(held, 30)
+    assert len(result.output_ids) == 3
