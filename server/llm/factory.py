@@ -71,7 +71,8 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
 
         tokenizer = await asyncio.to_thread(
             _tokenizer, _model_dir(str(spec.get("tokenizer", "smollm2"))))
-        engine = ScriptedEngine.from_file(spec["file"], tokenizer, name=name)
+        engine = ScriptedEngine.from_file(spec["file"], tokenizer, name=name,
+                                          latency_s=float(spec.get("latency_s", 0.0)))
     else:
         raise InvalidArgument(f"unknown llm backend kind {kind!r}; use one of {KINDS}",
                               "BAD_CONFIG", "llm.backends.kind")
