@@ -109,6 +109,7 @@ class TransformersEngine(Engine):
         self.kv_store = KVStore(kv_cache_budget_bytes)
         self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
         self.decode_steps = 0
+        self.batched_prefills = 0
         self.max_batch_seen = 0
         self._version = policy_version
         self._executor = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-worker")
@@ -288,11 +289,16 @@ class TransformersEngine(Engine):
     # ----------------------------------------------------------------- worker thread
     @torch.inference_mode()
     def _step(self, joining: list[_Seq]) -> None:
+        fresh: list[_Seq] = []
         for seq in joining:
             if seq.aborted:
                 seq.finish = "abort"
-                continue
-            self._prefill(seq)
+            elif not self._prefill_cached(seq):
+                fresh.append(seq)
+        if len(fresh) == 1:
+            self._prefill_one(fresh[0], None, 0)
+        elif fresh:
+            self._prefill_batch(fresh)
         for seq in self._active:
             if seq.finish is None and seq.aborted:
                 seq.finish = "abort"
@@ -310,18 +316,20 @@ class TransformersEngine(Engine):
             if seq.finish is not None:
                 self._retire(seq)
 
-    def _prefill(self, seq: _Seq) -> None:
-        start = time.perf_counter()
+    def _prefill_cached(self, seq: _Seq) -> bool:
+        """Prefill only the new tokens of a session whose KV is cached; False if none is."""
         cached = self.kv_store.checkout(seq.session_id)
-        reuse = 0
-        if cached is not None:
-            reuse = min(common_prefix(cached.tokens, seq.prompt), len(seq.prompt) - 1)
-        if reuse > 0 and cached is not None:
-            past = _cache_from(cached.crop(reuse).layers)
-        else:
-            reuse, past = 0, None
-        new = seq.prompt[reuse:]
-        ids = torch.tensor([new], device=self.device)
+        if cached is None:
+            return False
+        reuse = min(common_prefix(cached.tokens, seq.prompt), len(seq.prompt) - 1)
+        if reuse <= 0:
+            return False
+        self._prefill_one(seq, _cache_from(cached.crop(reuse).layers), reuse)
+        return True
+
+    def _prefill_one(self, seq: _Seq, past: Any, reuse: int) -> None:
+        start = time.perf_counter()
+        ids = torch.tensor([seq.prompt[reuse:]], device=self.device)
         positions = torch.arange(reuse, len(seq.prompt), device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=past,
                          use_cache=True, logits_to_keep=1)
@@ -331,6 +339,31 @@ class TransformersEngine(Engine):
         tokens, logprobs = sample(out.logits[:, -1, :], [seq.sampler])
         seq.prefill_s = time.perf_counter() - start
         self._append(seq, tokens[0], logprobs[0])
+
+    def _prefill_batch(self, seqs: list[_Seq]) -> None:
+        """One left-padded forward for several prompts with nothing cached (first turns)."""
+        start = time.perf_counter()
+        width = max(len(s.prompt) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
+        for row, seq in enumerate(seqs):
+            ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt, device=self.device)
+            mask[row, width - len(seq.prompt):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1)
+        self.batched_prefills += 1
+        layers = _layers_of(out.past_key_values)
+        tokens, logprobs = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
+        elapsed = time.perf_counter() - start
+        for row, seq in enumerate(seqs):
+            pad = width - len(seq.prompt)
+            seq.kv = SessionKV(list(seq.prompt), [(k[row:row + 1, :, pad:].clone(),
+                                                   v[row:row + 1, :, pad:].clone())
+                                                  for k, v in layers])
+            seq.length = len(seq.prompt)
+            seq.prefill_s = elapsed
+            self._append(seq, tokens[row], logprobs[row])
 
     def _forward_decode(self, batch: _Batch) -> torch.Tensor:
         last = torch.tensor([[s.output[-1]] for s in batch.seqs], device=self.device)
