@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 
-async def assert_eventually(check: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0,  # noqa: ASYNC109
+async def assert_eventually(check: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0,
                             interval: float = 0.02, message: str = "") -> Any:
     """Poll ``check`` until it returns something truthy (or stops raising AssertionError)."""
     deadline = time.monotonic() + timeout

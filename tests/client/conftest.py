@@ -91,7 +91,7 @@ async def make_harness(tmp_path: Path) -> AsyncIterator[Callable[..., ServerHarn
         await h.stop()
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,  # noqa: ASYNC109
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,
                      interval: float = 0.01) -> None:
     """Poll instead of sleeping a guessed time."""
     loop = asyncio.get_running_loop()

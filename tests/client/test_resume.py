@@ -99,7 +99,7 @@ async def test_dropped_connection_resumes_exactly_once(harness: ServerHarness) -
     assert len(opened) == s.reconnects + 1
 
 
-async def eventually_async(predicate, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+async def eventually_async(predicate, timeout: float = 10.0) -> None:
     import asyncio
 
     loop = asyncio.get_running_loop()

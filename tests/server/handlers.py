@@ -104,7 +104,7 @@ class ScriptedHandler(AgentHandler):
 # ---------------------------------------------------------------------------- test helpers
 
 
-async def eventually(predicate: Any, timeout: float = 10.0,  # noqa: ASYNC109
+async def eventually(predicate: Any, timeout: float = 10.0,
                      interval: float = 0.005) -> None:
     """Poll ``predicate()`` until it is truthy (instead of sleeping a guessed time)."""
     loop = asyncio.get_running_loop()
@@ -147,7 +147,7 @@ async def running_scheduler(db_path: Any, handler: ScriptedHandler | None = None
 
 
 async def collect_finished(sub: Any, job_ids: Any,
-                           timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
+                           timeout: float = 20.0) -> dict[str, Any]:
     """Read ``sub`` until a JobFinished arrived for every id; returns them by job id."""
     from server.pipeline.session import JobFinished
 
