@@ -34,6 +34,7 @@ import torch
 
 from runtime.llm import GenerateRequest, GenerateResult
 from runtime.types import InvalidArgument
+from server.llm.decode_batch import DecodeBatch, cache_from, layers_of
 from server.llm.engine import Engine, EngineError
 from server.llm.kv_store import KVStore, SessionKV, common_prefix
 from server.llm.sampling import Sampler, sample, validate_request
@@ -115,7 +116,7 @@ class TransformersEngine(Engine):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-worker")
         self._pending: collections.deque[_Seq] = collections.deque()
         self._active: list[_Seq] = []  # admitted; the worker thread owns their state
-        self._batch: _Batch | None = None
+        self._batch: DecodeBatch[_Seq] | None = None
         self._wakeup: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -305,7 +306,7 @@ class TransformersEngine(Engine):
             if seq.finish is not None:
                 self._retire(seq)  # rows of the previous batch are still readable here
         members = [s for s in self._active if s.finish is None]
-        self._batch = _Batch.rebuild(self._batch, members) if members else None
+        self._batch = DecodeBatch.rebuild(self._batch, members) if members else None
         if self._batch is not None:
             logits = self._forward_decode(self._batch)
             tokens, logprobs = sample(logits, [s.sampler for s in self._batch.seqs])
@@ -324,7 +325,7 @@ class TransformersEngine(Engine):
         reuse = min(common_prefix(cached.tokens, seq.prompt), len(seq.prompt) - 1)
         if reuse <= 0:
             return False
-        self._prefill_one(seq, _cache_from(cached.crop(reuse).layers), reuse)
+        self._prefill_one(seq, cache_from(cached.crop(reuse).layers), reuse)
         return True
 
     def _prefill_one(self, seq: _Seq, past: Any, reuse: int) -> None:
@@ -333,7 +334,7 @@ class TransformersEngine(Engine):
         positions = torch.arange(reuse, len(seq.prompt), device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=past,
                          use_cache=True, logits_to_keep=1)
-        seq.kv = SessionKV(list(seq.prompt), _layers_of(out.past_key_values))
+        seq.kv = SessionKV(list(seq.prompt), layers_of(out.past_key_values))
         seq.length = len(seq.prompt)
         seq.cached_tokens = reuse
         tokens, logprobs = sample(out.logits[:, -1, :], [seq.sampler])
@@ -353,7 +354,7 @@ class TransformersEngine(Engine):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1)
         self.batched_prefills += 1
-        layers = _layers_of(out.past_key_values)
+        layers = layers_of(out.past_key_values)
         tokens, logprobs = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
         elapsed = time.perf_counter() - start
         for row, seq in enumerate(seqs):
@@ -365,7 +366,7 @@ class TransformersEngine(Engine):
             seq.prefill_s = elapsed
             self._append(seq, tokens[row], logprobs[row])
 
-    def _forward_decode(self, batch: _Batch) -> torch.Tensor:
+    def _forward_decode(self, batch: DecodeBatch[_Seq]) -> torch.Tensor:
         last = torch.tensor([[s.output[-1]] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.length] for s in batch.seqs], device=self.device)
         mask = batch.attention_mask(self.device)
@@ -424,67 +425,3 @@ class TransformersEngine(Engine):
         if self._tokenizer.eos_token_id is not None:
             ids.add(int(self._tokenizer.eos_token_id))
         return ids
-
-
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    from transformers import DynamicCache
-
-    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
-
-
-def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-class _Batch:
-    """The active sequences' KV, left-padded to a common width ``[B, heads, width, dim]``."""
-
-    def __init__(self, seqs: list[_Seq], cache: Any, width: int) -> None:
-        self.seqs = seqs
-        self.cache = cache
-        self.width = width
-
-    def pad(self, seq: _Seq) -> int:
-        return self.width - seq.length
-
-    def attention_mask(self, device: torch.device) -> torch.Tensor:
-        """Mask over the cached width plus the token being decoded."""
-        mask = torch.ones(len(self.seqs), self.width + 1, dtype=torch.long, device=device)
-        for row, seq in enumerate(self.seqs):
-            mask[row, : self.pad(seq)] = 0
-        return mask
-
-    def extract(self, seq: _Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        row, pad = self.seqs.index(seq), self.pad(seq)
-        return [(layer.keys[row:row + 1, :, pad:].clone(),
-                 layer.values[row:row + 1, :, pad:].clone()) for layer in self.cache.layers]
-
-    @classmethod
-    def rebuild(cls, old: _Batch | None, seqs: list[_Seq]) -> _Batch:
-        """The batch for ``seqs``: kept as is when membership did not change, else re-padded."""
-        if old is not None and old.seqs == seqs:
-            return old
-        width = max(s.length for s in seqs)
-        per_seq: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for seq in seqs:
-            if old is not None and seq in old.seqs:
-                row, pad = old.seqs.index(seq), old.pad(seq)
-                per_seq.append([(layer.keys[row:row + 1, :, pad:],
-                                 layer.values[row:row + 1, :, pad:]) for layer in old.cache.layers])
-            else:
-                assert seq.kv is not None
-                per_seq.append(seq.kv.layers)
-                seq.kv = None  # the batch owns its KV from now on
-        layers = []
-        for idx in range(len(per_seq[0])):
-            keys = torch.cat([_left_pad(kv[idx][0], width) for kv in per_seq])
-            values = torch.cat([_left_pad(kv[idx][1], width) for kv in per_seq])
-            layers.append((keys, values))
-        return cls(list(seqs), _cache_from(layers), width)
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[2]
-    if missing == 0:
-        return t
-    return torch.nn.functional.pad(t, (0, 0, missing, 0))
