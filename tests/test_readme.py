@@ -104,3 +104,18 @@ async def test_readme_error_example_is_true(live_server: Server) -> None:
     documented = re.search(r"```text\n(ERROR:.*?)```", README.read_text(), re.S)
     assert documented, "README lost its error example"
     assert out.split() == documented.group(1).split(), out
+
+
+@pytest.mark.timeout(120)
+async def test_readme_trainer_snippet_collects_a_group(live_server: Server) -> None:
+    block = re.search(r"```python trainer-integration\n(.*?)```", README.read_text(), re.S)
+    assert block, "README lost its trainer-integration snippet"
+    namespace: dict[str, object] = {}
+    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    batch = await namespace["collect"](live_server.address, 4)  # type: ignore[operator]
+    assert len(batch) == 4
+    assert {f.group_id for f in batch} == {"prompt-17"}
+    for flat in batch:
+        assert flat.reward == 1.0
+        assert len(flat.token_ids) == len(flat.loss_mask) == len(flat.logprobs)
+        assert 0 < sum(flat.loss_mask) < len(flat.loss_mask)
