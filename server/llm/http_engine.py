@@ -70,7 +70,7 @@ class HttpEngine(Engine):
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
+        self._inflight: dict[str, set[asyncio.Future[Any]]] = {}
 
     @property
     def policy_version(self) -> int:
@@ -96,14 +96,19 @@ class HttpEngine(Engine):
             raise InvalidArgument(f"max_tokens must be > 0, got {request.max_tokens}",
                                   "INVALID_SAMPLING_PARAMS", "max_tokens")
         path, body = self._body(request)
-        task = asyncio.current_task()
-        if task is not None:
-            self._inflight.setdefault(request.session_id, set()).add(task)
+        call = asyncio.ensure_future(
+            self._post_json(path, body, {SESSION_HEADER: request.session_id}))
+        self._inflight.setdefault(request.session_id, set()).add(call)
         try:
-            data = await self._post_json(path, body, {SESSION_HEADER: request.session_id})
+            data = await call
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # our caller was cancelled (awaiting `call` cancelled it too)
+            # abort() cancelled the HTTP call; the disconnect makes the server abort the turn.
+            return GenerateResult([], [], "abort", self._version, self.name)
         finally:
-            if task is not None:
-                self._inflight.get(request.session_id, set()).discard(task)
+            self._inflight.get(request.session_id, set()).discard(call)
         return self._parse(data)
 
     def _body(self, request: GenerateRequest) -> tuple[str, dict[str, Any]]:
@@ -167,7 +172,11 @@ class HttpEngine(Engine):
 
     # ----------------------------------------------------------------- control
     async def abort(self, session_id: str) -> None:
-        """vLLM aborts a request whose client disconnects, so cancelling the call is the abort."""
+        """vLLM aborts a request whose client disconnects, so closing the call is the abort.
+
+        The turn then returns ``finish_reason="abort"`` with no tokens (a non-streaming reply
+        carries nothing until it is complete).
+        """
         for task in list(self._inflight.get(session_id, ())):
             task.cancel()
 

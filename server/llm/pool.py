@@ -106,6 +106,7 @@ class BackendPool:
         self._sticky: dict[str, str] = {}
         self._groups: dict[str, str] = {}
         self._changed: asyncio.Condition | None = None
+        self._waiters = 0
         self._health_task: asyncio.Task[None] | None = None
         self._closers: set[asyncio.Task[None]] = set()
         for engine in engines:
@@ -280,9 +281,13 @@ class BackendPool:
                         if request.min_policy_version else "")
                 raise LLMUnavailable(f"no healthy backend{need} within "
                                      f"{self.wait_for_backend_s:.1f}s (tried {sorted(tried)})")
-            async with condition:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(condition.wait(), min(remaining, 1.0))
+            self._waiters += 1
+            try:
+                async with condition:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(condition.wait(), min(remaining, 1.0))
+            finally:
+                self._waiters -= 1
 
     def _eligible(self, backend: Backend, request: GenerateRequest, tried: set[str]) -> bool:
         return (backend.healthy and not backend.draining and backend.name not in tried
@@ -386,7 +391,7 @@ class BackendPool:
 
     def _notify(self) -> None:
         condition = self._changed
-        if condition is None:
+        if condition is None or self._waiters == 0:  # nobody waits: skip the wake-up task
             return
 
         async def wake() -> None:

@@ -181,3 +181,20 @@ async def test_llm_serve_main_as_subprocess(tiny_dir: Path) -> None:
     finally:
         proc.terminate()
         await proc.wait()
+
+
+async def test_abort_over_http_ends_the_turn_and_frees_the_server(served: Served) -> None:
+    client = HttpEngine(served.url, "tiny")
+    try:
+        turn = asyncio.create_task(client.generate(GenerateRequest([1, 2, 3], GREEDY, 1500,
+                                                                   "ab")))
+        await assert_eventually(lambda: served.engine.load == 1 and
+                                served.engine.decode_steps > 2)
+        await client.abort("ab")
+        result = await asyncio.wait_for(turn, 10)
+        assert result.finish_reason == "abort" and result.output_ids == []
+        await assert_eventually(lambda: served.engine.load == 0)  # the server stopped too
+        after = await client.generate(GenerateRequest([1, 2, 3], GREEDY, 2, "next"))
+        assert len(after.output_ids) == 2
+    finally:
+        await client.close()
