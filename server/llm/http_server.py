@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads (0: torch's default; 1 avoids OpenMP "
                         "oversubscription on a busy shared CPU)")
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
 
-        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
     if args.model is None:
         from server.llm.smollm2 import MODEL_NAME, smollm2_dir
@@ -236,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_dir, name = args.model, args.model
     engine = TransformersEngine(model_dir, device=args.device, name="llm-serve",
-                                max_batch_size=args.max_batch_size)
+                                max_batch_size=args.max_batch_size,
+                                num_threads=args.threads or None)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(engine, args.host, args.port, args.served_model_name or name))
     return 0
