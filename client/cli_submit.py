@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -111,20 +112,24 @@ class RunStats:
             e.rewards.append(f.reward)
 
     def table(self) -> Table:
-        t = Table(title="rollout summary")
-        for col in ("environment", "jobs", "succeeded", "failed", "cancelled", "mean reward",
-                    "mean turns", "tokens", "INIT", "RUN", "EVAL"):
-            t.add_column(col, justify="left" if col == "environment" else "right")
+        """Per environment; stage columns are mean seconds inside the stage."""
+        t = Table(title="rollout summary", box=box.SIMPLE_HEAD, collapse_padding=True,
+                  pad_edge=False,
+                  caption="ok / failed / cancelled: jobs by final state; reward and turns: "
+                          "means; INIT / RUN / EVAL: mean seconds inside each stage")
+        for col in ("env", "jobs", "ok", "failed", "cancelled", "reward", "turns", "tokens",
+                    "INIT", "RUN", "EVAL"):
+            t.add_column(col, justify="left" if col == "env" else "right", no_wrap=True)
         S = job_pb2.Job
-        for name, e in sorted(self.envs.items()):
-            def mean(xs: list[float] | list[int]) -> str:
-                return f"{statistics.fmean(xs):.3f}" if xs else "-"
 
+        def mean(xs: list[float] | list[int], fmt: str = "{:.2f}") -> str:
+            return fmt.format(statistics.fmean(xs)) if xs else "-"
+
+        for name, e in sorted(self.envs.items()):
             t.add_row(name, str(e.jobs), str(e.states[S.STATE_SUCCEEDED]),
                       str(e.states[S.STATE_FAILED]), str(e.states[S.STATE_CANCELLED]),
-                      mean(e.rewards), mean(e.turns), str(e.tokens),
-                      *(f"{statistics.fmean(e.stage_s[s]):.3f} s" if e.stage_s[s] else "-"
-                        for s in ("init", "run", "eval")))
+                      mean(e.rewards), mean(e.turns, "{:.1f}"), str(e.tokens),
+                      *(mean(e.stage_s[s], "{:.2f}") for s in ("init", "run", "eval")))
         return t
 
 
