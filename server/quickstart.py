@@ -83,7 +83,7 @@ async def _timeline(address: str, job_ids: list[str], path: Path) -> None:
     ax.set_title("rollout quickstart: each job's stages")
     ax.legend(handles=[Patch(color=c, label=n) for n, c in (
         ("INIT", "tab:blue"), ("RUN", "tab:orange"), ("EVAL", "tab:green"),
-        ("queued", "lightgrey"))], loc="lower right", fontsize=8)
+        ("queued", "lightgrey"))], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -109,7 +109,7 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     traj_path = out_dir / "trajectories.jsonl"
     _fresh_file(traj_path)
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    specs = build_specs(MIX, run_id)
+    specs = build_specs(args.mix, run_id)
     settings = ClientSettings(address=server.address, token=cfg.server.auth_token or None,
                               client_id=f"quickstart-{run_id}")
     submit_args: Any = SimpleNamespace(out=str(traj_path), progress=True)
@@ -125,6 +125,16 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     return code
 
 
+def _parse_mix(text: str) -> dict[str, int]:
+    mix = {}
+    for part in text.split(","):
+        env, sep, n = part.partition("=")
+        if not sep or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"--mix wants ENV=N,…; got {part!r}")
+        mix[env.strip()] = int(n)
+    return mix
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout quickstart", description=__doc__)
     p.add_argument("--out-dir", default="quickstart-out",
@@ -133,5 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. pipeline.run_workers=8")
     p.add_argument("--port", type=int, default=0, help="server port (0: any free port)")
+    p.add_argument("--mix", type=_parse_mix, default=MIX, metavar="ENV=N,…",
+                   help="jobs per environment (default: math=8,code=4,swe=2)")
     args = p.parse_args(argv)
     return asyncio.run(run(args, Console()))
