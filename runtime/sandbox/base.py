@@ -91,6 +91,8 @@ class SandboxConfig:
     uid_base: int = 200_000
     """First uid handed to sandboxes when the server runs as root (one uid per sandbox)."""
     uid_count: int = 10_000
+    uid_lock_dir: Path = Path("/run/lock/rollout-sandbox-uids")
+    """Host-wide (not per state dir) so two servers on one host never share a uid."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     python: str = ""
     """Interpreter used inside the sandbox for the IPython kernel ('' = the server's own)."""

@@ -53,6 +53,7 @@ from runtime.sandbox.base import (
 )
 
 CTL_IN_SANDBOX = "/.sandbox"
+LAUNCH_VAR = "ROLLOUT_LAUNCH"
 _SKIP_TOP = {"proc", "dev", "sys", "tmp"}
 _LIVE: dict[str, BwrapSandbox] = {}
 
@@ -131,6 +132,7 @@ class BwrapSandbox(Sandbox):
         self._lease = lease
         self._pids: set[int] = set()
         self._destroy_task: asyncio.Task[None] | None = None
+        self._launches = 0
         root = str(rootfs) if rootfs else "/"
         binds = _root_binds(root, config.hide_paths if rootfs is None else (),
                             os.path.abspath(config.state_dir),
@@ -190,7 +192,8 @@ class BwrapSandbox(Sandbox):
             lock_fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _is_root():
-                lease = procs.UidLease.acquire(root / ".uids", config.uid_base, config.uid_count)
+                lease = procs.UidLease.acquire(config.uid_lock_dir, config.uid_base,
+                                               config.uid_count)
             (path / "meta.json").write_text(json.dumps({
                 "uid": lease.uid if lease else None, "server_pid": os.getpid(),
                 "created": time.time()}))
@@ -221,9 +224,27 @@ class BwrapSandbox(Sandbox):
     def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
                      env: Mapping[str, str] | None = None, tty: bool = False) -> list[str]:
         self._check_alive()
-        session = [] if tty else ["--new-session"]
-        return [*self._prefix, *session, "--chdir", cwd or self.workspace_in_sandbox,
-                *self._drop, *argv]
+        # No --new-session even without a tty: the launcher already runs in its own session
+        # (so there is no terminal to inject input into), and keeping the sandbox's PID 1 in
+        # the launcher's process group lets one killpg() end a launch at any moment.
+        self._launches += 1
+        tag = f"{self.id}.{self._launches}"
+        return [*self._prefix, "--setenv", LAUNCH_VAR, tag,
+                "--chdir", cwd or self.workspace_in_sandbox, *self._drop, *argv]
+
+    @staticmethod
+    def _needle(argv: Sequence[str]) -> bytes | None:
+        """What identifies one launch's processes in /proc/*/cmdline."""
+        try:
+            tag = argv[list(argv).index(LAUNCH_VAR) + 1]
+        except (ValueError, IndexError):
+            return None
+        return b"\0" + LAUNCH_VAR.encode() + b"\0" + tag.encode() + b"\0"
+
+    def kill_launch(self, argv: Sequence[str]) -> None:
+        """Kill everything started by one launch line (see :func:`procs.sweep`)."""
+        if (needle := self._needle(argv)) is not None:
+            procs.sweep(needle)
 
     def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         merged = dict(self.env)
@@ -246,11 +267,13 @@ class BwrapSandbox(Sandbox):
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
-        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = self.command_argv(["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd),
+                                 cwd=cwd)
         return await procs.run_collect(
-            self.command_argv(argv, cwd=cwd), env=self.spawn_env(env),
+            argv, env=self.spawn_env(env),
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,
-            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack)
+            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
+            orphan_needle=self._needle(argv))
 
     # -- lifetime ----------------------------------------------------------------------------
     async def destroy(self) -> None:
@@ -267,6 +290,8 @@ class BwrapSandbox(Sandbox):
         for pid in list(self._pids):
             procs.kill_pid(pid)
         self._pids.clear()
+        procs.spawner_barrier()
+        procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 from runtime.sandbox.base import ExecResult
 
 T = TypeVar("T")
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")
 
 
 class _Capped:
@@ -55,58 +57,76 @@ class _Capped:
         return head + tail
 
 
-async def _pump(stream: asyncio.StreamReader | None, sink: _Capped) -> None:
-    if stream is None:
-        return
-    while chunk := await stream.read(65536):
-        sink.feed(chunk)
-
-
 async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: float,  # noqa: ASYNC109
                       stdin: bytes | None = None, max_output: int = 1 << 20,
-                      on_spawn: object = None, on_exit: object = None,
-                      kill_grace_s: float = 0.0) -> ExecResult:
+                      on_spawn: Callable[[int], None] | None = None,
+                      on_exit: Callable[[int], None] | None = None,
+                      orphan_needle: bytes | None = None, drain_grace_s: float = 0.5,
+                      ) -> ExecResult:
     """Run ``argv`` (a whole sandbox launcher line) to completion.
 
-    On timeout or cancellation the process is killed: the launcher is the sandbox's PID
-    namespace anchor, so killing it takes every descendant with it, including commands that
-    ignore SIGINT/SIGTERM.
+    Not asyncio's subprocess API: on Python 3.11 its ``wait()`` only returns once every pipe
+    is closed, so a process that inherited stdout and outlived the launcher would hang us.
+    Exit is watched through a pidfd instead, and pipes get ``drain_grace_s`` after it.
+
+    On timeout or cancellation the launcher's process group is SIGKILLed; the sandbox's PID 1
+    is in that group, and its death takes every process of the launch with it (including
+    commands that ignore SIGINT). ``orphan_needle`` (see :func:`sweep`) is the backstop.
     """
+    loop = asyncio.get_running_loop()
     start = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, env=dict(env), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    if callable(on_spawn):
+    spawn = loop.run_in_executor(_SPAWNER, _popen, list(argv), dict(env), stdin is not None)
+    try:
+        proc: subprocess.Popen[bytes] = await asyncio.shield(spawn)
+    except asyncio.CancelledError:
+        spawn.add_done_callback(lambda f: _abandon_future(f, orphan_needle))
+        raise
+    if on_spawn:
         on_spawn(proc.pid)
     out, err = _Capped(max_output), _Capped(max_output)
+    eofs = [asyncio.Event(), asyncio.Event()]
+    exited = asyncio.Event()
+    pidfd = os.pidfd_open(proc.pid)
+    readers: list[int] = []
+    for stream, sink, eof in ((proc.stdout, out, eofs[0]), (proc.stderr, err, eofs[1])):
+        assert stream is not None
+        fd = stream.fileno()
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, _read_into, loop, fd, sink, eof)
+        readers.append(fd)
+    loop.add_reader(pidfd, exited.set)
+    feeder = None
+    if stdin is not None and proc.stdin is not None:
+        feeder = loop.run_in_executor(None, _feed, proc.stdin, stdin)
     timed_out = False
     try:
-        if stdin is not None and proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(stdin)
-                await proc.stdin.drain()
-            proc.stdin.close()
-        pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err), proc.wait())
         try:
-            await asyncio.wait_for(asyncio.shield(pumps), timeout)
+            await asyncio.wait_for(exited.wait(), timeout)
         except TimeoutError:
             timed_out = True
-            _kill_group(proc.pid, signal.SIGINT if kill_grace_s else signal.SIGKILL)
-            if kill_grace_s:
-                try:
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), kill_grace_s)
-                except TimeoutError:
-                    _kill_group(proc.pid, signal.SIGKILL)
-            await pumps
+            _kill_group(proc.pid, signal.SIGKILL)
+            await exited.wait()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in eofs)), drain_grace_s)
+        except TimeoutError:  # something inherited the pipes and outlived the launcher
+            if orphan_needle:
+                await asyncio.to_thread(sweep, orphan_needle)
+        code = proc.wait()
     except BaseException:
         _kill_group(proc.pid, signal.SIGKILL)
+        loop.run_in_executor(None, _abandon, proc, orphan_needle)
         raise
     finally:
-        if proc.returncode is None:
-            _kill_group(proc.pid, signal.SIGKILL)
-        if callable(on_exit):
+        for fd in (*readers, pidfd):
+            loop.remove_reader(fd)
+        os.close(pidfd)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        if feeder is not None:
+            feeder.cancel()
+        if on_exit:
             on_exit(proc.pid)
-    code = proc.returncode if proc.returncode is not None else -1
     if code < 0:
         code = 128 - code
     stderr = err.text()
@@ -115,6 +135,52 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
     return ExecResult(exit_code=code, stdout=out.text(), stderr=stderr, timed_out=timed_out,
                       truncated=bool(out.dropped or err.dropped),
                       duration_s=time.perf_counter() - start)
+
+
+def _popen(argv: list[str], env: dict[str, str], with_stdin: bool) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _read_into(loop: asyncio.AbstractEventLoop, fd: int, sink: _Capped,
+               eof: asyncio.Event) -> None:
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if data:
+        sink.feed(data)
+    else:
+        loop.remove_reader(fd)
+        eof.set()
+
+
+def _feed(pipe: Any, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        pipe.write(data)
+    with contextlib.suppress(OSError):
+        pipe.close()
+
+
+def _abandon(proc: subprocess.Popen[bytes], needle: bytes | None) -> None:
+    """Finish off a launch nobody waits for any more (cancelled caller)."""
+    _kill_group(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
+    if needle:
+        sweep(needle)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+def _abandon_future(fut: asyncio.Future[subprocess.Popen[bytes]], needle: bytes | None) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        threading.Thread(target=_abandon, args=(fut.result(), needle), daemon=True).start()
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -185,6 +251,7 @@ class UidLease:
     def try_claim(lock_dir: Path, uid: int) -> UidLease | None:
         """Claim a specific uid if nobody holds it (the reaper uses this)."""
         try:
+            lock_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError:
             return None
@@ -201,7 +268,11 @@ class UidLease:
             self._fd = -1
 
 
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")
+
+def spawner_barrier() -> None:
+    """Block until every spawn queued so far has happened (call from a worker thread), so a
+    teardown that sweeps afterwards also catches launches whose caller was cancelled."""
+    _SPAWNER.submit(lambda: None).result(timeout=60)
 
 
 async def in_spawner(fn: Callable[..., T], *args: Any) -> T:
@@ -212,3 +283,32 @@ async def in_spawner(fn: Callable[..., T], *args: Any) -> T:
     of the process, so long-lived sandbox processes are not killed by a thread retiring.
     """
     return await asyncio.get_running_loop().run_in_executor(_SPAWNER, functools.partial(fn, *args))
+
+
+def sweep(needle: bytes) -> int:
+    """SIGKILL every process whose command line contains ``needle``; returns how many.
+
+    Why: killing a bwrap launcher in the few milliseconds before its child (the sandbox's
+    PID 1) has armed PR_SET_PDEATHSIG orphans that child, which then finishes setting up and
+    runs the command. Launch lines carry a unique ``--setenv ROLLOUT_LAUNCH <tag>``, so
+    such orphans can be found by their command line and killed.
+    """
+    killed = 0
+    deadline = time.monotonic() + 5.0
+    while True:
+        found = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle not in f.read():  # zombies have an empty cmdline
+                        continue
+                os.kill(int(pid), signal.SIGKILL)
+                found += 1
+            except (OSError, ProcessLookupError):
+                continue
+        killed += found
+        if not found or time.monotonic() > deadline:
+            return killed
+        time.sleep(0.005)  # let the SIGKILLed processes finish dying, then look again

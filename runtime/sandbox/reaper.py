@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.sandbox import hostfs, procs
+from runtime.sandbox.base import SandboxConfig
 
 
 @dataclass
@@ -30,10 +31,12 @@ class ReapReport:
     killed_uids: list[int] = field(default_factory=list)
 
 
-def reap_stale(root: Path | str) -> ReapReport:
+def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None) -> ReapReport:
     """Clean every stale sandbox under ``root`` (``SandboxConfig.sandboxes_dir``). Blocking:
-    call it before serving, or through ``asyncio.to_thread``."""
+    call it before serving, or through ``asyncio.to_thread``. ``uid_lock_dir`` defaults to
+    ``SandboxConfig.uid_lock_dir``."""
     root = Path(root)
+    locks = Path(uid_lock_dir) if uid_lock_dir else SandboxConfig.uid_lock_dir
     report = ReapReport()
     if not root.is_dir():
         return report
@@ -49,7 +52,7 @@ def reap_stale(root: Path | str) -> ReapReport:
             meta = _meta(path)
             uid = meta.get("uid")
             if isinstance(uid, int):
-                lease = procs.UidLease.try_claim(root / ".uids", uid)
+                lease = procs.UidLease.try_claim(locks, uid)
                 if lease is not None:
                     try:
                         if procs.uid_has_processes(uid):
@@ -57,6 +60,7 @@ def reap_stale(root: Path | str) -> ReapReport:
                             report.killed_uids.append(uid)
                     finally:
                         lease.release()
+            procs.sweep(str(path / "workspace").encode() + b"\0")
             instance = meta.get("instance")
             exe = shutil.which("singularity")
             if isinstance(instance, str) and exe:

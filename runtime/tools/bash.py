@@ -25,6 +25,7 @@ import re
 import secrets
 import signal
 import termios
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -138,12 +139,16 @@ class BashSession:
         else:
             full = list(argv or SHELL_ARGV)
             full_env = {**os.environ, "TERM": "dumb", **SHELL_ENV, **(env or {})}
+        spawn = asyncio.ensure_future(in_spawner(lambda: ptyprocess.PtyProcess.spawn(
+            full, env=full_env, cwd=None if sandbox is not None else cwd, echo=False,
+            dimensions=(50, 250))))
         try:
-            proc = await in_spawner(lambda: ptyprocess.PtyProcess.spawn(
-                full, env=full_env, cwd=None if sandbox is not None else cwd, echo=False,
-                dimensions=(50, 250)))
+            proc = await asyncio.shield(spawn)
         except (OSError, ptyprocess.PtyProcessError) as e:
             raise BashError(f"could not start bash: {e}") from e
+        except asyncio.CancelledError:
+            spawn.add_done_callback(_discard_spawned)
+            raise
         if sandbox is not None:
             sandbox.track(proc.pid)
         _raw_terminal(proc.fd)
@@ -161,8 +166,10 @@ class BashSession:
         self.alive = False
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
+        # The launcher leads the pty's process group, which also holds the sandbox's PID 1.
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(_reap, proc)
         if self._sandbox is not None and hasattr(self._sandbox, "untrack"):
@@ -291,6 +298,17 @@ def _raw_terminal(fd: int) -> None:
     attrs[6][termios.VMIN] = 1
     attrs[6][termios.VTIME] = 0
     termios.tcsetattr(fd, termios.TCSANOW, attrs)
+
+
+def _discard_spawned(fut: asyncio.Future[Any]) -> None:
+    """A shell whose starter was cancelled: kill it and release its pty."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    proc = fut.result()
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(proc.pid, signal.SIGKILL)
+    threading.Thread(target=_reap, args=(proc,), daemon=True).start()
 
 
 def _reap(proc: Any) -> None:

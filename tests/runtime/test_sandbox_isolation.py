@@ -1,0 +1,214 @@
+"""Isolation guarantees of the bubblewrap sandbox. Each test fails if its wall is broken."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
+from runtime.sandbox import procs
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def cfg() -> Iterator[SandboxConfig]:
+    d = tempfile.mkdtemp(prefix="ri", dir="/tmp")
+    yield SandboxConfig(state_dir=Path(d) / "state")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def assert_eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def _uid_of(sb: object) -> int | None:
+    lease = getattr(sb, "_lease", None)
+    return lease.uid if lease is not None else None
+
+
+async def test_writes_outside_workspace_fail(cfg: SandboxConfig) -> None:
+    async with await create_sandbox(cfg) as sb:
+        for target in ("/etc/evil", "/usr/evil", "/evil", f"{os.getcwd()}/evil",
+                       "/var/tmp/evil"):
+            res = await sb.exec(f"echo x > {target}")
+            assert res.exit_code != 0, target
+            assert not os.path.exists(target)
+        ok = await sb.exec("echo x > /workspace/fine && echo y > /tmp/fine && echo ok")
+        assert ok.stdout == "ok\n"
+
+
+async def test_state_dir_and_other_workspaces_are_invisible(cfg: SandboxConfig) -> None:
+    state = os.path.abspath(cfg.state_dir)
+    async with await create_sandbox(cfg, workspace_files={"mine.txt": "A"}) as a, \
+            await create_sandbox(cfg, workspace_files={"theirs.txt": "B-secret"}) as b:
+        assert b.workspace.is_dir()  # visible on the host...
+        res = await a.exec(f"ls -A {state}; cat {b.workspace}/theirs.txt; "
+                           f"ls {a.workspace}; grep -rs B-secret /tmp /workspace")
+        assert res.stdout == ""  # ...but not from inside: the state dir is an empty tmpfs
+        assert "No such file" in res.stderr
+        assert (await a.exec("cat mine.txt")).stdout == "A"
+
+
+async def test_host_secrets_in_hidden_paths_are_invisible(cfg: SandboxConfig) -> None:
+    async with await create_sandbox(cfg) as sb:
+        res = await sb.exec("ls -A /root /run /home")
+        visible = [line for line in res.stdout.split("\n")
+                   if line and not line.endswith(":") and line != ".pyenv"]
+        assert visible == []
+
+
+async def test_no_network_to_host_loopback(cfg: SandboxConfig) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    probe = ("import socket; s = socket.socket(); s.settimeout(2); "
+             f"s.connect(('127.0.0.1', {port})); print('connected')")
+    try:
+        async with await create_sandbox(cfg) as sb:
+            res = await sb.exec(["python", "-c", probe], timeout=20)
+            assert res.exit_code != 0 and "connected" not in res.stdout
+            assert "ConnectionRefused" in res.stderr or "unreachable" in res.stderr
+            ifaces = (await sb.exec("cat /proc/net/dev")).stdout
+            assert [line.split(":")[0].strip() for line in ifaces.splitlines()[2:]] == ["lo"]
+        # The probe itself works: with loopback networking the same connection succeeds.
+        async with await create_sandbox(cfg, network="loopback") as sb:
+            res = await sb.exec(["python", "-c", probe], timeout=20)
+            assert res.stdout == "connected\n", res
+    finally:
+        server.close()
+
+
+async def test_host_processes_are_invisible(cfg: SandboxConfig) -> None:
+    marker = f"hostonly{os.getpid()}"
+    host = subprocess.Popen(["bash", "-c", f"exec -a {marker} sleep 60"])
+    try:
+        async with await create_sandbox(cfg) as sb:
+            res = await sb.exec("ps -eo pid,args")
+            assert marker not in res.stdout
+            pids = [int(line.split()[0]) for line in res.stdout.splitlines()[1:]]
+            assert max(pids) < 20  # its own PID namespace
+            kill = await sb.exec(f"kill -9 {host.pid}")
+            assert kill.exit_code != 0
+        assert host.poll() is None
+    finally:
+        host.kill()
+        host.wait()
+
+
+async def test_fork_bomb_is_contained(cfg: SandboxConfig) -> None:
+    limits = SandboxLimits(processes=40)
+    async with await create_sandbox(cfg, limits=limits) as sb:
+        res = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 1; "
+                            "ps -e --no-headers | wc -l", timeout=5)
+        assert res.timed_out or res.exit_code == 0
+        if not res.timed_out:
+            assert int(res.stdout.split()[-1]) <= limits.processes + 1
+        # The host can still fork, and the sandbox recovers once the bomb's namespace died.
+        assert subprocess.run(["true"]).returncode == 0
+        after = await sb.exec("echo alive", timeout=20)
+        assert after.stdout == "alive\n"
+        uid = _uid_of(sb)
+    if uid is not None:
+        assert not procs.uid_has_processes(uid)
+
+
+async def test_memory_hog_is_killed(cfg: SandboxConfig) -> None:
+    limits = SandboxLimits(address_space_bytes=512 << 20)
+    async with await create_sandbox(cfg, limits=limits) as sb:
+        res = await sb.exec(["python", "-c", "b = bytearray(2 << 30); print('allocated')"],
+                            timeout=30)
+        assert res.exit_code != 0 and "allocated" not in res.stdout
+        assert "MemoryError" in res.stderr
+        res = await sb.exec("x=$(head -c 1000000000 /dev/zero | tr '\\0' a); echo ${#x}",
+                            timeout=30)
+        assert res.stdout.strip() != "1000000000"
+        assert res.exit_code != 0 or res.stdout.strip() in ("", "0")
+
+
+async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) -> None:
+    marker = f"stubborn{os.getpid()}"
+    async with await create_sandbox(cfg) as sb:
+        start = time.monotonic()
+        res = await sb.exec(f"trap '' INT TERM HUP; exec -a {marker} sleep 300", timeout=1)
+        assert res.timed_out
+        assert time.monotonic() - start < 10
+        await assert_eventually(lambda: not _host_has(marker))
+        bash = await sb.bash()
+        res2 = await bash.run(f"trap '' INT; bash -c \"trap '' INT; exec -a {marker} "
+                              "sleep 300\"", timeout=1, interrupt_grace_s=0.5)
+        assert res2.timed_out and res2.restarted
+        await assert_eventually(lambda: not _host_has(marker))
+        assert (await (await sb.bash()).run("echo back")).output == "back\n"
+
+
+@pytest.mark.timeout(240)
+async def test_many_cycles_with_cancellations_leave_nothing_behind(cfg: SandboxConfig) -> None:
+    mounts_before = Path("/proc/self/mountinfo").read_text()
+    tmp_before = set(os.listdir("/tmp"))
+    uids: set[int] = set()
+    for i in range(200):
+        sb = await create_sandbox(cfg, workspace_files={"f.txt": str(i)})
+        if (u := _uid_of(sb)) is not None:
+            uids.add(u)
+        if i % 2:
+            if i % 10 == 1:
+                bash = await sb.bash()
+                task = asyncio.create_task(bash.run("sleep 300"))
+            else:
+                task = asyncio.create_task(sb.exec("cat f.txt; sleep 300"))
+            await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            assert (await sb.exec("cat f.txt")).stdout == str(i)
+        await sb.destroy()
+    assert [e for e in os.listdir(cfg.sandboxes_dir) if not e.startswith(".")] == []
+    assert Path("/proc/self/mountinfo").read_text() == mounts_before
+    ours = [e for e in set(os.listdir("/tmp")) - tmp_before
+            if e.startswith(("ipk", "bwrap", "rollout"))]
+    assert ours == []
+    for uid in uids:
+        await assert_eventually(lambda uid=uid: not procs.uid_has_processes(uid))
+    await assert_eventually(lambda: not _children_alive())
+
+
+def _children_alive() -> bool:
+    me = str(os.getpid())
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[1] == me and fields[0] != "Z":
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _host_has(marker: str) -> bool:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().startswith(marker.encode()):
+                        return True
+            except OSError:
+                continue
+    return False
