@@ -165,10 +165,12 @@ class ApptainerSandbox(Sandbox):
                 *argv]
 
     def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Host environment: PATH to find the CLI, the sandbox env as SINGULARITYENV_*/
-        APPTAINERENV_* (the only variables ``--cleanenv`` lets through)."""
+        """Host environment of the CLI (it needs HOME etc. to find its instances) plus the
+        sandbox env as SINGULARITYENV_*/APPTAINERENV_*: ``--cleanenv`` lets only those
+        through into the container, so the server's own variables stay outside."""
         merged = {**self.env, **(env or {})}
-        host = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        host = {k: v for k, v in os.environ.items()
+                if not k.startswith(("SINGULARITYENV_", "APPTAINERENV_"))}
         for k, v in merged.items():
             host[f"SINGULARITYENV_{k}"] = v
             host[f"APPTAINERENV_{k}"] = v

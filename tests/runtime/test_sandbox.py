@@ -21,9 +21,9 @@ from runtime.sandbox import (
     SandboxError,
     SandboxLimits,
     create_sandbox,
+    procs,
     reap_stale,
 )
-from runtime.sandbox import procs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
-from runtime.sandbox import procs
+from runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox, procs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -183,8 +182,7 @@ async def test_many_cycles_with_cancellations_leave_nothing_behind(cfg: SandboxC
     ours = [e for e in set(os.listdir("/tmp")) - tmp_before
             if e.startswith(("ipk", "bwrap", "rollout"))]
     assert ours == []
-    for uid in uids:
-        await assert_eventually(lambda uid=uid: not procs.uid_has_processes(uid))
+    await assert_eventually(lambda: not any(procs.uid_has_processes(u) for u in uids))
     await assert_eventually(lambda: not _children_alive())
 
 

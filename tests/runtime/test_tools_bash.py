@@ -1,0 +1,159 @@
+"""The persistent pty bash session and the ``bash`` tool, inside a bubblewrap sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
+from runtime.tools import make_tools, tool_schema
+from runtime.tools.bash import BashSession, BashTool, ansi_c_quote
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def sb() -> AsyncIterator[Sandbox]:
+    d = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    sandbox = await create_sandbox(SandboxConfig(state_dir=Path(d) / "state"))
+    yield sandbox
+    await sandbox.destroy()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def assert_eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_cwd_env_and_exit_codes_persist(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    assert (await bash.run("mkdir -p sub && cd sub && export X=7")).exit_code == 0
+    res = await bash.run("pwd; echo $X")
+    assert res.output == f"{sb.workspace_in_sandbox}/sub\n7\n"
+    assert (await bash.run("false")).exit_code == 1
+    assert (await bash.run("(exit 42)")).exit_code == 42
+    assert await sb.bash() is bash  # cached per sandbox
+
+
+async def test_runs_inside_the_sandbox(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    res = await bash.run("hostname; touch /etc/x 2>&1 | grep -c Read-only")
+    assert res.output == "sandbox\n1\n"
+
+
+async def test_awkward_commands(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    res = await bash.run("cat <<'EOF'\nline 'one'\n  \"two\" $HOME \\n\nEOF")
+    assert res.output == "line 'one'\n  \"two\" $HOME \\n\n"
+    res = await bash.run("echo 'unbalanced")
+    assert res.exit_code == 2 and "unexpected EOF" in res.output
+    assert (await bash.run("echo still here")).output == "still here\n"
+    res = await bash.run("printf 'no newline'")
+    assert res.output == "no newline"
+    long_line = "x" * 20000  # beyond the 4 KiB canonical-mode line limit of a tty
+    res = await bash.run(f"echo {long_line} | wc -c")
+    assert res.output == "20001\n"
+    assert (await bash.run("printf 'a\\tb\\r\\n'")).output == "a\tb\r\n"
+
+
+async def test_undecodable_bytes_survive(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    res = await bash.run("printf 'ok \\xff\\xfe end\\n'")
+    assert res.output == "ok \\xff\\xfe end\n"
+    res = await bash.run("echo 'héllo ✓'")
+    assert res.output == "héllo ✓\n"
+
+
+async def test_output_is_truncated_with_notice(sb: Sandbox) -> None:
+    session = await BashSession.start(sb, max_output=2000)
+    try:
+        res = await session.run("seq 1 100000")
+        assert res.truncated
+        assert "bytes of output truncated" in res.output
+        assert res.output.startswith("1\n2\n3\n")
+        assert res.output.endswith("99999\n100000\n")
+        assert len(res.output) < 2300
+        assert (await session.run("echo after")).output == "after\n"
+    finally:
+        await session.close()
+
+
+async def test_timeout_interrupts_then_session_continues(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    await bash.run("cd /tmp && export KEEP=1")
+    res = await bash.run("echo started; sleep 30", timeout=0.5)
+    assert res.timed_out and res.exit_code == 130 and not res.restarted
+    assert "started" in res.output and "interrupted" in res.output
+    assert (await bash.run("pwd; echo $KEEP")).output == "/tmp\n1\n"
+
+
+async def test_sigint_ignoring_command_kills_and_restarts_shell(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    old_pid = bash.pid
+    res = await bash.run("trap '' INT; sleep 30", timeout=0.5, interrupt_grace_s=0.3)
+    assert res.timed_out and res.restarted and "killed" in res.output
+    await assert_eventually(lambda: not os.path.exists(f"/proc/{old_pid}"))
+    fresh = await sb.bash()
+    assert fresh is not bash and fresh.pid != old_pid
+    assert (await fresh.run("echo fresh")).output == "fresh\n"
+
+
+async def test_exit_ends_the_shell_and_the_tool_restarts_it(sb: Sandbox) -> None:
+    tool = BashTool(sb)
+    res = await tool({"command": "exit 3"})
+    assert "shell exited" in res.output
+    res = await tool({"command": "echo back"})
+    assert res.output == "back\n" and not res.is_error
+
+
+async def test_cancellation_mid_command_kills_the_shell(sb: Sandbox) -> None:
+    bash = await sb.bash()
+    pid = bash.pid
+    task = asyncio.create_task(bash.run("sleep 300"))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await assert_eventually(lambda: not os.path.exists(f"/proc/{pid}"))
+    assert (await (await sb.bash()).run("echo ok")).output == "ok\n"
+
+
+async def test_tool_interface(sb: Sandbox) -> None:
+    tools = make_tools(sb, names=("bash",))
+    (tool,) = tools
+    schema = tool_schema(tool)
+    assert schema["function"]["name"] == "bash"
+    assert schema["function"]["parameters"]["required"] == ["command"]
+    res = await tool({"command": "echo hi; false"})
+    assert res.is_error and res.output == "hi\n\n[exit code 1]"
+    assert (await tool({"command": ""})).is_error
+    assert (await tool({"command": "true", "timeout": -1})).is_error
+    res = await tool({"command": "sleep 5", "timeout": 0.3})
+    assert res.is_error and "interrupted with Ctrl-C" in res.output
+
+
+async def test_host_session_for_baselines() -> None:
+    session = await BashSession.start(None, cwd="/")
+    try:
+        assert (await session.run("pwd")).output == "/\n"
+    finally:
+        await session.close()
+
+
+def test_ansi_c_quote_round_trips_through_bash() -> None:
+    import subprocess
+    for text in ["plain", "it's", "back\\slash", "multi\nline", "ctl\x01\x1b[0m", "ünï ✓", ""]:
+        out = subprocess.run(["bash", "-c", f"printf %s {ansi_c_quote(text)}"],
+                             capture_output=True).stdout
+        assert out.decode() == text
