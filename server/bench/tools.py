@@ -51,7 +51,7 @@ class Row:
     @property
     def p95(self) -> float:
         s = sorted(self.samples)
-        return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
+        return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
 
     @property
     def ok(self) -> bool | None:
