@@ -79,7 +79,9 @@ class SandboxConfig:
     """Server state; sandboxes live in ``<state_dir>/sandboxes/<id>`` and the whole state dir
     is hidden inside every sandbox."""
     rootfs: Path | None = None
-    """bwrap: a directory used read-only as ``/``; None binds the host root read-only."""
+    """bwrap: a directory used read-only as ``/``; None binds the host root read-only. When
+    the server runs as root the rootfs must contain ``setpriv`` (util-linux), which drops
+    each command to the sandbox uid, and ``bash`` for string commands and the bash tool."""
     image: str | None = None
     """apptainer: a SIF file or sandbox directory (required for that runtime)."""
     workspace_in_sandbox: str = "/workspace"

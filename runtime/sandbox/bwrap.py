@@ -22,6 +22,12 @@ When the server runs as root, bwrap runs privileged (it can read ``/root/.pyenv`
 interpreter) and the command then drops to a per-sandbox uid with ``setpriv`` and
 ``no_new_privs`` — so RLIMIT_NPROC applies (root is exempt from it) and counts per sandbox.
 Otherwise bwrap runs rootless in a user namespace as the server's own user.
+
+Why not a user namespace owned by the sandbox uid when we are root: that bwrap would have to
+read every bind source as that uid, and the server's interpreter typically lives under a
+0700 home (``/root/.pyenv``); an unprivileged bwrap cannot bind it (``--ro-bind-fd`` is
+re-resolved by path). Privileged bwrap + ``setpriv --no-new-privs`` gives the same result for
+the sandboxed command: an unprivileged uid, no capabilities, nothing it can regain.
 """
 
 from __future__ import annotations

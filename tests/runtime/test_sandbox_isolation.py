@@ -139,6 +139,17 @@ async def test_memory_hog_is_killed(cfg: SandboxConfig) -> None:
         assert res.exit_code != 0 or res.stdout.strip() in ("", "0")
 
 
+async def test_rlimits_apply_inside(cfg: SandboxConfig) -> None:
+    limits = SandboxLimits(open_files=77, file_size_bytes=1 << 20, cpu_seconds=1)
+    async with await create_sandbox(cfg, limits=limits) as sb:
+        assert (await sb.exec("ulimit -n")).stdout == "77\n"
+        res = await sb.exec("head -c 3000000 /dev/zero > big")
+        assert res.exit_code == 128 + 25 and "File size limit exceeded" in res.stderr  # SIGXFSZ
+        assert int((await sb.exec("stat -c %s big")).stdout) == 1 << 20
+        res = await sb.exec("while :; do :; done", timeout=20)
+        assert not res.timed_out and res.exit_code == 128 + 9  # SIGKILL at the hard CPU limit
+
+
 async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) -> None:
     marker = f"stubborn{os.getpid()}"
     async with await create_sandbox(cfg) as sb:
