@@ -40,6 +40,7 @@ from runtime.sandbox.base import (
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
+    finish_creation,
 )
 
 CTL_IN_SANDBOX = "/.sandbox"
@@ -109,8 +110,9 @@ class ApptainerSandbox(Sandbox):
                                "INVALID_SANDBOX_OPTIONS")
         if "://" not in image and not await asyncio.to_thread(os.path.exists, image):
             raise SandboxError(f"image {image} does not exist", "INVALID_SANDBOX_OPTIONS")
-        return await asyncio.to_thread(cls._create_sync, config, exe, image,
-                                       dict(workspace_files), dict(env), network, limits)
+        return await finish_creation(asyncio.ensure_future(asyncio.to_thread(
+            cls._create_sync, config, exe, image, dict(workspace_files), dict(env), network,
+            limits)))
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, exe: str, image: str,

@@ -20,11 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from runtime.sandbox import hostfs
 
 Network = Literal["none", "loopback"]
+SandboxT = TypeVar("SandboxT", bound="Sandbox")
+_BACKGROUND: set[asyncio.Future[None]] = set()
 
 
 class SandboxError(RuntimeError):
@@ -240,6 +242,21 @@ class Sandbox(abc.ABC):
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await asyncio.shield(self.destroy())
+
+
+async def finish_creation(fut: asyncio.Future[SandboxT]) -> SandboxT:
+    """Await a creation running in a worker thread; if the caller is cancelled meanwhile, the
+    sandbox the thread still finishes is destroyed rather than leaked."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        def cleanup(f: asyncio.Future[SandboxT]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                task = asyncio.ensure_future(f.result().destroy())
+                _BACKGROUND.add(task)
+                task.add_done_callback(_BACKGROUND.discard)
+        fut.add_done_callback(cleanup)
+        raise
 
 
 async def create_sandbox(config: SandboxConfig | None = None, *,

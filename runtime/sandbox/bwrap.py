@@ -56,6 +56,7 @@ from runtime.sandbox.base import (
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
+    finish_creation,
 )
 
 CTL_IN_SANDBOX = "/.sandbox"
@@ -180,8 +181,9 @@ class BwrapSandbox(Sandbox):
         rootfs = Path(rootfs) if rootfs else config.rootfs
         if rootfs is not None and not await asyncio.to_thread(Path(rootfs).is_dir):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
-        return await asyncio.to_thread(cls._create_sync, config, dict(workspace_files),
-                                       dict(env), network, limits, rootfs)
+        return await finish_creation(asyncio.ensure_future(asyncio.to_thread(
+            cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
+            rootfs)))
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, files: dict[str, bytes | str],

@@ -150,6 +150,19 @@ async def test_cancelled_exec_kills_the_command(cfg: SandboxConfig) -> None:
         await assert_eventually(lambda: not _host_has(marker))
 
 
+async def test_cancelled_creation_leaves_nothing(cfg: SandboxConfig) -> None:
+    for delay in (0, 0.001, 0.003, 0.01):
+        task = asyncio.create_task(create_sandbox(cfg, workspace_files={"a": "b"}))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            sb = await task
+        except asyncio.CancelledError:
+            continue
+        await sb.destroy()  # finished before the cancel landed
+    await assert_eventually(lambda: sandbox_dirs(cfg) == [])
+
+
 async def test_unknown_option_and_bad_network_are_rejected(cfg: SandboxConfig) -> None:
     with pytest.raises(SandboxError):
         await create_sandbox(cfg, network="internet")  # type: ignore[arg-type]
