@@ -264,7 +264,13 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
                          env: Mapping[str, str] | None = None, network: Network = "none",
                          limits: SandboxLimits | None = None, **options: Any) -> Sandbox:
     """Create a started sandbox. Use ``functools.partial(create_sandbox, cfg)`` as
-    ``JobContext.sandbox_factory``. If anything fails half-way, what was made is removed."""
+    ``JobContext.sandbox_factory``. If anything fails half-way, what was made is removed.
+
+    ``network="none"`` (default): a private network namespace with only its own loopback, so
+    nothing outside the sandbox is reachable. ``"loopback"``: the host's network namespace,
+    for jobs that must reach a service on the host's 127.0.0.1 (e.g. a local grader); it
+    reaches whatever the host reaches, so use it only for trusted environments.
+    Runtime-specific options: bwrap ``rootfs=``, apptainer ``image=``."""
     config = config or SandboxConfig()
     if network not in ("none", "loopback"):
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
