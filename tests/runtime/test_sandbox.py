@@ -265,3 +265,17 @@ def _host_has(marker: str) -> bool:
             except OSError:
                 continue
     return False
+
+
+async def test_works_as_job_context_sandbox_factory(cfg: SandboxConfig) -> None:
+    import functools
+
+    from runtime.handler import JobContext
+    from runtime.types import JobSpec
+
+    ctx = JobContext(spec=JobSpec(job_id="j1", environment="test", task={}),
+                     sandbox_factory=functools.partial(create_sandbox, cfg))
+    sb = await ctx.open_sandbox(workspace_files={"x": "1"}, network="none")
+    assert (await sb.exec("cat x")).stdout == "1"
+    await ctx.resources.aclose()  # what the scheduler does when the job ends
+    assert sb.destroyed and sandbox_dirs(cfg) == []
