@@ -77,6 +77,7 @@ class IPythonKernel:
         self._client: Any = None
         self._lock = asyncio.Lock()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._dir_fd = -1
 
     @classmethod
     async def start(cls, sandbox: Any = None, *, transport: Literal["ipc", "tcp"] = "ipc",
@@ -104,8 +105,13 @@ class IPythonKernel:
         if self.transport == "ipc":
             host_ip, inside_ip = str(host_dir / f"k{n}"), f"{inside_dir}/k{n}"
             if len(host_ip) + 3 > MAX_UNIX_PATH:
-                raise KernelError(f"socket path {host_ip!r} is too long for a Unix socket; "
-                                  "use a shorter state_dir")
+                # Unix socket paths max out at 107 bytes; reach a deep control dir through a
+                # directory fd instead, which the kernel (binding its short in-sandbox path)
+                # never needs to know about.
+                self._dir_fd = os.open(host_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                host_ip = f"/proc/self/fd/{self._dir_fd}/k{n}"
+            if len(inside_ip) + 3 > MAX_UNIX_PATH:
+                raise KernelError(f"in-sandbox socket path {inside_ip!r} is too long")
             info.update(zip(_CHANNELS, range(1, 6), strict=True))
         else:
             host_ip = inside_ip = "127.0.0.1"
@@ -167,6 +173,9 @@ class IPythonKernel:
                     await asyncio.wait_for(proc.wait(), 5)
             if self.sandbox is not None and hasattr(self.sandbox, "untrack"):
                 self.sandbox.untrack(proc.pid)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -80,3 +80,11 @@ async def test_restart_and_tool_interface(sb: Sandbox) -> None:
     res = await tool({"code": "v"})
     assert res.is_error and "NameError" in res.output
     assert (await tool({"code": 3})).is_error
+
+
+async def test_deep_state_dir_beyond_the_unix_socket_path_limit(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    async with await create_sandbox(SandboxConfig(state_dir=deep)) as sb:
+        assert len(str(sb.control_dir()[0])) > 108
+        (tool,) = make_tools(sb, names=("python",))
+        assert (await tool({"code": "6 * 7"})).output == "42\n"
