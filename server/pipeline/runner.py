@@ -105,7 +105,29 @@ class StageRunner:
     # -- running stages ----------------------------------------------------------------------
 
     def _launch(self, job: LiveJob, pool: StagePool) -> None:
-        job.task = asyncio.get_running_loop().create_task(self._stage_task(job, pool))
+        started = False
+
+        async def body() -> None:
+            nonlocal started
+            started = True
+            await self._stage_task(job, pool)
+
+        def done(task: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step never runs a line of its coroutine, so
+            # none of _stage_task's own clean-up happens: give the worker back and, if a
+            # cancel (not a shutdown) did it, finish the job as cancelled.
+            if started:
+                return
+            if job.task is task:
+                job.task = None
+            pool.release()
+            if job.cancel_reason is not None and not job.finishing:
+                job.finishing = True
+                self._spawn(self._release_then_cancel(job))
+
+        task = asyncio.get_running_loop().create_task(body())
+        task.add_done_callback(done)
+        job.task = task
 
     def _enter_stage(self, job: LiveJob, stage: Stage) -> float:
         t0 = time.monotonic()
