@@ -92,8 +92,6 @@ class ApptainerSandbox(Sandbox):
         self.instance = instance
         self.instance_name = f"rollout-{sid}"
         self._lock_fd = lock_fd
-        self._pids: set[int] = set()
-        self._destroy_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
@@ -178,12 +176,6 @@ class ApptainerSandbox(Sandbox):
             host[f"APPTAINERENV_{k}"] = v
         return host
 
-    def track(self, pid: int) -> None:
-        self._pids.add(pid)
-
-    def untrack(self, pid: int) -> None:
-        self._pids.discard(pid)
-
     def control_dir(self) -> tuple[Path, str]:
         return self.path / "ctl", CTL_IN_SANDBOX
 
@@ -196,20 +188,7 @@ class ApptainerSandbox(Sandbox):
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,
             stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack)
 
-    async def destroy(self) -> None:
-        if self._destroy_task is None:
-            self.destroyed = True
-            self._destroy_task = asyncio.ensure_future(self._destroy())
-        await asyncio.shield(self._destroy_task)
-
-    async def _destroy(self) -> None:
-        await self._close_tools()
-        await asyncio.to_thread(self._teardown_sync)
-
-    def _teardown_sync(self) -> None:
-        for pid in list(self._pids):
-            procs.kill_pid(pid)
-        self._pids.clear()
+    def _teardown_runtime(self) -> None:
         with contextlib.suppress(Exception):
             self.instance.stop(quiet=True)
         hostfs.rmtree(self.path)

@@ -144,6 +144,8 @@ class Sandbox(abc.ABC):
         self._ipython: Any = None
         self._tool_lock = asyncio.Lock()
         self.destroyed = False
+        self._pids: set[int] = set()
+        self._destroy_task: asyncio.Future[None] | None = None
 
     # -- processes ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -162,8 +164,13 @@ class Sandbox(abc.ABC):
     def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The host environment to start ``command_argv`` with."""
 
-    def track(self, pid: int) -> None:  # noqa: B027 - optional hook
+    def track(self, pid: int) -> None:
         """Register a long-lived process the sandbox must kill on destroy."""
+        self._pids.add(pid)
+
+    def untrack(self, pid: int) -> None:
+        """Forget a tracked process that has exited (its pid may be reused)."""
+        self._pids.discard(pid)
 
     def control_dir(self) -> tuple[Path, str]:
         """(host path, sandbox path) of a private directory for sockets (kernel ipc)."""
@@ -231,10 +238,32 @@ class Sandbox(abc.ABC):
             raise SandboxError(f"sandbox {self.id} is destroyed", "SANDBOX_DESTROYED")
 
     # -- lifetime ----------------------------------------------------------------------------
-    @abc.abstractmethod
     async def destroy(self) -> None:
         """Kill every process and remove every file of the sandbox. Idempotent; never raises
-        for an already-dead sandbox; safe to call from a cancelled task."""
+        for an already-dead sandbox; safe to call from a cancelled task (the teardown runs as
+        one shielded task that every caller awaits, so a cancelled caller never cuts it short)."""
+        if self._destroy_task is None:
+            self.destroyed = True
+            self._destroy_task = asyncio.ensure_future(self._destroy())
+        await asyncio.shield(self._destroy_task)
+
+    async def _destroy(self) -> None:
+        await self._close_tools()
+        await asyncio.to_thread(self._teardown_sync)
+
+    def _teardown_sync(self) -> None:
+        """Blocking teardown (runs in a worker thread, or at interpreter exit): tracked
+        processes first, then whatever the runtime owns."""
+        from runtime.sandbox import procs
+        for pid in list(self._pids):
+            procs.kill_pid(pid)
+        self._pids.clear()
+        self._teardown_runtime()
+
+    @abc.abstractmethod
+    def _teardown_runtime(self) -> None:
+        """The runtime's own blocking cleanup after the tracked processes are dead (stop an
+        instance, sweep leftovers, remove the directory, release locks). Must not raise."""
 
     async def __aenter__(self) -> Sandbox:
         return self

@@ -137,8 +137,6 @@ class BwrapSandbox(Sandbox):
         self.python = config.python or sys.executable
         self._lock_fd = lock_fd
         self._lease = lease
-        self._pids: set[int] = set()
-        self._destroy_task: asyncio.Task[None] | None = None
         self._launches = 0
         root = str(rootfs) if rootfs else "/"
         binds = _root_binds(root, config.hide_paths if rootfs is None else (),
@@ -260,12 +258,6 @@ class BwrapSandbox(Sandbox):
             merged.update(env)
         return merged
 
-    def track(self, pid: int) -> None:
-        self._pids.add(pid)
-
-    def untrack(self, pid: int) -> None:
-        self._pids.discard(pid)
-
     def control_dir(self) -> tuple[Path, str]:
         return self.path / "ctl", CTL_IN_SANDBOX
 
@@ -284,20 +276,7 @@ class BwrapSandbox(Sandbox):
             orphan_needle=self._needle(argv))
 
     # -- lifetime ----------------------------------------------------------------------------
-    async def destroy(self) -> None:
-        if self._destroy_task is None:
-            self.destroyed = True
-            self._destroy_task = asyncio.ensure_future(self._destroy())
-        await asyncio.shield(self._destroy_task)
-
-    async def _destroy(self) -> None:
-        await self._close_tools()
-        await asyncio.to_thread(self._teardown_sync)
-
-    def _teardown_sync(self) -> None:
-        for pid in list(self._pids):
-            procs.kill_pid(pid)
-        self._pids.clear()
+    def _teardown_runtime(self) -> None:
         procs.spawner_barrier()
         procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
         if self._lease is not None:

@@ -22,39 +22,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from runtime.sandbox.base import ExecResult
+from runtime.sandbox.output import CappedOutput
 
 T = TypeVar("T")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")
-
-
-class _Capped:
-    """Keeps the head and the tail of a stream; drops (and counts) the middle."""
-
-    def __init__(self, limit: int) -> None:
-        self.head_limit = limit // 2
-        self.tail_limit = limit - self.head_limit
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def feed(self, data: bytes) -> None:
-        room = self.head_limit - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            extra = len(self.tail) - self.tail_limit
-            if extra > 0:
-                del self.tail[:extra]
-                self.dropped += extra
-
-    def text(self) -> str:
-        head = self.head.decode("utf-8", "backslashreplace")
-        tail = self.tail.decode("utf-8", "backslashreplace")
-        if self.dropped:
-            return f"{head}\n[... {self.dropped} bytes of output truncated ...]\n{tail}"
-        return head + tail
 
 
 async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: float,  # noqa: ASYNC109
@@ -83,7 +54,7 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
         raise
     if on_spawn:
         on_spawn(proc.pid)
-    out, err = _Capped(max_output), _Capped(max_output)
+    out, err = CappedOutput.split(max_output), CappedOutput.split(max_output)
     eofs = [asyncio.Event(), asyncio.Event()]
     exited = asyncio.Event()
     pidfd = os.pidfd_open(proc.pid)
@@ -143,7 +114,7 @@ def _popen(argv: list[str], env: dict[str, str], with_stdin: bool) -> subprocess
                             start_new_session=True)
 
 
-def _read_into(loop: asyncio.AbstractEventLoop, fd: int, sink: _Capped,
+def _read_into(loop: asyncio.AbstractEventLoop, fd: int, sink: CappedOutput,
                eof: asyncio.Event) -> None:
     try:
         data = os.read(fd, 65536)
@@ -252,21 +223,31 @@ class UidLease:
         """Claim a specific uid if nobody holds it (the reaper uses this)."""
         try:
             lock_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return UidLease(uid, fd)
+        fd = try_flock(lock_dir / str(uid))
+        return None if fd is None else UidLease(uid, fd)
 
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
+
+def try_flock(path: Path) -> int | None:
+    """Open (creating) ``path`` and take an exclusive flock without waiting. Returns the fd,
+    which holds the lock until closed, or None when another process holds it or the file
+    cannot be opened: callers treat both as "someone else's"."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def spawner_barrier() -> None:

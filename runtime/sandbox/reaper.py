@@ -10,7 +10,6 @@ sandbox. Apptainer instances recorded in the dir are stopped. Then the dir is re
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None) -> Reap
         path = root / entry
         if entry.startswith(".") or not path.is_dir() or path.is_symlink():
             continue
-        lock_fd = _try_lock(path / "lock")
+        lock_fd = procs.try_flock(path / "lock")
         if lock_fd is None:
             report.live.append(entry)
             continue
@@ -72,19 +71,6 @@ def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None) -> Reap
         finally:
             os.close(lock_fd)
     return report
-
-
-def _try_lock(lock: Path) -> int | None:
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _meta(path: Path) -> dict[str, object]:

@@ -30,9 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.sandbox.output import CappedOutput
 from runtime.tools.base import ToolResult
 
 DEFAULT_MAX_OUTPUT = 16 * 1024
+TRUNCATION_NOTICE = ("[... {dropped} bytes of output truncated; redirect to a file and view "
+                     "parts of it to see more ...]")
 SHELL_ARGV = ("bash", "--norc", "--noprofile", "--noediting")
 SHELL_ENV = {"PS1": "", "PS2": "", "PS0": "", "PROMPT_COMMAND": "", "HISTFILE": "/dev/null"}
 
@@ -70,34 +73,11 @@ def ansi_c_quote(text: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
-class _Sink:
-    """Head+tail capped buffer of decoded-later bytes."""
-
-    def __init__(self, limit: int) -> None:
-        self.half = max(limit // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def feed(self, data: bytes) -> None:
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > self.half:
-                extra = len(self.tail) - self.half
-                del self.tail[:extra]
-                self.dropped += extra
-
-    def text(self) -> str:
-        head = self.head.decode("utf-8", "backslashreplace")
-        tail = self.tail.decode("utf-8", "backslashreplace")
-        if self.dropped:
-            return (f"{head}\n[... {self.dropped} bytes of output truncated; redirect to a file "
-                    f"and view parts of it to see more ...]\n{tail}")
-        return head + tail
+def _new_sink(limit: int) -> CappedOutput:
+    """Equal head and tail halves (at least one byte each); the notice tells the model how
+    to see what was dropped."""
+    half = max(limit // 2, 1)
+    return CappedOutput(half, half, TRUNCATION_NOTICE)
 
 
 class BashSession:
@@ -113,7 +93,7 @@ class BashSession:
             rb"\x1e__RS_" + self._nonce.encode() + rb"_(\d+r?)__(-?\d+)\x1e\n?")
         self._seq = 0
         self._pending = bytearray()
-        self._sink = _Sink(max_output)
+        self._sink = _new_sink(max_output)
         self._done: tuple[str, int] | None = None
         self._want: int = -1
         self._event = asyncio.Event()
@@ -248,7 +228,7 @@ class BashSession:
                 return BashResult("[the shell is not running]", -1, restarted=True)
             self._seq += 1
             self._want = self._seq
-            self._sink = _Sink(self.max_output)
+            self._sink = _new_sink(self.max_output)
             self._done = None
             self._event.clear()
             line = f"eval {ansi_c_quote(command)}; {self._sentinel_cmd(str(self._seq))}\n"

@@ -8,10 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,24 +22,16 @@ from runtime.sandbox import (
     procs,
     reap_stale,
 )
+from tests.runtime.sandbox_helpers import host_has, temp_config
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def cfg() -> Iterator[SandboxConfig]:
-    # Short path: kernel ipc sockets live below it and Unix socket paths max out at 107 bytes.
-    d = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    yield SandboxConfig(state_dir=Path(d) / "state")
-    shutil.rmtree(d, ignore_errors=True)
-
-
-async def assert_eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    with temp_config("rt") as config:
+        yield config
 
 
 def sandbox_dirs(cfg: SandboxConfig) -> list[str]:
@@ -143,11 +133,11 @@ async def test_cancelled_exec_kills_the_command(cfg: SandboxConfig) -> None:
     marker = f"cancelme{os.getpid()}"
     async with await create_sandbox(cfg) as sb:
         task = asyncio.create_task(sb.exec(f"exec -a {marker} sleep 300"))
-        await assert_eventually(lambda: _host_has(marker))
+        await assert_eventually(lambda: host_has(marker))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await assert_eventually(lambda: not _host_has(marker))
+        await assert_eventually(lambda: not host_has(marker))
 
 
 async def test_cancelled_creation_leaves_nothing(cfg: SandboxConfig) -> None:
@@ -216,13 +206,13 @@ async def test_reap_stale_cleans_after_a_crashed_server(cfg: SandboxConfig) -> N
     try:
         assert server.stdout is not None
         assert (await asyncio.to_thread(server.stdout.readline)).strip() == b"ready"
-        await assert_eventually(lambda: _host_has(marker))
+        await assert_eventually(lambda: host_has(marker))
         live = await asyncio.to_thread(reap_stale, cfg.sandboxes_dir)
         assert len(live.live) == 1 and not live.removed  # still owned: must not be touched
     finally:
         server.send_signal(signal.SIGKILL)
         server.wait()
-    await assert_eventually(lambda: not _host_has(marker))  # --die-with-parent
+    await assert_eventually(lambda: not host_has(marker))  # --die-with-parent
     report = await asyncio.to_thread(reap_stale, cfg.sandboxes_dir)
     assert len(report.removed) == 1
     assert sandbox_dirs(cfg) == []
@@ -253,18 +243,6 @@ async def test_wall_clock_timeout_default_from_limits(cfg: SandboxConfig) -> Non
         assert res.timed_out
         assert res.exit_code == 128 + signal.SIGKILL
         assert "timed out" in res.stderr
-
-
-def _host_has(marker: str) -> bool:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().startswith(marker.encode()):
-                        return True
-            except OSError:
-                continue
-    return False
 
 
 async def test_works_as_job_context_sandbox_factory(cfg: SandboxConfig) -> None:

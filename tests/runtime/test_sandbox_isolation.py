@@ -4,34 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox, procs
+from tests.runtime.sandbox_helpers import host_has, temp_config
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def cfg() -> Iterator[SandboxConfig]:
-    d = tempfile.mkdtemp(prefix="ri", dir="/tmp")
-    yield SandboxConfig(state_dir=Path(d) / "state")
-    shutil.rmtree(d, ignore_errors=True)
-
-
-async def assert_eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    with temp_config("ri") as config:
+        yield config
 
 
 def _uid_of(sb: object) -> int | None:
@@ -157,12 +148,12 @@ async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) 
         res = await sb.exec(f"trap '' INT TERM HUP; exec -a {marker} sleep 300", timeout=1)
         assert res.timed_out
         assert time.monotonic() - start < 10
-        await assert_eventually(lambda: not _host_has(marker))
+        await assert_eventually(lambda: not host_has(marker))
         bash = await sb.bash()
         res2 = await bash.run(f"trap '' INT; bash -c \"trap '' INT; exec -a {marker} "
                               "sleep 300\"", timeout=1, interrupt_grace_s=0.5)
         assert res2.timed_out and res2.restarted
-        await assert_eventually(lambda: not _host_has(marker))
+        await assert_eventually(lambda: not host_has(marker))
         assert (await (await sb.bash()).run("echo back")).output == "back\n"
 
 
@@ -206,18 +197,6 @@ def _children_alive() -> bool:
                     fields = f.read().rsplit(")", 1)[1].split()
                 if fields[1] == me and fields[0] != "Z":
                     return True
-            except OSError:
-                continue
-    return False
-
-
-def _host_has(marker: str) -> bool:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().startswith(marker.encode()):
-                        return True
             except OSError:
                 continue
     return False

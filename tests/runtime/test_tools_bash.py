@@ -4,36 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
-import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 
-from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
+from runtime.sandbox import Sandbox
 from runtime.tools import make_tools, tool_schema
 from runtime.tools.bash import BashSession, BashTool, ansi_c_quote
+from tests.runtime.sandbox_helpers import temp_sandbox
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 async def sb() -> AsyncIterator[Sandbox]:
-    d = tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    sandbox = await create_sandbox(SandboxConfig(state_dir=Path(d) / "state"))
-    yield sandbox
-    await sandbox.destroy()
-    shutil.rmtree(d, ignore_errors=True)
-
-
-async def assert_eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    async with temp_sandbox("rb") as sandbox:
+        yield sandbox
 
 
 async def test_cwd_env_and_exit_codes_persist(sb: Sandbox) -> None:

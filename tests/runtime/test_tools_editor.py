@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
+from runtime.sandbox import Sandbox
 from runtime.tools import make_tools
 from runtime.tools.editor import EditorError, FileEditor
+from tests.runtime.sandbox_helpers import temp_sandbox
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,12 +20,8 @@ TEXT = "".join(f"line {i}\n" for i in range(1, 11))
 
 @pytest.fixture
 async def sb() -> AsyncIterator[Sandbox]:
-    d = tempfile.mkdtemp(prefix="re", dir="/tmp")
-    sandbox = await create_sandbox(SandboxConfig(state_dir=Path(d) / "state"),
-                                   workspace_files={"f.txt": TEXT})
-    yield sandbox
-    await sandbox.destroy()
-    shutil.rmtree(d, ignore_errors=True)
+    async with temp_sandbox("re", workspace_files={"f.txt": TEXT}) as sandbox:
+        yield sandbox
 
 
 async def test_view_whole_file_and_ranges(sb: Sandbox) -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,17 +11,15 @@ import pytest
 
 from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
 from runtime.tools import make_tools
+from tests.runtime.sandbox_helpers import temp_sandbox
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 async def sb() -> AsyncIterator[Sandbox]:
-    d = tempfile.mkdtemp(prefix="rk", dir="/tmp")
-    sandbox = await create_sandbox(SandboxConfig(state_dir=Path(d) / "state"))
-    yield sandbox
-    await sandbox.destroy()
-    shutil.rmtree(d, ignore_errors=True)
+    async with temp_sandbox("rk") as sandbox:
+        yield sandbox
 
 
 async def test_kernel_lives_in_the_sandbox_over_unix_sockets(sb: Sandbox) -> None:
