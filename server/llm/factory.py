@@ -47,7 +47,7 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
 
         model_dir = await asyncio.to_thread(_model_dir, str(spec.get("model", "smollm2")))
         options = {k: v for k, v in spec.items()
-                   if k in ("kv_cache_budget_bytes", "max_batch_size")}
+                   if k in ("kv_cache_budget_bytes", "max_batch_size", "num_threads")}
         # The constructor loads the weights: keep that off the event loop.
         engine = await asyncio.to_thread(
             TransformersEngine, model_dir, device=spec.get("device", "cpu"), name=name,
@@ -61,7 +61,7 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
         tok_dir = spec.get("tokenizer") or spec.get("model")
         tokenizer = await asyncio.to_thread(_tokenizer, _model_dir(str(tok_dir or "smollm2")))
         engine = VLLMEngine(spec["url"], model=spec.get("model", ""), tokenizer=tokenizer,
-                            name=name)
+                            name=name, protocol=spec.get("protocol", "generate"))
     elif kind == "vllm-launch":
         from server.llm.vllm_launcher import launch_vllm_engine
 
