@@ -91,23 +91,32 @@ def _root_binds(root: str, hide: tuple[str, ...], state_dir: str,
             hidden.append(path.rstrip("/") + "/")
     for path in expose:
         under = [h for h in hidden if (path + "/").startswith(h)]
-        if under and os.path.isdir(path):
-            # bwrap would create the missing parents 0700, unreachable for the sandbox uid.
-            parent = os.path.dirname(path)
-            chain: list[str] = []
-            while parent.rstrip("/") + "/" != under[0] and parent != "/":
-                chain.append(parent)
-                parent = os.path.dirname(parent)
-            for d in reversed(chain):
-                args += ["--perms", "0755", "--dir", d]
-            args += ["--ro-bind", path, path]
+        if under:
+            args += _ro_bind_below(path, under[0])
     return tuple(args)
+
+
+def _ro_bind_below(path: str, mount_point: str) -> list[str]:
+    """Bind ``path`` back read-only below a directory that a tmpfs or bind covered."""
+    if not os.path.isdir(path):
+        return []
+    # bwrap would create the missing parents 0700, unreachable for the sandbox uid.
+    args: list[str] = []
+    parent = os.path.dirname(path)
+    chain: list[str] = []
+    while parent.rstrip("/") + "/" != mount_point and parent != "/":
+        chain.append(parent)
+        parent = os.path.dirname(parent)
+    for d in reversed(chain):
+        args += ["--perms", "0755", "--dir", d]
+    return [*args, "--ro-bind", path, path]
 
 
 def _python_prefixes(extra: str) -> tuple[str, ...]:
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
              os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
-    if extra:
+    if extra:  # a venv's python is a symlink: keep the venv itself and what it points to
+        paths.add(os.path.dirname(os.path.dirname(os.path.abspath(extra))))
         paths.add(os.path.dirname(os.path.dirname(os.path.realpath(extra))))
     return tuple(sorted(paths))
 
@@ -153,6 +162,12 @@ class BwrapSandbox(Sandbox):
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
                   "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
+        if rootfs is None:
+            # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
+            # inside although the sandbox gets a /tmp of its own.
+            for prefix in _python_prefixes(self.python):
+                if prefix.startswith("/tmp/"):
+                    mounts += _ro_bind_below(prefix, "/tmp/")
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         mounts += ["--remount-ro", "/"]
