@@ -32,6 +32,11 @@ only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets); :meth:`sleep` /
 ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``). :meth:`update_weights` pauses, asks the
 server to load a checkpoint directory through ``POST /update_weights`` (a ``rollout llm-serve``
 extension; with vLLM, push weights out of band and call :meth:`set_policy_version`), and resumes.
+
+Session end: :meth:`release_session` calls ``POST /rollout/v1/release_session``
+``{"session_id"}``, a ``rollout llm-serve`` extension that drops the session's cached KV at once
+instead of leaving it to LRU eviction. Real vLLM has no such route (its prefix cache is not per
+session) and answers 404; the client then remembers the server lacks it and never asks again.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from runtime.types import InvalidArgument
 from server.llm.engine import Engine, EngineError
 
 SESSION_HEADER = "X-Rollout-Session"
+RELEASE_PATH = "/rollout/v1/release_session"
 _ids = itertools.count()
 
 
@@ -71,6 +77,8 @@ class HttpEngine(Engine):
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str, set[asyncio.Future[Any]]] = {}
+        self.release_supported: bool | None = None
+        """Whether the server has the release route: None until the first call tells."""
 
     @property
     def policy_version(self) -> int:
@@ -181,7 +189,22 @@ class HttpEngine(Engine):
             task.cancel()
 
     async def release_session(self, session_id: str) -> None:
+        """Tell the server to drop the session's KV (see module doc); a 404 is remembered."""
         self._inflight.pop(session_id, None)
+        if self.release_supported is False:
+            return
+        try:
+            async with self._http().post(self.url + RELEASE_PATH, json={"session_id": session_id},
+                                         timeout=self._health_timeout) as response:
+                if response.status in (404, 405):  # real vLLM: no such route
+                    self.release_supported = False
+                    return
+                if response.status >= 300:
+                    raise EngineError(f"{self.name}: HTTP {response.status} on {RELEASE_PATH}: "
+                                      f"{(await response.text())[:500]}")
+                self.release_supported = True
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EngineError(f"{self.name}: {RELEASE_PATH} failed: {exc!r}") from exc
 
     async def health(self) -> bool:
         try:

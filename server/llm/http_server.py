@@ -9,7 +9,9 @@ coordination) run end to end on a machine with no GPU and no vLLM. Routes, with 
 - ``GET /health``, ``GET /v1/models``, ``POST /pause``, ``POST /resume``, ``GET /is_paused``.
 - Extensions (not in vLLM): ``POST /update_weights`` ``{"path", "version"}`` hot-swaps a
   checkpoint; every reply carries ``policy_version``; the ``X-Rollout-Session`` header names the
-  trajectory so its KV cache is kept between turns (vLLM uses prefix caching instead).
+  trajectory so its KV cache is kept between turns (vLLM uses prefix caching instead);
+  ``POST /rollout/v1/release_session`` ``{"session_id"}`` drops that KV when the trajectory ends
+  (vLLM answers 404, which :class:`~server.llm.http_engine.HttpEngine` tolerates).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from aiohttp import web
 from runtime.llm import GenerateRequest
 from runtime.types import InvalidArgument, SamplingParams
 from server.llm.engine import EngineError
-from server.llm.http_engine import SESSION_HEADER
+from server.llm.http_engine import RELEASE_PATH, SESSION_HEADER
 from server.llm.transformers_engine import TransformersEngine
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ def build_app(engine: TransformersEngine, model_name: str) -> web.Application:
         web.post("/inference/v1/generate", _generate), web.post("/v1/completions", _completions),
         web.post("/pause", _pause), web.post("/resume", _resume), web.get("/is_paused", _is_paused),
         web.post("/update_weights", _update_weights),
+        web.post(RELEASE_PATH, _release_session),
     ])
     return app
 
@@ -180,6 +183,14 @@ async def _update_weights(request: web.Request) -> web.Response:
     except (OSError, ValueError) as exc:
         return _error(400, f"cannot load {body['path']}: {exc}")
     return web.json_response({"policy_version": engine.policy_version})
+
+
+async def _release_session(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if body is None or not isinstance(body.get("session_id"), str):
+        return _error(400, "body must be {\"session_id\": str}")
+    await request.app[ENGINE_KEY].release_session(body["session_id"])
+    return web.json_response({"released": body["session_id"]})
 
 
 async def _json(request: web.Request) -> dict[str, Any] | None:
