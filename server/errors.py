@@ -91,16 +91,9 @@ def classify(exc: BaseException) -> Mapped:
         return Mapped(code, exc.reason, str(exc), exc.field)
     if isinstance(exc, LLMUnavailable):
         return Mapped(grpc.StatusCode.UNAVAILABLE, "BACKEND_UNAVAILABLE", str(exc))
-    # Scheduler exceptions are matched by name so this module need not import the scheduler.
-    name = type(exc).__name__
-    if name == "Overloaded":
-        return Mapped(grpc.StatusCode.RESOURCE_EXHAUSTED, "SERVER_OVERLOADED", str(exc))
-    if name == "JobNotFound":
-        return Mapped(grpc.StatusCode.NOT_FOUND, "JOB_NOT_FOUND", str(exc))
-    if name == "NotCancellable":
-        return Mapped(grpc.StatusCode.FAILED_PRECONDITION, "JOB_ALREADY_FINISHED", str(exc))
     log.exception("internal error", exc_info=exc)
-    return Mapped(grpc.StatusCode.INTERNAL, "INTERNAL", f"internal error: {name}: {exc}")
+    return Mapped(grpc.StatusCode.INTERNAL, "INTERNAL",
+                  f"internal error: {type(exc).__name__}: {exc}")
 
 
 def to_status(m: Mapped) -> grpc.Status:

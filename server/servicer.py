@@ -146,7 +146,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         self.sessions += 1
         try:
             yield frame(opened=pb.SessionOpened(client_id=client_id,
-                                                replaying=getattr(sub, "replaying", 0),
+                                                replaying=sub.replaying,
                                                 server_version=VERSION))
             while True:
                 item = await out.get()
@@ -160,7 +160,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                msg = self._event_frame(item, frame, client_id, sub)
+                msg = self._event_frame(item, frame, client_id)
                 if msg is not None:
                     yield msg
         finally:
@@ -170,26 +170,22 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             with contextlib.suppress(Exception):
                 await sub.close()
 
-    def _client_stats(self, client_id: str, sub: Any) -> dict[str, int]:
-        """Unfinished jobs of this client, and deliveries sent or held but not acked."""
-        return dict(self._scheduler.client_stats(client_id))
-
     def _has_pending(self, client_id: str, sub: Any) -> bool:
-        st = self._client_stats(client_id, sub)
-        return bool(st.get("in_flight") or sub.buffered)
+        """Jobs still running for this client, or events not yet taken off the subscription."""
+        return bool(self._scheduler.client_stats(client_id).get("in_flight") or sub.buffered)
 
     async def _drain_then_end(self, client_id: str, sub: Any, out: asyncio.Queue[Any]) -> None:
         while self._has_pending(client_id, sub):
             await asyncio.sleep(0.05)
         await out.put(_END)
 
-    def _event_frame(self, item: Any, frame: Any, client_id: str,
-                     sub: Any) -> pb.StreamRolloutsResponse | None:
+    def _event_frame(self, item: Any, frame: Any,
+                     client_id: str) -> pb.StreamRolloutsResponse | None:
         if isinstance(item, pb.StreamRolloutsResponse):  # accepted / rejected from the reader
             return frame(item.job_id, **{item.WhichOneof("kind"): getattr(
                 item, item.WhichOneof("kind"))})
         if item == "heartbeat":
-            st = self._client_stats(client_id, sub)
+            st = self._scheduler.client_stats(client_id)
             now = Timestamp()
             now.GetCurrentTime()
             return frame(heartbeat=pb.Heartbeat(server_time=now,
