@@ -1,8 +1,18 @@
-"""The decode batch of the in-process engine: the active sequences' KV, left-padded.
+"""The batches of the in-process engine: decode (the active sequences' KV, left-padded) and
+prefill (sequences joining together, each with its own cached prefix).
 
-Rebuilt only when membership changes (a sequence joins or leaves); between changes each decode
-step appends one position to every row. Row ``i`` holds its sequence's
+:class:`DecodeBatch` is rebuilt only when membership changes (a sequence joins or leaves); between
+changes each decode step appends one position to every row. Row ``i`` holds its sequence's
 ``length`` positions right-aligned; the attention mask hides the padding on the left.
+
+:class:`PrefillBatch` lets turns that reuse a session's cached KV prefill in one forward even
+though their cached prefixes and their new tokens differ in length. Each row is laid out as
+``[pad | cached prefix | pad | new tokens]``: the cached prefixes are right-aligned in the
+``past_width`` slots of the cache, the new tokens right-aligned in the ``new_width`` input slots
+(so the last input column is every row's last prompt token and ``logits_to_keep=1`` works). The
+2-D attention mask hides both pads (HF builds the causal 4-D mask from it, holes included) and
+each row's position ids continue from its own prefix, so a row computes exactly what it would
+alone. Afterwards :meth:`PrefillBatch.row_kv` cuts the two real spans out and joins them.
 """
 
 from __future__ import annotations
@@ -34,6 +44,52 @@ def cache_from(layers: list[LayerKV]) -> Any:
 
 def layers_of(cache: Any) -> list[LayerKV]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class PrefillBatch:
+    """Inputs of one prefill forward over several sequences; see the module docstring."""
+
+    def __init__(self, prompts: list[list[int]], pasts: list[list[LayerKV] | None],
+                 device: torch.device) -> None:
+        """``pasts[i]`` is the cached KV of ``prompts[i][:n]`` (n = its length), or None."""
+        self.cached = [0 if p is None else p[0][0].shape[2] for p in pasts]
+        self.new = [len(t) - c for t, c in zip(prompts, self.cached, strict=True)]
+        assert all(n > 0 for n in self.new), "every row must have a token to prefill"
+        self.past_width, self.new_width = max(self.cached), max(self.new)
+        rows, width = len(prompts), max(self.cached) + max(self.new)
+        self.ids = torch.zeros(rows, self.new_width, dtype=torch.long, device=device)
+        self.mask = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, self.new_width, dtype=torch.long, device=device)
+        for row, (prompt, cached, new) in enumerate(zip(prompts, self.cached, self.new,
+                                                        strict=True)):
+            self.ids[row, self.new_width - new:] = torch.tensor(prompt[cached:], device=device)
+            self.positions[row, self.new_width - new:] = torch.arange(cached, len(prompt),
+                                                                      device=device)
+            self.mask[row, self.past_width - cached:self.past_width] = 1
+            self.mask[row, width - new:] = 1
+        self.cache: Any = None
+        template = next((p for p in pasts if p is not None), None)
+        if template is not None:
+            layers: list[LayerKV] = []
+            for idx, (k0, v0) in enumerate(template):
+                keys = k0.new_zeros(rows, k0.shape[1], self.past_width, k0.shape[3])
+                values = v0.new_zeros(rows, v0.shape[1], self.past_width, v0.shape[3])
+                for row, (past, cached) in enumerate(zip(pasts, self.cached, strict=True)):
+                    if past is not None and cached:
+                        keys[row, :, self.past_width - cached:] = past[idx][0][0]
+                        values[row, :, self.past_width - cached:] = past[idx][1][0]
+                layers.append((keys, values))
+            self.cache = cache_from(layers)
+
+    def row_kv(self, cache: Any, row: int) -> list[LayerKV]:
+        """Row ``row``'s KV after the forward, contiguous ``[1, heads, prompt, dim]``."""
+        if len(self.new) == 1:  # a single row has no padding: keep the tensors, no copy
+            return layers_of(cache)
+        lo, hi = self.past_width - self.cached[row], self.past_width + self.new_width - \
+            self.new[row]
+        return [(torch.cat([k[row:row + 1, :, lo:self.past_width], k[row:row + 1, :, hi:]], 2),
+                 torch.cat([v[row:row + 1, :, lo:self.past_width], v[row:row + 1, :, hi:]], 2))
+                for k, v in layers_of(cache)]
 
 
 class DecodeBatch(Generic[M]):

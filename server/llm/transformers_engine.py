@@ -3,7 +3,8 @@
 How it works:
 - One scheduler task on the event loop admits queued requests and hands a *step* to a single
   worker thread (model forwards never run on the loop). A step prefills the requests that joined
-  (reusing their session's cached KV, so only new tokens are computed), then runs one batched
+  in one forward (each reusing its session's cached KV, so only new tokens are computed; see
+  :class:`~server.llm.decode_batch.PrefillBatch` for the padding), then runs one batched
   decode step for every active sequence. Sequences join and leave the batch between steps, so
   16 concurrent generations cost about one forward per token instead of sixteen.
 - The batch's KV cache is left-padded to a common length; each row has its own attention mask
@@ -34,9 +35,9 @@ import torch
 
 from runtime.llm import GenerateRequest, GenerateResult
 from runtime.types import InvalidArgument
-from server.llm.decode_batch import DecodeBatch, cache_from, layers_of
+from server.llm.decode_batch import DecodeBatch, PrefillBatch
 from server.llm.engine import Engine, EngineError
-from server.llm.kv_store import KVStore, SessionKV, common_prefix
+from server.llm.kv_store import KVStore, LayerKV, SessionKV, common_prefix
 from server.llm.sampling import Sampler, sample, validate_request
 from server.llm.weights import load_state_dict_into
 
@@ -119,6 +120,11 @@ class TransformersEngine(Engine):
         self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
         self.decode_steps = 0
         self.batched_prefills = 0
+        """Prefill forwards that covered more than one sequence."""
+        self.batched_cached_prefills = 0
+        """Of those, the ones where at least one sequence reused its session's cached KV."""
+        self.batch_cached_prefill = True
+        """False: turns with a cached prefix prefill one at a time (benchmark baseline)."""
         self.max_batch_seen = 0
         self._version = policy_version
         self._executor = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-worker")
@@ -298,16 +304,14 @@ class TransformersEngine(Engine):
     # ----------------------------------------------------------------- worker thread
     @torch.inference_mode()
     def _step(self, joining: list[_Seq]) -> None:
-        fresh: list[_Seq] = []
+        live: list[_Seq] = []
         for seq in joining:
             if seq.aborted:
                 seq.finish = "abort"
-            elif not self._prefill_cached(seq):
-                fresh.append(seq)
-        if len(fresh) == 1:
-            self._prefill_one(fresh[0], None, 0)
-        elif fresh:
-            self._prefill_batch(fresh)
+            else:
+                live.append(seq)
+        if live:
+            self._prefill(live)
         for seq in self._active:
             if seq.finish is None and seq.aborted:
                 seq.finish = "abort"
@@ -325,52 +329,51 @@ class TransformersEngine(Engine):
             if seq.finish is not None:
                 self._retire(seq)
 
-    def _prefill_cached(self, seq: _Seq) -> bool:
-        """Prefill only the new tokens of a session whose KV is cached; False if none is."""
+    def _cached_prefix(self, seq: _Seq) -> list[LayerKV] | None:
+        """Check the session's KV out and crop it to the reusable prefix (None: nothing to reuse).
+
+        At least one prompt token is always left to compute: its logits give the first output.
+        """
         cached = self.kv_store.checkout(seq.session_id)
         if cached is None:
-            return False
+            return None
         reuse = min(common_prefix(cached.tokens, seq.prompt), len(seq.prompt) - 1)
-        if reuse <= 0:
-            return False
-        self._prefill_one(seq, cache_from(cached.crop(reuse).layers), reuse)
-        return True
+        return cached.crop(reuse).layers if reuse > 0 else None
 
-    def _prefill_one(self, seq: _Seq, past: Any, reuse: int) -> None:
-        start = time.perf_counter()
-        ids = torch.tensor([seq.prompt[reuse:]], device=self.device)
-        positions = torch.arange(reuse, len(seq.prompt), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=past,
-                         use_cache=True, logits_to_keep=1)
-        seq.kv = SessionKV(list(seq.prompt), layers_of(out.past_key_values))
-        seq.length = len(seq.prompt)
-        seq.cached_tokens = reuse
-        tokens, logprobs = sample(out.logits[:, -1, :], [seq.sampler])
-        seq.prefill_s = time.perf_counter() - start
-        self._append(seq, tokens[0], logprobs[0])
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """Prefill the joining sequences, reusing each one's cached prefix.
 
-    def _prefill_batch(self, seqs: list[_Seq]) -> None:
-        """One left-padded forward for several prompts with nothing cached (first turns)."""
+        All of them go through one :class:`PrefillBatch` forward (cached or not); with
+        ``batch_cached_prefill=False`` the ones with a cached prefix go one at a time instead
+        (the behaviour before batched cached prefill; kept as the benchmark's baseline).
+        """
+        pasts = [self._cached_prefix(seq) for seq in seqs]
+        if not self.batch_cached_prefill:
+            for seq, past in zip(seqs, pasts, strict=True):
+                if past is not None:
+                    self._prefill_rows([seq], [past])
+            seqs = [s for s, p in zip(seqs, pasts, strict=True) if p is None]
+            pasts = [None] * len(seqs)
+        if seqs:
+            self._prefill_rows(seqs, pasts)
+
+    def _prefill_rows(self, seqs: list[_Seq], pasts: list[list[LayerKV] | None]) -> None:
         start = time.perf_counter()
-        width = max(len(s.prompt) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
-        for row, seq in enumerate(seqs):
-            ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt, device=self.device)
-            mask[row, width - len(seq.prompt):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
-        self.batched_prefills += 1
-        layers = layers_of(out.past_key_values)
+        batch = PrefillBatch([s.prompt for s in seqs], pasts, self.device)
+        single = len(seqs) == 1  # no padding: skip the mask
+        out = self.model(input_ids=batch.ids, position_ids=batch.positions,
+                         attention_mask=None if single else batch.mask,
+                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+        if not single:
+            self.batched_prefills += 1
+            self.batched_cached_prefills += batch.past_width > 0
         tokens, logprobs = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
         elapsed = time.perf_counter() - start
         for row, seq in enumerate(seqs):
-            pad = width - len(seq.prompt)
-            seq.kv = SessionKV(list(seq.prompt), [(k[row:row + 1, :, pad:].clone(),
-                                                   v[row:row + 1, :, pad:].clone())
-                                                  for k, v in layers])
+            layers = batch.row_kv(out.past_key_values, row)
+            seq.kv = SessionKV(list(seq.prompt), layers)
             seq.length = len(seq.prompt)
+            seq.cached_tokens = batch.cached[row]
             seq.prefill_s = elapsed
             self._append(seq, tokens[row], logprobs[row])
 
