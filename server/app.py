@@ -90,7 +90,10 @@ class Server:
                 stage_queue_size=cfg.pipeline.stage_queue_size,
                 max_pending_jobs=cfg.pipeline.max_pending_jobs,
                 max_in_flight_per_client=cfg.pipeline.max_in_flight_per_client,
-                cleanup_deadline_s=cfg.pipeline.cleanup_deadline_s))
+                cleanup_deadline_s=cfg.pipeline.cleanup_deadline_s,
+                retention_s=cfg.pipeline.retention_s,
+                job_retention_s=cfg.pipeline.job_retention_s,
+                prune_interval_s=cfg.pipeline.prune_interval_s))
         await self.scheduler.start()
 
         server = grpc.aio.server(

@@ -63,6 +63,16 @@ class PipelineSection:
     """Unfinished jobs one client id may have; 0 = only the server-wide cap."""
     cleanup_deadline_s: float = 30.0
     """Bound on each clean-up step of an ending job (handler cleanup, sandbox, LLM session)."""
+    retention_s: float = 86_400.0
+    """Seconds a finished job's trajectory is kept after its client ACKNOWLEDGED it; then the
+    trajectory, its delivery and the job's transition history are deleted (GetJob still
+    reports state and reward, without a trajectory). Unacknowledged results are never deleted.
+    0 = keep everything forever."""
+    job_retention_s: float = 604_800.0
+    """Seconds the remaining job row (state, reward, error, timestamps) is kept after its
+    trajectory was pruned; then GetJob answers NOT_FOUND and the id can be reused. 0 = forever."""
+    prune_interval_s: float = 60.0
+    """How often the retention pass runs (in batches of 1000 rows, beside normal writes)."""
 
 
 @dataclass

@@ -17,6 +17,8 @@ Public API (what the servicer calls)::
     await sched.ack(client_id, [delivery_id, ...], through=0); await sub.close()
     sched.client_stats(client_id)            # {"in_flight": n, "unacked": m}
     sched.status() -> SchedulerStatus        # server/metrics.py
+    stats = await sched.prune()              # one retention pass now; it also runs every
+                                             # prune_interval_s (server/pipeline/retention.py)
     sched.metrics_registry; sched.serve_metrics(host, port)
     await sched.stop(grace_s); await store.close()
 
@@ -54,6 +56,7 @@ from server.metrics import SchedulerStatus, StageStatus
 from server.pipeline.groups import GROUP_FINISHED
 from server.pipeline.pool import LiveJob
 from server.pipeline.records import JobRecord, SubmitResult, record_from_live, record_from_stored
+from server.pipeline.retention import Retention
 from server.pipeline.runner import STAGES, PipelineConfig, StageRunner
 from server.pipeline.session import (
     Event,
@@ -63,7 +66,7 @@ from server.pipeline.session import (
     Subscription,
     TrajectoryReady,
 )
-from server.store import JobStore, now
+from server.store import JobStore, PruneStats, now
 
 __all__ = [
     "GROUP_FINISHED", "Event", "JobAccepted", "JobFinished", "JobNotFound", "JobRecord",
@@ -102,6 +105,9 @@ class Scheduler(StageRunner):
         self._stopping = False
         super().__init__(store, registry, llm=llm, sandbox_factory=sandbox_factory,
                          config=config)
+        self.retention = Retention(store, retention_s=self.config.retention_s,
+                                   job_retention_s=self.config.job_retention_s,
+                                   interval_s=self.config.prune_interval_s)
 
     @property
     def metrics_registry(self) -> Any:
@@ -146,6 +152,7 @@ class Scheduler(StageRunner):
         if stored:
             log.info("recovered %d unfinished jobs (%d interrupted)", len(stored),
                      len(interrupted))
+        self.retention.start()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop starting stages, let running ones finish within ``grace_s``, then cancel them.
@@ -156,6 +163,7 @@ class Scheduler(StageRunner):
         if self._stopping:
             return
         self._stopping = True
+        await self.retention.stop()
         for pool in self.pools.values():
             pool.paused = True
         tasks = [j.task for j in self._live.values() if j.task is not None]
@@ -354,6 +362,11 @@ class Scheduler(StageRunner):
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.acked(delivery_ids, through)
+
+    async def prune(self) -> PruneStats:
+        """Run one retention pass now (acked trajectories past ``retention_s``, then job rows
+        past ``job_retention_s``); a no-op when ``retention_s`` is 0."""
+        return await self.retention.run_once()
 
     # -- status ------------------------------------------------------------------------------
 

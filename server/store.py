@@ -104,6 +104,16 @@ class FinishRecord:
     at: float
 
 
+@dataclass
+class PruneStats:
+    """What one retention pass removed."""
+
+    trajectories: int = 0
+    """Acknowledged deliveries whose trajectory, delivery and transition rows were dropped."""
+    jobs: int = 0
+    """Job rows forgotten entirely (past the second retention window)."""
+
+
 class StoreClosed(RuntimeError):
     """The store was closed while an operation was pending."""
 
@@ -146,8 +156,13 @@ class JobStore:
         if self._writer.startup_error is not None:
             raise self._writer.startup_error
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="jobstore-reader")
+        # Pruned deliveries leave their highest id in delivery_marks: ids must never be reused,
+        # or a client's ``acked_through`` would acknowledge deliveries it has not seen.
         rows = await self._read(lambda c: c.execute(
-            "SELECT client_id, MAX(delivery_id) FROM deliveries GROUP BY client_id").fetchall())
+            "SELECT client_id, MAX(mx) FROM ("
+            " SELECT client_id, MAX(delivery_id) AS mx FROM deliveries GROUP BY client_id"
+            " UNION ALL SELECT client_id, last_id FROM delivery_marks) GROUP BY client_id"
+        ).fetchall())
         self._next_delivery = {cid: int(mx) + 1 for cid, mx in rows}
 
     async def close(self) -> None:
@@ -273,7 +288,8 @@ class JobStore:
                       (rec.job_id, rec.at, rec.state.value,
                        rec.stage.value if rec.stage else None))
             if delivery_id is not None:
-                c.execute("INSERT OR REPLACE INTO deliveries VALUES (?,?,?,0)",
+                c.execute("INSERT OR REPLACE INTO deliveries"
+                          " (client_id, delivery_id, job_id, acked) VALUES (?,?,?,0)",
                           (rec.client_id, delivery_id, rec.job_id))
 
         fut = self._write(op, wait=True)
@@ -286,12 +302,14 @@ class JobStore:
         ids = list(delivery_ids)
 
         def op(c: sqlite3.Connection) -> None:
+            at = now()  # retention counts from here
             if through > 0:
-                c.execute("UPDATE deliveries SET acked=1 WHERE client_id=? AND delivery_id<=?"
-                          " AND acked=0", (client_id, through))
+                c.execute("UPDATE deliveries SET acked=1, acked_at=? WHERE client_id=?"
+                          " AND delivery_id<=? AND acked=0", (at, client_id, through))
             if ids:
-                c.executemany("UPDATE deliveries SET acked=1 WHERE client_id=? AND delivery_id=?",
-                              [(client_id, i) for i in ids])
+                c.executemany("UPDATE deliveries SET acked=1, acked_at=? WHERE client_id=?"
+                              " AND delivery_id=? AND acked=0",
+                              [(at, client_id, i) for i in ids])
 
         fut = self._write(op, wait=True)
         assert fut is not None
@@ -302,6 +320,71 @@ class JobStore:
             "INSERT OR IGNORE INTO closed_groups VALUES (?,?,?)", (group_id, reason, at)), True)
         assert fut is not None
         await fut
+
+    async def prune(self, acked_before: float, forget_before: float | None = None, *,
+                    batch: int = 1000) -> PruneStats:
+        """Drop what retention no longer needs; returns how much went.
+
+        - Deliveries acknowledged at or before ``acked_before``: the delivery row, the job's
+          trajectory blob and its transition rows go; the job row stays (state, reward, error,
+          timings, timestamps) with ``pruned_at`` set.
+        - With ``forget_before``: job rows whose trajectory was pruned at or before it go too.
+
+        Unacknowledged deliveries are never touched, so they can always be replayed. Each batch
+        of at most ``batch`` rows is one op of the writer thread, awaited before the next, so the
+        hot path's writes interleave with a long prune instead of waiting behind it.
+        """
+        stats = PruneStats()
+        live = _LIVE
+
+        def drop_trajectories(c: sqlite3.Connection) -> int:
+            rows = c.execute(
+                "SELECT client_id, delivery_id, job_id FROM deliveries"
+                " WHERE acked_at IS NOT NULL AND acked_at <= ? LIMIT ?",
+                (acked_before, batch)).fetchall()
+            marks: dict[str, int] = {}
+            for cid, did, _ in rows:
+                marks[cid] = max(marks.get(cid, 0), did)
+            c.executemany(
+                "INSERT INTO delivery_marks VALUES (?,?) ON CONFLICT(client_id)"
+                " DO UPDATE SET last_id=MAX(last_id, excluded.last_id)", list(marks.items()))
+            c.executemany("DELETE FROM deliveries WHERE client_id=? AND delivery_id=?",
+                          [(cid, did) for cid, did, _ in rows])
+            at = now()
+            c.executemany(
+                "UPDATE jobs SET trajectory=NULL, pruned_at=? WHERE job_id=?"
+                " AND state NOT IN (?,?)", [(at, j, *live) for _, _, j in rows])
+            c.executemany("DELETE FROM transitions WHERE job_id=?", [(j,) for _, _, j in rows])
+            return len(rows)
+
+        def forget_jobs(c: sqlite3.Connection) -> int:
+            ids = c.execute("SELECT job_id FROM jobs WHERE pruned_at IS NOT NULL"
+                            " AND pruned_at <= ? LIMIT ?", (forget_before, batch)).fetchall()
+            c.executemany("DELETE FROM jobs WHERE job_id=?", ids)
+            c.executemany("DELETE FROM transitions WHERE job_id=?", ids)
+            return len(ids)
+
+        async def drain(op: Op) -> int:
+            total = 0
+            while True:
+                fut = self._write(op, wait=True)
+                assert fut is not None
+                n = int(await fut)
+                total += n
+                if n < batch:
+                    return total
+
+        stats.trajectories = await drain(drop_trajectories)
+        if forget_before is not None:
+            stats.jobs = await drain(forget_jobs)
+        return stats
+
+    async def file_bytes(self) -> int:
+        """Bytes the database occupies on disk (main file + WAL): what retention bounds."""
+        if self.path == ":memory:":
+            return 0
+        return sum(p.stat().st_size for p in (Path(self.path), Path(self.path + "-wal"))
+                   if p.exists())
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -317,7 +400,8 @@ class JobStore:
         return [Transition(at, JobState(st), Stage(sg) if sg else None) for at, st, sg in rows]
 
     async def get_trajectory(self, job_id: str) -> Trajectory | None:
-        """The stored trajectory of a finished job (decoded on the reader thread)."""
+        """The stored trajectory of a finished job (decoded on the reader thread); None once
+        retention pruned it (server/pipeline/retention.py)."""
         def q(c: sqlite3.Connection) -> Trajectory | None:
             row = c.execute("SELECT trajectory FROM jobs WHERE job_id=?", (job_id,)).fetchone()
             return trajectory_from_bytes(row[0]) if row and row[0] is not None else None

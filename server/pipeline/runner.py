@@ -61,12 +61,23 @@ class PipelineConfig:
     """A job interrupted (crash, stop) this many times fails instead of running again."""
     status_window_s: float = 30.0
     """Window of the per-stage throughput in ``status()``."""
+    retention_s: float = 86_400.0
+    """Keep an acknowledged trajectory this long after its ack; 0 = forever (no pruning).
+    See server/pipeline/retention.py."""
+    job_retention_s: float = 604_800.0
+    """Keep the job row (state, reward, error) this long after its trajectory was pruned;
+    0 = forever."""
+    prune_interval_s: float = 60.0
+    """How often the retention pass runs."""
 
     def __post_init__(self) -> None:
         for name in ("init_workers", "run_workers", "eval_workers", "stage_queue_size",
                      "max_pending_jobs", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline.{name} must be at least 1")
+        if self.retention_s < 0 or self.job_retention_s < 0 or self.prune_interval_s <= 0:
+            raise ValueError("pipeline.retention_s and job_retention_s must be >= 0, "
+                             "prune_interval_s > 0")
 
 
 class StageRunner:

@@ -14,6 +14,7 @@ import logging
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     timings     TEXT,
     trajectory  BLOB,
     created_at  REAL NOT NULL,
-    updated_at  REAL NOT NULL
+    updated_at  REAL NOT NULL,
+    pruned_at   REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_group ON jobs (group_id, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_client ON jobs (client_id, seq);
@@ -51,7 +53,12 @@ CREATE TABLE IF NOT EXISTS deliveries (
     delivery_id INTEGER NOT NULL,
     job_id      TEXT NOT NULL,
     acked       INTEGER NOT NULL DEFAULT 0,
+    acked_at    REAL,
     PRIMARY KEY (client_id, delivery_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS delivery_marks (
+    client_id   TEXT PRIMARY KEY,
+    last_id     INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS closed_groups (
     group_id TEXT PRIMARY KEY,
@@ -59,6 +66,33 @@ CREATE TABLE IF NOT EXISTS closed_groups (
     at       REAL NOT NULL
 );
 """
+
+# Columns added after the first release: (table, column, type). Databases created before them
+# get the column on open; see ``migrate``.
+_ADDED_COLUMNS = (("jobs", "pruned_at", "REAL"), ("deliveries", "acked_at", "REAL"))
+
+# Indexes on the added columns (created after ``migrate`` so old databases have the columns).
+# Partial, so they only hold the rows retention looks at: acknowledged deliveries and jobs whose
+# trajectory was already pruned.
+INDEXES = """
+CREATE INDEX IF NOT EXISTS deliveries_by_ack ON deliveries (acked_at)
+    WHERE acked_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_by_pruned ON jobs (pruned_at) WHERE pruned_at IS NOT NULL;
+"""
+
+
+def migrate(conn: sqlite3.Connection, now: float) -> None:
+    """Add the columns a database from an older release lacks.
+
+    Deliveries acknowledged before ``acked_at`` existed get ``now`` as their ack time, so
+    retention starts counting for them at the upgrade instead of never.
+    """
+    for table, column, kind in _ADDED_COLUMNS:
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            if (table, column) == ("deliveries", "acked_at"):
+                conn.execute("UPDATE deliveries SET acked_at=? WHERE acked=1", (now,))
 
 
 Op = Callable[[sqlite3.Connection], Any]
@@ -83,7 +117,14 @@ class Writer(threading.Thread):
     def run(self) -> None:
         try:
             conn = connect(self._path)
+            if conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0:
+                # A new database: let ``PRAGMA incremental_vacuum`` hand pruned pages back to
+                # the OS if an operator ever wants the file smaller. Retention itself relies
+                # on SQLite reusing freed pages, which bounds the file without moving pages.
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             conn.executescript(SCHEMA)
+            migrate(conn, time.time())
+            conn.executescript(INDEXES)
         except BaseException as exc:  # reported to open()
             self.startup_error = exc
             self.ready.set()
