@@ -117,6 +117,12 @@ class RolloutServiceServicer:
     def GetJob(self, request, context):
         """GetJob returns one job and, once finished and if asked, its trajectory.
 
+        Retention (server config pipeline.retention_s / job_retention_s): once a finished job's
+        delivery has been acknowledged for retention_s, its trajectory and transition history are
+        deleted; GetJob still returns the job (state, reward, error, timings) but with
+        include_trajectory simply leaves `trajectory` unset. After a further job_retention_s the
+        job row goes too and GetJob answers NOT_FOUND. Unacknowledged results are never deleted.
+
         Errors: INVALID_ARGUMENT (empty job_id), UNAUTHENTICATED, NOT_FOUND (no such job).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
