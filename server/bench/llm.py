@@ -4,6 +4,12 @@
     vs the same generations one at a time: tokens/s of each.
 (b) KV reuse — prefill time of turn T of a multi-turn trajectory with the session's cached KV
     (sticky) vs after dropping it (what a non-sticky router would cost).
+(d) batched cached prefill — N sessions' turn 2 arriving together (each with a different cached
+    turn-1 prefix and a different-length tool observation): one padded prefill forward over all
+    of them vs prefilling each on its own cached KV (``batch_cached_prefill=False``, the
+    engine's behaviour before). Turn 2 asks for one token, so the wall time is the prefill.
+    Two rows: one-line observations (equal lengths) and 1..5-line ones (the planner then splits
+    the turns into forwards of similar length, see ``decode_batch.plan_prefill``).
 (c) balance — four simulated backends of unequal speed (batched: latency grows with in-flight
     load); makespan of a fixed workload routed by the pool's least-loaded heap vs round-robin.
 
@@ -82,6 +88,37 @@ async def bench_kv_reuse(engine: Any, turns: int, tokens: int, repeats: int = 3
             "prompt_tokens": float(len(prompt))}
 
 
+async def bench_cached_prefill(engine: Any, sessions: int, tokens: int, max_lines: int,
+                               repeats: int = 3) -> dict[str, float]:
+    tok = engine.tokenizer
+    line = "drwxr-xr-x 2 root root 4096 Nov 22 13:37 src\n"
+    times: dict[bool, list[float]] = {True: [], False: []}
+    new_tokens = 0
+    for rep, batched in itertools.product(range(repeats), (False, True)):
+        engine.batch_cached_prefill = batched
+        names = [f"cp-{rep}-{int(batched)}-{i}" for i in range(sessions)]
+        first = [_chat(tok, f"Task {i}: " + "fix the failing test. " * (1 + i % 4))
+                 for i in range(sessions)]
+        outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, GREEDY, tokens, n))
+                                      for p, n in zip(first, names, strict=True)))
+        observations = [_chat(tok, "$ ls -la\n" + line * (1 + i % max_lines), role="tool")
+                        for i in range(sessions)]
+        new_tokens = sum(len(o) for o in observations)
+        second = [p + o.output_ids + obs for p, o, obs in zip(first, outs, observations,
+                                                              strict=True)]
+        start = time.perf_counter()
+        await asyncio.gather(*(engine.generate(GenerateRequest(p, GREEDY, 1, n))
+                               for p, n in zip(second, names, strict=True)))
+        times[batched].append(time.perf_counter() - start)
+        assert all(s.cached_tokens > 0 for s in list(engine.turn_stats)[-sessions:]), \
+            "turn 2 did not reuse the cached KV"
+        for n in names:
+            await engine.release_session(n)
+    engine.batch_cached_prefill = True
+    return {"batched_s": statistics.median(times[True]),
+            "serial_s": statistics.median(times[False]), "new_tokens": float(new_tokens)}
+
+
 class SimulatedBackend(Engine):
     """A batched server in miniature: a turn takes ``base_s * (1 + slowdown * others) / speed``
     where ``others`` is how many turns it already runs. Used only by this benchmark."""
@@ -141,7 +178,7 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
     table = Table(title="rollout bench llm")
     for column in ("benchmark", "target", "baseline", "ratio", "goal"):
         table.add_column(column)
-    if "batching" in args.only or "kv" in args.only:
+    if {"batching", "kv", "prefill"} & set(args.only):
         import torch
 
         from server.llm.transformers_engine import TransformersEngine
@@ -170,6 +207,14 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
                               f"{k['cached_s'] * 1e3:.1f} ms (sticky KV)",
                               f"{k['full_s'] * 1e3:.1f} ms (full prefill)",
                               f"{k['full_s'] / k['cached_s']:.2f}x", ">= 2x")
+            for lines in (1, 5) if "prefill" in args.only else ():
+                p = await bench_cached_prefill(engine, args.sessions, args.tokens, lines)
+                table.add_row(f"(d) cached prefill: turn 2 of {args.sessions} sessions, "
+                              f"1..{lines}-line observations ({int(p['new_tokens'])} new "
+                              "tokens in all)",
+                              f"{p['batched_s'] * 1e3:.1f} ms (batched, planned groups)",
+                              f"{p['serial_s'] * 1e3:.1f} ms (one at a time)",
+                              f"{p['serial_s'] / p['batched_s']:.2f}x", "batched faster")
         finally:
             await engine.close()
     if "balance" in args.only:
@@ -189,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per generation")
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--sessions", type=int, default=8, help="sessions in (d)")
     parser.add_argument("--balance-requests", type=int, default=400)
     parser.add_argument("--balance-clients", type=int, default=32)
-    parser.add_argument("--only", nargs="+", choices=("batching", "kv", "balance"),
-                        default=["batching", "kv", "balance"])
+    parser.add_argument("--only", nargs="+", choices=("batching", "kv", "prefill", "balance"),
+                        default=["batching", "kv", "prefill", "balance"])
     args = parser.parse_args(argv)
     asyncio.run(_main(args, Console()))
     return 0

@@ -13,6 +13,12 @@ though their cached prefixes and their new tokens differ in length. Each row is 
 2-D attention mask hides both pads (HF builds the causal 4-D mask from it, holes included) and
 each row's position ids continue from its own prefix, so a row computes exactly what it would
 alone. Afterwards :meth:`PrefillBatch.row_kv` cuts the two real spans out and joins them.
+
+Padding is not free: a row with 60 new tokens next to one with 170 computes 110 wasted
+positions, and prefill is compute-bound (measured with SmolLM2 on 1 CPU thread, 8 sessions'
+turn 2: one padded forward over 58..170 new tokens took 3.2 s vs 2.4 s one at a time, while
+equal-length rows took 0.7 s vs 1.4 s). :func:`plan_prefill` therefore splits the joining
+sequences into groups of similar length, trading padding against the fixed cost of a forward.
 """
 
 from __future__ import annotations
@@ -44,6 +50,31 @@ def cache_from(layers: list[LayerKV]) -> Any:
 
 def layers_of(cache: Any) -> list[LayerKV]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def plan_prefill(new_tokens: list[int], overhead_tokens: int) -> list[list[int]]:
+    """Split rows into prefill forwards minimising ``sum(overhead + rows * longest)``.
+
+    ``new_tokens[i]`` is row ``i``'s count of tokens to compute; ``overhead_tokens`` is a forward's
+    fixed cost (per-layer launches, Python, sampling) expressed in tokens of compute. Returns
+    groups of row indices. Sorting by length makes contiguous groups optimal, so an O(n²) DP
+    over the sorted rows finds the best split (n is at most the batch size).
+    """
+    order = sorted(range(len(new_tokens)), key=new_tokens.__getitem__)
+    best = [0] + [1 << 62] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        longest = new_tokens[order[end - 1]]
+        for begin in range(end):
+            cost = best[begin] + overhead_tokens + (end - begin) * longest
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    groups: list[list[int]] = []
+    end = len(order)
+    while end > 0:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return groups[::-1]
 
 
 class PrefillBatch:

@@ -12,7 +12,7 @@ import torch
 
 from runtime.llm import GenerateRequest, GenerateResult
 from runtime.types import SamplingParams
-from server.llm.decode_batch import PrefillBatch
+from server.llm.decode_batch import PrefillBatch, plan_prefill
 from server.llm.transformers_engine import TransformersEngine
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -47,7 +47,10 @@ async def run_sessions(engine: TransformersEngine, prefix: str, concurrent: bool
 
 @pytest.mark.timeout(120)
 async def test_concurrent_multi_turn_sessions_equal_one_at_a_time(tiny_dir: Path) -> None:
-    engine = TransformersEngine(tiny_dir, name="tiny", dtype=torch.float32)
+    # A huge per-forward cost makes the planner put every joining turn in one forward, so the
+    # rows really differ in cached and new length within a batch.
+    engine = TransformersEngine(tiny_dir, name="tiny", dtype=torch.float32,
+                                prefill_overhead_tokens=10**6)
     engine.eos_ids = frozenset()  # random weights: run every turn to max_tokens
     try:
         alone = await run_sessions(engine, "alone-", concurrent=False)
@@ -76,6 +79,7 @@ async def test_serial_switch_keeps_cached_turns_out_of_the_batch(tiny_dir: Path)
         serial = await run_sessions(engine, "s-", concurrent=True)
         assert engine.batched_cached_prefills == 0 and engine.batched_prefills == 1  # turn 1 only
         engine.batch_cached_prefill = True
+        engine.prefill_overhead_tokens = 10**6
         batched = await run_sessions(engine, "b-", concurrent=True)
         assert engine.batched_cached_prefills >= TURNS - 1
         assert [[r.output_ids for r in s] for s in batched] == \
@@ -94,3 +98,13 @@ def test_prefill_batch_layout() -> None:
     assert batch.mask.tolist() == [[1, 1, 1, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
     keys = batch.cache.layers[0].keys
     assert keys.shape == (2, 2, 3, 4) and keys[0].eq(1).all() and keys[1].eq(0).all()
+
+
+def test_plan_prefill_trades_padding_against_forwards() -> None:
+    assert plan_prefill([5, 5, 5], overhead_tokens=32) == [[0, 1, 2]]  # no padding: one forward
+    assert plan_prefill([10, 500], overhead_tokens=32) == [[0], [1]]  # padding 490 > 32
+    # Similar lengths group together, whatever the arrival order.
+    groups = plan_prefill([200, 10, 198, 12, 11], overhead_tokens=32)
+    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3, 4]]
+    assert plan_prefill([10, 500], overhead_tokens=10**6) == [[0, 1]]
+    assert plan_prefill([], overhead_tokens=32) == []

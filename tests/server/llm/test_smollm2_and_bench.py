@@ -77,5 +77,5 @@ def test_bench_llm_runs(tiny_dir: Path, capsys: pytest.CaptureFixture[str],
     assert bench_llm.main(["--model", str(tiny_dir), "--tokens", "4", "--concurrency", "4",
                            "--turns", "3", "--balance-requests", "40"]) == 0
     out = capsys.readouterr().out
-    for row in ("(a) batching", "(b) KV reuse", "(c) balance"):
+    for row in ("(a) batching", "(b) KV reuse", "(c) balance", "(d) cached prefill"):
         assert row in out
