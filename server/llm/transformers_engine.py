@@ -75,6 +75,7 @@ class _Seq:
         self.finish: str | None = None
         self.aborted = False
         self.retired = False
+        self.released = False  # the session ended while this turn ran: don't keep its KV
         self.version = 0
         self.cached_tokens = 0
         self.prefill_s = 0.0
@@ -195,6 +196,11 @@ class TransformersEngine(Engine):
             self._wakeup.set()
 
     async def release_session(self, session_id: str) -> None:
+        """Drop the session's KV, including what a turn still running would check in later
+        (a cancelled job aborts its turn and ends the session before the turn retires)."""
+        for seq in list(self._pending) + list(self._active):
+            if seq.session_id == session_id:
+                seq.released = True
         self.kv_store.drop(session_id)
 
     async def health(self) -> bool:
@@ -432,7 +438,8 @@ class TransformersEngine(Engine):
             return
         seq.kv = None
         tokens = (seq.prompt + seq.output)[:seq.length]
-        self.kv_store.checkin(seq.session_id, SessionKV(tokens, layers))
+        if not seq.released:
+            self.kv_store.checkin(seq.session_id, SessionKV(tokens, layers))
         self.turn_stats.append(TurnStats(seq.session_id, seq.cached_tokens,
                                          len(seq.prompt) - seq.cached_tokens, seq.prefill_s,
                                          len(seq.output)))

@@ -3,6 +3,7 @@ a server without the release route (real vLLM) is tolerated and asked only once.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from aiohttp import web
@@ -11,6 +12,8 @@ from runtime.llm import GenerateRequest
 from runtime.types import SamplingParams
 from server.llm.http_engine import RELEASE_PATH, HttpEngine
 from server.llm.pool import BackendPool
+from server.llm.transformers_engine import TransformersEngine
+from tests.server.llm.conftest import assert_eventually
 from tests.server.llm.test_http_vllm_path import start_server
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -69,3 +72,20 @@ async def test_release_on_a_server_without_the_route_is_silent_and_remembered() 
     finally:
         await pool.close()
         await runner.cleanup()
+
+
+async def test_release_during_a_turn_keeps_its_kv_out_of_the_store(tiny_dir: Path) -> None:
+    """A cancelled job aborts its turn then ends the session before the turn has retired."""
+    engine = TransformersEngine(tiny_dir, name="tiny")
+    engine.eos_ids = frozenset()
+    try:
+        turn = asyncio.create_task(engine.generate(GenerateRequest([1, 2, 3], GREEDY, 1500, "c")))
+        await assert_eventually(lambda: engine.decode_steps > 2)
+        await engine.release_session("c")
+        await engine.abort("c")
+        assert (await turn).finish_reason == "abort"
+        assert "c" not in engine.kv_store
+        await engine.generate(GenerateRequest([1, 2, 3], GREEDY, 2, "d"))  # others still kept
+        assert "d" in engine.kv_store
+    finally:
+        await engine.close()
