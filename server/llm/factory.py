@@ -47,7 +47,8 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
 
         model_dir = await asyncio.to_thread(_model_dir, str(spec.get("model", "smollm2")))
         options = {k: v for k, v in spec.items()
-                   if k in ("kv_cache_budget_bytes", "max_batch_size", "num_threads")}
+                   if k in ("kv_cache_budget_bytes", "max_batch_size", "num_threads",
+                            "prefill_overhead_tokens")}
         # The constructor loads the weights: keep that off the event loop.
         engine = await asyncio.to_thread(
             TransformersEngine, model_dir, device=spec.get("device", "cpu"), name=name,
