@@ -77,6 +77,8 @@ class _EnvStats:
     jobs: int = 0
     states: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     rewards: list[float] = field(default_factory=list)
+    solved: int = 0
+    """Succeeded jobs with full reward (1.0)."""
     turns: list[int] = field(default_factory=list)
     tokens: int = 0
     stage_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -110,15 +112,16 @@ class RunStats:
         e.states[f.state] += 1
         if f.state == job_pb2.Job.STATE_SUCCEEDED:
             e.rewards.append(f.reward)
+            e.solved += f.reward >= 1.0
 
     def table(self) -> Table:
         """Per environment; stage columns are mean seconds inside the stage."""
         t = Table(title="rollout summary", box=box.SIMPLE_HEAD, collapse_padding=True,
                   pad_edge=False,
-                  caption="ok / failed / cancelled: jobs by final state; reward and turns: "
-                          "means; INIT / RUN / EVAL: mean seconds inside each stage")
-        for col in ("env", "jobs", "ok", "failed", "cancelled", "reward", "turns", "tokens",
-                    "INIT", "RUN", "EVAL"):
+                  caption="ok / fail / cancel: jobs by final state; solved: reward 1; reward "
+                          "and turns: means; INIT / RUN / EVAL: mean seconds in each stage")
+        for col in ("env", "jobs", "ok", "fail", "cancel", "solved", "reward", "turns",
+                    "tokens", "INIT", "RUN", "EVAL"):
             t.add_column(col, justify="left" if col == "env" else "right", no_wrap=True)
         S = job_pb2.Job
 
@@ -128,7 +131,7 @@ class RunStats:
         for name, e in sorted(self.envs.items()):
             t.add_row(name, str(e.jobs), str(e.states[S.STATE_SUCCEEDED]),
                       str(e.states[S.STATE_FAILED]), str(e.states[S.STATE_CANCELLED]),
-                      mean(e.rewards), mean(e.turns, "{:.1f}"), str(e.tokens),
+                      str(e.solved), mean(e.rewards), mean(e.turns, "{:.1f}"), str(e.tokens),
                       *(mean(e.stage_s[s], "{:.2f}") for s in ("init", "run", "eval")))
         return t
 
