@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from client.errors import RolloutError
+from client.tables import compact_table
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
 
@@ -134,14 +135,19 @@ def _call(args: argparse.Namespace, stub: pb_grpc.BackendServiceStub,
 
 
 def backend_table(backends: list[pb.Backend]) -> Table:
-    table = Table(title="LLM backends")
-    for column in ("name", "kind", "state", "in flight", "weight", "version", "served",
-                   "failures", "sessions", "address / model", "last error"):
-        table.add_column(column)
+    table = compact_table(
+        "LLM backends", ("name", "kind", "state", "load", "wt", "ver", "turns", "fails",
+                         "sess"), left=("name", "kind", "state"),
+        caption="\n".join(
+            f"{b.name}: {' '.join(x for x in (b.address, b.model) if x)}"
+            + (f"; last error: {b.last_error[:80]}" if b.last_error else "")
+            for b in backends) or None)
     for b in backends:
         table.add_row(
             b.name, pb.BackendKind.Name(b.kind).removeprefix("BACKEND_KIND_"),
             pb.Backend.State.Name(b.state).removeprefix("STATE_"), str(b.in_flight),
             f"{b.weight:g}", str(b.policy_version), str(b.served_turns), str(b.failures),
-            str(b.sessions), " ".join(x for x in (b.address, b.model) if x), b.last_error[:60])
+            str(b.sessions))
+    table.caption = ("load: turns in flight; wt: weight; ver: policy version; turns: served; "
+                     "sess: sticky sessions\n" + (table.caption or "")).rstrip()
     return table

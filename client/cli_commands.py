@@ -9,9 +9,9 @@ from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
-from rich.table import Table
 
 from client.aio import RolloutClient
+from client.tables import compact_table
 from rollout.v1 import job_pb2
 
 
@@ -42,10 +42,9 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
     console = console or Console()
     async with _client(settings) as client:
         if args.jobs_command == "list":
-            table = Table(title="jobs")
-            for col in ("job", "environment", "state", "stage", "attempts", "reward",
-                        "group", "client", "created"):
-                table.add_column(col)
+            table = compact_table("jobs", ("job", "env", "state", "stage", "tries", "reward",
+                                           "group", "created"),
+                                  left=("job", "env", "state", "stage", "group"))
             n = 0
             async for job in client.list_jobs(state=args.state or 0, group_id=args.group,
                                               client_id=args.client_id, limit=args.limit):
@@ -53,8 +52,7 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
                 table.add_row(job.job_id, job.spec.environment, state_name(job.state),
                               stage_name(job.stage), str(job.attempts),
                               f"{job.reward:.3f}" if job.state == job.STATE_SUCCEEDED else "",
-                              job.spec.group.group_id, job.client_id,
-                              _fmt_time(job.create_time))
+                              job.spec.group.group_id, _fmt_time(job.create_time))
             console.print(table)
             console.print(f"{n} job(s)")
         elif args.jobs_command == "get":
@@ -75,11 +73,10 @@ async def status(settings: Any, console: Console | None = None) -> int:
     console = console or Console()
     async with _client(settings) as client:
         st = await client.status()
-    table = Table(title=f"rollout service {st.version} — up {fmt_duration(st.uptime)}, "
-                  f"{st.sessions} session(s)")
-    for col in ("stage", "workers", "queued", "in flight", "completed", "failed", "p50",
-                "p95", "jobs/s"):
-        table.add_column(col, justify="left" if col == "stage" else "right")
+    table = compact_table(f"rollout service {st.version} — up {fmt_duration(st.uptime)}, "
+                          f"{st.sessions} session(s)",
+                          ("stage", "workers", "queued", "in flight", "completed", "failed",
+                           "p50", "p95", "jobs/s"), left=("stage",))
     for s in st.stages:
         table.add_row(stage_name(s.stage), str(s.workers), str(s.queue_depth),
                       str(s.in_flight), str(s.completed), str(s.failed),

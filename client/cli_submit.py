@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -30,6 +29,7 @@ from client.aio import RolloutClient
 from client.cli import ClientSettings, CliError
 from client.errors import RolloutError
 from client.specs import group_specs, job_spec
+from client.tables import compact_table
 from client.trajectory import to_json, total_tokens
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
@@ -116,13 +116,12 @@ class RunStats:
 
     def table(self) -> Table:
         """Per environment; stage columns are mean seconds inside the stage."""
-        t = Table(title="rollout summary", box=box.SIMPLE_HEAD, collapse_padding=True,
-                  pad_edge=False,
-                  caption="ok / fail / cancel: jobs by final state; solved: reward 1; reward "
-                          "and turns: means; INIT / RUN / EVAL: mean seconds in each stage")
-        for col in ("env", "jobs", "ok", "fail", "cancel", "solved", "reward", "turns",
-                    "tokens", "INIT", "RUN", "EVAL"):
-            t.add_column(col, justify="left" if col == "env" else "right", no_wrap=True)
+        t = compact_table(
+            "rollout summary",
+            ("env", "jobs", "ok", "fail", "cancel", "solved", "reward", "turns", "tokens",
+             "INIT", "RUN", "EVAL"), left=("env",),
+            caption="ok / fail / cancel: jobs by final state; solved: reward 1; reward and "
+                    "turns: means; INIT / RUN / EVAL: mean seconds in each stage")
         S = job_pb2.Job
 
         def mean(xs: list[float] | list[int], fmt: str = "{:.2f}") -> str:
