@@ -135,19 +135,17 @@ def _call(args: argparse.Namespace, stub: pb_grpc.BackendServiceStub,
 
 
 def backend_table(backends: list[pb.Backend]) -> Table:
+    where = [f"{b.name}: {' '.join(x for x in (b.address, b.model) if x)}"
+             + (f"; last error: {b.last_error[:80]}" if b.last_error else "") for b in backends]
     table = compact_table(
         "LLM backends", ("name", "kind", "state", "load", "wt", "ver", "turns", "fails",
                          "sess"), left=("name", "kind", "state"),
-        caption="\n".join(
-            f"{b.name}: {' '.join(x for x in (b.address, b.model) if x)}"
-            + (f"; last error: {b.last_error[:80]}" if b.last_error else "")
-            for b in backends) or None)
+        caption="\n".join(["load: turns in flight; wt: weight; ver: policy version; "
+                            "turns: served; sess: sticky sessions", *where]))
     for b in backends:
         table.add_row(
             b.name, pb.BackendKind.Name(b.kind).removeprefix("BACKEND_KIND_"),
             pb.Backend.State.Name(b.state).removeprefix("STATE_"), str(b.in_flight),
             f"{b.weight:g}", str(b.policy_version), str(b.served_turns), str(b.failures),
             str(b.sessions))
-    table.caption = ("load: turns in flight; wt: weight; ver: policy version; turns: served; "
-                     "sess: sticky sessions\n" + (table.caption or "")).rstrip()
     return table
