@@ -91,15 +91,6 @@ async def make_harness(tmp_path: Path) -> AsyncIterator[Callable[..., ServerHarn
         await h.stop()
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,
-                     interval: float = 0.01) -> None:
-    """Poll instead of sleeping a guessed time."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 def task(**fields: Any) -> dict[str, Any]:

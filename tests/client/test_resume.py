@@ -12,8 +12,9 @@ from client.aio import RolloutClient
 from client.errors import RolloutError
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
-from tests.client.conftest import ServerHarness, eventually, task
+from tests.client.conftest import ServerHarness, task
 from tests.client.proxy import FlakyProxy
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,7 +66,7 @@ async def test_dropped_connection_resumes_exactly_once(harness: ServerHarness) -
             acked_before_drop = set(seen)
             # the server has processed the acks: its unacked count for us dropped to 0
             sched: Any = harness.server.scheduler  # type: ignore[union-attr]
-            await eventually(lambda: not sched.client_stats("flaky")["unacked"])
+            await assert_eventually(lambda: not sched.client_stats("flaky")["unacked"])
 
             # cut the link and keep it down while the gated jobs finish on the server
             proxy.refusing = True
@@ -152,7 +153,7 @@ async def test_server_restart_resumes(harness: ServerHarness) -> None:
             if f.WhichOneof("kind") == "trajectory":
                 seen[f.job_id] = seen.get(f.job_id, 0) + 1
                 await s.ack([f.trajectory.delivery_id])
-        await eventually(lambda: harness.handler.started("in-flight", "run"))
+        await assert_eventually(lambda: harness.handler.started("in-flight", "run"))
         await harness.restart()  # same port, same state dir; the RUN job starts over
         harness.handler.open("in-flight", "run")
         await s.close()

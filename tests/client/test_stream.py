@@ -11,7 +11,8 @@ from client.sync import RolloutClientSync
 from client.trajectory import flatten
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
-from tests.client.conftest import ServerHarness, eventually, task
+from tests.client.conftest import ServerHarness, task
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(30)
 S = job_pb2.Job
@@ -86,7 +87,7 @@ async def test_group_finish_after_cancels_the_rest(harness: ServerHarness) -> No
             client.session("g", heartbeat_s=0.1) as s:
         ids = await s.submit_group(template, 4, "grp", finish_after=2)
         assert ids == [f"grp/{i}" for i in range(4)]
-        await eventually(lambda: all(harness.handler.started(j, "run") for j in ids))
+        await assert_eventually(lambda: all(harness.handler.started(j, "run") for j in ids))
         harness.handler.open("grp/0", "run")
         harness.handler.open("grp/1", "run")
         await s.close()
@@ -114,7 +115,7 @@ async def test_cancel_on_stream_and_unary(harness: ServerHarness) -> None:
             client.session("c", heartbeat_s=0.1) as s:
         await s.submit([{"job_id": "x1", **task(gate=["run"])},
                         {"job_id": "x2", **task(gate=["run"])}])
-        await eventually(lambda: harness.handler.started("x2", "run"))
+        await assert_eventually(lambda: harness.handler.started("x2", "run"))
         await s.cancel(job_ids=["x1"])
         assert await client.cancel(job_id="x2") == ["x2"]
         with pytest.raises(RolloutError) as exc:
@@ -136,7 +137,7 @@ async def test_duplicate_submit_runs_once(harness: ServerHarness) -> None:
             client.session("d", heartbeat_s=0.1) as s:
         await s.submit({"job_id": "dup", **task(gate=["run"])})
         await s.submit({"job_id": "dup", **task(gate=["run"])})
-        await eventually(lambda: harness.handler.started("dup", "run"))
+        await assert_eventually(lambda: harness.handler.started("dup", "run"))
         harness.handler.open("dup", "run")
         await s.close()
         frames = await drain(s)

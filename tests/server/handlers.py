@@ -48,9 +48,10 @@ class ScriptedHandler(AgentHandler):
         if task.get("bad"):
             raise InvalidArgument("task is marked bad", "INVALID_TASK", "task.bad")
 
-    async def _stage(self, ctx: JobContext, stage: str) -> None:
+    async def _stage(self, ctx: JobContext, stage: str, *, started: bool = False) -> None:
         job_id, task = ctx.spec.job_id, ctx.spec.task
-        self.events.append((job_id, stage, "start"))
+        if not started:
+            self.events.append((job_id, stage, "start"))
         try:
             if stage in task.get("gate", ()):
                 await self.gate(job_id, stage).wait()
@@ -67,6 +68,9 @@ class ScriptedHandler(AgentHandler):
         self.events.append((job_id, stage, "end"))
 
     async def init(self, ctx: JobContext) -> None:
+        # "start" is recorded before the first await, so a cancel that lands while the
+        # subprocess is being spawned still counts as a started INIT (cleanup follows).
+        self.events.append((ctx.spec.job_id, "init", "start"))
         if ctx.spec.task.get("spawn"):
             proc = await asyncio.create_subprocess_exec("sleep", "600")
             self.pids[ctx.spec.job_id] = proc.pid
@@ -79,7 +83,7 @@ class ScriptedHandler(AgentHandler):
 
             ctx.resources.push_async_callback(kill)
         ctx.state["init_done"] = True
-        await self._stage(ctx, "init")
+        await self._stage(ctx, "init", started=True)
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         assert ctx.state.get("init_done"), "state must carry from INIT to RUN"
@@ -102,17 +106,6 @@ class ScriptedHandler(AgentHandler):
 
 
 # ---------------------------------------------------------------------------- test helpers
-
-
-async def eventually(predicate: Any, timeout: float = 10.0,
-                     interval: float = 0.005) -> None:
-    """Poll ``predicate()`` until it is truthy (instead of sleeping a guessed time)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
-        await asyncio.sleep(interval)
 
 
 def spec(job_id: str, *, priority: int = 0, group: Any = None, env: str = "scripted",

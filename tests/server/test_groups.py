@@ -6,7 +6,8 @@ import pytest
 
 from runtime.types import GroupSpec, JobState
 from server.scheduler import GROUP_FINISHED
-from tests.server.handlers import collect_finished, eventually, running_scheduler, spec
+from tests.server.handlers import collect_finished, running_scheduler, spec
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,7 +23,7 @@ async def test_finish_after_cancels_the_rest_of_the_group(tmp_path):
                 spec("other", group=GroupSpec("g2", 1, 1), gate=["run"])]
         # "queued" waits for INIT behind the gated jobs (lower priority).
         await sched.submit(jobs, "t")
-        await eventually(lambda: handler.started("slow_run", "run")
+        await assert_eventually(lambda: handler.started("slow_run", "run")
                          and handler.started("slow_init", "init")
                          and handler.started("fast0", "eval") and handler.started("fast1", "eval"))
         handler.open("fast0", "eval")
@@ -52,11 +53,11 @@ async def test_cancel_group_reaches_every_stage(tmp_path):
         sub = await sched.attach("t")
         await sched.submit([spec("in_run", group=g, gate=["run"], spawn=True),
                             spec("in_eval", group=g, gate=["eval"])], "t")
-        await eventually(lambda: handler.started("in_run", "run")
+        await assert_eventually(lambda: handler.started("in_run", "run")
                          and handler.started("in_eval", "eval"))
         await sched.submit([spec("in_init", group=g, gate=["init"]),
                             spec("queued", group=g), spec("keep", gate=["init"])], "t")
-        await eventually(lambda: handler.started("in_init", "init"))
+        await assert_eventually(lambda: handler.started("in_init", "init"))
         cancelled = await sched.cancel(group_id="grp")
         assert sorted(cancelled) == ["in_eval", "in_init", "in_run", "queued"]
         done = await collect_finished(sub, cancelled)
@@ -65,6 +66,6 @@ async def test_cancel_group_reaches_every_stage(tmp_path):
         assert "in_run" in handler.resources_closed
         assert ("in_eval", "eval", "cancelled") in handler.events
         assert not handler.started("queued", "init")
-        await eventually(lambda: handler.started("keep", "init"))
+        await assert_eventually(lambda: handler.started("keep", "init"))
         handler.open("keep", "init")
         assert (await collect_finished(sub, ["keep"]))["keep"].state is JobState.SUCCEEDED

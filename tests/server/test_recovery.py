@@ -20,10 +20,10 @@ from server.store import JobStore
 from tests.server.handlers import (
     ScriptedHandler,
     collect_finished,
-    eventually,
     running_scheduler,
     spec,
 )
+from tests.util import assert_eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 DONE = [f"done{i}" for i in range(5)]
@@ -36,9 +36,9 @@ async def _child(db: str) -> None:
     async with running_scheduler(db, init_workers=1, run_workers=2, eval_workers=1,
                                  stage_queue_size=3) as (sched, handler):
         await sched.submit([spec(j) for j in DONE], "trainer")
-        await eventually(lambda: sched.status().pending == 0, timeout=20)
+        await assert_eventually(lambda: sched.status().pending == 0, timeout=20)
         await sched.submit([spec(j, gate=["run"]) for j in RUNNING + QUEUED], "trainer")
-        await eventually(lambda: all(handler.started(j, "run") for j in RUNNING), timeout=20)
+        await assert_eventually(lambda: all(handler.started(j, "run") for j in RUNNING), timeout=20)
         await sched.store.flush()
         print("READY", flush=True)
         await asyncio.sleep(3600)
@@ -93,7 +93,8 @@ async def test_graceful_stop_requeues_running_jobs(tmp_path):
     db = tmp_path / "jobs.db"
     async with running_scheduler(db) as (sched, handler):
         await sched.submit([spec("a", gate=["run"], spawn=True), spec("b", gate=["init"])], "c")
-        await eventually(lambda: handler.started("a", "run") and handler.started("b", "init"))
+        await assert_eventually(
+            lambda: handler.started("a", "run") and handler.started("b", "init"))
         await sched.stop(grace_s=0.0)
         assert "a" in handler.resources_closed  # stopping still frees what jobs hold
         assert handler.events.count(("a", "cleanup", "")) == 1

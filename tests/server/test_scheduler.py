@@ -13,7 +13,8 @@ import pytest
 from runtime.types import JobState, Limits, SamplingParams, Stage, TerminationReason
 from server.pipeline.session import JobAccepted, JobFinished, StageProgress, TrajectoryReady
 from server.scheduler import JobNotFound, NotCancellable, Overloaded
-from tests.server.handlers import collect_finished, eventually, running_scheduler, spec
+from tests.server.handlers import collect_finished, running_scheduler, spec
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -59,11 +60,11 @@ async def test_slow_eval_does_not_stall_init_or_run_of_other_jobs(tmp_path):
                                  eval_workers=1) as (sched, handler):
         sub = await sched.attach("t")
         await sched.submit([spec("slow", gate=["eval"])], "t")
-        await eventually(lambda: handler.started("slow", "eval"))
+        await assert_eventually(lambda: handler.started("slow", "eval"))
         await sched.submit([spec(f"b{i}") for i in range(3)], "t")
         # While "slow" holds the only EVAL worker, the others still pass INIT and RUN.
         for i in range(3):
-            await eventually(lambda i=i: (f"b{i}", "run", "end") in handler.events)
+            await assert_eventually(lambda i=i: (f"b{i}", "run", "end") in handler.events)
         assert ("slow", "eval", "end") not in handler.events
         st = sched.status().stages
         assert st[2].in_flight == 1 and st[2].queue_depth >= 1
@@ -77,7 +78,7 @@ async def test_stages_of_different_jobs_overlap(tmp_path):
         await sched.submit([spec("r", gate=["run"]), spec("e", gate=["eval"]),
                             spec("i", gate=["init"])], "t")
         for job, stage in (("r", "run"), ("e", "eval"), ("i", "init")):
-            await eventually(lambda j=job, s=stage: handler.started(j, s))
+            await assert_eventually(lambda j=job, s=stage: handler.started(j, s))
         assert [s.in_flight for s in sched.status().stages] == [1, 1, 1]
         for job, stage in (("r", "run"), ("e", "eval"), ("i", "init")):
             handler.open(job, stage)
@@ -86,12 +87,12 @@ async def test_stages_of_different_jobs_overlap(tmp_path):
 async def test_priorities_higher_first_fifo_among_equals(tmp_path):
     async with running_scheduler(tmp_path / "db", init_workers=1) as (sched, handler):
         await sched.submit([spec("blocker", gate=["init"])], "t")
-        await eventually(lambda: handler.started("blocker", "init"))
+        await assert_eventually(lambda: handler.started("blocker", "init"))
         await sched.submit([spec("low1", priority=-1), spec("mid1"), spec("high", priority=5),
                             spec("mid2"), spec("low2", priority=-1)], "t")
         handler.open("blocker", "init")
         order = ["high", "mid1", "mid2", "low1", "low2"]
-        await eventually(lambda: all(handler.started(j, "init") for j in order))
+        await assert_eventually(lambda: all(handler.started(j, "init") for j in order))
         starts = [j for j, s, e in handler.events if s == "init" and e == "start"]
         assert starts == ["blocker", *order]
 
@@ -156,7 +157,7 @@ async def test_cancel_running_job_frees_its_resources(tmp_path):
     async with running_scheduler(tmp_path / "db") as (sched, handler):
         sub = await sched.attach("t")
         await sched.submit([spec("x", gate=["run"], spawn=True)], "t")
-        await eventually(lambda: handler.started("x", "run"))
+        await assert_eventually(lambda: handler.started("x", "run"))
         pid = handler.pids["x"]
         os.kill(pid, 0)  # the subprocess is alive while the job runs
         assert await sched.cancel("x") == ["x"]
@@ -176,7 +177,7 @@ async def test_cancel_running_job_frees_its_resources(tmp_path):
 async def test_cancel_job_waiting_between_stages_frees_its_resources(tmp_path):
     async with running_scheduler(tmp_path / "db", run_workers=1) as (sched, handler):
         await sched.submit([spec("hog", gate=["run"]), spec("w", spawn=True)], "t")
-        await eventually(lambda: handler.started("hog", "run")
+        await assert_eventually(lambda: handler.started("hog", "run")
                          and ("w", "init", "end") in handler.events)
         assert sched.status().stages[1].queue_depth == 1
         assert await sched.cancel("w") == ["w"]
@@ -190,14 +191,14 @@ async def test_full_downstream_queue_holds_upstream_back(tmp_path):
     async with running_scheduler(tmp_path / "db", init_workers=2, run_workers=1,
                                  stage_queue_size=1) as (sched, handler):
         await sched.submit([spec(f"j{i}", gate=["run"]) for i in range(6)], "t")
-        await eventually(lambda: handler.started("j0", "run"))
+        await assert_eventually(lambda: handler.started("j0", "run"))
         # RUN holds j0, its queue holds one job, INIT's two workers each hold a finished job.
-        await eventually(lambda: [s.in_flight for s in sched.status().stages][:2] == [2, 1])
+        await assert_eventually(lambda: [s.in_flight for s in sched.status().stages][:2] == [2, 1])
         st = sched.status().stages
         assert st[1].queue_depth == 1 and st[0].queue_depth == 2
         for i in range(6):
             handler.open(f"j{i}", "run")
-        await eventually(lambda: all((f"j{i}", "eval", "end") in handler.events
+        await assert_eventually(lambda: all((f"j{i}", "eval", "end") in handler.events
                                      for i in range(6)))
 
 

@@ -16,7 +16,8 @@ import pytest
 from runtime.types import GroupSpec, JobState
 from server.pipeline.session import JobFinished, TrajectoryReady
 from server.scheduler import NotCancellable
-from tests.server.handlers import eventually, running_scheduler, spec
+from tests.server.handlers import running_scheduler, spec
+from tests.util import assert_eventually
 
 
 @pytest.mark.timeout(60)
@@ -70,7 +71,7 @@ async def test_books_balance_under_random_cancels(tmp_path, seed):
         for pid in handler.pids.values():
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        await eventually(lambda: sched.status().pending == 0)
+        await assert_eventually(lambda: sched.status().pending == 0)
         st = sched.status()
         assert all(s.queue_depth == 0 and s.in_flight == 0 for s in st.stages)
         for f in finished.values():

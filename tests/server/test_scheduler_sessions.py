@@ -9,13 +9,14 @@ from prometheus_client import generate_latest
 
 from runtime.types import JobState
 from server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
-from tests.server.handlers import collect_finished, eventually, running_scheduler, spec
+from tests.server.handlers import collect_finished, running_scheduler, spec
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(30)
 
 
 async def _all_done(sched, n: int) -> None:
-    await eventually(lambda: sched.status().pending == 0
+    await assert_eventually(lambda: sched.status().pending == 0
                      and sum(sched.status().jobs_by_state.values()) >= n)
 
 
@@ -57,7 +58,7 @@ async def test_replay_and_live_deliveries_never_duplicate(tmp_path):
     n = 150
     async with running_scheduler(tmp_path / "db") as (sched, _):
         await sched.submit([spec(f"j{i}") for i in range(n)], "t")
-        await eventually(lambda: sched.status().pending < n - 10)
+        await assert_eventually(lambda: sched.status().pending < n - 10)
         sub = await sched.attach("t")  # attach while jobs are still finishing
         ids: list[int] = []
         async with asyncio.timeout(20):
@@ -93,7 +94,7 @@ async def test_status_and_prometheus_metrics(tmp_path):
         assert init.workers == 2 and init.throughput_per_s > 0 and run.latency_p95_s >= 0
         assert st.jobs_by_state == {JobState.SUCCEEDED: 5, JobState.FAILED: 1}
         await sched.submit([spec("held", gate=["init"])], "t")
-        await eventually(lambda: handler.started("held", "init"))
+        await assert_eventually(lambda: handler.started("held", "init"))
         text = generate_latest(sched.metrics_registry).decode()
         assert 'rollout_stage_in_flight{stage="init"} 1.0' in text
         assert 'rollout_stage_duration_seconds_count{outcome="ok",stage="eval"} 5.0' in text
@@ -105,7 +106,7 @@ async def test_status_and_prometheus_metrics(tmp_path):
 async def test_list_pages_with_live_state(tmp_path):
     async with running_scheduler(tmp_path / "db") as (sched, handler):
         await sched.submit([spec(f"j{i}") for i in range(5)] + [spec("g", gate=["run"])], "t")
-        await eventually(lambda: handler.started("g", "run"))
+        await assert_eventually(lambda: handler.started("g", "run"))
         await sched.store.flush()
         page, token = await sched.list(page_size=4)
         rest, end = await sched.list(page_size=4, page_token=token)

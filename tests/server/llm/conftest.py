@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,6 @@ async def engine(tiny_dir: Path) -> AsyncIterator[Any]:
     await eng.close()
 
 
-async def assert_eventually(check: Callable[[], bool], timeout_s: float = 10.0,
-                            interval_s: float = 0.01) -> None:
-    """Poll ``check`` until it holds (instead of sleeping a guessed amount)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval_s)
 
 
 class FakeEngine(Engine):

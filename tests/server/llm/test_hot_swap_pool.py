@@ -13,7 +13,7 @@ from runtime.types import SamplingParams
 from server.llm.pool import BackendPool
 from server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
-from tests.server.llm.conftest import assert_eventually
+from tests.util import assert_eventually
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -22,7 +22,7 @@ from server.llm.http_server import serve
 from server.llm.pool import BackendPool
 from server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
-from tests.server.llm.conftest import assert_eventually
+from tests.util import assert_eventually
 
 GREEDY = SamplingParams(temperature=0.0)
 ROOT = Path(__file__).resolve().parents[3]

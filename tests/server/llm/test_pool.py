@@ -12,7 +12,8 @@ import pytest
 from runtime.llm import GenerateRequest, LLMClient, LLMUnavailable
 from runtime.types import SamplingParams
 from server.llm.pool import BackendPool
-from tests.server.llm.conftest import FakeEngine, assert_eventually
+from tests.server.llm.conftest import FakeEngine
+from tests.util import assert_eventually
 
 
 def req(session: str, group: str = "", min_version: int = 0) -> GenerateRequest:

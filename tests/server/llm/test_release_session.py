@@ -13,8 +13,8 @@ from runtime.types import SamplingParams
 from server.llm.http_engine import RELEASE_PATH, HttpEngine
 from server.llm.pool import BackendPool
 from server.llm.transformers_engine import TransformersEngine
-from tests.server.llm.conftest import assert_eventually
 from tests.server.llm.test_http_vllm_path import start_server
+from tests.util import assert_eventually
 
 GREEDY = SamplingParams(temperature=0.0)
 

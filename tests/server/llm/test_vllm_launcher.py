@@ -14,7 +14,7 @@ from runtime.types import SamplingParams
 from server.llm import vllm_launcher
 from server.llm.pool import BackendPool
 from server.llm.vllm_launcher import VllmNotInstalled, build_command, launch_vllm
-from tests.server.llm.conftest import assert_eventually
+from tests.util import assert_eventually
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_vllm.py"))]
 
@@ -53,8 +53,8 @@ async def test_launch_serve_supervise_and_stop(tiny_dir: Path, tmp_path: Path) -
         assert result.backend == "managed" and 1 <= len(result.output_ids) <= 3
         first_pid = engine.process.process.pid  # type: ignore[union-attr]
         os.killpg(first_pid, signal.SIGKILL)
-        await assert_eventually(lambda: not pool.get("managed").healthy, timeout_s=20)
-        await assert_eventually(lambda: engine.process.restarts == 1, timeout_s=20)
+        await assert_eventually(lambda: not pool.get("managed").healthy, timeout=20)
+        await assert_eventually(lambda: engine.process.restarts == 1, timeout=20)
         # The pool waits for the restarted server to be re-admitted, then serves the turn.
         result = await pool.generate(GenerateRequest([1, 5, 6], greedy, 3, "s"))
         assert result.backend == "managed"
