@@ -12,13 +12,12 @@ place atomically, so a reader never sees a half-written checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,16 +57,24 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     directly. Converts on first use (once per cache directory, across processes).
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / MODEL_NAME
+    return build_once(root / MODEL_NAME, lambda out: _convert(gguf_path(), out))
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``target``, building it first if needed: once per machine across processes (an
+    ``fcntl`` lock), into a temporary directory renamed into place, so a reader never sees a
+    half-built directory and a crash mid-build leaves nothing that looks complete."""
     if (target / _COMPLETE_MARKER).is_file():
         return target
+    root = target.parent
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{MODEL_NAME}.lock"):
-        if (target / _COMPLETE_MARKER).is_file():  # another process converted it meanwhile
+    with open(root / f".{target.name}.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if (target / _COMPLETE_MARKER).is_file():  # another process built it meanwhile
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            _convert(gguf_path(), tmp)
+            build(tmp)
             (tmp / _COMPLETE_MARKER).write_text("ok\n")
             tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
             if target.exists():  # a stale, incomplete attempt from a crashed process
@@ -77,16 +84,6 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:
