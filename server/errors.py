@@ -118,15 +118,3 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the RPC with the status for ``exc`` (raises, as ``context.abort`` does)."""
     await context.abort_with_status(to_status(classify(exc)))
 
-
-def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """Client side: the ErrorInfo detail of a failed call, if it has one."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return info
-    return None

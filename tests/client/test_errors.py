@@ -176,3 +176,12 @@ async def test_auth(make_harness) -> None:
             await s.close()
             frames = await drain(s, ack=False)
         assert [f.job_id for f in kinds(frames, "trajectory")] == ["a1"]
+
+
+def test_client_channel_options_match_the_server() -> None:
+    """The client keeps its own copy (it may not import the server); keepalive settings that
+    drift apart make the server answer GOAWAY too_many_pings."""
+    from client.aio import channel_options as client_options
+    from server.app import channel_options as server_options
+
+    assert client_options(1 << 20) == server_options(1 << 20)
