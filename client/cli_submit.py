@@ -175,11 +175,13 @@ def run_submit(args: argparse.Namespace, settings: ClientSettings,
     console = console or Console()
     specs = load_specs(args.file, args.samples, args.finish_after)
     with open(args.out, "a") as out:
-        return asyncio.run(_submit(args, settings, console, specs, out))
+        return asyncio.run(submit_specs(args, settings, console, specs, out))
 
 
-async def _submit(args: argparse.Namespace, settings: ClientSettings, console: Console,
-                  specs: list[job_pb2.JobSpec], out: TextIO) -> int:
+async def submit_specs(args: argparse.Namespace, settings: ClientSettings, console: Console,
+                       specs: list[job_pb2.JobSpec], out: TextIO) -> int:
+    """Submit, show live progress, append each trajectory to ``out`` and ack it once written.
+    ``args`` needs ``out`` and ``progress``; also used by ``rollout quickstart``."""
     client_id = settings.client_id or default_client_id(args.out)
     stats = RunStats(specs)
     progress = (Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from client.aio import RolloutClient
 from client.cli import ClientSettings
-from client.cli_submit import _submit
+from client.cli_submit import submit_specs
 from client.specs import job_spec
 from rollout.v1 import job_pb2
 from runtime.envs.tasks import job_line, load_tasks
@@ -115,7 +115,7 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     submit_args: Any = SimpleNamespace(out=str(traj_path), progress=True)
     try:
         with traj_path.open("a") as out:
-            code = await _submit(submit_args, settings, console, specs, out)
+            code = await submit_specs(submit_args, settings, console, specs, out)
         plot = out_dir / "timeline.png"
         await _timeline(server.address, [s.job_id for s in specs], plot)
     finally:
