@@ -2,12 +2,12 @@
 resuming sessions, typed errors, trajectory helpers. Depends only on grpcio, protobuf,
 googleapis-common-protos, grpcio-status and rich (for the command line)."""
 
-from client.aio import RolloutClient
-from client.errors import RolloutError
-from client.session import Session
-from client.specs import group_specs, job_spec
-from client.sync import RolloutClientSync, SessionSync
-from client.trajectory import Flat, flatten, from_json, to_json
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
+from rollout.client.session import Session
+from rollout.client.specs import group_specs, job_spec
+from rollout.client.sync import RolloutClientSync, SessionSync
+from rollout.client.trajectory import Flat, flatten, from_json, to_json
 
 __all__ = ["Flat", "RolloutClient", "RolloutClientSync", "RolloutError", "Session",
            "SessionSync", "flatten", "from_json", "group_specs", "job_spec", "to_json"]

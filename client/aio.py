@@ -2,27 +2,27 @@
 
 ``RolloutClient`` owns one grpc.aio channel. Unary helpers (``get_job``, ``list_jobs``,
 ``cancel``, ``status``) and ``submit_rollout`` serve tools and simple scripts; trainers open a
-:class:`client.session.Session` with :meth:`RolloutClient.session`, which resumes by itself
+:class:`rollout.client.session.Session` with :meth:`RolloutClient.session`, which resumes by itself
 after a dropped connection.
 
 Every call carries ``authorization: Bearer <token>`` (when a token is set) and its own
 ``x-request-id`` so a failing call can be found in the server's log. Call credentials are not
 used because gRPC only sends them over TLS channels, and the service is commonly reached over
 a plain channel on a cluster network. Every ``grpc.RpcError`` leaves as a
-:class:`client.errors.RolloutError`.
+:class:`rollout.client.errors.RolloutError`.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
-from client.errors import RolloutError
-from client.session import Session
-from client.specs import SpecLike, job_spec
+from rollout.client.errors import RolloutError
+from rollout.client.session import Session
+from rollout.client.specs import SpecLike, job_spec
 from rollout.v1 import job_pb2, rollout_service_pb2_grpc
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -30,7 +30,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Must match ``server.app.channel_options`` (copied: the client may not import the
+    """Must match ``rollout.server.app.channel_options`` (copied: the client may not import the
     server). The keepalive ping interval must not be shorter than the server's
     ``min_ping_interval_without_data_ms``, or the server answers GOAWAY ``too_many_pings``."""
     return [
@@ -102,14 +102,15 @@ class RolloutClient:
         return await self._unary(self.stub.GetJob, pb.GetJobRequest(
             job_id=job_id, include_trajectory=include_trajectory))
 
-    async def list_jobs(self, *, state: int | str = 0, group_id: str = "", client_id: str = "",
-                        page_size: int = 100, limit: int | None = None
+    async def list_jobs(self, *, state: job_pb2.Job.State | int | str = 0, group_id: str = "",
+                        client_id: str = "", page_size: int = 100, limit: int | None = None
                         ) -> AsyncIterator[job_pb2.Job]:
         """Every matching job, newest first, fetching pages as the caller iterates."""
         if isinstance(state, str):
             name = state.upper()
             state = job_pb2.Job.State.Value(name if name.startswith("STATE_")
                                             else "STATE_" + name)
+        state = cast(job_pb2.Job.State, state)
         token, seen = "", 0
         while True:
             page = await self._unary(self.stub.ListJobs, pb.ListJobsRequest(
@@ -155,7 +156,7 @@ class RolloutClient:
                 auto_ack: bool = False, heartbeat_s: float | None = None,
                 max_reconnects: int = 10, backoff_s: tuple[float, float] = (0.05, 2.0),
                 on_wire: Any = None) -> Session:
-        """A ``StreamRollouts`` session; see :class:`client.session.Session`. Use it as an
+        """A ``StreamRollouts`` session; see :class:`rollout.client.session.Session`. Use it as an
         async context manager, or ``await session.start()`` and ``await session.aclose()``."""
         return Session(self, client_id, progress=progress, max_unacked=max_unacked,
                        auto_ack=auto_ack, heartbeat_s=heartbeat_s,

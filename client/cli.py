@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.aio import DEFAULT_ADDRESS
-from client.errors import RolloutError
+from rollout.client.aio import DEFAULT_ADDRESS
+from rollout.client.errors import RolloutError
 
 BENCHES = ("pipeline", "tools", "llm")
 
@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHES)
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
-    if importlib.util.find_spec("client.cli_backends") is not None:
-        importlib.import_module("client.cli_backends").add_parser(sub)
+    if importlib.util.find_spec("rollout.client.cli_backends") is not None:
+        importlib.import_module("rollout.client.cli_backends").add_parser(sub)
     return parser
 
 
@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.app import serve
-    from server.config import load_config
+    from rollout.server.app import serve
+    from rollout.server.config import load_config
 
     overrides = list(args.set)
     for flag, key in (("host", "server.host"), ("port", "server.port"),
@@ -181,14 +181,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd in _DELEGATED:
         return _delegate(_DELEGATED[cmd], args.rest)
     if cmd == "bench":
-        return _delegate(f"server.bench.{args.name}", args.rest)
-    from client import cli_commands
+        return _delegate(f"rollout.server.bench.{args.name}", args.rest)
+    from rollout.client import cli_commands
 
     settings = resolve_settings(args)
     if getattr(args, "handler", None) is not None:  # subcommands registered by plug-ins
         return int(args.handler(args, settings) or 0)
     if cmd == "submit":
-        from client.cli_submit import run_submit
+        from rollout.client.cli_submit import run_submit
 
         return run_submit(args, settings)
     if cmd == "jobs":
@@ -198,7 +198,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise CliError("INVALID_ARGUMENT", "UNKNOWN_COMMAND", f"unknown command {cmd!r}")
 
 
-_DELEGATED = {"llm-serve": "server.llm.http_server", "quickstart": "server.quickstart"}
+_DELEGATED = {"llm-serve": "rollout.server.llm.http_server",
+              "quickstart": "rollout.server.quickstart"}
 
 
 def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -207,7 +208,7 @@ def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:
     if argv and argv[0] in _DELEGATED and argv[1:2] != ["-h"]:
         return _DELEGATED[argv[0]], argv[1:]
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
-        return f"server.bench.{argv[1]}", argv[2:]
+        return f"rollout.server.bench.{argv[1]}", argv[2:]
     return None
 
 

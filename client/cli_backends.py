@@ -2,7 +2,8 @@
 
 Registered by ``client/cli.py`` through :func:`add_parser`; each subcommand's ``handler`` gets
 the parsed arguments and the resolved client settings (address, token). Failures become
-:class:`~client.errors.RolloutError`, which the CLI prints as one ``CODE REASON: message`` line.
+:class:`~rollout.client.errors.RolloutError`, which the CLI prints as one
+``CODE REASON: message`` line.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
-from client.errors import RolloutError
-from client.tables import compact_table
+from rollout.client.errors import RolloutError
+from rollout.client.tables import compact_table
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
 

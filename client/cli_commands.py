@@ -10,8 +10,8 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
 
-from client.aio import RolloutClient
-from client.tables import compact_table
+from rollout.client.aio import RolloutClient
+from rollout.client.tables import compact_table
 from rollout.v1 import job_pb2
 
 
@@ -60,7 +60,7 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
             console.print_json(json_format.MessageToJson(resp, preserving_proto_field_name=True))
         else:
             if bool(args.job_id) == bool(args.group):
-                from client.cli import CliError
+                from rollout.client.cli import CliError
 
                 raise CliError("INVALID_ARGUMENT", "MISSING_FIELD",
                                "name a job id or --group (exactly one)")

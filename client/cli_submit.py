@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from client.aio import RolloutClient
-from client.cli import ClientSettings, CliError
-from client.errors import RolloutError
-from client.specs import group_specs, job_spec
-from client.tables import compact_table
-from client.trajectory import to_json, total_tokens
+from rollout.client.aio import RolloutClient
+from rollout.client.cli import ClientSettings, CliError
+from rollout.client.errors import RolloutError
+from rollout.client.specs import group_specs, job_spec
+from rollout.client.tables import compact_table
+from rollout.client.trajectory import to_json, total_tokens
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -151,7 +151,7 @@ class _Bars:
     def _done_label(self) -> str:
         return f"done  [green]✓{self.ok}[/] [red]✗{self.failed}[/]"
 
-    def stage_finished(self, job_id: str, stage: int) -> None:
+    def stage_finished(self, job_id: str, stage: job_pb2.Stage) -> None:
         if self.p is not None and stage in self.tasks and stage not in self._past[job_id]:
             self._past[job_id].add(stage)
             self.p.advance(self.tasks[stage])

@@ -44,8 +44,8 @@ from typing import Any
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from client.errors import RolloutError
-from client.specs import SpecLike, group_specs, job_specs
+from rollout.client.errors import RolloutError
+from rollout.client.specs import SpecLike, group_specs, job_specs
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 

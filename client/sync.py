@@ -13,9 +13,9 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
-from client.aio import DEFAULT_ADDRESS, RolloutClient
-from client.session import Session
-from client.specs import SpecLike
+from rollout.client.aio import DEFAULT_ADDRESS, RolloutClient
+from rollout.client.session import Session
+from rollout.client.specs import SpecLike
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -51,7 +51,7 @@ class _LoopThread:
 
 
 class SessionSync:
-    """Blocking view of :class:`client.session.Session` (same guarantees)."""
+    """Blocking view of :class:`rollout.client.session.Session` (same guarantees)."""
 
     def __init__(self, session: Session, runner: _LoopThread) -> None:
         self._s = session

@@ -4,12 +4,12 @@ Every environment's RUN stage calls :func:`run_agent_loop`. The model sees a sys
 lists the tools (Hermes/Qwen ``<tools>`` format, rendered by the chat template itself when it
 supports tools), answers with ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, and
 the loop runs those calls and appends their results as tokens (loss mask 0). Token accounting
-lives in :mod:`runtime.tokens`: the model's output ids go into the trajectory untouched.
+lives in :mod:`rollout.runtime.tokens`: the model's output ids go into the trajectory untouched.
 
 The loop never raises for the model's mistakes (bad JSON, unknown tools, tools that crash):
 those become error observations the model can react to. It does raise
-:class:`runtime.llm.LLMUnavailable` (no backend: the job fails, a partial trajectory would be
-bad training data) and lets cancellation through. While it runs, ``ctx.state[TURNS_KEY]`` is
+:class:`rollout.runtime.llm.LLMUnavailable` (no backend: the job fails, a partial trajectory
+would be bad training data) and lets cancellation through. While it runs, ``ctx.state[TURNS_KEY]`` is
 the live list of finished turns, so a scheduler that cancels RUN can still salvage them.
 """
 
@@ -22,13 +22,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runtime.handler import HandlerError, JobContext, RunOutcome
-from runtime.llm import GenerateRequest, LLMClient
-from runtime.tokens import ChatLedger, ChatTokenizer
-from runtime.toolcalls import parse_tool_calls
-from runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult, tool_schema
-from runtime.tools.submit import SUBMITTED_ANSWER_KEY
-from runtime.types import TerminationReason, Turn
+from rollout.runtime.handler import HandlerError, JobContext, RunOutcome
+from rollout.runtime.llm import GenerateRequest, LLMClient
+from rollout.runtime.tokens import ChatLedger, ChatTokenizer
+from rollout.runtime.toolcalls import parse_tool_calls
+from rollout.runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult, tool_schema
+from rollout.runtime.tools.submit import SUBMITTED_ANSWER_KEY
+from rollout.runtime.types import TerminationReason, Turn
 
 log = logging.getLogger(__name__)
 

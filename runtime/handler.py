@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from runtime.llm import LLMClient
-from runtime.types import InvalidArgument, JobSpec, Reward, Stage, TerminationReason, Turn
+from rollout.runtime.llm import LLMClient
+from rollout.runtime.types import InvalidArgument, JobSpec, Reward, Stage, TerminationReason, Turn
 
 ENTRY_POINT_GROUP = "rollout.environments"
 

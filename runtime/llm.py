@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from runtime.types import SamplingParams
+from rollout.runtime.types import SamplingParams
 
 
 class LLMUnavailable(RuntimeError):
@@ -35,6 +35,10 @@ class GenerateRequest:
     min_policy_version: int = 0
     seed: int | None = None
     """Seed for this turn (the loop derives it from the job seed and the turn index)."""
+    timeout_s: float | None = None
+    """Stop generating after this many seconds and return what was generated so far with
+    ``finish_reason="deadline"``: the job's RUN deadline, so a turn cut by it keeps its tokens
+    (and their logprobs) instead of being thrown away."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,16 @@ class GenerateResult:
     logprobs: list[float]
     """Log-probability of each sampled token; same length as ``output_ids``."""
     finish_reason: str
-    """``stop`` (end-of-turn or stop token/string), ``length`` or ``abort``."""
+    """``stop`` (end-of-turn or stop token/string), ``length`` (max_tokens), ``deadline``
+    (``timeout_s`` ran out; the partial output is kept), ``preempted`` (cut by a weight swap's
+    drain timeout: the turn mixes policies, so the loop re-issues it rather than scoring it) or
+    ``abort`` (cancelled)."""
     policy_version: int
     backend: str
     """Name of the backend that served the turn."""
+    logprobs_kind: str = "processed"
+    """What ``logprobs`` are: ``processed`` (under the sampled distribution) or ``raw``
+    (log-softmax of the unmodified logits); see :attr:`SamplingParams.logprobs_mode`."""
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from runtime.tools.base import ToolCall, ToolCallError
+from rollout.runtime.tools.base import ToolCall, ToolCallError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"```[ \t]*(bash|sh|shell|console)[ \t]*\n(.*?)```", re.DOTALL)

@@ -60,6 +60,9 @@ class TerminationReason(enum.Enum):
     ERROR = "error"
 
 
+LOGPROBS_MODES = ("processed", "raw")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How each LLM turn of a job is sampled."""
@@ -80,6 +83,10 @@ class SamplingParams:
     """Stop strings, applied to the decoded text of the generated tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop token ids besides the model's end-of-turn tokens."""
+    logprobs_mode: str = "processed"
+    """Which logprobs a turn records: ``processed`` (default) is the log-probability under the
+    distribution actually sampled from (temperature, top-k and top-p applied), which is what a
+    trainer's importance ratios need; ``raw`` is the log-softmax of the unmodified logits."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgument` naming the first bad value."""
@@ -99,6 +106,10 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.max_tokens_per_turn must be > 0, got {self.max_tokens_per_turn}",
                 "INVALID_SAMPLING_PARAMS", "sampling.max_tokens_per_turn")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidArgument(
+                f"sampling.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                f"got {self.logprobs_mode!r}", "INVALID_SAMPLING_PARAMS", "sampling.logprobs_mode")
         if self.total_token_budget <= 0:
             raise InvalidArgument(
                 f"sampling.total_token_budget must be > 0, got {self.total_token_budget}",

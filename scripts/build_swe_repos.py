@@ -6,8 +6,8 @@ machine), derives the gold ``patch`` (the fix) and the hidden ``test_patch`` (ne
 ``git diff``, checks that the FAIL_TO_PASS tests fail before the fix and everything passes after
 it, and writes ``runtime/envs/data/swe_repos/<name>.bundle`` plus ``runtime/envs/data/swe.jsonl``.
 
-    PYTHONPATH=. .venv/bin/python scripts/build_swe_repos.py           # rebuild
-    PYTHONPATH=. .venv/bin/python scripts/build_swe_repos.py --check   # verify the shipped data
+    .venv/bin/python scripts/build_swe_repos.py           # rebuild
+    .venv/bin/python scripts/build_swe_repos.py --check   # verify the shipped data
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from runtime.envs.pytest_log import PASSING, files_of, outcome_of, parse_pytest_report
+from rollout.runtime.envs.pytest_log import PASSING, files_of, outcome_of, parse_pytest_report
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "runtime" / "envs" / "data"
 _GIT_ENV = {

@@ -4,7 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";  ruff check .
-echo "== mypy";  mypy server runtime client trainer_adapters
+# mypy cannot follow setuptools' editable finder, which maps rollout.client onto client/ and so
+# on: give it a tree of links with the installed layout instead.
+tree=build/typecheck
+mkdir -p "$tree/rollout"
+for pkg in client server runtime trainer_adapters; do ln -sfn "../../../$pkg" "$tree/rollout/$pkg"; done
+ln -sfn ../../../proto/rollout/v1 "$tree/rollout/v1"
+ln -sf ../../../proto/rollout/__init__.py "$tree/rollout/__init__.py"
+echo "== mypy";  MYPYPATH="$tree" mypy -p rollout
 echo "== protos"; bash scripts/check_protos.sh
 base=""
 if git rev-parse -q --verify origin/main >/dev/null && [ "$(git rev-parse HEAD)" != "$(git rev-parse origin/main)" ]; then

@@ -21,14 +21,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.types import InvalidArgument
+from rollout.server.config import Config
+from rollout.server.interceptors import ServiceInterceptor
+from rollout.server.scheduler import PipelineConfig, Scheduler
+from rollout.server.servicer import RolloutServicer
+from rollout.server.store import JobStore
 from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
-from runtime.handler import HandlerRegistry
-from runtime.types import InvalidArgument
-from server.config import Config
-from server.interceptors import ServiceInterceptor
-from server.scheduler import PipelineConfig, Scheduler
-from server.servicer import RolloutServicer
-from server.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Server:
         if self.sandbox_factory is None:
             self.sandbox_factory = build_sandbox_factory(cfg)
         if self.llm is None and cfg.llm.backends:
-            from server.llm.factory import build_pool  # heavy (torch): only when configured
+            from rollout.server.llm.factory import build_pool  # heavy (torch): only when configured
 
             self.llm = await build_pool(cfg)
             self._owns_llm = True
@@ -103,8 +103,8 @@ class Server:
             RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s), server)
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if self.llm is not None and hasattr(self.llm, "add"):
+            from rollout.server.backends_servicer import BackendServicer
             from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc
-            from server.backends_servicer import BackendServicer
 
             backend_service_pb2_grpc.add_BackendServiceServicer_to_server(
                 BackendServicer(self.llm), server)
@@ -148,7 +148,7 @@ class Server:
 def build_sandbox_factory(cfg: Config) -> Any:
     """The configured sandbox runtime as a ``JobContext.sandbox_factory``; also reaps what a
     crashed predecessor left behind under the state directory."""
-    from runtime.sandbox import SandboxConfig, create_sandbox, reap_stale
+    from rollout.runtime.sandbox import SandboxConfig, create_sandbox, reap_stale
 
     image = cfg.sandbox.image or None
     if cfg.sandbox.runtime == "bwrap":

@@ -17,13 +17,13 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from rollout.runtime.types import InvalidArgument
+from rollout.server import errors
+from rollout.server.llm.engine import Engine, EngineError
+from rollout.server.llm.http_engine import HttpEngine
+from rollout.server.llm.pool import BackendInfo, BackendPool
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
-from runtime.types import InvalidArgument
-from server import errors
-from server.llm.engine import Engine, EngineError
-from server.llm.http_engine import HttpEngine
-from server.llm.pool import BackendInfo, BackendPool
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KINDS = {"http": pb.BACKEND_KIND_HTTP, "in_process": pb.BACKEND_KIND_IN_PROCESS,
@@ -143,14 +143,14 @@ class BackendServicer(pb_grpc.BackendServiceServicer):
                 raise errors.FailedPrecondition(f"no model checkpoint at {model_dir}",
                                                 "MODEL_NOT_FOUND", "in_process.model_path")
         else:
-            from server.llm.smollm2 import smollm2_dir
+            from rollout.server.llm.smollm2 import smollm2_dir
 
             model_dir = await loop.run_in_executor(None, smollm2_dir)
         factory = self._in_process_factory or _transformers_engine
         return await loop.run_in_executor(None, factory, model_dir, device, name)
 
     async def _make_managed_vllm(self, request: pb.AddBackendRequest, name: str) -> Engine:
-        from server.llm.vllm_launcher import VllmNotInstalled, launch_vllm, vllm_executable
+        from rollout.server.llm.vllm_launcher import VllmNotInstalled, launch_vllm, vllm_executable
 
         spec = request.managed_vllm
         if not spec.model:
@@ -269,6 +269,6 @@ class BackendServicer(pb_grpc.BackendServiceServicer):
 
 
 def _transformers_engine(model_dir: Path, device: str, name: str) -> Engine:
-    from server.llm.transformers_engine import TransformersEngine
+    from rollout.server.llm.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_dir, device=device, name=name)

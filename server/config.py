@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.types import InvalidArgument
+from rollout.runtime.types import InvalidArgument
 
 ENV_PREFIX = "ROLLOUT_"
 

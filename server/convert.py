@@ -1,20 +1,19 @@
 """Proto <-> domain conversion: the only place that knows both shapes.
 
 ``*_from_proto`` functions validate: a value a user could get wrong raises
-:class:`runtime.types.InvalidArgument` naming the field, so the servicer can answer
+:class:`rollout.runtime.types.InvalidArgument` naming the field, so the servicer can answer
 INVALID_ARGUMENT with a reason instead of failing deep inside the pipeline.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from rollout.v1 import job_pb2, trajectory_pb2
-from runtime.types import (
+from rollout.runtime.types import (
     GroupSpec,
     InvalidArgument,
     JobError,
@@ -28,6 +27,7 @@ from runtime.types import (
     Trajectory,
     Turn,
 )
+from rollout.v1 import job_pb2, trajectory_pb2
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 MAX_TASK_BYTES = 1 << 20
@@ -35,7 +35,8 @@ MAX_TASK_BYTES = 1 << 20
 _STAGE_TO_PROTO = {Stage.INIT: job_pb2.STAGE_INIT, Stage.RUN: job_pb2.STAGE_RUN,
                    Stage.EVAL: job_pb2.STAGE_EVAL}
 _STAGE_FROM_PROTO = {v: k for k, v in _STAGE_TO_PROTO.items()}
-_STATE_TO_PROTO = {s: job_pb2.Job.State.Value("STATE_" + s.name) for s in JobState}
+_STATE_TO_PROTO = {s: cast(job_pb2.Job.State, job_pb2.Job.State.Value("STATE_" + s.name))
+                   for s in JobState}
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 _TERM_TO_PROTO = {t: trajectory_pb2.TerminationReason.Value("TERMINATION_REASON_" + t.name)
                   for t in TerminationReason}
@@ -44,18 +45,18 @@ _ERROR_CODES = {name.removeprefix("CODE_"): value
                 for name, value in job_pb2.JobError.Code.items() if value}
 
 
-def stage_to_proto(stage: Stage | None) -> int:
+def stage_to_proto(stage: Stage | None) -> job_pb2.Stage:
     return _STAGE_TO_PROTO[stage] if stage else job_pb2.STAGE_UNSPECIFIED
 
 
 def stage_from_proto(value: int) -> Stage:
-    if value not in _STAGE_FROM_PROTO:
+    if value not in _STAGE_FROM_PROTO.keys():
         raise InvalidArgument("stage must be STAGE_INIT, STAGE_RUN or STAGE_EVAL",
                               "INVALID_ENUM_VALUE", "stage")
-    return _STAGE_FROM_PROTO[value]
+    return _STAGE_FROM_PROTO[cast(job_pb2.Stage, value)]
 
 
-def state_to_proto(state: JobState) -> int:
+def state_to_proto(state: JobState) -> job_pb2.Job.State:
     return _STATE_TO_PROTO[state]
 
 
@@ -63,9 +64,10 @@ def state_from_proto(value: int) -> JobState | None:
     """STATE_UNSPECIFIED means "any state" in filters and maps to None."""
     if value == job_pb2.Job.STATE_UNSPECIFIED:
         return None
-    if value not in _STATE_FROM_PROTO:
+    state = cast(job_pb2.Job.State, value)
+    if state not in _STATE_FROM_PROTO:
         raise InvalidArgument(f"unknown job state {value}", "INVALID_ENUM_VALUE", "state")
-    return _STATE_FROM_PROTO[value]
+    return _STATE_FROM_PROTO[state]
 
 
 def seconds_to_duration(seconds: float) -> Duration:

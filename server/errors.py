@@ -20,8 +20,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from runtime.llm import LLMUnavailable
-from runtime.types import InvalidArgument
+from rollout.runtime.llm import LLMUnavailable
+from rollout.runtime.types import InvalidArgument
 
 DOMAIN = "rollout.v1"
 log = logging.getLogger(__name__)

@@ -18,14 +18,14 @@ from typing import Any
 
 from rich.console import Console
 
-from client.aio import RolloutClient
-from client.cli import ClientSettings
-from client.cli_submit import submit_specs
-from client.specs import job_spec
+from rollout.client.aio import RolloutClient
+from rollout.client.cli import ClientSettings
+from rollout.client.cli_submit import submit_specs
+from rollout.client.specs import job_spec
+from rollout.runtime.envs.tasks import job_line, load_tasks
+from rollout.server.app import Server
+from rollout.server.config import load_config
 from rollout.v1 import job_pb2
-from runtime.envs.tasks import job_line, load_tasks
-from server.app import Server
-from server.config import load_config
 
 MIX = {"math": 8, "code": 4, "swe": 2}
 SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens_per_turn": 256,

@@ -48,17 +48,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from runtime.handler import HandlerRegistry
-from runtime.llm import LLMClient
-from runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage
-from server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
-from server.metrics import SchedulerStatus, StageStatus
-from server.pipeline.groups import GROUP_FINISHED
-from server.pipeline.pool import LiveJob
-from server.pipeline.records import JobRecord, SubmitResult, record_from_live, record_from_stored
-from server.pipeline.retention import Retention
-from server.pipeline.runner import STAGES, PipelineConfig, StageRunner
-from server.pipeline.session import (
+from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.llm import LLMClient
+from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage
+from rollout.server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from rollout.server.metrics import SchedulerStatus, StageStatus
+from rollout.server.pipeline.groups import GROUP_FINISHED
+from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.records import (
+    JobRecord,
+    SubmitResult,
+    record_from_live,
+    record_from_stored,
+)
+from rollout.server.pipeline.retention import Retention
+from rollout.server.pipeline.runner import STAGES, PipelineConfig, StageRunner
+from rollout.server.pipeline.session import (
     Event,
     JobAccepted,
     JobFinished,
@@ -66,7 +71,7 @@ from server.pipeline.session import (
     Subscription,
     TrajectoryReady,
 )
-from server.store import JobStore, PruneStats, now
+from rollout.server.store import JobStore, PruneStats, now
 
 __all__ = [
     "GROUP_FINISHED", "Event", "JobAccepted", "JobFinished", "JobNotFound", "JobRecord",

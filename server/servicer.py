@@ -16,11 +16,17 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from rollout.runtime.types import InvalidArgument, JobState, Stage
+from rollout.server import convert, errors
+from rollout.server.scheduler import (
+    JobFinished,
+    JobRecord,
+    Scheduler,
+    StageProgress,
+    TrajectoryReady,
+)
 from rollout.v1 import job_pb2, rollout_service_pb2_grpc
 from rollout.v1 import rollout_service_pb2 as pb
-from runtime.types import InvalidArgument, JobState, Stage
-from server import convert, errors
-from server.scheduler import JobFinished, JobRecord, Scheduler, StageProgress, TrajectoryReady
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +256,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
                     duplicate=r.duplicate, state=await self._accepted_state(r))))
 
-    async def _accepted_state(self, r: Any) -> int:
+    async def _accepted_state(self, r: Any) -> job_pb2.Job.State:
         """QUEUED for a new job; a duplicate reports the existing job's state (it may be
         finished already, which tells a resuming client not to wait for it)."""
         if not r.duplicate:

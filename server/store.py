@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from runtime.types import (
+from rollout.runtime.types import (
     JobError,
     JobSpec,
     JobState,
@@ -37,13 +37,13 @@ from runtime.types import (
     StageTimings,
     Trajectory,
 )
-from server.convert import (
+from rollout.server.convert import (
     spec_from_bytes,
     spec_to_bytes,
     trajectory_from_bytes,
     trajectory_to_bytes,
 )
-from server.pipeline.sqlite import Op, Writer, connect
+from rollout.server.pipeline.sqlite import Op, Writer, connect
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

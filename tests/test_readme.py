@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.handler import HandlerRegistry
-from server.app import Server
-from server.config import Config
-from server.llm.pool import BackendPool
-from server.llm.scripted import ScriptedEngine
-from server.llm.smollm2 import smollm2_dir
+from rollout.runtime.handler import HandlerRegistry
+from rollout.server.app import Server
+from rollout.server.config import Config
+from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.scripted import ScriptedEngine
+from rollout.server.llm.smollm2 import smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -19,7 +19,7 @@ Task format (JSON object; the task sets in ``data/code.jsonl`` follow it)::
     }
 
 INIT opens the sandbox; RUN gives the agent bash, the editor and submit; EVAL copies the tests
-and :mod:`runtime.envs.code_runner` into the sandbox's private ``/tmp`` (only now, after the
+and :mod:`rollout.runtime.envs.code_runner` into the sandbox's private ``/tmp`` (only now, after the
 agent is done) and runs every test in its own limited process. stdio outputs compare line by line
 ignoring trailing whitespace.
 """
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.agent_loop import run_agent_loop
-from runtime.envs.common import (
+from rollout.runtime.agent_loop import run_agent_loop
+from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
     invalid,
@@ -46,9 +46,9 @@ from runtime.envs.common import (
     sandbox_tools,
     write_private,
 )
-from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from runtime.tools.submit import SubmitTool
-from runtime.types import Reward
+from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.tools.submit import SubmitTool
+from rollout.runtime.types import Reward
 
 ENV = "code"
 RUNNER_SOURCE = Path(__file__).with_name("code_runner.py")

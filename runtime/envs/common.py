@@ -1,6 +1,7 @@
 """Helpers shared by the built-in environments (math, code, swe).
 
-Task validation raises :class:`runtime.types.InvalidArgument` with reason ``INVALID_TASK`` and
+Task validation raises :class:`rollout.runtime.types.InvalidArgument` with reason
+``INVALID_TASK`` and
 the dotted field name, so a bad task is rejected at submit time with a message that says which
 field to fix, instead of failing minutes later inside a stage.
 """
@@ -12,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.handler import HandlerError, JobContext
-from runtime.types import InvalidArgument
+from rollout.runtime.handler import HandlerError, JobContext
+from rollout.runtime.types import InvalidArgument
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 """Shipped task sets (``<env>.jsonl``) and the small repositories of the swe tasks."""
@@ -108,6 +109,6 @@ def quote(*parts: str) -> str:
 
 def sandbox_tools(sandbox: Any, names: Sequence[str]) -> list[Any]:
     """The named sandbox tools (``bash``, ``python``, ``editor``) from ``runtime.tools``."""
-    from runtime.tools import make_tools
+    from rollout.runtime.tools import make_tools
 
     return list(make_tools(sandbox, names=list(names)))

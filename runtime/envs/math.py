@@ -12,7 +12,7 @@ Task format (JSON object; ``data/math.jsonl`` follows it)::
 
 The agent answers by calling ``submit(answer)`` or, without a submit call, by ending its last
 message with ``\\boxed{...}``; a submitted answer wins over any boxed text. EVAL compares with
-:func:`runtime.envs.answers.answers_equivalent` (``0.75 == 3/4 == \\frac{3}{4}``,
+:func:`rollout.runtime.envs.answers.answers_equivalent` (``0.75 == 3/4 == \\frac{3}{4}``,
 ``1,048,576 == 1048576``, ``\\frac{\\sqrt{3}}{2} == sqrt(3)/2``) on the host: scoring needs no
 sandbox. A task with ``"tools": []`` never opens a sandbox at all.
 """
@@ -23,9 +23,9 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.agent_loop import run_agent_loop
-from runtime.envs.answers import answers_equivalent, extract_boxed
-from runtime.envs.common import (
+from rollout.runtime.agent_loop import run_agent_loop
+from rollout.runtime.envs.answers import answers_equivalent, extract_boxed
+from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
     invalid,
@@ -33,9 +33,9 @@ from runtime.envs.common import (
     sandbox_of,
     sandbox_tools,
 )
-from runtime.handler import AgentHandler, JobContext, RunOutcome
-from runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
-from runtime.types import Reward
+from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
+from rollout.runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
+from rollout.runtime.types import Reward
 
 ENV = "math"
 ALLOWED_TOOLS = ("python", "bash")

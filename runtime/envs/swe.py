@@ -38,8 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.agent_loop import run_agent_loop
-from runtime.envs.common import (
+from rollout.runtime.agent_loop import run_agent_loop
+from rollout.runtime.envs.common import (
     DATA_DIR,
     SANDBOX_KEY,
     check_task_object,
@@ -51,10 +51,10 @@ from runtime.envs.common import (
     string_env,
     write_private,
 )
-from runtime.envs.pytest_log import files_of, judge, parse_pytest_report
-from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from runtime.tools.submit import SubmitTool
-from runtime.types import Reward
+from rollout.runtime.envs.pytest_log import files_of, judge, parse_pytest_report
+from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.tools.submit import SubmitTool
+from rollout.runtime.types import Reward
 
 ENV = "swe"
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.envs.common import DATA_DIR
+from rollout.runtime.envs.common import DATA_DIR
 
 ENVIRONMENTS = ("math", "code", "swe")
 

@@ -1,10 +1,10 @@
 """Sandboxes: one job's isolated machine (bubblewrap by default, Apptainer by configuration).
 
 ``sb = await create_sandbox(cfg, workspace_files=..., env=..., network="none")``; see
-:mod:`runtime.sandbox.base` for the interface and :func:`reap_stale` for start-up cleanup.
+:mod:`rollout.runtime.sandbox.base` for the interface and :func:`reap_stale` for start-up cleanup.
 """
 
-from runtime.sandbox.base import (
+from rollout.runtime.sandbox.base import (
     ExecResult,
     Sandbox,
     SandboxConfig,
@@ -13,7 +13,7 @@ from runtime.sandbox.base import (
     SandboxUnavailable,
     create_sandbox,
 )
-from runtime.sandbox.reaper import ReapReport, reap_stale
+from rollout.runtime.sandbox.reaper import ReapReport, reap_stale
 
 __all__ = ["ExecResult", "ReapReport", "Sandbox", "SandboxConfig", "SandboxError",
            "SandboxLimits", "SandboxUnavailable", "create_sandbox", "reap_stale"]

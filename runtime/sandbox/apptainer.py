@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.sandbox import hostfs, procs
-from runtime.sandbox.base import (
+from rollout.runtime.sandbox import hostfs, procs
+from rollout.runtime.sandbox.base import (
     ExecResult,
     Network,
     Sandbox,

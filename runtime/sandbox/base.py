@@ -8,7 +8,7 @@ through :class:`Sandbox`, so the scheduler can swap runtimes by configuration.
 Cleanup is the contract that matters most: ``destroy()`` is idempotent and kills every process
 the sandbox started, then removes its directory; ``async with`` calls it on any exit (success,
 exception, cancellation). A crash of the server is covered by ``--die-with-parent`` plus
-:func:`runtime.sandbox.reaper.reap_stale` at the next start-up.
+:func:`rollout.runtime.sandbox.reaper.reap_stale` at the next start-up.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from runtime.sandbox import hostfs
+from rollout.runtime.sandbox import hostfs
 
 Network = Literal["none", "loopback"]
 SandboxT = TypeVar("SandboxT", bound="Sandbox")
@@ -206,7 +206,7 @@ class Sandbox(abc.ABC):
     async def bash(self) -> Any:
         """The sandbox's persistent bash session (created on first use, cached, and replaced
         by a fresh one if it died or was killed at a timeout)."""
-        from runtime.tools.bash import BashSession
+        from rollout.runtime.tools.bash import BashSession
         async with self._tool_lock:
             self._check_alive()
             if self._bash is None or not self._bash.alive:
@@ -217,7 +217,7 @@ class Sandbox(abc.ABC):
 
     async def ipython(self) -> Any:
         """The sandbox's IPython kernel (started on first use, then cached)."""
-        from runtime.tools.ipython import IPythonKernel
+        from rollout.runtime.tools.ipython import IPythonKernel
         async with self._tool_lock:
             self._check_alive()
             if self._ipython is None:
@@ -254,7 +254,7 @@ class Sandbox(abc.ABC):
     def _teardown_sync(self) -> None:
         """Blocking teardown (runs in a worker thread, or at interpreter exit): tracked
         processes first, then whatever the runtime owns."""
-        from runtime.sandbox import procs
+        from rollout.runtime.sandbox import procs
         for pid in list(self._pids):
             procs.kill_pid(pid)
         self._pids.clear()
@@ -305,12 +305,12 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
                            "INVALID_SANDBOX_OPTIONS")
     if config.runtime == "bwrap":
-        from runtime.sandbox.bwrap import BwrapSandbox
+        from rollout.runtime.sandbox.bwrap import BwrapSandbox
         return await BwrapSandbox.create(config, workspace_files=workspace_files or {},
                                          env=env or {}, network=network,
                                          limits=limits or config.limits, **options)
     if config.runtime == "apptainer":
-        from runtime.sandbox.apptainer import ApptainerSandbox
+        from rollout.runtime.sandbox.apptainer import ApptainerSandbox
         return await ApptainerSandbox.create(config, workspace_files=workspace_files or {},
                                              env=env or {}, network=network,
                                              limits=limits or config.limits, **options)

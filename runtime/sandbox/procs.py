@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from runtime.sandbox.base import ExecResult
-from runtime.sandbox.output import CappedOutput
+from rollout.runtime.sandbox.base import ExecResult
+from rollout.runtime.sandbox.output import CappedOutput
 
 T = TypeVar("T")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")

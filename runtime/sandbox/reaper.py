@@ -17,8 +17,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.sandbox import hostfs, procs
-from runtime.sandbox.base import SandboxConfig
+from rollout.runtime.sandbox import hostfs, procs
+from rollout.runtime.sandbox.base import SandboxConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult, tool_schema
+from rollout.runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult, tool_schema
 
 DEFAULT_TOOLS = ("bash", "python", "editor")
 
@@ -16,9 +16,9 @@ def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, **options: An
     ``options`` are passed by name prefix: ``bash_timeout`` -> BashTool(default_timeout=...),
     ``python_timeout`` -> IPythonTool(default_timeout=...).
     """
-    from runtime.tools.bash import BashTool
-    from runtime.tools.editor import EditorTool
-    from runtime.tools.ipython import IPythonTool
+    from rollout.runtime.tools.bash import BashTool
+    from rollout.runtime.tools.editor import EditorTool
+    from rollout.runtime.tools.ipython import IPythonTool
 
     tools: list[Tool] = []
     for name in names:

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.sandbox.output import CappedOutput
-from runtime.tools.base import ToolResult
+from rollout.runtime.sandbox.output import CappedOutput
+from rollout.runtime.tools.base import ToolResult
 
 DEFAULT_MAX_OUTPUT = 16 * 1024
 TRUNCATION_NOTICE = ("[... {dropped} bytes of output truncated; redirect to a file and view "
@@ -112,7 +112,7 @@ class BashSession:
         """Start a shell in ``sandbox`` (or, with ``sandbox=None``, ``argv`` on the host)."""
         import ptyprocess
 
-        from runtime.sandbox.procs import in_spawner
+        from rollout.runtime.sandbox.procs import in_spawner
         if sandbox is not None:
             full = sandbox.command_argv(list(argv or SHELL_ARGV), cwd=cwd, tty=True)
             full_env = sandbox.spawn_env({**SHELL_ENV, **(env or {})})

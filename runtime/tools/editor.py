@@ -16,7 +16,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.tools.base import ToolResult
+from rollout.runtime.tools.base import ToolResult
 
 SNIPPET_LINES = 4
 MAX_VIEW_CHARS = 16 * 1024

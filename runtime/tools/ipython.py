@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.tools.base import ToolResult
+from rollout.runtime.tools.base import ToolResult
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")

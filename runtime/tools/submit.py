@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from runtime.tools.base import ToolResult
+from rollout.runtime.tools.base import ToolResult
 
 SUBMITTED_ANSWER_KEY = "submitted_answer"
 """Key under which the answer is stored in ``ctx.state`` and in ``RunOutcome.metadata``."""

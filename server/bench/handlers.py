@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-from runtime.handler import AgentHandler, JobContext, RunOutcome
-from runtime.types import Reward, TerminationReason, Turn
+from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
+from rollout.runtime.types import Reward, TerminationReason, Turn
 
 _TURN = Turn(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.5, -0.25])
 

@@ -31,10 +31,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from runtime.llm import GenerateRequest, GenerateResult
-from runtime.types import SamplingParams
-from server.llm.engine import Engine
-from server.llm.pool import BackendPool
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.engine import Engine
+from rollout.server.llm.pool import BackendPool
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -181,14 +181,14 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
     if {"batching", "kv", "prefill"} & set(args.only):
         import torch
 
-        from server.llm.transformers_engine import TransformersEngine
+        from rollout.server.llm.transformers_engine import TransformersEngine
 
         if args.threads:
             torch.set_num_threads(args.threads)
         if args.model:
             model_dir = args.model
         else:
-            from server.llm.smollm2 import smollm2_dir
+            from rollout.server.llm.smollm2 import smollm2_dir
             model_dir = await asyncio.to_thread(smollm2_dir)
         engine = await asyncio.to_thread(TransformersEngine, model_dir, device=args.device,
                                          name="bench", max_batch_size=args.concurrency,

@@ -14,7 +14,7 @@
     faster, because no stage's workers idle; what stage pools buy is isolation (a slow EVAL never
     holds a sandbox or an LLM slot) and per-resource sizing, shown by the "sized pools" row.
 
-Run: ``PYTHONPATH=.:proto .venv/bin/python -m server.bench.pipeline [--jobs 5000]``.
+Run: ``.venv/bin/rollout bench pipeline [--jobs 5000]``.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from runtime.handler import HandlerError, HandlerRegistry, JobContext
-from runtime.types import JobSpec
-from server.bench.handlers import SleepHandler, register_bench_handlers
-from server.scheduler import JobFinished, PipelineConfig, Scheduler, TrajectoryReady
-from server.store import JobStore
+from rollout.runtime.handler import HandlerError, HandlerRegistry, JobContext
+from rollout.runtime.types import JobSpec
+from rollout.server.bench.handlers import SleepHandler, register_bench_handlers
+from rollout.server.scheduler import JobFinished, PipelineConfig, Scheduler, TrajectoryReady
+from rollout.server.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,8 +124,8 @@ async def _coupled_run(n: int, workers: int, task: dict[str, Any]) -> float:
 
 def _serve(state_dir: str) -> int:
     """Child process: a real server with the bench environments and no LLM backend."""
-    from server.app import Server
-    from server.config import Config
+    from rollout.server.app import Server
+    from rollout.server.config import Config
 
     async def run() -> None:
         cfg = Config()
@@ -203,14 +203,13 @@ async def _stream_jobs(client: Any, n: int, prefix: str, progress: bool,
 
 
 async def _grpc_run(n: int, queued: int) -> dict[str, float]:
-    from client.aio import RolloutClient
+    from rollout.client.aio import RolloutClient
     from rollout.v1 import job_pb2
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.bench.pipeline", "--serve", tmp, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"},
+            sys.executable, "-m", "rollout.server.bench.pipeline", "--serve", tmp, cwd=ROOT,
             stdout=asyncio.subprocess.PIPE)
         assert proc.stdout is not None
         try:

@@ -29,9 +29,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from runtime.sandbox import SandboxConfig, create_sandbox
-from runtime.tools import make_tools
-from runtime.tools.ipython import IPythonKernel
+from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.tools import make_tools
+from rollout.runtime.tools.ipython import IPythonKernel
 
 REFERENCE_TMUX_MS = 780.0
 REFERENCE_PTY_MS = 420.0

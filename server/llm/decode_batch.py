@@ -27,7 +27,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from server.llm.kv_store import LayerKV, SessionKV
+from rollout.server.llm.kv_store import LayerKV, SessionKV
 
 
 class Member(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.llm import GenerateRequest, GenerateResult
 
 
 class EngineError(RuntimeError):

@@ -9,10 +9,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from runtime.types import InvalidArgument
-from server.config import Config
-from server.llm.engine import Engine
-from server.llm.pool import BackendPool
+from rollout.runtime.types import InvalidArgument
+from rollout.server.config import Config
+from rollout.server.llm.engine import Engine
+from rollout.server.llm.pool import BackendPool
 
 KINDS = ("transformers", "vllm", "vllm-launch", "scripted")
 
@@ -25,7 +25,7 @@ def _tokenizer(path: str | Path) -> Any:
 
 def _model_dir(model: str) -> Path:
     if model in ("", "smollm2", "SmolLM2-135M-Instruct"):
-        from server.llm.smollm2 import smollm2_dir
+        from rollout.server.llm.smollm2 import smollm2_dir
 
         return smollm2_dir()
     path = Path(model).expanduser()
@@ -43,7 +43,7 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
     weight = float(spec.get("weight", 1.0))
     engine: Engine
     if kind == "transformers":
-        from server.llm.transformers_engine import TransformersEngine
+        from rollout.server.llm.transformers_engine import TransformersEngine
 
         model_dir = await asyncio.to_thread(_model_dir, str(spec.get("model", "smollm2")))
         options = {k: v for k, v in spec.items()
@@ -54,7 +54,7 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
             TransformersEngine, model_dir, device=spec.get("device", "cpu"), name=name,
             **options)
     elif kind == "vllm":
-        from server.llm.vllm_http import VLLMEngine
+        from rollout.server.llm.vllm_http import VLLMEngine
 
         if not spec.get("url"):
             raise InvalidArgument("a vllm backend needs url = \"http://host:port\"",
@@ -64,11 +64,11 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
         engine = VLLMEngine(spec["url"], model=spec.get("model", ""), tokenizer=tokenizer,
                             name=name, protocol=spec.get("protocol", "generate"))
     elif kind == "vllm-launch":
-        from server.llm.vllm_launcher import launch_vllm_engine
+        from rollout.server.llm.vllm_launcher import launch_vllm_engine
 
         engine = await launch_vllm_engine(spec, name=name)
     elif kind == "scripted":
-        from server.llm.scripted import ScriptedEngine
+        from rollout.server.llm.scripted import ScriptedEngine
 
         tokenizer = await asyncio.to_thread(
             _tokenizer, _model_dir(str(spec.get("tokenizer", "smollm2"))))

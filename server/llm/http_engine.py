@@ -48,9 +48,9 @@ from typing import Any
 
 import aiohttp
 
-from runtime.llm import GenerateRequest, GenerateResult
-from runtime.types import InvalidArgument
-from server.llm.engine import Engine, EngineError
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.types import InvalidArgument
+from rollout.server.llm.engine import Engine, EngineError
 
 SESSION_HEADER = "X-Rollout-Session"
 RELEASE_PATH = "/rollout/v1/release_session"

@@ -1,6 +1,6 @@
 """``rollout llm-serve``: the in-process engine behind the subset of vLLM's HTTP API we use.
 
-It makes the vLLM path (:class:`~server.llm.http_engine.HttpEngine`, the pool, weight
+It makes the vLLM path (:class:`~rollout.server.llm.http_engine.HttpEngine`, the pool, weight
 coordination) run end to end on a machine with no GPU and no vLLM. Routes, with vLLM's shapes:
 
 - ``POST /inference/v1/generate`` — tokens in, ``choices[0].token_ids`` + chat-style logprobs out.
@@ -11,7 +11,7 @@ coordination) run end to end on a machine with no GPU and no vLLM. Routes, with 
   checkpoint; every reply carries ``policy_version``; the ``X-Rollout-Session`` header names the
   trajectory so its KV cache is kept between turns (vLLM uses prefix caching instead);
   ``POST /rollout/v1/release_session`` ``{"session_id"}`` drops that KV when the trajectory ends
-  (vLLM answers 404, which :class:`~server.llm.http_engine.HttpEngine` tolerates).
+  (vLLM answers 404, which :class:`~rollout.server.llm.http_engine.HttpEngine` tolerates).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 
 from aiohttp import web
 
-from runtime.llm import GenerateRequest
-from runtime.types import InvalidArgument, SamplingParams
-from server.llm.engine import EngineError
-from server.llm.http_engine import RELEASE_PATH, SESSION_HEADER
-from server.llm.transformers_engine import TransformersEngine
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import InvalidArgument, SamplingParams
+from rollout.server.llm.engine import EngineError
+from rollout.server.llm.http_engine import RELEASE_PATH, SESSION_HEADER
+from rollout.server.llm.transformers_engine import TransformersEngine
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", TransformersEngine)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO)
     if args.model is None:
-        from server.llm.smollm2 import MODEL_NAME, smollm2_dir
+        from rollout.server.llm.smollm2 import MODEL_NAME, smollm2_dir
         model_dir, name = smollm2_dir(), MODEL_NAME
     else:
         model_dir, name = args.model, args.model

@@ -11,11 +11,11 @@ Routing, in order of precedence:
    dispatch and decremented when the request ends, whether it succeeded, failed or was cancelled,
    so the keys never drift. Weights let a big backend take proportionally more.
 
-Failures: an :class:`~server.llm.engine.EngineError` ejects the backend (the health checker
+Failures: an :class:`~rollout.server.llm.engine.EngineError` ejects the backend (the health checker
 re-admits it when its probe succeeds again) and the turn is retried on another backend, up to
 ``max_attempts`` backends. A request that needs ``min_policy_version`` waits up to
 ``wait_for_backend_s`` for a backend at that version; so does one that finds no healthy backend.
-Then it raises :class:`~runtime.llm.LLMUnavailable`.
+Then it raises :class:`~rollout.runtime.llm.LLMUnavailable`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.llm import GenerateRequest, GenerateResult, LLMUnavailable
-from server.llm.engine import Engine, EngineError
+from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMUnavailable
+from rollout.server.llm.engine import Engine, EngineError
 
 log = logging.getLogger(__name__)
 

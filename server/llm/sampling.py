@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.types import InvalidArgument, SamplingParams
+from rollout.runtime.types import InvalidArgument, SamplingParams
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.llm import GenerateRequest, GenerateResult
-from server.llm.engine import Engine, EngineError
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.server.llm.engine import Engine, EngineError
 
 Script = Mapping[str, Sequence[str]] | Callable[[str, int], str]
 """Assistant messages per session id, or a function ``(session_id, turn_index) -> message``."""

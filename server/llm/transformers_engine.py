@@ -4,12 +4,12 @@ How it works:
 - One scheduler task on the event loop admits queued requests and hands a *step* to a single
   worker thread (model forwards never run on the loop). A step prefills the requests that joined
   in one forward (each reusing its session's cached KV, so only new tokens are computed; see
-  :class:`~server.llm.decode_batch.PrefillBatch` for the padding), then runs one batched
+  :class:`~rollout.server.llm.decode_batch.PrefillBatch` for the padding), then runs one batched
   decode step for every active sequence. Sequences join and leave the batch between steps, so
   16 concurrent generations cost about one forward per token instead of sixteen.
 - The batch's KV cache is left-padded to a common length; each row has its own attention mask
   and position ids, so padding never changes a sequence's result.
-- When a turn ends, its KV is stored in a :class:`~server.llm.kv_store.KVStore` under the
+- When a turn ends, its KV is stored in a :class:`~rollout.server.llm.kv_store.KVStore` under the
   session id (LRU within a byte budget). The next turn reuses the longest common prefix.
 
 Weight hot-swap (:meth:`TransformersEngine.update_weights`): admission pauses, the turns in flight
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from runtime.llm import GenerateRequest, GenerateResult
-from runtime.types import InvalidArgument
-from server.llm.decode_batch import DecodeBatch, PrefillBatch, plan_prefill
-from server.llm.engine import Engine, EngineError
-from server.llm.kv_store import KVStore, LayerKV, SessionKV, common_prefix
-from server.llm.sampling import Sampler, sample, validate_request
-from server.llm.weights import load_state_dict_into
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.types import InvalidArgument
+from rollout.server.llm.decode_batch import DecodeBatch, PrefillBatch, plan_prefill
+from rollout.server.llm.engine import Engine, EngineError
+from rollout.server.llm.kv_store import KVStore, LayerKV, SessionKV, common_prefix
+from rollout.server.llm.sampling import Sampler, sample, validate_request
+from rollout.server.llm.weights import load_state_dict_into
 
 _names = itertools.count()
 
@@ -98,7 +98,8 @@ class TransformersEngine(Engine):
         """``ignore_eos`` makes every turn run to ``max_tokens`` (benchmarks: equal work).
 
         ``prefill_overhead_tokens`` is a prefill forward's fixed cost in tokens of compute, which
-        :func:`~server.llm.decode_batch.plan_prefill` weighs against padding when it groups the
+        :func:`~rollout.server.llm.decode_batch.plan_prefill` weighs against padding when it groups
+        the
         joining turns. 32 was measured for SmolLM2 on one CPU thread (a lone turn-2 forward
         cost about as much as 30 more tokens in a batch); on a GPU the fixed cost is far larger
         relative to a token, so set it higher there (e.g. 512) to batch more eagerly.

@@ -1,5 +1,5 @@
-"""Compatibility name: the vLLM HTTP backend lives in :mod:`server.llm.http_engine`."""
+"""Compatibility name: the vLLM HTTP backend lives in :mod:`rollout.server.llm.http_engine`."""
 
-from server.llm.http_engine import HttpEngine as VLLMEngine
+from rollout.server.llm.http_engine import HttpEngine as VLLMEngine
 
 __all__ = ["VLLMEngine"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from server.llm.http_engine import HttpEngine
+from rollout.server.llm.http_engine import HttpEngine
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.pipeline.pool import LiveJob
+from rollout.server.pipeline.pool import LiveJob
 
 GROUP_FINISHED = "GROUP_FINISHED"
 """Cancellation reason of jobs stopped because their group reached ``finish_after``."""

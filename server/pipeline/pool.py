@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.handler import JobContext
-from runtime.types import JobError, JobSpec, JobState, Stage, StageTimings
+from rollout.runtime.handler import JobContext
+from rollout.runtime.types import JobError, JobSpec, JobState, Stage, StageTimings
 
 
 @dataclass(eq=False, slots=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage, StageTimings
-from server.pipeline.pool import LiveJob
-from server.store import StoredJob, Transition
+from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage, StageTimings
+from rollout.server.pipeline.pool import LiveJob
+from rollout.server.store import StoredJob, Transition
 
 
 @dataclass(frozen=True)

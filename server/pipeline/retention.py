@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from server.store import JobStore, PruneStats, now
+from rollout.server.store import JobStore, PruneStats, now
 
 log = logging.getLogger(__name__)
 

@@ -24,21 +24,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.handler import HandlerRegistry, JobContext
-from runtime.llm import LLMClient
-from runtime.types import InvalidArgument, JobError, JobState, Stage, TerminationReason
-from server.metrics import SchedulerMetrics, SchedulerStatus, StageStats
-from server.pipeline.groups import GROUP_FINISHED, Groups
-from server.pipeline.pool import LiveJob, StagePool
-from server.pipeline.session import (
+from rollout.runtime.handler import HandlerRegistry, JobContext
+from rollout.runtime.llm import LLMClient
+from rollout.runtime.types import InvalidArgument, JobError, JobState, Stage, TerminationReason
+from rollout.server.metrics import SchedulerMetrics, SchedulerStatus, StageStats
+from rollout.server.pipeline.groups import GROUP_FINISHED, Groups
+from rollout.server.pipeline.pool import LiveJob, StagePool
+from rollout.server.pipeline.session import (
     Event,
     JobFinished,
     StageProgress,
     Subscription,
     TrajectoryReady,
 )
-from server.pipeline.stages import StageResult, build_trajectory, release, run_stage
-from server.store import FinishRecord, JobStore, now
+from rollout.server.pipeline.stages import StageResult, build_trajectory, release, run_stage
+from rollout.server.store import FinishRecord, JobStore, now
 
 log = logging.getLogger(__name__)
 STAGES = (Stage.INIT, Stage.RUN, Stage.EVAL)

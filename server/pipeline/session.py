@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.types import JobError, JobState, Stage, Trajectory
+from rollout.runtime.types import JobError, JobState, Stage, Trajectory
 
 
 @dataclass(frozen=True, slots=True)

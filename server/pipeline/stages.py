@@ -17,10 +17,10 @@ import logging
 import re
 from dataclasses import dataclass
 
-from runtime.agent_loop import TURNS_KEY
-from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from runtime.llm import LLMUnavailable
-from runtime.types import (
+from rollout.runtime.agent_loop import TURNS_KEY
+from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.llm import LLMUnavailable
+from rollout.runtime.types import (
     InvalidArgument,
     JobError,
     Reward,

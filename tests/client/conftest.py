@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from runtime.handler import HandlerRegistry
-from server.app import Server
-from server.config import Config, load_config
+from rollout.runtime.handler import HandlerRegistry
+from rollout.server.app import Server
+from rollout.server.config import Config, load_config
 from tests.server.handlers import ScriptedHandler
 
 

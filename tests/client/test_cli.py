@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from client import cli
-from client.cli import main, resolve_settings
-from client.cli_submit import default_client_id
-from client.sync import RolloutClientSync
-from client.trajectory import from_json
+from rollout.client import cli
+from rollout.client.cli import main, resolve_settings
+from rollout.client.cli_submit import default_client_id
+from rollout.client.sync import RolloutClientSync
+from rollout.client.trajectory import from_json
 from tests.client.conftest import ThreadedServer, task
 
 pytestmark = pytest.mark.timeout(30)
@@ -175,14 +175,14 @@ def test_settings_precedence_end_to_end(threaded_server: ThreadedServer, tmp_pat
 
 
 def test_serve_flags_become_overrides(monkeypatch, tmp_path) -> None:
-    import server.app
+    import rollout.server.app
 
     seen = {}
 
     async def fake_serve(cfg):
         seen["cfg"] = cfg
 
-    monkeypatch.setattr(server.app, "serve", fake_serve)
+    monkeypatch.setattr(rollout.server.app, "serve", fake_serve)
     conf = tmp_path / "s.toml"
     conf.write_text("[server]\nport = 1111\nhost = \"0.0.0.0\"\n[pipeline]\nrun_workers = 3\n"
                     "[client]\naddress = \"x:1\"\n")
@@ -202,10 +202,11 @@ def test_lazy_delegates(monkeypatch) -> None:
     import types
 
     calls = []
-    for name in ("server.quickstart", "server.bench.tools"):
+    for name in ("rollout.server.quickstart", "rollout.server.bench.tools"):
         mod = types.ModuleType(name)
         mod.main = lambda argv, name=name: calls.append((name, argv)) or 0  # type: ignore
         monkeypatch.setitem(sys.modules, name, mod)
     assert main(["quickstart", "--fast"]) == 0
     assert main(["bench", "tools", "--n", "3"]) == 0
-    assert calls == [("server.quickstart", ["--fast"]), ("server.bench.tools", ["--n", "3"])]
+    assert calls == [("rollout.server.quickstart", ["--fast"]),
+                     ("rollout.server.bench.tools", ["--n", "3"])]

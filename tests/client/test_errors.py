@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.aio import RolloutClient
-from client.errors import RolloutError
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness, task
@@ -181,7 +181,7 @@ async def test_auth(make_harness) -> None:
 def test_client_channel_options_match_the_server() -> None:
     """The client keeps its own copy (it may not import the server); keepalive settings that
     drift apart make the server answer GOAWAY too_many_pings."""
-    from client.aio import channel_options as client_options
-    from server.app import channel_options as server_options
+    from rollout.client.aio import channel_options as client_options
+    from rollout.server.app import channel_options as server_options
 
     assert client_options(1 << 20) == server_options(1 << 20)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from client.aio import RolloutClient
-from client.errors import RolloutError
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness, task

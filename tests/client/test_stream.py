@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from client.aio import RolloutClient
-from client.errors import RolloutError
-from client.sync import RolloutClientSync
-from client.trajectory import flatten
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
+from rollout.client.sync import RolloutClientSync
+from rollout.client.trajectory import flatten
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness, task
@@ -103,7 +103,7 @@ async def test_group_finish_after_cancels_the_rest(harness: ServerHarness) -> No
 
 
 async def test_group_seeds_differ(harness: ServerHarness) -> None:
-    from client.specs import group_specs
+    from rollout.client.specs import group_specs
 
     specs = group_specs({**task(), "sampling": {"seed": 7}}, 3, "seeded")
     assert len({s.sampling.seed for s in specs}) == 3

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from client.trajectory import flatten, from_json, to_json, total_tokens
+from rollout.client.trajectory import flatten, from_json, to_json, total_tokens
 from rollout.v1 import trajectory_pb2 as tpb
 
 

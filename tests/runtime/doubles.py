@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from runtime.llm import GenerateRequest, GenerateResult, LLMUnavailable
-from server.llm.engine import Engine, EngineError
+from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMUnavailable
+from rollout.server.llm.engine import Engine, EngineError
 
 # Qwen2.5-Instruct's chat template (tools rendered by the template, tool results grouped into
 # one user turn of <tool_response> blocks). Written out here: nothing is downloaded in tests.
@@ -68,7 +68,7 @@ def smollm2_tokenizer() -> Any:
     """The real SmolLM2-135M-Instruct tokenizer (converted once from the bundled GGUF)."""
     from transformers import AutoTokenizer
 
-    from server.llm.smollm2 import smollm2_dir
+    from rollout.server.llm.smollm2 import smollm2_dir
 
     return AutoTokenizer.from_pretrained(str(smollm2_dir()))
 

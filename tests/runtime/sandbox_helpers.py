@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
+from rollout.runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
 
 
 @contextlib.contextmanager

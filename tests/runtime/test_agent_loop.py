@@ -12,15 +12,20 @@ from typing import Any
 
 import pytest
 
-from runtime.agent_loop import TURNS_KEY, build_system_prompt, prepare_messages, run_agent_loop
-from runtime.handler import JobContext
-from runtime.llm import LLMUnavailable
-from runtime.tokens import ChatTokenizer
-from runtime.tools.base import ToolResult
-from runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
-from runtime.types import GroupSpec, JobSpec, Limits, SamplingParams, TerminationReason
-from server.llm.engine import EngineError
-from server.llm.scripted import ScriptedEngine
+from rollout.runtime.agent_loop import (
+    TURNS_KEY,
+    build_system_prompt,
+    prepare_messages,
+    run_agent_loop,
+)
+from rollout.runtime.handler import JobContext
+from rollout.runtime.llm import LLMUnavailable
+from rollout.runtime.tokens import ChatTokenizer
+from rollout.runtime.tools.base import ToolResult
+from rollout.runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool
+from rollout.runtime.types import GroupSpec, JobSpec, Limits, SamplingParams, TerminationReason
+from rollout.server.llm.engine import EngineError
+from rollout.server.llm.scripted import ScriptedEngine
 from tests.runtime.doubles import QWEN25_TEMPLATE, EngineClient, smollm2_tokenizer
 from tests.util import assert_eventually
 
@@ -298,7 +303,7 @@ async def test_submit_tool_requires_an_answer_and_stringifies_values() -> None:
 async def test_through_the_backend_pool_with_failover(tok: Any) -> None:
     """The real pool between loop and engines: the backend of turn 0 dies, the turn is retried
     on the other one, and the trajectory carries on (the engines share the script position)."""
-    from server.llm.pool import BackendPool
+    from rollout.server.llm.pool import BackendPool
 
     turns: dict[str, int] = {}
     script = {"job-1": [call("echo", text="a"), call("echo", text="b"), "done"]}
@@ -333,8 +338,8 @@ async def test_through_the_backend_pool_with_failover(tok: Any) -> None:
 
 
 async def test_real_bash_tool_in_a_bwrap_sandbox(tok: Any, tmp_path: Path) -> None:
-    from runtime.sandbox.base import SandboxConfig, create_sandbox
-    from runtime.tools import make_tools
+    from rollout.runtime.sandbox.base import SandboxConfig, create_sandbox
+    from rollout.runtime.tools import make_tools
 
     script = [call("bash", command="cd /workspace && echo hello > f.txt && export X=41"),
               call("bash", command="cat f.txt; pwd; echo $((X + 1)); id -u"),
@@ -355,8 +360,8 @@ async def test_real_bash_tool_in_a_bwrap_sandbox(tok: Any, tmp_path: Path) -> No
 @pytest.mark.timeout(120)
 async def test_real_smollm2_trajectory_round_trips(tok: Any) -> None:
     """The real model through the in-process engine: ids, mask and logprobs line up."""
-    from server.llm.smollm2 import smollm2_dir
-    from server.llm.transformers_engine import TransformersEngine
+    from rollout.server.llm.smollm2 import smollm2_dir
+    from rollout.server.llm.transformers_engine import TransformersEngine
 
     engine = TransformersEngine(smollm2_dir(), name="smol")
     client = EngineClient(engine)

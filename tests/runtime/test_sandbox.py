@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import (
+from rollout.runtime.sandbox import (
     SandboxConfig,
     SandboxError,
     SandboxLimits,
@@ -191,7 +191,7 @@ async def test_reap_stale_cleans_after_a_crashed_server(cfg: SandboxConfig) -> N
     script = textwrap.dedent(f"""
         import asyncio, sys
         from pathlib import Path
-        from runtime.sandbox import SandboxConfig, create_sandbox
+        from rollout.runtime.sandbox import SandboxConfig, create_sandbox
         async def main():
             sb = await create_sandbox(SandboxConfig(state_dir=Path({str(cfg.state_dir)!r})))
             proc = await asyncio.create_subprocess_exec(
@@ -248,8 +248,8 @@ async def test_wall_clock_timeout_default_from_limits(cfg: SandboxConfig) -> Non
 async def test_works_as_job_context_sandbox_factory(cfg: SandboxConfig) -> None:
     import functools
 
-    from runtime.handler import JobContext
-    from runtime.types import JobSpec
+    from rollout.runtime.handler import JobContext
+    from rollout.runtime.types import JobSpec
 
     ctx = JobContext(spec=JobSpec(job_id="j1", environment="test", task={}),
                      sandbox_factory=functools.partial(create_sandbox, cfg))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import SandboxConfig, SandboxUnavailable, create_sandbox
+from rollout.runtime.sandbox import SandboxConfig, SandboxUnavailable, create_sandbox
 
 pytestmark = pytest.mark.timeout(60)
 FAKE_DIR = Path(__file__).parent / "fake_singularity"

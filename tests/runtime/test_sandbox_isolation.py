@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox, procs
+from rollout.runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox, procs
 from tests.runtime.sandbox_helpers import host_has, temp_config
 from tests.util import assert_eventually
 

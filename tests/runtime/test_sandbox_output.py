@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.sandbox.output import CappedOutput
-from runtime.tools.bash import _new_sink
+from rollout.runtime.sandbox.output import CappedOutput
+from rollout.runtime.tools.bash import _new_sink
 
 
 def test_split_keeps_head_and_tail_and_counts_the_middle() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import create_sandbox
+from rollout.runtime.sandbox import create_sandbox
 from tests.runtime.sandbox_helpers import temp_config
 
 

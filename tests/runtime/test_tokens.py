@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.tokens import ChatLedger, ChatTemplateError, ChatTokenizer
-from runtime.types import Turn
+from rollout.runtime.tokens import ChatLedger, ChatTemplateError, ChatTokenizer
+from rollout.runtime.types import Turn
 from tests.runtime.doubles import QWEN25_TEMPLATE, THINK_STRIPPING_TEMPLATE, smollm2_tokenizer
 
 pytestmark = pytest.mark.timeout(60)

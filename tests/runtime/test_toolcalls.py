@@ -7,8 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.toolcalls import parse_tool_calls
-from runtime.tools.base import ToolCall, ToolCallError
+from rollout.runtime.toolcalls import parse_tool_calls
+from rollout.runtime.tools.base import ToolCall, ToolCallError
 
 
 def call(name: str, **args: object) -> str:

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from runtime.sandbox import Sandbox
-from runtime.tools import make_tools, tool_schema
-from runtime.tools.bash import BashSession, BashTool, ansi_c_quote
+from rollout.runtime.sandbox import Sandbox
+from rollout.runtime.tools import make_tools, tool_schema
+from rollout.runtime.tools.bash import BashSession, BashTool, ansi_c_quote
 from tests.runtime.sandbox_helpers import temp_sandbox
 from tests.util import assert_eventually
 

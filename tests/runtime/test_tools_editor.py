@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import Sandbox
-from runtime.tools import make_tools
-from runtime.tools.editor import EditorError, FileEditor
+from rollout.runtime.sandbox import Sandbox
+from rollout.runtime.tools import make_tools
+from rollout.runtime.tools.editor import EditorError, FileEditor
 from tests.runtime.sandbox_helpers import temp_sandbox
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
-from runtime.tools import make_tools
+from rollout.runtime.sandbox import Sandbox, SandboxConfig, create_sandbox
+from rollout.runtime.tools import make_tools
 from tests.runtime.sandbox_helpers import temp_sandbox
 
 pytestmark = pytest.mark.timeout(90)

@@ -21,8 +21,8 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from runtime.types import InvalidArgument, Reward, TerminationReason, Turn
+from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.types import InvalidArgument, Reward, TerminationReason, Turn
 
 
 class ScriptedHandler(AgentHandler):
@@ -110,7 +110,7 @@ class ScriptedHandler(AgentHandler):
 
 def spec(job_id: str, *, priority: int = 0, group: Any = None, env: str = "scripted",
          limits: Any = None, **task: Any) -> Any:
-    from runtime.types import JobSpec, Limits
+    from rollout.runtime.types import JobSpec, Limits
 
     return JobSpec(job_id=job_id, environment=env, task=task, priority=priority, group=group,
                    limits=limits or Limits())
@@ -120,9 +120,9 @@ def spec(job_id: str, *, priority: int = 0, group: Any = None, env: str = "scrip
 async def running_scheduler(db_path: Any, handler: ScriptedHandler | None = None,
                             **config: Any) -> Any:
     """A started scheduler over a fresh store with the scripted environment registered."""
-    from runtime.handler import HandlerRegistry
-    from server.scheduler import PipelineConfig, Scheduler
-    from server.store import JobStore
+    from rollout.runtime.handler import HandlerRegistry
+    from rollout.server.scheduler import PipelineConfig, Scheduler
+    from rollout.server.store import JobStore
 
     handler = handler or ScriptedHandler()
     registry = HandlerRegistry()
@@ -142,7 +142,7 @@ async def running_scheduler(db_path: Any, handler: ScriptedHandler | None = None
 async def collect_finished(sub: Any, job_ids: Any,
                            timeout: float = 20.0) -> dict[str, Any]:
     """Read ``sub`` until a JobFinished arrived for every id; returns them by job id."""
-    from server.pipeline.session import JobFinished
+    from rollout.server.pipeline.session import JobFinished
 
     want, got = set(job_ids), {}
     async with asyncio.timeout(timeout):

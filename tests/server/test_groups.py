@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.types import GroupSpec, JobState
-from server.scheduler import GROUP_FINISHED
+from rollout.runtime.types import GroupSpec, JobState
+from rollout.server.scheduler import GROUP_FINISHED
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from client.aio import RolloutClient
+from rollout.client.aio import RolloutClient
 from rollout.v1 import job_pb2
 from tests.client.conftest import ServerHarness, task
 

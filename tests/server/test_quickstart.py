@@ -15,7 +15,7 @@ import pytest
 def test_quickstart_runs_the_embedded_defaults(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = subprocess.run(
-        [sys.executable, "-m", "client.cli", "quickstart", "--mix", "math=1,code=1,swe=1",
+        [sys.executable, "-m", "rollout.client.cli", "quickstart", "--mix", "math=1,code=1,swe=1",
          "--out-dir", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.types import JobState, Stage
-from server.pipeline.session import TrajectoryReady
-from server.store import JobStore
+from rollout.runtime.types import JobState, Stage
+from rollout.server.pipeline.session import TrajectoryReady
+from rollout.server.store import JobStore
 from tests.server.handlers import (
     ScriptedHandler,
     collect_finished,
@@ -47,7 +47,7 @@ async def _child(db: str) -> None:
 @pytest.mark.timeout(60)
 async def test_sigkill_mid_run_then_restart_delivers_everything(tmp_path):
     db = tmp_path / "jobs.db"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.server.test_recovery", str(db), cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.bench import pipeline
+from rollout.server.bench import pipeline
 
 
 @pytest.mark.timeout(60)

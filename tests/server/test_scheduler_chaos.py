@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from runtime.types import GroupSpec, JobState
-from server.pipeline.session import JobFinished, TrajectoryReady
-from server.scheduler import NotCancellable
+from rollout.runtime.types import GroupSpec, JobState
+from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.scheduler import NotCancellable
 from tests.server.handlers import running_scheduler, spec
 from tests.util import assert_eventually
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.types import JobSpec, Stage
-from server.pipeline.pool import LiveJob, StagePool
+from rollout.runtime.types import JobSpec, Stage
+from rollout.server.pipeline.pool import LiveJob, StagePool
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("submit"), st.integers(-2, 2)),

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
-from runtime.types import JobState
-from server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
+from rollout.runtime.types import JobState
+from rollout.server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually
 

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from runtime.types import (
+from rollout.runtime.types import (
     GroupSpec,
     JobError,
     JobSpec,
@@ -18,7 +18,7 @@ from runtime.types import (
     Trajectory,
     Turn,
 )
-from server.store import FinishRecord, JobStore
+from rollout.server.store import FinishRecord, JobStore
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from runtime.handler import AgentHandler, JobContext, RunOutcome
-from runtime.sandbox.base import SandboxConfig, create_sandbox
-from runtime.types import JobSpec, Limits, Reward, SamplingParams
-from server.llm.scripted import ScriptedEngine
+from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
+from rollout.runtime.sandbox.base import SandboxConfig, create_sandbox
+from rollout.runtime.types import JobSpec, Limits, Reward, SamplingParams
+from rollout.server.llm.scripted import ScriptedEngine
 from tests.runtime.doubles import EngineClient, smollm2_tokenizer
 
 Rollout = Callable[..., Awaitable["RolloutResult"]]

@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.envs.answers import answers_equivalent, extract_boxed, normalize_answer, parse_answer
+from rollout.runtime.envs.answers import (
+    answers_equivalent,
+    extract_boxed,
+    normalize_answer,
+    parse_answer,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from runtime.envs.code import CodeHandler
-from runtime.envs.tasks import load_tasks
-from runtime.handler import JobContext
-from runtime.types import TerminationReason
+from rollout.runtime.envs.code import CodeHandler
+from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.handler import JobContext
+from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
 pytestmark = pytest.mark.timeout(90)

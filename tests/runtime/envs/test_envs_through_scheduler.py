@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from runtime.envs.code import CodeHandler
-from runtime.envs.math import MathHandler
-from runtime.envs.swe import SweHandler
-from runtime.envs.tasks import load_tasks
-from runtime.handler import HandlerRegistry
-from runtime.types import JobSpec, JobState, Limits, SamplingParams
-from server.llm.scripted import ScriptedEngine
-from server.pipeline.session import JobFinished, TrajectoryReady
-from server.scheduler import PipelineConfig, Scheduler
-from server.store import JobStore
+from rollout.runtime.envs.code import CodeHandler
+from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.swe import SweHandler
+from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.types import JobSpec, JobState, Limits, SamplingParams
+from rollout.server.llm.scripted import ScriptedEngine
+from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.scheduler import PipelineConfig, Scheduler
+from rollout.server.store import JobStore
 from tests.runtime.doubles import EngineClient
 from tests.runtime.envs.conftest import call
 

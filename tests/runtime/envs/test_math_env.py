@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from runtime.envs.math import MathHandler
-from runtime.envs.tasks import load_tasks
-from runtime.types import TerminationReason
+from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
 pytestmark = pytest.mark.timeout(60)

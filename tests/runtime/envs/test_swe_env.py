@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from runtime.envs.common import DATA_DIR
-from runtime.envs.swe import SweHandler
-from runtime.envs.tasks import load_tasks
-from runtime.handler import HandlerError, JobContext
-from runtime.types import TerminationReason
+from rollout.runtime.envs.common import DATA_DIR
+from rollout.runtime.envs.swe import SweHandler
+from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.handler import HandlerError, JobContext
+from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
 pytestmark = pytest.mark.timeout(90)

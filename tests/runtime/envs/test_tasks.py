@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from runtime.envs.code import CodeHandler
-from runtime.envs.common import DATA_DIR
-from runtime.envs.math import MathHandler
-from runtime.envs.pytest_log import judge, parse_pytest_report
-from runtime.envs.swe import SweHandler, patched_files
-from runtime.envs.tasks import job_lines, load_tasks, main, read_task_file
-from runtime.handler import HandlerRegistry
-from runtime.types import InvalidArgument
+from rollout.runtime.envs.code import CodeHandler
+from rollout.runtime.envs.common import DATA_DIR
+from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.pytest_log import judge, parse_pytest_report
+from rollout.runtime.envs.swe import SweHandler, patched_files
+from rollout.runtime.envs.tasks import job_lines, load_tasks, main, read_task_file
+from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.types import InvalidArgument
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from runtime.llm import GenerateRequest, GenerateResult
-from server.llm.engine import Engine, EngineError
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.server.llm.engine import Engine, EngineError
 from tests.fixtures.tiny_model import tiny_model_dir
 
 
@@ -21,7 +21,7 @@ def tiny_dir() -> Path:
 
 @pytest.fixture
 async def engine(tiny_dir: Path) -> AsyncIterator[Any]:
-    from server.llm.transformers_engine import TransformersEngine
+    from rollout.server.llm.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(tiny_dir, name="tiny")
     yield eng

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+sys.path[:0] = [str(ROOT)]
 
 
 def main(argv: list[str]) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     model, rest = argv[1], argv[2:]
     host = rest[rest.index("--host") + 1] if "--host" in rest else "127.0.0.1"
     port = rest[rest.index("--port") + 1] if "--port" in rest else "8000"
-    from server.llm.http_server import main as serve_main
+    from rollout.server.llm.http_server import main as serve_main
 
     return serve_main(["--host", host, "--port", port, "--model", model])
 

@@ -12,14 +12,14 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
-from client import cli
-from client.errors import RolloutError
+from rollout.client import cli
+from rollout.client.errors import RolloutError
+from rollout.server.backends_servicer import BackendServicer
+from rollout.server.llm.http_server import serve
+from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.transformers_engine import TransformersEngine
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
-from server.backends_servicer import BackendServicer
-from server.llm.http_server import serve
-from server.llm.pool import BackendPool
-from server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.server.llm.conftest import FakeEngine
 
@@ -114,7 +114,7 @@ async def test_add_rejects_bad_requests(harness: Harness, request_: pb.AddBacken
 
 async def test_managed_vllm_without_vllm_is_failed_precondition(
         harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.llm import vllm_launcher
+    from rollout.server.llm import vllm_launcher
 
     monkeypatch.setattr(vllm_launcher, "vllm_executable", lambda: None)
     await expect(harness.stub.AddBackend(pb.AddBackendRequest(

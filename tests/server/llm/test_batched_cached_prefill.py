@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.llm import GenerateRequest, GenerateResult
-from runtime.types import SamplingParams
-from server.llm.decode_batch import PrefillBatch, plan_prefill
-from server.llm.transformers_engine import TransformersEngine
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.decode_batch import PrefillBatch, plan_prefill
+from rollout.server.llm.transformers_engine import TransformersEngine
 
 GREEDY = SamplingParams(temperature=0.0)
 SESSIONS, TURNS = 6, 3

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.llm import GenerateRequest
-from runtime.types import SamplingParams
-from server.llm.pool import BackendPool
-from server.llm.transformers_engine import TransformersEngine
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.util import assert_eventually
 

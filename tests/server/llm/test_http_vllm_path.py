@@ -14,13 +14,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from runtime.llm import GenerateRequest, LLMUnavailable
-from runtime.types import InvalidArgument, SamplingParams
-from server.llm.engine import EngineError
-from server.llm.http_engine import HttpEngine
-from server.llm.http_server import serve
-from server.llm.pool import BackendPool
-from server.llm.transformers_engine import TransformersEngine
+from rollout.runtime.llm import GenerateRequest, LLMUnavailable
+from rollout.runtime.types import InvalidArgument, SamplingParams
+from rollout.server.llm.engine import EngineError
+from rollout.server.llm.http_engine import HttpEngine
+from rollout.server.llm.http_server import serve
+from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.util import assert_eventually
 
@@ -160,9 +160,10 @@ async def test_unreachable_server_is_an_engine_error() -> None:
 
 @pytest.mark.timeout(90)
 async def test_llm_serve_main_as_subprocess(tiny_dir: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'proto'}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.llm.http_server", "--port", "0", "--model", str(tiny_dir),
+        sys.executable, "-m", "rollout.server.llm.http_server", "--port", "0",
+        "--model", str(tiny_dir),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         assert proc.stdout is not None

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from runtime.llm import GenerateRequest, LLMClient, LLMUnavailable
-from runtime.types import SamplingParams
-from server.llm.pool import BackendPool
+from rollout.runtime.llm import GenerateRequest, LLMClient, LLMUnavailable
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.pool import BackendPool
 from tests.server.llm.conftest import FakeEngine
 from tests.util import assert_eventually
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from runtime.llm import GenerateRequest
-from runtime.types import SamplingParams
-from server.llm.engine import EngineError
-from server.llm.scripted import ScriptedEngine
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.engine import EngineError
+from rollout.server.llm.scripted import ScriptedEngine
 from tests.runtime.doubles import smollm2_tokenizer
 from tests.util import assert_eventually
 

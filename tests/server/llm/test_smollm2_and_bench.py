@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from server.bench import llm as bench_llm
-from server.llm import smollm2
+from rollout.server.bench import llm as bench_llm
+from rollout.server.llm import smollm2
 
 
 def test_conversion_runs_once_under_concurrency(tmp_path: Path,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.llm import GenerateRequest
-from runtime.types import InvalidArgument, SamplingParams
-from server.llm.transformers_engine import TransformersEngine
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import InvalidArgument, SamplingParams
+from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.util import assert_eventually
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.llm import GenerateRequest
-from runtime.types import SamplingParams
-from server.llm import vllm_launcher
-from server.llm.pool import BackendPool
-from server.llm.vllm_launcher import VllmNotInstalled, build_command, launch_vllm
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm import vllm_launcher
+from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.vllm_launcher import VllmNotInstalled, build_command, launch_vllm
 from tests.util import assert_eventually
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_vllm.py"))]
