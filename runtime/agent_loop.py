@@ -9,8 +9,8 @@ lives in :mod:`rollout.runtime.tokens`: the model's output ids go into the traje
 The loop never raises for the model's mistakes (bad JSON, unknown tools, tools that crash):
 those become error observations the model can react to. It does raise
 :class:`rollout.runtime.llm.LLMUnavailable` (no backend: the job fails, a partial trajectory
-would be bad training data) and lets cancellation through. While it runs, ``ctx.state[TURNS_KEY]`` is
-the live list of finished turns, so a scheduler that cancels RUN can still salvage them.
+would be bad training data) and lets cancellation through. While it runs,
+``ctx.state[TURNS_KEY]`` is the live list of finished turns, so a scheduler that cancels RUN can still salvage them.
 """
 
 from __future__ import annotations
