@@ -10,7 +10,8 @@ The loop never raises for the model's mistakes (bad JSON, unknown tools, tools t
 those become error observations the model can react to. It does raise
 :class:`rollout.runtime.llm.LLMUnavailable` (no backend: the job fails, a partial trajectory
 would be bad training data) and lets cancellation through. While it runs,
-``ctx.state[TURNS_KEY]`` is the live list of finished turns, so a scheduler that cancels RUN can still salvage them.
+``ctx.state[TURNS_KEY]`` is the live list of finished turns, so a scheduler that cancels RUN can
+still salvage them.
 """
 
 from __future__ import annotations
