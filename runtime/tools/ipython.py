@@ -29,12 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rollout.runtime.timeouts import scaled
 from rollout.runtime.tools.base import ToolResult
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 _counter = itertools.count(1)
 MAX_UNIX_PATH = 100
+KERNEL_STARTUP_S = 30.0
+"""Base deadline for a kernel to answer ``kernel_info``; stretched by ``ROLLOUT_TIMEOUT_SCALE``
+because importing IPython on a loaded machine takes many times its idle ~0.5 s."""
 
 
 class KernelError(RuntimeError):
@@ -81,11 +85,14 @@ class IPythonKernel:
 
     @classmethod
     async def start(cls, sandbox: Any = None, *, transport: Literal["ipc", "tcp"] = "ipc",
-                    python: str | None = None, startup_timeout: float = 30.0) -> IPythonKernel:
-        """Start a kernel in ``sandbox`` (``None``: on the host, used for baselines)."""
+                    python: str | None = None,
+                    startup_timeout: float | None = None) -> IPythonKernel:
+        """Start a kernel in ``sandbox`` (``None``: on the host, used for baselines);
+        ``startup_timeout`` defaults to the scaled ``KERNEL_STARTUP_S``."""
         py = python or (getattr(sandbox, "python", None) if sandbox else None) or sys.executable
         kernel = cls(sandbox, transport, py)
-        await kernel._launch(startup_timeout)
+        await kernel._launch(scaled(KERNEL_STARTUP_S) if startup_timeout is None
+                             else startup_timeout)
         return kernel
 
     def _dirs(self) -> tuple[Path, str]:
@@ -180,11 +187,11 @@ class IPythonKernel:
             self._tmp.cleanup()
             self._tmp = None
 
-    async def restart(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+    async def restart(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """A fresh kernel (all variables are lost)."""
         async with self._lock:
             await self.close()
-            await self._launch(timeout)
+            await self._launch(scaled(KERNEL_STARTUP_S) if timeout is None else timeout)
 
     async def interrupt(self) -> None:
         if self._client is not None:
@@ -196,7 +203,7 @@ class IPythonKernel:
         async with self._lock:
             if not self.alive or self._client is None:
                 await self.close()
-                await self._launch(30.0)
+                await self._launch(scaled(KERNEL_STARTUP_S))
                 prefix = "[the kernel had died and was restarted; earlier state is lost]\n"
             else:
                 prefix = ""
@@ -219,7 +226,7 @@ class IPythonKernel:
             if remaining <= 0:
                 if interrupted:
                     await self.close()
-                    await self._launch(30.0)
+                    await self._launch(scaled(KERNEL_STARTUP_S))
                     return CellResult("".join(parts) + f"\n[timed out after {timeout:g} s and "
                                       "ignored the interrupt: the kernel was restarted, all "
                                       "variables are lost]", "restarted", "Timeout", rich)
@@ -232,7 +239,7 @@ class IPythonKernel:
             except Exception:  # queue.Empty on timeout
                 if not self.alive:
                     await self.close()
-                    await self._launch(30.0)
+                    await self._launch(scaled(KERNEL_STARTUP_S))
                     return CellResult("".join(parts) + "\n[the kernel died (out of memory or "
                                       "killed); it was restarted, all variables are lost]",
                                       "restarted", "KernelDied", rich)
