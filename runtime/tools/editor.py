@@ -12,14 +12,20 @@ byte.
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from rollout.runtime.sandbox import hostfs
 from rollout.runtime.tools.base import ToolResult
 
 SNIPPET_LINES = 4
 MAX_VIEW_CHARS = 16 * 1024
+MAX_READ_BYTES = 16 << 20
+"""Largest file the editor reads outside the workspace (the workspace's own cap is hostfs's)."""
+_CAT_REGULAR = ('[ -f "$1" ] || { echo "not a regular file (FIFO, device or directory)" >&2; '
+                'exit 1; }; exec cat -- "$1"')
 
 
 class EditorError(ValueError):
@@ -62,12 +68,19 @@ class FileEditor:
     async def _read(self, path: str) -> tuple[str, bytes]:
         full, rel = self._resolve(path)
         if rel is None:
-            res = await self.sandbox.exec(["cat", "--", full], timeout=30)
+            # Inside the sandbox, but still refuse FIFOs and devices: `cat` of one would hang
+            # until the timeout or stream without end.
+            res = await self.sandbox.exec(["bash", "-c", _CAT_REGULAR, "cat", full],
+                                          timeout=30, max_output=MAX_READ_BYTES)
+            if res.truncated:
+                raise EditorError(f"{full} is larger than {MAX_READ_BYTES} bytes")
             if res.exit_code != 0:
                 raise EditorError(f"cannot read {full}: {res.stderr.strip()}")
             return full, res.stdout.encode("utf-8", "surrogateescape")
         try:
             return full, await self.sandbox.get_file(rel)
+        except hostfs.SpecialFileError as e:
+            raise EditorError(f"cannot read {full}: {e}") from None
         except FileNotFoundError:
             raise EditorError(f"{full} does not exist") from None
         except IsADirectoryError:
@@ -118,9 +131,12 @@ class FileEditor:
 
     async def _is_dir(self, full: str) -> bool:
         _, rel = self._resolve(full)
-        if rel is not None:
-            return (self.sandbox.workspace / rel).is_dir() and not (
-                self.sandbox.workspace / rel).is_symlink()
+        if rel is not None:  # no link followed on the way (hostfs)
+            try:
+                kind = await asyncio.to_thread(hostfs.kind_beneath, self.sandbox.workspace, rel)
+            except PermissionError:  # a link where a directory should be
+                return False
+            return kind == "dir"
         res = await self.sandbox.exec(["test", "-d", full], timeout=30)
         return res.exit_code == 0
 
