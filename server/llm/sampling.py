@@ -1,38 +1,83 @@
-"""Token sampling for the in-process engine: temperature, top-k, top-p, per-request seeds.
+"""Token sampling for the in-process engine: one batched step over rows with their own
+temperature, top-k, top-p, seed and logprobs mode.
 
-Logprobs are the *raw* model log-probabilities of the sampled token (log-softmax of the
-unmodified logits), which is what vLLM V1 returns by default (``logprobs_mode=raw_logprobs``),
-so a trajectory's logprobs mean the same thing whichever backend produced the turn.
+Which logprob a turn records (``SamplingParams.logprobs_mode``):
+
+``processed`` (default)
+    The log-probability of the sampled token under the distribution it was drawn from: logits
+    divided by the temperature, top-k then top-p applied (tokens outside the kept set get
+    ``-inf``), log-softmax over what is left. This is vLLM V1's ``--logprobs-mode
+    processed_logprobs`` (``vllm/v1/sample/sampler.py``: logprobs taken after temperature and
+    top-k/top-p), so both backends hand a trainer the behaviour policy's numbers.
+``raw``
+    Log-softmax of the unmodified logits (vLLM's default ``raw_logprobs``).
+
+Greedy rows (temperature below ``GREEDY_EPS``) pick the argmax. The distribution they "sample"
+from is a point mass, whose logprob (always 0) would tell a trainer nothing, so a greedy row
+records what vLLM's processed mode records for it: temperature treated as 1, the row's top-k /
+top-p applied, log-softmax (vLLM's sampler swaps a greedy row's temperature for 1 before the
+shared top-k/top-p step). With the usual greedy settings (no top-k, top-p 1) that equals the raw
+logprob. Greedy turns are for evaluation; an importance ratio over them is not meaningful.
+
+Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one
+token), computed on the top-k-filtered distribution, as vLLM does. Tokens tied with the last
+kept value are kept too (the cut is a threshold on the logit, like vLLM's top-k).
+
+The batched step (:func:`sample`) never loops over the vocabulary per row and never syncs with
+the device per row: one ``topk`` (when every row has a top-k) or one ``sort`` (when some row
+needs top-p over the full vocabulary) over the whole batch finds each row's cut-off logit, a
+comparison against that per-row threshold masks the batch in vocabulary order, and one
+``tolist`` brings tokens and logprobs back. Draws are inverse-CDF in vocabulary order with one
+uniform per row from the row's own generator, so a seeded row gives the same token whatever else
+shares its batch (the order and the uniform do not depend on the other rows).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from rollout.runtime.types import InvalidArgument, SamplingParams
 
+GREEDY_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them overflows."""
+
 
 @dataclass
 class Sampler:
-    """How one request picks its tokens; owns the request's random generator."""
+    """How one request picks its tokens; owns the request's random stream."""
 
     temperature: float
     top_p: float
     top_k: int
-    generator: torch.Generator | None
+    rng: random.Random | None
+    """One uniform per sampled token comes from here; None for greedy rows."""
+    raw_logprobs: bool = False
 
     @classmethod
-    def create(cls, sampling: SamplingParams, seed: int | None, device: torch.device) -> Sampler:
-        generator = None
-        if sampling.temperature > 0:
-            generator = torch.Generator(device=device)
-            if seed is not None:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()
-        return cls(sampling.temperature, sampling.top_p, sampling.top_k, generator)
+    def create(cls, sampling: SamplingParams, seed: int | None,
+               device: torch.device | None = None) -> Sampler:
+        """``device`` is accepted for symmetry with the engine; draws happen on the host."""
+        rng = None
+        if sampling.temperature >= GREEDY_EPS:
+            rng = random.Random(seed)  # None seeds from the OS
+        return cls(sampling.temperature, sampling.top_p, sampling.top_k, rng,
+                   sampling.logprobs_mode == "raw")
+
+    @property
+    def greedy(self) -> bool:
+        return self.rng is None
+
+    @property
+    def logprobs_kind(self) -> str:
+        return "raw" if self.raw_logprobs else "processed"
+
+    def uniform(self) -> float:
+        """A draw in (0, 1]: never 0, so the inverse CDF never lands on a zero-mass token."""
+        assert self.rng is not None
+        return 1.0 - self.rng.random()
 
 
 def validate_request(sampling: SamplingParams, max_tokens: int, prompt_ids: list[int],
@@ -54,31 +99,69 @@ def validate_request(sampling: SamplingParams, max_tokens: int, prompt_ids: list
                               "INVALID_SAMPLING_PARAMS", "sampling.stop_token_ids")
 
 
+def processed_logits(logits: torch.Tensor, temperature: list[float], top_k: list[int],
+                     top_p: list[float]) -> torch.Tensor:
+    """Logits of the distribution each row samples from: ``[B, vocab]``, removed tokens -inf.
+
+    Per row: ``temperature`` (greedy rows pass 1), ``top_k`` (0: off), ``top_p`` (1: off). The
+    parameters arrive as host lists so deciding what to compute never waits for the device.
+    Rows keep vocabulary order; only the threshold search sorts (once, over the batch).
+    """
+    device = logits.device
+    scaled = logits.float() / torch.tensor(temperature, dtype=torch.float32,
+                                           device=device).unsqueeze(1)
+    vocab = scaled.shape[1]
+    k_of = [k if 0 < k < vocab else vocab for k in top_k]
+    use_p = [p < 1.0 for p in top_p]
+    if all(k == vocab for k in k_of) and not any(use_p):
+        return scaled
+    width = max(k_of)
+    if width < vocab:  # every row has a top-k: its best `width` logits are all that matter
+        values = torch.topk(scaled, width, dim=-1).values
+    else:
+        values = torch.sort(scaled, dim=-1, descending=True).values
+    rank = torch.arange(width, device=device).unsqueeze(0)
+    in_top_k = rank < torch.tensor(k_of, device=device).unsqueeze(1)
+    values = values.masked_fill(~in_top_k, float("-inf"))
+    # Exclusive cumulative mass: the mass of the tokens ranked strictly above each one.
+    probs = torch.softmax(values, dim=-1)
+    above = probs.cumsum(-1) - probs
+    p_limit = torch.tensor([p if u else float("inf") for p, u in zip(top_p, use_p, strict=True)],
+                           dtype=torch.float32, device=device)
+    keep = (above < p_limit.unsqueeze(1)) & in_top_k
+    kept = keep.sum(-1).clamp(min=1)
+    threshold = values.gather(1, (kept - 1).unsqueeze(1))
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
 def sample(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` ``[B, vocab]``; return tokens and raw logprobs."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens: list[int] = []
-    for row, sampler in enumerate(samplers):
-        tokens.append(_sample_row(logits[row], sampler))
-    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)
-    picked = raw_logprobs.gather(1, index).squeeze(1).tolist()
-    return tokens, picked
-
-
-def _sample_row(logits: torch.Tensor, sampler: Sampler) -> int:
-    if sampler.temperature == 0:
-        return int(torch.argmax(logits).item())
-    scaled = logits / sampler.temperature
-    if 0 < sampler.top_k < scaled.numel():
-        kth = torch.topk(scaled, sampler.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if sampler.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
-        remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= sampler.top_p
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=sampler.generator).item())
+    """Pick one token per row of ``logits`` ``[B, vocab]``; return tokens and their logprobs
+    (processed or raw per row, see the module docstring). One host sync for the batch."""
+    device = logits.device
+    greedy = [s.greedy for s in samplers]
+    processed = processed_logits(
+        logits, [1.0 if g else s.temperature for s, g in zip(samplers, greedy, strict=True)],
+        [s.top_k for s in samplers], [s.top_p for s in samplers])
+    logprobs = torch.log_softmax(processed, dim=-1)
+    if all(greedy):
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        # Inverse CDF in vocabulary order: the first token whose cumulative mass reaches u * total.
+        uniforms = torch.tensor([0.5 if g else s.uniform() for s, g in zip(samplers, greedy,
+                                                                           strict=True)],
+                                dtype=torch.float32, device=device)
+        cdf = logprobs.exp().cumsum(-1)
+        total = cdf[:, -1:]
+        # Clamped below so a draw rounded to 0 cannot pick a leading zero-mass token.
+        target = torch.minimum(uniforms.unsqueeze(1) * total, total).clamp(
+            min=torch.finfo(torch.float32).tiny)
+        drawn = torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[1] - 1)
+        is_greedy = torch.tensor(greedy, device=device)
+        tokens = torch.where(is_greedy, torch.argmax(logits, dim=-1), drawn)
+    index = tokens.unsqueeze(1)
+    picked = logprobs.gather(1, index).squeeze(1)
+    if any(s.raw_logprobs for s in samplers):
+        raw = torch.log_softmax(logits.float(), dim=-1).gather(1, index).squeeze(1)
+        wants_raw = torch.tensor([s.raw_logprobs for s in samplers], device=device)
+        picked = torch.where(wants_raw, raw, picked)
+    return tokens.tolist(), picked.tolist()

@@ -14,9 +14,17 @@ How it works:
 
 Weight hot-swap (:meth:`TransformersEngine.update_weights`): admission pauses, the turns in flight
 **finish on the old weights** (up to ``drain_timeout_s``; after that they are cut with
-``finish_reason="abort"`` and keep the tokens produced so far), then the weights are copied in
-place, every cached KV is dropped (it was computed by the old policy) and the version is bumped.
-So every token of a turn comes from the single version reported in its result.
+``finish_reason="preempted"`` and keep the tokens produced so far, which the agent loop discards
+and re-issues), then the weights are copied in place, every cached KV is dropped (it was computed
+by the old policy) and the version is bumped. So every token of a turn comes from the single
+version reported in its result.
+
+Turn deadlines (``GenerateRequest.timeout_s``): the worker checks the clock before every decode
+step and ends a turn whose time is up with ``finish_reason="deadline"``, keeping its tokens and
+logprobs; a turn still queued when its time runs out returns ``deadline`` with no tokens.
+
+Logprobs are those of the distribution sampled from (or raw, per request); see
+:mod:`~rollout.server.llm.sampling`.
 """
 
 from __future__ import annotations
@@ -74,6 +82,11 @@ class _Seq:
         self.length = 0  # positions holding KV
         self.finish: str | None = None
         self.aborted = False
+        self.cut: str | None = None
+        """Set from the loop to end the turn at the next step with this finish reason
+        (``preempted``: a weight swap's drain ran out)."""
+        self.deadline = (None if request.timeout_s is None
+                         else time.monotonic() + max(0.0, request.timeout_s))
         self.retired = False
         self.released = False  # the session ended while this turn ran: don't keep its KV
         self.version = 0
@@ -181,6 +194,14 @@ class TransformersEngine(Engine):
         assert self._wakeup is not None
         self._wakeup.set()
         try:
+            if seq.deadline is not None:
+                done, _ = await asyncio.wait({seq.future}, timeout=request.timeout_s)
+                if not done and seq in self._pending:
+                    # Never admitted (a swap or a full batch held it): nothing was generated.
+                    self._pending.remove(seq)
+                    seq.version = self._version
+                    return self._result(seq, "deadline")
+                # Admitted: the worker sees the deadline at its next step and finishes the turn.
             return await asyncio.shield(seq.future)
         except asyncio.CancelledError:
             # The caller gave up (job cancelled, deadline): free the batch slot at the next step.
@@ -217,8 +238,10 @@ class TransformersEngine(Engine):
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
                 except TimeoutError:
+                    # The turns still running would mix two policies: cut them, marked so
+                    # the agent loop re-issues them rather than scoring a partial turn.
                     for seq in self._active:
-                        seq.aborted = True
+                        seq.cut = "preempted"
                     await self._idle.wait()
                 loop = asyncio.get_running_loop()
                 state = source if isinstance(source, Mapping) else Path(source)
@@ -310,25 +333,26 @@ class TransformersEngine(Engine):
                     seq.future.set_result(self._result(seq))
             self._active = still
 
-    def _result(self, seq: _Seq) -> GenerateResult:
+    def _result(self, seq: _Seq, finish: str | None = None) -> GenerateResult:
         return GenerateResult(output_ids=list(seq.output), logprobs=list(seq.logprobs),
-                              finish_reason=seq.finish or "abort", policy_version=seq.version,
-                              backend=self.name)
+                              finish_reason=finish or seq.finish or "abort",
+                              policy_version=seq.version,
+                              backend=self.name, logprobs_kind=seq.sampler.logprobs_kind)
 
     # ----------------------------------------------------------------- worker thread
     @torch.inference_mode()
     def _step(self, joining: list[_Seq]) -> None:
         live: list[_Seq] = []
+        now = time.monotonic()
         for seq in joining:
-            if seq.aborted:
-                seq.finish = "abort"
-            else:
+            self._check_cut(seq, now)
+            if seq.finish is None:
                 live.append(seq)
         if live:
             self._prefill(live)
+        now = time.monotonic()
         for seq in self._active:
-            if seq.finish is None and seq.aborted:
-                seq.finish = "abort"
+            self._check_cut(seq, now)
             if seq.finish is not None:
                 self._retire(seq)  # rows of the previous batch are still readable here
         members = [s for s in self._active if s.finish is None]
@@ -342,6 +366,18 @@ class TransformersEngine(Engine):
         for seq in self._active:
             if seq.finish is not None:
                 self._retire(seq)
+
+    @staticmethod
+    def _check_cut(seq: _Seq, now: float) -> None:
+        """End a running turn that was aborted, preempted or ran out of time."""
+        if seq.finish is not None:
+            return
+        if seq.aborted:
+            seq.finish = "abort"
+        elif seq.cut is not None:
+            seq.finish = seq.cut
+        elif seq.deadline is not None and now >= seq.deadline:
+            seq.finish = "deadline"
 
     def _cached_prefix(self, seq: _Seq) -> list[LayerKV] | None:
         """Check the session's KV out and crop it to the reusable prefix (None: nothing to reuse).

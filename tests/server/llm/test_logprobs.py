@@ -1,0 +1,265 @@
+"""Logprobs a trainer can trust: the in-process engine's numbers against an independent
+reference (one full forward over prompt + output, no KV cache, no batching, float64 top-k/top-p
+written out token by token), seeded reproducibility inside a batch, the sampler's draws against
+its distribution, and the turn cuts (deadline, weight-swap preemption)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.types import SamplingParams
+from rollout.server.llm.sampling import Sampler, sample
+from rollout.server.llm.transformers_engine import TransformersEngine
+from tests.fixtures.tiny_model import random_state_dict
+from tests.util import assert_eventually
+
+
+def chat(engine: TransformersEngine, text: str) -> list[int]:
+    out = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def full_forward_logits(model: torch.nn.Module, prompt: list[int], output: list[int]
+                        ) -> torch.Tensor:
+    """Logits that predicted each output token, from one uncached forward: ``[len(output), V]``."""
+    ids = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].double()
+    return logits[len(prompt) - 1:len(prompt) + len(output) - 1]
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int,
+                           top_p: float) -> dict[int, float]:
+    """The kept tokens and their probabilities under softmax(logits / T), top-k, then top-p.
+
+    Written independently of the engine: float64, a Python walk down the sorted tokens that
+    stops once the mass of the tokens taken reaches ``top_p``, then renormalised.
+    """
+    scaled = logits.double() / (temperature if temperature > 0 else 1.0)
+    order = torch.argsort(scaled, descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    probs = torch.softmax(scaled[order], dim=0).tolist()
+    kept, mass = [], 0.0
+    for tok, p in zip(order, probs, strict=True):
+        kept.append(tok)
+        mass += p
+        if mass >= top_p:
+            break
+    log_z = float(torch.logsumexp(scaled[kept], dim=0))
+    return {tok: math.exp(float(scaled[tok]) - log_z) for tok in kept}
+
+
+def reference_logprob(logits: torch.Tensor, token: int, temperature: float, top_k: int,
+                      top_p: float) -> float:
+    kept = reference_distribution(logits, temperature, top_k, top_p)
+    assert token in kept, f"token {token} was sampled outside the kept set"
+    return math.log(kept[token])
+
+
+def reference_logprobs(engine: TransformersEngine, prompt: list[int], result: GenerateResult,
+                       params: SamplingParams) -> list[float]:
+    logits = full_forward_logits(engine.model, prompt, result.output_ids)
+    return [reference_logprob(row, tok, params.temperature, params.top_k, params.top_p)
+            for row, tok in zip(logits, result.output_ids, strict=True)]
+
+
+def raw_logprobs(engine: TransformersEngine, prompt: list[int], output: list[int]
+                 ) -> list[float]:
+    logits = full_forward_logits(engine.model, prompt, output)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output).unsqueeze(1)
+                                                ).squeeze(1).tolist()
+
+
+@pytest.fixture
+def no_eos(engine: TransformersEngine) -> TransformersEngine:
+    engine.eos_ids = frozenset()  # random weights: let every turn run to max_tokens
+    return engine
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.7, top_p=1.0),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9),
+], ids=["T0.7-p0.9", "T1.0-p0.9", "T0.7", "T1.0-k20-p0.9"])
+async def test_processed_logprobs_match_reference_forward(no_eos: TransformersEngine,
+                                                          params: SamplingParams) -> None:
+    engine = no_eos
+    prompt = chat(engine, "the agent runs a command in the sandbox")
+    result = await engine.generate(GenerateRequest(prompt, params, 24, "lp", seed=3))
+    assert result.logprobs_kind == "processed" and len(result.logprobs) == 24
+    expected = reference_logprobs(engine, prompt, result, params)
+    assert result.logprobs == pytest.approx(expected, abs=1e-4)
+    # The comparison has teeth: halved values and raw model logprobs are both far off.
+    assert [lp / 2 for lp in result.logprobs] != pytest.approx(expected, abs=1e-4)
+    raw = raw_logprobs(engine, prompt, result.output_ids)
+    assert raw != pytest.approx(expected, abs=1e-4)
+
+
+async def test_second_turn_logprobs_match_reference(no_eos: TransformersEngine) -> None:
+    """Turn 2 decodes on the session's cached KV; its logprobs still equal a full forward."""
+    engine = no_eos
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    prompt = chat(engine, "ls -la /tmp")
+    first = await engine.generate(GenerateRequest(prompt, params, 10, "t2", seed=1))
+    turn2 = prompt + first.output_ids + chat(engine, "cat file.txt")
+    second = await engine.generate(GenerateRequest(turn2, params, 10, "t2", seed=2))
+    assert engine.turn_stats[-1].cached_tokens > 0
+    assert second.logprobs == pytest.approx(reference_logprobs(engine, turn2, second, params),
+                                            abs=1e-4)
+
+
+async def test_mixed_batch_each_row_gets_its_own_processing(no_eos: TransformersEngine) -> None:
+    """Rows with different T / top-k / top-p / mode in one batch each match their reference."""
+    engine = no_eos
+    variants = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0),
+                SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.7, top_p=0.9, logprobs_mode="raw"),
+                SamplingParams(temperature=0.9, top_k=40, top_p=0.8)]
+    base = chat(engine, "import os, sys for i in range(10)")
+    prompts = [base[:8 + 2 * i] for i in range(len(variants))]
+    results = await asyncio.gather(*(
+        engine.generate(GenerateRequest(p, v, 12, f"m{i}", seed=i))
+        for i, (p, v) in enumerate(zip(prompts, variants, strict=True))))
+    assert engine.max_batch_seen > 1
+    for prompt, params, result in zip(prompts, variants, results, strict=True):
+        if params.logprobs_mode == "raw":
+            assert result.logprobs_kind == "raw"
+            expected = raw_logprobs(engine, prompt, result.output_ids)
+        else:
+            assert result.logprobs_kind == "processed"
+            expected = reference_logprobs(engine, prompt, result, params)
+        assert result.logprobs == pytest.approx(expected, abs=1e-4), params
+
+
+async def test_raw_mode_and_greedy(no_eos: TransformersEngine) -> None:
+    """``raw`` returns the unmodified model logprob; greedy records log-softmax at T=1 (vLLM's
+    processed value for a greedy row), which for top-p 1 / no top-k is the raw value."""
+    engine = no_eos
+    prompt = chat(engine, "print the numbers")
+    raw_mode = SamplingParams(temperature=0.7, top_p=0.9, logprobs_mode="raw")
+    result = await engine.generate(GenerateRequest(prompt, raw_mode, 16, "raw", seed=5))
+    assert result.logprobs_kind == "raw"
+    assert result.logprobs == pytest.approx(raw_logprobs(engine, prompt, result.output_ids),
+                                            abs=1e-4)
+    processed = await engine.generate(GenerateRequest(
+        prompt, SamplingParams(temperature=0.7, top_p=0.9), 16, "proc", seed=5))
+    assert processed.output_ids == result.output_ids  # the mode changes the record, not the draw
+    assert processed.logprobs != pytest.approx(result.logprobs, abs=1e-3)
+    greedy = await engine.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0),
+                                                   16, "greedy"))
+    logits = full_forward_logits(engine.model, prompt, greedy.output_ids)
+    assert greedy.output_ids == logits.argmax(-1).tolist()
+    assert greedy.logprobs == pytest.approx(
+        raw_logprobs(engine, prompt, greedy.output_ids), abs=1e-4)
+
+
+async def test_seeded_row_is_the_same_alone_and_in_a_batch_of_16(
+        no_eos: TransformersEngine) -> None:
+    engine = no_eos
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    prompt = chat(engine, "tell me a story about the fox")
+    alone = await engine.generate(GenerateRequest(prompt, params, 20, "alone", seed=42))
+    others = [SamplingParams(temperature=0.5 + 0.1 * i, top_k=(i % 4) * 10,
+                             top_p=1.0 if i % 3 else 0.8) for i in range(15)]
+    other_prompts = [chat(engine, f"question number {i}")[: 6 + i] for i in range(15)]
+    tasks = [engine.generate(GenerateRequest(p, o, 20, f"o{i}", seed=100 + i))
+             for i, (p, o) in enumerate(zip(other_prompts, others, strict=True))]
+    tasks.insert(7, engine.generate(GenerateRequest(prompt, params, 20, "inside", seed=42)))
+    results = await asyncio.gather(*tasks)
+    inside = results[7]
+    assert engine.max_batch_seen == 16
+    assert inside.output_ids == alone.output_ids
+    # The batched forward (left padding, a 16-row matmul) may round differently from the lone
+    # one in the last bits; the sampler adds nothing of its own (see the sampler test below).
+    assert inside.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    other = await engine.generate(GenerateRequest(prompt, params, 20, "other-seed", seed=43))
+    assert other.output_ids != alone.output_ids
+
+
+def test_sampler_row_ignores_its_batch() -> None:
+    """Same logits row and seed: identical token and logprob alone and among 15 other rows."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 1000, generator=gen) * 3
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    others = [Sampler.create(SamplingParams(temperature=0.3 + 0.1 * i, top_k=i * 7,
+                                            top_p=1.0 if i % 2 else 0.7), seed=i)
+              for i in range(15)]
+    for _ in range(5):
+        target_alone, target_inside = Sampler.create(params, 9), Sampler.create(params, 9)
+        tok_alone, lp_alone = sample(logits[3:4], [target_alone])
+        tok_in, lp_in = sample(logits, [*others[:3], target_inside, *others[3:]])
+        assert tok_in[3] == tok_alone[0]
+        assert lp_in[3] == pytest.approx(lp_alone[0], abs=1e-6)
+
+
+def test_sampler_draws_follow_the_processed_distribution() -> None:
+    """4000 independently seeded rows over one logits row: empirical frequencies match the
+    reference nucleus probabilities (a wrong CDF or mask would shift mass measurably)."""
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(50, generator=gen) * 2
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=30)
+    n = 4000
+    samplers = [Sampler.create(params, seed) for seed in range(n)]
+    tokens, logprobs = sample(row.expand(n, -1).clone(), samplers)
+    counts = torch.bincount(torch.tensor(tokens), minlength=50).double() / n
+    kept = reference_distribution(row, 0.7, 30, 0.9)
+    expected = torch.tensor([kept.get(tok, 0.0) for tok in range(50)], dtype=torch.float64)
+    assert counts[expected == 0].sum() == 0  # nothing drawn outside the kept set
+    # Binomial standard error at n=4000 is at most 0.008; allow 5 of them.
+    assert torch.allclose(counts, expected, atol=0.04)
+    for tok, lp in zip(tokens, logprobs, strict=True):
+        assert lp == pytest.approx(math.log(kept[tok]), abs=1e-5)
+
+
+async def test_timeout_returns_partial_output_with_deadline(no_eos: TransformersEngine) -> None:
+    engine = no_eos
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    prompt = chat(engine, "long answer please")
+    result = await asyncio.wait_for(engine.generate(GenerateRequest(
+        prompt, params, 1500, "dl", seed=4, timeout_s=0.5)), 60)
+    assert result.finish_reason == "deadline"
+    assert 0 < len(result.output_ids) < 1500 and len(result.logprobs) == len(result.output_ids)
+    assert result.logprobs == pytest.approx(reference_logprobs(engine, prompt, result, params),
+                                            abs=1e-4)
+    assert engine.load == 0
+
+
+async def test_timeout_while_queued_returns_deadline_without_tokens(
+        no_eos: TransformersEngine) -> None:
+    engine = no_eos
+    await engine.pause()
+    result = await asyncio.wait_for(engine.generate(GenerateRequest(
+        [5, 6, 7], SamplingParams(), 8, "q", timeout_s=0.2)), 30)
+    assert result.finish_reason == "deadline" and result.output_ids == [] and engine.load == 0
+    await engine.resume()
+
+
+@pytest.mark.timeout(120)
+async def test_swap_drain_timeout_returns_preempted(tiny_dir: Path) -> None:
+    engine = TransformersEngine(tiny_dir, name="swap", drain_timeout_s=0.3)
+    engine.eos_ids = frozenset()
+    try:
+        prompt = chat(engine, "task number 1")
+        params = SamplingParams(temperature=0.0)
+        running = asyncio.create_task(engine.generate(GenerateRequest(prompt, params, 1500, "p")))
+        await assert_eventually(lambda: engine.decode_steps >= 3)
+        await engine.update_weights(random_state_dict(tiny_dir, seed=1), 1)
+        result = await asyncio.wait_for(running, 30)
+        assert result.finish_reason == "preempted" and result.policy_version == 0
+        assert 0 < len(result.output_ids) < 1500
+        # Its tokens are the old policy's: a fresh greedy run under v0 weights would give them.
+        await engine.update_weights(tiny_dir, 2)
+        fresh = await engine.generate(GenerateRequest(prompt, params, len(result.output_ids),
+                                                      "again"))
+        assert fresh.output_ids == result.output_ids and fresh.finish_reason == "length"
+    finally:
+        await engine.close()
