@@ -18,16 +18,20 @@ Task format (JSON object; the task sets in ``data/code.jsonl`` follow it)::
       "solution": "..."                  # optional reference solution; never shown to the agent
     }
 
-INIT opens the sandbox; RUN gives the agent bash, the editor and submit; EVAL copies the tests
-and :mod:`rollout.runtime.envs.code_runner` into the sandbox's private ``/tmp`` (only now, after the
-agent is done) and runs every test in its own limited process. stdio outputs compare line by line
-ignoring trailing whitespace.
+INIT opens the sandbox; RUN gives the agent bash, the editor and submit, and its end kills every
+process the agent started. EVAL copies the workspace into a grading sandbox of its own
+(:mod:`rollout.runtime.envs.grading`), sends the tests to
+:mod:`rollout.runtime.envs.code_runner` there on stdin, and runs every test in its own limited
+process. A function-mode test passes only on a completion token the harness writes after the
+test code returned (``os._exit(0)`` is not a pass); stdio outputs compare line by line ignoring
+trailing whitespace.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,7 +50,8 @@ from rollout.runtime.envs.common import (
     sandbox_tools,
     write_private,
 )
-from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.envs.grading import end_agent, open_grader
+from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
 
@@ -103,31 +108,41 @@ class CodeHandler(AgentHandler):
         messages = [{"role": "system", "content": INSTRUCTIONS},
                     {"role": "user", "content": task_prompt(ctx.spec.task,
                                                             sandbox.workspace_in_sandbox)}]
-        return await run_agent_loop(ctx, tools, messages)
+        outcome = await run_agent_loop(ctx, tools, messages)
+        await end_agent(ctx)
+        return outcome
 
     async def eval(self, ctx: JobContext) -> Reward:
         task = ctx.spec.task
-        sandbox = sandbox_of(ctx)
         tests = list(task["tests"])
         time_limit = float(task.get("time_limit_s", 2.0))
+        grader = await open_grader(ctx)
+        nonce = secrets.token_hex(16)
         spec = {
-            "mode": task.get("mode", "stdio"),
-            "solution_file": posixpath.join(sandbox.workspace_in_sandbox,
+            "nonce": nonce, "mode": task.get("mode", "stdio"),
+            "solution_file": posixpath.join(grader.workspace_in_sandbox,
                                             task.get("solution_file", "solution.py")),
             "tests": tests, "time_limit_s": time_limit,
             "memory_limit_mb": int(task.get("memory_limit_mb", 256)),
         }
-        runner = await write_private(sandbox, "code_runner.py", RUNNER_SOURCE.read_bytes())
-        spec_path = await write_private(sandbox, "code_tests.json", json.dumps(spec))
-        budget = ctx.spec.limits.eval_timeout_s
-        result = await sandbox.exec(quote("python", runner, spec_path),
-                                    timeout=min(budget, len(tests) * (time_limit + 2.0) + 30.0),
-                                    cwd=sandbox.workspace_in_sandbox)
         try:
-            results = json.loads(result.stdout)["results"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise HandlerError(f"the hidden-test runner failed (exit {result.exit_code}): "
-                               f"{result.output[-800:]}", "TEST_RUNNER_FAILED") from e
+            runner = await write_private(grader, "code_runner.py", RUNNER_SOURCE.read_bytes())
+            # The spec (hidden tests, expected outputs, nonce) goes in on stdin: no file a
+            # solution could read ever holds it.
+            result = await grader.exec(
+                quote("python", runner), stdin=json.dumps(spec).encode(),
+                timeout=min(ctx.spec.limits.eval_timeout_s,
+                            len(tests) * (time_limit + 2.0) + 30.0),
+                cwd=grader.workspace_in_sandbox)
+        finally:
+            await grader.destroy()
+        results = runner_results(result.stdout, nonce, len(tests))
+        if results is None:
+            # A solution can kill the runner (same user), so a missing result is a failure
+            # of the solution's run, never a pass and never a retryable error.
+            return Reward(0.0, {"passed": 0.0, "total": float(len(tests)), "fraction": 0.0},
+                          {"error": f"the hidden-test runner gave no valid result (exit "
+                                    f"{result.exit_code})", "log": result.output[-800:]})
         return score(results, task.get("reward_mode", "all_pass"))
 
     async def cleanup(self, ctx: JobContext) -> None:
@@ -144,6 +159,19 @@ def task_prompt(task: Mapping[str, Any], workspace: str) -> str:
         how = (f"Write your solution to `{path}` as a complete program: it reads standard input "
                "and writes the answer to standard output.")
     return f"{task['prompt'].strip()}\n\n{how}"
+
+
+def runner_results(stdout: str, nonce: str, count: int) -> list[dict[str, Any]] | None:
+    """The runner's per-test results, or None unless its line carries this run's nonce and
+    one result per test."""
+    try:
+        payload = json.loads(stdout)
+        results = payload["results"]
+        if payload["nonce"] != nonce or not isinstance(results, list) or len(results) != count:
+            return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return [r if isinstance(r, dict) else {"passed": False} for r in results]
 
 
 def score(results: list[Mapping[str, Any]], reward_mode: str) -> Reward:

@@ -1,37 +1,59 @@
-"""Hidden-test runner for the ``code`` environment. Runs INSIDE the sandbox, stdlib only.
+"""Hidden-test runner for the ``code`` environment. Runs INSIDE the grading sandbox, stdlib only.
 
-The handler copies this file and a JSON spec into the sandbox's private ``/tmp`` only at EVAL
-(the agent never sees the tests), then runs ``python code_runner.py SPEC``. Every test runs in
-its own child process with a wall-clock timeout and RLIMIT_AS / RLIMIT_CPU, so one infinite loop
-or memory hog fails that test only. The result is one JSON object on stdout::
+The handler starts ``python code_runner.py`` in a sandbox of its own (a copy of the agent's
+workspace, no process of the agent alive) and sends a JSON spec on stdin, so the hidden tests
+never exist as a file a solution could read. Every test runs in its own child process with a
+wall-clock timeout and RLIMIT_AS / RLIMIT_CPU, so one infinite loop or memory hog fails that
+test only. The result is one JSON object on stdout::
 
-    {"results": [{"passed": bool, "status": "passed|failed|error|timeout|memory", "detail": str}]}
+    {"nonce": "<the spec's nonce>",
+     "results": [{"passed": bool, "status": "passed|failed|error|timeout|memory", "detail": str}]}
 
-Spec fields: ``mode`` ("stdio" | "function"), ``solution_file``, ``tests`` (stdio: ``{"input",
-"output"}``; function: ``{"code"}`` — Python run with the solution module's names in scope),
-``time_limit_s``, ``memory_limit_mb``.
+Why a solution cannot forge a pass:
+
+- A function-mode test passes only when the harness writes the test's own random token to a
+  private pipe *after* the test code returned. The harness reads the token from another pipe
+  and closes it before it imports the solution, so ``os._exit(0)`` at import or inside the
+  function (exit status 0, no token) is a failure, not a pass.
+- The runner makes itself non-dumpable (``PR_SET_DUMPABLE`` 0) before starting any test, so a
+  solution running as the same user can neither ptrace it nor open ``/proc/<runner>/fd/1`` to
+  write a fake result line; the result line carries the spec's nonce, which the handler checks.
+
+Spec fields: ``nonce``, ``mode`` ("stdio" | "function"), ``solution_file``, ``tests`` (stdio:
+``{"input", "output"}``; function: ``{"code"}`` — Python run with the solution module's names in
+scope), ``time_limit_s``, ``memory_limit_mb``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import resource
+import secrets
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 
 _FUNCTION_HARNESS = r"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-sys.modules["solution"] = module
-spec.loader.exec_module(module)
-namespace = {k: v for k, v in vars(module).items() if not k.startswith("__")}
-exec(compile(sys.stdin.read(), "<hidden test>", "exec"), namespace)
+import importlib.util, os, sys
+def _main(token_fd, done_fd, path):
+    token = os.read(token_fd, 64)
+    os.close(token_fd)
+    spec = importlib.util.spec_from_file_location("solution", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["solution"] = module
+    spec.loader.exec_module(module)
+    namespace = {k: v for k, v in vars(module).items() if not k.startswith("__")}
+    exec(compile(sys.stdin.read(), "<hidden test>", "exec"), namespace)
+    os.write(done_fd, token)
+    os.close(done_fd)
+_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 """
 _DETAIL_CHARS = 500
+_PR_SET_DUMPABLE = 4
 
 
 def _limits(memory_mb: int, cpu_s: int) -> Callable[[], None]:
@@ -47,47 +69,93 @@ def _normalize(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines()).strip("\n")
 
 
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def run_test(spec: dict, test: dict) -> dict:
     solution = os.path.abspath(spec["solution_file"])
     if not os.path.isfile(solution):
         return {"passed": False, "status": "error",
                 "detail": f"{spec['solution_file']} does not exist"}
     time_limit = float(spec["time_limit_s"])
-    if spec["mode"] == "stdio":
-        argv, stdin = [sys.executable, solution], test.get("input", "")
+    function_mode = spec["mode"] != "stdio"
+    token = secrets.token_hex(16).encode()
+    pipes: list[int] = []
+    if function_mode:
+        token_r, token_w = os.pipe()
+        done_r, done_w = os.pipe()
+        os.write(token_w, token)  # 32 bytes: fits the pipe buffer, never blocks
+        os.close(token_w)
+        pipes = [token_r, done_w]
+        argv = [sys.executable, "-c", _FUNCTION_HARNESS, str(token_r), str(done_w), solution]
+        stdin = test["code"]
     else:
-        argv, stdin = [sys.executable, "-c", _FUNCTION_HARNESS, solution], test["code"]
+        argv, stdin = [sys.executable, solution], test.get("input", "")
     try:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, pass_fds=pipes,
             preexec_fn=_limits(int(spec["memory_limit_mb"]), int(time_limit) + 1))
     except OSError as e:
+        for fd in pipes:
+            os.close(fd)
+        if function_mode:
+            os.close(done_r)
         return {"passed": False, "status": "error", "detail": str(e)}
+    for fd in pipes:  # the child's ends: only the child may hold them now
+        os.close(fd)
     try:
         out, err = proc.communicate(stdin, timeout=time_limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+        if function_mode:
+            os.close(done_r)
         return {"passed": False, "status": "timeout",
                 "detail": f"no result within {time_limit:g} s"}
-    if proc.returncode != 0:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what the test left running must not outlive it
+    completed = True
+    if function_mode:
+        # A grandchild could keep the pipe open forever; the group is dead by now.
+        os.set_blocking(done_r, False)
+        try:
+            completed = _read_all(done_r) == token
+        except BlockingIOError:
+            completed = False
+        os.close(done_r)
+    # The token proves the test code returned; an exit status proves nothing.
+    if proc.returncode != 0 and (not function_mode or not completed):
         status = "memory" if "MemoryError" in err else "error"
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             status = "timeout"
         return {"passed": False, "status": status, "detail": err[-_DETAIL_CHARS:]}
-    if spec["mode"] == "stdio" and _normalize(out) != _normalize(test.get("output", "")):
+    if not completed:
+        return {"passed": False, "status": "error",
+                "detail": "the test did not run to its end (the process exited before the "
+                          f"test code returned): {err[-_DETAIL_CHARS:]}"}
+    if not function_mode and _normalize(out) != _normalize(test.get("output", "")):
         return {"passed": False, "status": "failed", "detail": "wrong output"}
     return {"passed": True, "status": "passed", "detail": ""}
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[1]) as f:
-        spec = json.load(f)
+def _make_undumpable() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    _make_undumpable()
     results = [run_test(spec, test) for test in spec["tests"]]
-    sys.stdout.write(json.dumps({"results": results}))
+    sys.stdout.write(json.dumps({"nonce": spec["nonce"], "results": results}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

@@ -188,6 +188,15 @@ class ApptainerSandbox(Sandbox):
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,
             stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack)
 
+    def _kill_runtime_processes(self) -> None:
+        # Processes a launch left behind live on inside the instance (its own PID namespace
+        # under --containall): kill(-1) from inside reaches all of them but the instance's init.
+        if self.destroyed:  # destroy stops the whole instance anyway
+            return
+        with contextlib.suppress(Exception):
+            subprocess.run([*self.command_argv(["kill", "-KILL", "-1"])], env=self.spawn_env(),
+                           capture_output=True, timeout=30, check=False)
+
     def _teardown_runtime(self) -> None:
         with contextlib.suppress(Exception):
             self.instance.stop(quiet=True)

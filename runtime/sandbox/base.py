@@ -100,6 +100,15 @@ class SandboxConfig:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     python: str = ""
     """Interpreter used inside the sandbox for the IPython kernel ('' = the server's own)."""
+    disk_bytes: int = 2 << 30
+    """bwrap: size of the tmpfs that holds one sandbox's /workspace, /tmp and /.sandbox, so
+    a job cannot fill the state dir's filesystem (ENOSPC inside the sandbox instead). Needs
+    the server to run as root; 0 = no quota."""
+    memory_bytes: int = 0
+    """bwrap: memory cap of all sandboxes together (one memory cgroup; tmpfs pages their
+    processes write count too). 0 = half of the machine's physical memory; -1 = no cap."""
+    seccomp: bool = True
+    """bwrap: load the seccomp filter of ``runtime.sandbox.hardening`` (needs pyseccomp)."""
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -202,6 +211,14 @@ class Sandbox(abc.ABC):
     def _owner(self) -> tuple[int, int] | None:
         return None
 
+    async def copy_workspace_from(self, other: Sandbox, *,
+                                  skip: frozenset[str] = frozenset()) -> int:
+        """Copy ``other``'s workspace into this (empty) one, owned by this sandbox's user;
+        returns the bytes copied. ``other`` must have no running processes
+        (:meth:`stop_processes`), so what is copied is what it left, not a moving target."""
+        return await asyncio.to_thread(hostfs.copy_tree, other.workspace, self.workspace,
+                                       owner=self._owner(), skip=skip)
+
     # -- tools -------------------------------------------------------------------------------
     async def bash(self) -> Any:
         """The sandbox's persistent bash session (created on first use, cached, and replaced
@@ -233,6 +250,29 @@ class Sandbox(abc.ABC):
                 except Exception:  # destroy must go on; the process kill below is the backstop
                     pass
 
+    async def stop_processes(self) -> None:
+        """Close the tools and kill every process running in the sandbox (anything the agent
+        left in the background included), keeping its files; later launches work again.
+
+        Why: a grader must not share the sandbox with processes of the policy it grades (a
+        background loop that rewrites the solution or the report while the tests run)."""
+        self._check_alive()
+        async with self._tool_lock:
+            # Kill first, close after: a process must not see its tool die and act on it
+            # (rewrite a file) before it is killed itself.
+            await asyncio.to_thread(self._kill_all_sync)
+            await self._close_tools()
+
+    def _kill_all_sync(self) -> None:
+        from rollout.runtime.sandbox import procs
+        for pid in list(self._pids):
+            procs.kill_pid(pid)
+        self._pids.clear()
+        self._kill_runtime_processes()
+
+    def _kill_runtime_processes(self) -> None:  # noqa: B027 - optional hook
+        """The runtime's sweep of whatever escaped the tracked launches (by uid, by tag)."""
+
     def _check_alive(self) -> None:
         if self.destroyed:
             raise SandboxError(f"sandbox {self.id} is destroyed", "SANDBOX_DESTROYED")
@@ -254,10 +294,7 @@ class Sandbox(abc.ABC):
     def _teardown_sync(self) -> None:
         """Blocking teardown (runs in a worker thread, or at interpreter exit): tracked
         processes first, then whatever the runtime owns."""
-        from rollout.runtime.sandbox import procs
-        for pid in list(self._pids):
-            procs.kill_pid(pid)
-        self._pids.clear()
+        self._kill_all_sync()
         self._teardown_runtime()
 
     @abc.abstractmethod

@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -47,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.sandbox import hostfs, procs
+from rollout.runtime.sandbox import hardening, hostfs, procs
 from rollout.runtime.sandbox.base import (
     ExecResult,
     Network,
@@ -63,6 +64,7 @@ CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
 _SKIP_TOP = {"proc", "dev", "sys", "tmp"}
 _LIVE: dict[str, BwrapSandbox] = {}
+log = logging.getLogger(__name__)
 
 
 def _is_root() -> bool:
@@ -110,6 +112,28 @@ def _ro_bind_below(path: str, mount_point: str) -> list[str]:
     for d in reversed(chain):
         args += ["--perms", "0755", "--dir", d]
     return [*args, "--ro-bind", path, path]
+
+
+@functools.lru_cache(maxsize=1)
+def _quota_possible() -> bool:
+    if not hardening.can_mount():
+        log.warning("the server does not run as root: sandboxes get no disk quota (their "
+                    "/workspace and /tmp live on the state dir's filesystem)")
+        return False
+    return True
+
+
+def _hardening(config: SandboxConfig) -> tuple[Path | None, Path | None]:
+    """(cgroup.procs of the shared memory cgroup, seccomp program) for this configuration;
+    the caller releases the cgroup (``hardening.release_memory_cgroup``) at teardown."""
+    state = os.path.abspath(config.state_dir)
+    cgroup = None
+    if config.memory_bytes >= 0:
+        cap = config.memory_bytes or hardening.physical_memory_bytes() // 2
+        cgroup = hardening.acquire_memory_cgroup(state, cap)
+    seccomp = (hardening.seccomp_program(os.path.join(state, "sandbox-seccomp"))
+               if config.seccomp else None)
+    return cgroup, seccomp
 
 
 def _python_prefixes(extra: str) -> tuple[str, ...]:
@@ -171,7 +195,12 @@ class BwrapSandbox(Sandbox):
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         mounts += ["--remount-ro", "/"]
-        self._prefix = ["prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
+        cgroup, seccomp = _hardening(config)
+        self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
+        if seccomp is not None:
+            ns += ["--seccomp", hardening.SECCOMP_FD]
+        self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
+                        "prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
         self._drop: list[str] = []
         if lease is not None:
             u = str(lease.uid)
@@ -210,6 +239,8 @@ class BwrapSandbox(Sandbox):
         lease: procs.UidLease | None = None
         lock_fd = -1
         try:
+            if config.disk_bytes > 0 and _quota_possible():
+                hardening.mount_quota(path, config.disk_bytes)
             lock_fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _is_root():
@@ -291,13 +322,20 @@ class BwrapSandbox(Sandbox):
             orphan_needle=self._needle(argv))
 
     # -- lifetime ----------------------------------------------------------------------------
-    def _teardown_runtime(self) -> None:
+    def _kill_runtime_processes(self) -> None:
+        # Every launch of this sandbox carries its tag; killing a launch's bwrap ends its PID
+        # namespace, and with it whatever the launch left running in the background.
         procs.spawner_barrier()
         procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)
+
+    def _teardown_runtime(self) -> None:
         hostfs.rmtree(self.path)
+        if self._memory_group is not None:
+            hardening.release_memory_cgroup(self._memory_group)
+            self._memory_group = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None

@@ -180,7 +180,11 @@ def exists_beneath(root: Path, rel_path: str) -> bool:
 
 
 def rmtree(path: Path) -> None:
-    """Remove a sandbox directory even if the sandbox chmod-ed parts of it to 000."""
+    """Remove a sandbox directory even if the sandbox chmod-ed parts of it to 000, after
+    detaching the quota tmpfs mounted on it (else only its contents would go)."""
+    from rollout.runtime.sandbox.hardening import unmount_below
+
+    unmount_below(path)
     def fix(func: object, p: str, exc: object) -> None:
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)

@@ -1,0 +1,48 @@
+"""Grading where the policy cannot reach: the agent's processes end with RUN, and EVAL works in a
+sandbox of its own.
+
+A policy under RL finds every shortcut in its reward: a background process that rewrites the
+solution while the hidden tests run, a forged report planted where the grader will look, a
+tool process still holding the workspace. So EVAL never runs in the agent's sandbox:
+
+1. :func:`end_agent` closes the agent's tools (bash pty, IPython kernel) and kills every process
+   of its sandbox, background ones included (by launch tag, and by uid when the server is root).
+2. :func:`open_grader` opens a *second* sandbox — a fresh ``/tmp``, its own PID namespace and,
+   when the server runs as root, its own uid — and copies the agent's workspace into it on the
+   host (no link followed, FIFOs dropped). Nothing the agent started can see it.
+3. The environment's grader runs there and reads its result from a channel that only the
+   grader holds (the code runner's nonce-stamped line, pytest's JUnit XML at a fresh path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.runtime.envs.common import SANDBOX_KEY, sandbox_of
+from rollout.runtime.handler import HandlerError, JobContext
+from rollout.runtime.sandbox.hostfs import TreeTooLarge
+
+
+async def end_agent(ctx: JobContext) -> None:
+    """Close the agent's tools and kill everything running in its sandbox (idempotent)."""
+    sandbox = ctx.state.get(SANDBOX_KEY)
+    if sandbox is not None and not sandbox.destroyed:
+        await sandbox.stop_processes()
+
+
+async def open_grader(ctx: JobContext, *, skip: frozenset[str] = frozenset()) -> Any:
+    """A fresh sandbox holding a copy of the agent's workspace (minus ``skip``, top-level
+    names). The job's resources destroy it at the latest when the job ends; callers destroy
+    it as soon as they have their result."""
+    agent = sandbox_of(ctx)
+    await end_agent(ctx)
+    grader = await ctx.open_sandbox()
+    try:
+        await grader.copy_workspace_from(agent, skip=skip)
+    except TreeTooLarge as e:
+        await grader.destroy()
+        raise HandlerError(f"cannot grade: {e}", "WORKSPACE_TOO_LARGE") from e
+    except BaseException:
+        await grader.destroy()
+        raise
+    return grader
