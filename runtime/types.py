@@ -153,6 +153,28 @@ class GroupSpec:
     """When > 0, the server cancels the group's remaining jobs once this many SUCCEEDED."""
 
 
+FINISH_REASONS = ("stop", "length", "deadline", "preempted", "abort")
+"""Values of :attr:`Turn.finish_reason` (and ``GenerateResult.finish_reason``)."""
+
+TEMPLATE_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""``apply_chat_template`` arguments the renderer sets itself; template kwargs may not."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Per-job overrides of an environment's chat settings (empty = the environment's)."""
+
+    tool_call_format: str = ""
+    """Name in :data:`rollout.runtime.toolcalls.TOOL_CALL_FORMATS`; empty = environment's
+    setting, else detected from the chat template."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``apply_chat_template`` keyword arguments (e.g. ``enable_thinking``), merged over
+    the environment's."""
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a trainer asks for: one rollout of one task in one environment."""
@@ -170,6 +192,8 @@ class JobSpec:
     min_policy_version: int = 0
     """Every LLM turn must come from a backend at this policy version or newer."""
     metadata: Mapping[str, str] = field(default_factory=dict)
+    """Client labels, returned unchanged in :attr:`Trajectory.labels`."""
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     @property
     def group_id(self) -> str:
@@ -194,10 +218,16 @@ class Turn:
     """Tool-observation tokens appended after the output (loss mask 0)."""
     policy_version: int = 0
     finish_reason: str = ""
+    """One of :data:`FINISH_REASONS`."""
     backend: str = ""
     latency_s: float = 0.0
     tool_calls: list[str] = field(default_factory=list)
     """Names of the tools the model called in this turn."""
+    preempted_retries: int = 0
+    """Attempts of this turn discarded because a weight swap cut them (mixed policies)."""
+    logprobs_kind: str = ""
+    """``processed`` or ``raw`` as the engine reported it; not carried by the proto per turn
+    (the trajectory carries the common kind)."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -238,6 +268,17 @@ class Trajectory:
     termination: TerminationReason = TerminationReason.NO_TOOL_CALL
     timings: StageTimings = field(default_factory=StageTimings)
     metadata: dict[str, str] = field(default_factory=dict)
+    """Server and environment information; never the client's labels."""
+    state: JobState | None = None
+    """The job's terminal state (None only while a trajectory is being built)."""
+    error: JobError | None = None
+    """Why the job failed or was cancelled; None when it succeeded."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The spec's client metadata, unchanged."""
+    seed: int | None = None
+    """The seed turn 0 was sampled with (turn k: seed + k); None when no turn was sampled."""
+    logprobs_kind: str = ""
+    """``processed`` / ``raw`` when every turn agrees; empty when there are no turns."""
 
     @property
     def token_ids(self) -> list[int]:

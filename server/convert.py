@@ -14,6 +14,10 @@ from google.protobuf import json_format, struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from rollout.runtime.types import (
+    FINISH_REASONS,
+    LOGPROBS_MODES,
+    TEMPLATE_RESERVED_KWARGS,
+    ChatOptions,
     GroupSpec,
     InvalidArgument,
     JobError,
@@ -43,6 +47,13 @@ _TERM_TO_PROTO = {t: trajectory_pb2.TerminationReason.Value("TERMINATION_REASON_
 _TERM_FROM_PROTO = {v: k for k, v in _TERM_TO_PROTO.items()}
 _ERROR_CODES = {name.removeprefix("CODE_"): value
                 for name, value in job_pb2.JobError.Code.items() if value}
+_FINISH_TO_PROTO = {name: trajectory_pb2.FinishReason.Value("FINISH_REASON_" + name.upper())
+                    for name in FINISH_REASONS}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_LOGPROBS_TO_PROTO = {name: job_pb2.LogprobsKind.Value("LOGPROBS_KIND_" + name.upper())
+                      for name in LOGPROBS_MODES}
+_LOGPROBS_FROM_PROTO = {v: k for k, v in _LOGPROBS_TO_PROTO.items()}
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 
 
 def stage_to_proto(stage: Stage | None) -> job_pb2.Stage:
@@ -96,18 +107,74 @@ def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
+        logprobs_mode=_logprobs_mode_from_proto(p),
     )
     sp.validate()
     return sp
+
+
+def _logprobs_mode_from_proto(p: job_pb2.SamplingParams) -> str:
+    if not p.HasField("logprobs_mode"):
+        return SamplingParams().logprobs_mode
+    if p.logprobs_mode not in _LOGPROBS_FROM_PROTO:
+        raise InvalidArgument(
+            "sampling.logprobs_mode must be LOGPROBS_KIND_PROCESSED or LOGPROBS_KIND_RAW "
+            "(leave it unset for the default, processed)", "INVALID_SAMPLING_PARAMS",
+            "sampling.logprobs_mode")
+    return _LOGPROBS_FROM_PROTO[p.logprobs_mode]
+
+
+def logprobs_kind_to_proto(kind: str) -> job_pb2.LogprobsKind:
+    return _LOGPROBS_TO_PROTO.get(kind, job_pb2.LOGPROBS_KIND_UNSPECIFIED)
+
+
+def logprobs_kind_from_proto(value: int) -> str:
+    return _LOGPROBS_FROM_PROTO.get(cast(job_pb2.LogprobsKind, value), "")
 
 
 def sampling_to_proto(s: SamplingParams) -> job_pb2.SamplingParams:
     p = job_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         max_tokens_per_turn=s.max_tokens_per_turn, total_token_budget=s.total_token_budget,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids))
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        logprobs_mode=_LOGPROBS_TO_PROTO[s.logprobs_mode])
     if s.seed is not None:
         p.seed = s.seed
+    return p
+
+
+def chat_from_proto(p: job_pb2.ChatOptions) -> ChatOptions:
+    """Validate a job's chat options: a known tool-call format, bounded template kwargs that
+    do not collide with the arguments the renderer sets itself."""
+    from rollout.runtime.toolcalls import TOOL_CALL_FORMATS
+
+    fmt = p.tool_call_format
+    if fmt and fmt not in TOOL_CALL_FORMATS:
+        raise InvalidArgument(
+            f"chat.tool_call_format {fmt[:40]!r} is unknown; use one of "
+            f"{', '.join(sorted(TOOL_CALL_FORMATS))}, or leave it empty to detect it from "
+            "the chat template", "UNKNOWN_TOOL_CALL_FORMAT", "chat.tool_call_format")
+    kwargs: dict[str, Any] = {}
+    if p.HasField("chat_template_kwargs"):
+        size = p.chat_template_kwargs.ByteSize()
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise InvalidArgument(
+                f"chat.chat_template_kwargs is {size} bytes; the limit is "
+                f"{MAX_TEMPLATE_KWARGS_BYTES}", "INVALID_CHAT_OPTIONS",
+                "chat.chat_template_kwargs")
+        kwargs = _intify(json_format.MessageToDict(p.chat_template_kwargs))
+        clash = sorted(set(kwargs) & TEMPLATE_RESERVED_KWARGS)
+        if clash:
+            raise InvalidArgument(
+                f"chat.chat_template_kwargs may not set {', '.join(clash)}: the renderer sets "
+                "those itself", "INVALID_CHAT_OPTIONS", "chat.chat_template_kwargs")
+    return ChatOptions(tool_call_format=fmt, template_kwargs=kwargs)
+
+
+def chat_to_proto(c: ChatOptions) -> job_pb2.ChatOptions:
+    p = job_pb2.ChatOptions(tool_call_format=c.tool_call_format)
+    if c.template_kwargs:
+        p.chat_template_kwargs.update(_jsonable(dict(c.template_kwargs)))
     return p
 
 
@@ -181,6 +248,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         priority=p.priority,
         min_policy_version=p.min_policy_version,
         metadata=dict(p.metadata),
+        chat=chat_from_proto(p.chat),
     )
 
 
@@ -192,6 +260,8 @@ def spec_to_proto(spec: JobSpec) -> job_pb2.JobSpec:
         sampling=sampling_to_proto(spec.sampling), limits=limits_to_proto(spec.limits),
         priority=spec.priority, min_policy_version=spec.min_policy_version,
         metadata=dict(spec.metadata))
+    if spec.chat != ChatOptions():
+        p.chat.CopyFrom(chat_to_proto(spec.chat))
     if spec.group:
         p.group.CopyFrom(job_pb2.GroupSpec(group_id=spec.group.group_id, size=spec.group.size,
                                            finish_after=spec.group.finish_after))
@@ -266,24 +336,37 @@ def turn_to_proto(t: Turn) -> trajectory_pb2.Turn:
     return trajectory_pb2.Turn(
         prompt_ids=t.prompt_ids, output_ids=t.output_ids, output_logprobs=t.output_logprobs,
         observation_ids=t.observation_ids, loss_mask=t.loss_mask,
-        policy_version=t.policy_version, finish_reason=t.finish_reason, backend=t.backend,
-        latency=seconds_to_duration(t.latency_s), tool_calls=t.tool_calls)
+        policy_version=t.policy_version,
+        finish_reason=_FINISH_TO_PROTO.get(t.finish_reason,
+                                           trajectory_pb2.FINISH_REASON_UNSPECIFIED),
+        backend=t.backend, latency=seconds_to_duration(t.latency_s), tool_calls=t.tool_calls,
+        preempted_retries=t.preempted_retries)
 
 
 def turn_from_proto(p: trajectory_pb2.Turn) -> Turn:
     return Turn(
         prompt_ids=list(p.prompt_ids), output_ids=list(p.output_ids),
         output_logprobs=list(p.output_logprobs), observation_ids=list(p.observation_ids),
-        policy_version=p.policy_version, finish_reason=p.finish_reason, backend=p.backend,
-        latency_s=_duration_s(p.latency, 0.0), tool_calls=list(p.tool_calls))
+        policy_version=p.policy_version,
+        finish_reason=_FINISH_FROM_PROTO.get(p.finish_reason, ""), backend=p.backend,
+        latency_s=_duration_s(p.latency, 0.0), tool_calls=list(p.tool_calls),
+        preempted_retries=p.preempted_retries)
 
 
 def trajectory_to_proto(t: Trajectory) -> trajectory_pb2.Trajectory:
-    return trajectory_pb2.Trajectory(
+    p = trajectory_pb2.Trajectory(
         job_id=t.job_id, group_id=t.group_id, turns=[turn_to_proto(x) for x in t.turns],
         reward=t.reward, reward_components=t.reward_components,
         termination_reason=_TERM_TO_PROTO[t.termination], timings=timings_to_proto(t.timings),
-        metadata=t.metadata)
+        metadata=t.metadata, labels=t.labels,
+        state=state_to_proto(t.state) if t.state else job_pb2.Job.STATE_UNSPECIFIED,
+        logprobs_kind=logprobs_kind_to_proto(t.logprobs_kind))
+    err = job_error_to_proto(t.error)
+    if err is not None:
+        p.error.CopyFrom(err)
+    if t.seed is not None:
+        p.seed = t.seed
+    return p
 
 
 def trajectory_from_proto(p: trajectory_pb2.Trajectory) -> Trajectory:
@@ -291,7 +374,11 @@ def trajectory_from_proto(p: trajectory_pb2.Trajectory) -> Trajectory:
         job_id=p.job_id, group_id=p.group_id, turns=[turn_from_proto(x) for x in p.turns],
         reward=p.reward, reward_components=dict(p.reward_components),
         termination=_TERM_FROM_PROTO.get(p.termination_reason, TerminationReason.ERROR),
-        timings=timings_from_proto(p.timings), metadata=dict(p.metadata))
+        timings=timings_from_proto(p.timings), metadata=dict(p.metadata),
+        state=_STATE_FROM_PROTO.get(p.state), labels=dict(p.labels),
+        error=job_error_from_proto(p.error) if p.HasField("error") else None,
+        seed=p.seed if p.HasField("seed") else None,
+        logprobs_kind=logprobs_kind_from_proto(p.logprobs_kind))
 
 
 def trajectory_to_bytes(t: Trajectory) -> bytes:

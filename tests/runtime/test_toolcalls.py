@@ -11,7 +11,7 @@ from rollout.runtime.toolcalls import parse_tool_calls
 from rollout.runtime.tools.base import ToolCall, ToolCallError
 
 
-def call(name: str, **args: object) -> str:
+def call(name: str, /, **args: object) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
 
 

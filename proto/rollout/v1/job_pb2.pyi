@@ -12,19 +12,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LogprobsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_KIND_UNSPECIFIED: _ClassVar[LogprobsKind]
+    LOGPROBS_KIND_PROCESSED: _ClassVar[LogprobsKind]
+    LOGPROBS_KIND_RAW: _ClassVar[LogprobsKind]
+
 class Stage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STAGE_UNSPECIFIED: _ClassVar[Stage]
     STAGE_INIT: _ClassVar[Stage]
     STAGE_RUN: _ClassVar[Stage]
     STAGE_EVAL: _ClassVar[Stage]
+LOGPROBS_KIND_UNSPECIFIED: LogprobsKind
+LOGPROBS_KIND_PROCESSED: LogprobsKind
+LOGPROBS_KIND_RAW: LogprobsKind
 STAGE_UNSPECIFIED: Stage
 STAGE_INIT: Stage
 STAGE_RUN: Stage
 STAGE_EVAL: Stage
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens_per_turn", "total_token_budget", "seed", "stop", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens_per_turn", "total_token_budget", "seed", "stop", "stop_token_ids", "logprobs_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +42,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -41,7 +51,8 @@ class SamplingParams(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., total_token_budget: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs_mode: LogprobsKind
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., total_token_budget: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[LogprobsKind, str]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_turns", "init_timeout", "run_timeout", "eval_timeout")
@@ -66,7 +77,7 @@ class GroupSpec(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., size: _Optional[int] = ..., finish_after: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "environment", "task", "sampling", "limits", "group", "priority", "min_policy_version", "metadata")
+    __slots__ = ("job_id", "environment", "task", "sampling", "limits", "group", "priority", "min_policy_version", "metadata", "chat")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +94,7 @@ class JobSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     environment: str
     task: _struct_pb2.Struct
@@ -92,7 +104,16 @@ class JobSpec(_message.Message):
     priority: int
     min_policy_version: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., group: _Optional[_Union[GroupSpec, _Mapping]] = ..., priority: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    chat: ChatOptions
+    def __init__(self, job_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., group: _Optional[_Union[GroupSpec, _Mapping]] = ..., priority: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., chat: _Optional[_Union[ChatOptions, _Mapping]] = ...) -> None: ...
+
+class ChatOptions(_message.Message):
+    __slots__ = ("tool_call_format", "chat_template_kwargs")
+    TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    tool_call_format: str
+    chat_template_kwargs: _struct_pb2.Struct
+    def __init__(self, tool_call_format: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("code", "reason", "message", "stage")

@@ -260,8 +260,15 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[_Union[_job_pb2.Stage, str]] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., latency_p50: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., latency_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., throughput_per_second: _Optional[float] = ...) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("version", "uptime", "stages", "jobs_by_state", "environments", "sessions")
+    __slots__ = ("version", "uptime", "stages", "jobs_by_state", "environments", "sessions", "jobs_by_termination")
     class JobsByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class JobsByTerminationEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -274,10 +281,12 @@ class GetServerStatusResponse(_message.Message):
     JOBS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_BY_TERMINATION_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime: _duration_pb2.Duration
     stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
     jobs_by_state: _containers.ScalarMap[str, int]
     environments: _containers.RepeatedScalarFieldContainer[str]
     sessions: int
-    def __init__(self, version: _Optional[str] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., jobs_by_state: _Optional[_Mapping[str, int]] = ..., environments: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ...) -> None: ...
+    jobs_by_termination: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., jobs_by_state: _Optional[_Mapping[str, int]] = ..., environments: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., jobs_by_termination: _Optional[_Mapping[str, int]] = ...) -> None: ...

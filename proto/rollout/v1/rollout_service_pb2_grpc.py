@@ -151,7 +151,7 @@ class RolloutServiceServicer:
 
     def GetServerStatus(self, request, context):
         """GetServerStatus reports per-stage queue depths, in-flight counts, latencies and
-        throughput, and job counts by state.
+        throughput, and job counts by state and by termination reason.
 
         Errors: UNAUTHENTICATED.
         """

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from rollout.v1 import job_pb2 as rollout_dot_v1_dot_job__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollout/v1/trajectory.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf3\x01\n\x04Turn\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fobservation_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ntool_calls\x18\n \x03(\t\"\x94\x02\n\x0cStageTimings\x12-\n\ninit_queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04init\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\trun_queue\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03run\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\neval_queue\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04\x65val\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb0\x03\n\nTrajectory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.rollout.v1.Turn\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12G\n\x11reward_components\x18\x05 \x03(\x0b\x32,.rollout.v1.Trajectory.RewardComponentsEntry\x12\x39\n\x12termination_reason\x18\x06 \x01(\x0e\x32\x1d.rollout.v1.TerminationReason\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.rollout.v1.StageTimings\x12\x36\n\x08metadata\x18\x08 \x03(\x0b\x32$.rollout.v1.Trajectory.MetadataEntry\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xcd\x02\n\x11TerminationReason\x12\"\n\x1eTERMINATION_REASON_UNSPECIFIED\x10\x00\x12 \n\x1cTERMINATION_REASON_SUBMITTED\x10\x01\x12#\n\x1fTERMINATION_REASON_NO_TOOL_CALL\x10\x02\x12 \n\x1cTERMINATION_REASON_MAX_TURNS\x10\x03\x12#\n\x1fTERMINATION_REASON_TOKEN_BUDGET\x10\x04\x12%\n!TERMINATION_REASON_CONTEXT_LENGTH\x10\x05\x12\x1f\n\x1bTERMINATION_REASON_DEADLINE\x10\x06\x12 \n\x1cTERMINATION_REASON_CANCELLED\x10\x07\x12\x1c\n\x18TERMINATION_REASON_ERROR\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollout/v1/trajectory.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14rollout/v1/job.proto\"\xae\x02\n\x04Turn\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fobservation_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ntool_calls\x18\n \x03(\t\x12/\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x19\n\x11preempted_retries\x18\x0c \x01(\x05J\x04\x08\x07\x10\x08\"\x94\x02\n\x0cStageTimings\x12-\n\ninit_queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04init\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\trun_queue\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03run\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\neval_queue\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04\x65val\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xab\x05\n\nTrajectory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.rollout.v1.Turn\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12G\n\x11reward_components\x18\x05 \x03(\x0b\x32,.rollout.v1.Trajectory.RewardComponentsEntry\x12\x39\n\x12termination_reason\x18\x06 \x01(\x0e\x32\x1d.rollout.v1.TerminationReason\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.rollout.v1.StageTimings\x12\x36\n\x08metadata\x18\x08 \x03(\x0b\x32$.rollout.v1.Trajectory.MetadataEntry\x12$\n\x05state\x18\t \x01(\x0e\x32\x15.rollout.v1.Job.State\x12#\n\x05\x65rror\x18\n \x01(\x0b\x32\x14.rollout.v1.JobError\x12\x32\n\x06labels\x18\x0b \x03(\x0b\x32\".rollout.v1.Trajectory.LabelsEntry\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12/\n\rlogprobs_kind\x18\r \x01(\x0e\x32\x18.rollout.v1.LogprobsKind\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x05*\xcd\x02\n\x11TerminationReason\x12\"\n\x1eTERMINATION_REASON_UNSPECIFIED\x10\x00\x12 \n\x1cTERMINATION_REASON_SUBMITTED\x10\x01\x12#\n\x1fTERMINATION_REASON_NO_TOOL_CALL\x10\x02\x12 \n\x1cTERMINATION_REASON_MAX_TURNS\x10\x03\x12#\n\x1fTERMINATION_REASON_TOKEN_BUDGET\x10\x04\x12%\n!TERMINATION_REASON_CONTEXT_LENGTH\x10\x05\x12\x1f\n\x1bTERMINATION_REASON_DEADLINE\x10\x06\x12 \n\x1cTERMINATION_REASON_CANCELLED\x10\x07\x12\x1c\n\x18TERMINATION_REASON_ERROR\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,16 +37,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_TRAJECTORY_METADATAENTRY']._loaded_options = None
   _globals['_TRAJECTORY_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_TERMINATIONREASON']._serialized_start=1036
-  _globals['_TERMINATIONREASON']._serialized_end=1369
-  _globals['_TURN']._serialized_start=76
-  _globals['_TURN']._serialized_end=319
-  _globals['_STAGETIMINGS']._serialized_start=322
-  _globals['_STAGETIMINGS']._serialized_end=598
-  _globals['_TRAJECTORY']._serialized_start=601
-  _globals['_TRAJECTORY']._serialized_end=1033
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=929
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=984
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=986
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1033
+  _globals['_TRAJECTORY_LABELSENTRY']._loaded_options = None
+  _globals['_TRAJECTORY_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1368
+  _globals['_FINISHREASON']._serialized_end=1545
+  _globals['_TERMINATIONREASON']._serialized_start=1548
+  _globals['_TERMINATIONREASON']._serialized_end=1881
+  _globals['_TURN']._serialized_start=98
+  _globals['_TURN']._serialized_end=400
+  _globals['_STAGETIMINGS']._serialized_start=403
+  _globals['_STAGETIMINGS']._serialized_end=679
+  _globals['_TRAJECTORY']._serialized_start=682
+  _globals['_TRAJECTORY']._serialized_end=1365
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=1205
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=1260
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1262
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1309
+  _globals['_TRAJECTORY_LABELSENTRY']._serialized_start=1311
+  _globals['_TRAJECTORY_LABELSENTRY']._serialized_end=1356
 # @@protoc_insertion_point(module_scope)

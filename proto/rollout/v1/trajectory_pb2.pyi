@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from rollout.v1 import job_pb2 as _job_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -9,6 +10,15 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
+    FINISH_REASON_PREEMPTED: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
 class TerminationReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +31,12 @@ class TerminationReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TERMINATION_REASON_DEADLINE: _ClassVar[TerminationReason]
     TERMINATION_REASON_CANCELLED: _ClassVar[TerminationReason]
     TERMINATION_REASON_ERROR: _ClassVar[TerminationReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_DEADLINE: FinishReason
+FINISH_REASON_PREEMPTED: FinishReason
+FINISH_REASON_ABORT: FinishReason
 TERMINATION_REASON_UNSPECIFIED: TerminationReason
 TERMINATION_REASON_SUBMITTED: TerminationReason
 TERMINATION_REASON_NO_TOOL_CALL: TerminationReason
@@ -32,28 +48,30 @@ TERMINATION_REASON_CANCELLED: TerminationReason
 TERMINATION_REASON_ERROR: TerminationReason
 
 class Turn(_message.Message):
-    __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "finish_reason", "backend", "latency", "tool_calls")
+    __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "backend", "latency", "tool_calls", "finish_reason", "preempted_retries")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_RETRIES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     observation_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     policy_version: int
-    finish_reason: str
     backend: str
     latency: _duration_pb2.Duration
     tool_calls: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., observation_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., backend: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tool_calls: _Optional[_Iterable[str]] = ...) -> None: ...
+    finish_reason: FinishReason
+    preempted_retries: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., observation_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tool_calls: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., preempted_retries: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("init_queue", "init", "run_queue", "run", "eval_queue", "eval")
@@ -72,7 +90,7 @@ class StageTimings(_message.Message):
     def __init__(self, init_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("job_id", "group_id", "turns", "reward", "reward_components", "termination_reason", "timings", "metadata")
+    __slots__ = ("job_id", "group_id", "turns", "reward", "reward_components", "termination_reason", "timings", "metadata", "state", "error", "labels", "seed", "logprobs_kind")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +105,13 @@ class Trajectory(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +120,11 @@ class Trajectory(_message.Message):
     TERMINATION_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     turns: _containers.RepeatedCompositeFieldContainer[Turn]
@@ -103,4 +133,9 @@ class Trajectory(_message.Message):
     termination_reason: TerminationReason
     timings: StageTimings
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., termination_reason: _Optional[_Union[TerminationReason, str]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    state: _job_pb2.Job.State
+    error: _job_pb2.JobError
+    labels: _containers.ScalarMap[str, str]
+    seed: int
+    logprobs_kind: _job_pb2.LogprobsKind
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., termination_reason: _Optional[_Union[TerminationReason, str]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[_job_pb2.Job.State, str]] = ..., error: _Optional[_Union[_job_pb2.JobError, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., logprobs_kind: _Optional[_Union[_job_pb2.LogprobsKind, str]] = ...) -> None: ...
