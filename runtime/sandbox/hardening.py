@@ -1,0 +1,233 @@
+"""Hard resource bounds for bwrap sandboxes: disk quota, aggregate memory cap, seccomp.
+
+- **Disk quota.** Every sandbox's directory (``workspace/`` = ``/workspace``, ``tmp/`` =
+  ``/tmp``, ``ctl/`` = ``/.sandbox``) is a size-limited tmpfs mounted on the host, so a job
+  that writes without end gets ENOSPC inside its own mount and the state directory's
+  filesystem never fills. It is mounted on the host, not with ``bwrap --size --tmpfs``,
+  because every command of a sandbox is a separate bwrap launch that must see the same files,
+  and the server reads and writes the workspace from the host (editor, checkout). Mounting
+  needs CAP_SYS_ADMIN (the server running as root); rootless servers get no quota and a
+  warning. Mounts happen through libc (ctypes), never a forked ``mount``: the gRPC server
+  process must not fork.
+- **Aggregate memory cap.** A memory cgroup shared by all sandboxes of one state directory,
+  joined by every launch before bwrap starts, so the sum of all sandboxes (tmpfs pages their
+  processes write included) stays below the cap; RLIMIT_AS only bounds one process.
+- **seccomp.** A small allow-by-default filter (built with libseccomp through ``pyseccomp``)
+  that answers EPERM to what no agent needs and what widens the attack surface on the host
+  kernel: namespaces (``unshare``, ``setns``, ``clone`` with any ``CLONE_NEW*`` flag; ``clone3``
+  gets ENOSYS so libc falls back to ``clone``, whose flags the filter can read), mounts,
+  kernel modules, kexec, BPF, perf events, keyrings, userfaultfd, handle-based opens.
+  ``--disable-userns`` would need ``--unshare-user``, which a root server does not use (see
+  ``bwrap.py``), so the filter is what keeps user namespaces out in both modes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_MS_NOSUID, _MS_NODEV = 2, 4
+_MNT_DETACH = 2
+_CLONE_NEW_FLAGS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
+                    0x20000000, 0x40000000)
+"""CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET."""
+_DENIED_SYSCALLS = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen",
+    "fsmount", "fsconfig", "fspick", "mount_setattr", "swapon", "swapoff", "reboot",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "bpf",
+    "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "open_by_handle_at", "name_to_handle_at", "acct", "quotactl", "syslog", "iopl", "ioperm",
+    "lookup_dcookie")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0
+
+
+def mount_quota(path: Path, size_bytes: int) -> None:
+    """Mount a tmpfs of ``size_bytes`` on ``path`` (mode 0711, nosuid, nodev)."""
+    opts = f"size={int(size_bytes)},mode=0711".encode()
+    if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                     opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot mount the sandbox's {size_bytes}-byte tmpfs on {path}: "
+                           f"{os.strerror(err)}")
+
+
+def unmount_below(path: Path | str) -> None:
+    """Detach every mount at or below ``path`` (deepest first); a no-op when there is none."""
+    prefix = os.path.abspath(path)
+    points = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                point = _unescape(line.split()[4].decode(errors="surrogateescape"))
+                if point == prefix or point.startswith(prefix + "/"):
+                    points.append(point)
+    except OSError:
+        return
+    for point in sorted(points, key=len, reverse=True):
+        if _libc().umount2(os.fsencode(point), _MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ENOENT):  # already gone
+                log.warning("cannot unmount %s: %s", point, os.strerror(err))
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+# ----------------------------------------------------------------------------- memory cgroup
+
+
+def _memory_root() -> tuple[Path, str] | None:
+    """(hierarchy root, "v1" | "v2") of a writable memory controller, or None."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    if (v1 / "memory.limit_in_bytes").exists() and os.access(v1, os.W_OK):
+        return v1, "v1"
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if "memory" in (v2 / "cgroup.controllers").read_text().split() and os.access(
+                v2, os.W_OK):
+            return v2, "v2"
+    except OSError:
+        pass
+    return None
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_GROUPS: dict[str, tuple[Path | None, int]] = {}
+"""state dir -> (cgroup.procs or None, live sandboxes of this process using it)."""
+_GROUPS_LOCK = threading.Lock()
+_warned_no_cgroup = False
+
+
+def acquire_memory_cgroup(state_dir: str, limit_bytes: int) -> Path | None:
+    """The ``cgroup.procs`` file of the memory cgroup all sandboxes of ``state_dir`` join,
+    capped at ``limit_bytes``; None (with one warning) where no writable memory controller
+    exists. Pair every call with :func:`release_memory_cgroup`: the group is removed when the
+    last sandbox using it is gone, so throw-away state dirs (tests) leave no cgroups behind."""
+    global _warned_no_cgroup
+    with _GROUPS_LOCK:
+        procs, users = _GROUPS.get(state_dir, (None, 0))
+        if users == 0:
+            procs = _make_group(state_dir, limit_bytes)
+            if procs is None and not _warned_no_cgroup:
+                _warned_no_cgroup = True
+                log.warning("no writable memory cgroup controller: sandboxes run without an "
+                            "aggregate memory cap (only RLIMIT_AS per process)")
+        _GROUPS[state_dir] = (procs, users + 1)
+        return procs
+
+
+def release_memory_cgroup(state_dir: str) -> None:
+    with _GROUPS_LOCK:
+        procs, users = _GROUPS.get(state_dir, (None, 0))
+        if users > 1:
+            _GROUPS[state_dir] = (procs, users - 1)
+            return
+        _GROUPS.pop(state_dir, None)
+        if procs is not None:
+            try:
+                procs.parent.rmdir()
+            except OSError as e:  # EBUSY: a process outlived its sandbox; kept for the reaper
+                log.debug("memory cgroup %s kept: %s", procs.parent, e)
+
+
+def _make_group(state_dir: str, limit_bytes: int) -> Path | None:
+    found = _memory_root()
+    if found is None:
+        return None
+    root, version = found
+    group = root / ("rollout-sandboxes-" + hashlib.sha256(state_dir.encode()).hexdigest()[:12])
+    try:
+        if version == "v2":
+            ctl = root / "cgroup.subtree_control"
+            if "memory" not in ctl.read_text().split():
+                ctl.write_text("+memory")
+        group.mkdir(exist_ok=True)
+        if version == "v1":
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        else:
+            (group / "memory.max").write_text(str(limit_bytes))
+            (group / "memory.swap.max").write_text("0")
+    except OSError as e:
+        log.warning("cannot set up the sandboxes' memory cgroup %s (%s): no aggregate memory "
+                    "cap", group, e)
+        return None
+    return group / "cgroup.procs"
+
+
+# ----------------------------------------------------------------------------- seccomp
+
+
+@functools.lru_cache(maxsize=4)
+def seccomp_program(directory: str) -> Path | None:
+    """Write the compiled filter (cBPF, as ``bwrap --seccomp`` reads it) below ``directory``
+    once per process; None (with one warning) where libseccomp or pyseccomp is missing."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as e:  # OSError: the bindings load libseccomp.so.2 on import
+        log.warning("seccomp filter disabled: pyseccomp/libseccomp unavailable (%s); install "
+                    "`pip install pyseccomp` and the libseccomp2 system package", e)
+        return None
+    try:
+        filt = sc.SyscallFilter(sc.ALLOW)
+        for name in _DENIED_SYSCALLS:
+            try:
+                filt.add_rule(sc.ERRNO(errno.EPERM), name)
+            except (RuntimeError, ValueError, OSError):  # unknown on this architecture
+                continue
+        filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+        for flag in _CLONE_NEW_FLAGS:
+            filt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".seccomp-")
+        with os.fdopen(fd, "wb") as f:
+            filt.export_bpf(f)
+        out = Path(directory) / "seccomp.bpf"
+        os.replace(tmp, out)
+        return out
+    except Exception as e:  # a broken libseccomp must not stop sandboxes; say so loudly
+        log.warning("seccomp filter disabled: could not build it (%s)", e)
+        return None
+
+
+def launch_wrapper(cgroup_procs: Path | None, seccomp_file: Path | None) -> list[str]:
+    """A ``sh`` prologue that joins the memory cgroup (before anything is forked, so every
+    process of the launch is in it) and opens the seccomp program on fd 9 for
+    ``bwrap --seccomp 9``; it then execs the rest of the line (same pid, so killing the launch
+    still works). Fails closed: a launch that cannot join the cgroup does not run."""
+    if cgroup_procs is None and seccomp_file is None:
+        return []
+    script = []
+    if cgroup_procs is not None:
+        script.append('echo $$ > "$1" || exit 125')
+    if seccomp_file is not None:
+        script.append('exec 9< "$2" || exit 125')
+    script.append('shift 2; exec "$@"')
+    return ["sh", "-c", "; ".join(script), "sh", str(cgroup_procs or "-"),
+            str(seccomp_file or "-")]
+
+
+SECCOMP_FD = "9"
