@@ -17,6 +17,16 @@ from rollout.runtime.types import SamplingParams
 class LLMUnavailable(RuntimeError):
     """No backend could serve the request (all ejected, or retries exhausted). Recoverable."""
 
+    reason = "BACKEND_UNAVAILABLE"
+    """UPPER_SNAKE reason of the job error this becomes."""
+
+
+class TurnPreempted(LLMUnavailable):
+    """Weight swaps cut every attempt of one turn (each ``finish_reason="preempted"``): the
+    agent loop gave up re-issuing it, so the job fails instead of training on mixed policies."""
+
+    reason = "TURN_PREEMPTED"
+
 
 @dataclass(frozen=True)
 class GenerateRequest:

@@ -31,6 +31,8 @@ Message = Mapping[str, Any]
 
 _SENTINEL = "ROLLOUT_ASSISTANT_SENTINEL_5f0c2e"
 """Stands in for the assistant's content; chosen so no template trims or escapes it."""
+_TOOL_SENTINEL = "ROLLOUT_TOOL_SENTINEL_9b41d7"
+"""Content of the probe tool message that tells whether a template renders a tool role."""
 
 
 class ChatTemplateError(ValueError):
@@ -138,6 +140,23 @@ class ChatTokenizer:
         text = self.render([*history, {"role": "assistant", "content": _SENTINEL}],
                            add_generation_prompt=False, tools=tools)
         return self.encode(_after_sentinel(text))
+
+    @functools.cached_property
+    def observation_role(self) -> str:
+        """``tool`` when the template renders a tool message's content, else ``user``.
+
+        Some templates have no tool role: Gemma's raises ("roles must alternate"), others drop
+        messages of roles they do not know, so the model would never see the observation.
+        Rendering a probe conversation catches both; ``user`` is the role every template takes.
+        """
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"},
+                 {"role": "tool", "name": "probe", "content": _TOOL_SENTINEL}]
+        try:
+            text = self.render(probe, add_generation_prompt=True)
+        except Exception:  # jinja2 TemplateError, raise_exception(...), a template's own bugs
+            return "user"
+        return "tool" if _TOOL_SENTINEL in text else "user"
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

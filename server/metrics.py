@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rollout.runtime.types import JobState, Stage
+from rollout.runtime.types import JobState, Stage, TerminationReason
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                     120, 300, 600, 1800)
@@ -60,6 +60,9 @@ class SchedulerStatus:
     """Attached client subscriptions."""
     uptime_s: float
     window_s: float
+    jobs_by_termination: dict[TerminationReason, int] = field(default_factory=dict)
+    """Jobs finished since this process started, by their trajectory's termination reason
+    (``GetServerStatusResponse.jobs_by_termination``)."""
 
 
 @dataclass

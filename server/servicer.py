@@ -368,4 +368,6 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         for state, n in st.jobs_by_state.items():
             name = state.name if isinstance(state, JobState) else str(state).upper()
             resp.jobs_by_state[name] = n
+        for reason, n in st.jobs_by_termination.items():
+            resp.jobs_by_termination[reason.name] = n
         return resp

@@ -270,13 +270,14 @@ class StageRunner:
         job.state, job.error = state, error
         if state is JobState.SUCCEEDED:
             term = None
-        elif state is JobState.CANCELLED:
+        elif state is JobState.CANCELLED or (error is not None and error.code == "CANCELLED"):
             term = TerminationReason.CANCELLED
         elif error is not None and error.code == "TIMEOUT" and error.stage is Stage.RUN:
             term = TerminationReason.DEADLINE
         else:
             term = TerminationReason.ERROR
-        traj = build_trajectory(job.ctx, job.job_id, job.spec.group_id, job.timings, reward, term)
+        traj = build_trajectory(job.ctx, job.job_id, job.spec.group_id, job.timings, reward, term,
+                                state=state, error=error, labels=job.spec.metadata)
         delivery_id = self.store.next_delivery_id(job.client_id)
         rec = FinishRecord(job.job_id, job.client_id, state, job.stage, error,
                            reward.value if reward is not None else None, job.timings, traj,

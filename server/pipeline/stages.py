@@ -6,6 +6,9 @@ live in one small place:
 - ``LLMUnavailable`` -> BACKEND_UNAVAILABLE; ``HandlerError`` -> HANDLER_ERROR with its reason;
   ``InvalidArgument`` from a handler -> INVALID_TASK; any other exception -> HANDLER_ERROR with
   the exception type as reason;
+- a RUN whose agent loop ended CANCELLED (its LLM turn was aborted under it) or ERROR is a
+  failure (CANCELLED / ``RUN_CANCELLED``, HANDLER_ERROR / ``RUN_ERROR``): such partial work never
+  flows into EVAL to be scored as a success; its turns stay on the trajectory;
 - cancellation is not an outcome here: it propagates to the caller, which knows why.
 """
 
@@ -15,14 +18,16 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rollout.runtime.agent_loop import TURNS_KEY
+from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.llm import LLMUnavailable
 from rollout.runtime.types import (
     InvalidArgument,
     JobError,
+    JobState,
     Reward,
     Stage,
     StageTimings,
@@ -57,6 +62,9 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
                     raise HandlerError(f"run() returned {type(outcome).__name__}, not RunOutcome",
                                        "BAD_RUN_OUTCOME")
                 ctx.outcome = outcome
+                unfinished = _unfinished_run(outcome)
+                if unfinished is not None:
+                    return StageResult(unfinished)
             else:
                 reward = await handler.eval(ctx)
                 if not isinstance(reward, Reward):
@@ -71,13 +79,25 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
                 f"{stage.value} stage exceeded its {timeout_s:g}s limit", stage))
         return StageResult(_handler_error(exc, stage))
     except LLMUnavailable as exc:
-        return StageResult(JobError("BACKEND_UNAVAILABLE", "BACKEND_UNAVAILABLE", str(exc), stage))
+        return StageResult(JobError("BACKEND_UNAVAILABLE", exc.reason, str(exc), stage))
     except HandlerError as exc:
         return StageResult(JobError("HANDLER_ERROR", exc.reason, str(exc), stage))
     except InvalidArgument as exc:
         return StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage))
     except Exception as exc:
         return StageResult(_handler_error(exc, stage))
+
+
+def _unfinished_run(outcome: RunOutcome) -> JobError | None:
+    if outcome.termination is TerminationReason.CANCELLED:
+        return JobError("CANCELLED", "RUN_CANCELLED",
+                        "the agent loop was cancelled (its LLM turn was aborted by the backend); "
+                        "the partial work is not scored", Stage.RUN)
+    if outcome.termination is TerminationReason.ERROR:
+        return JobError("HANDLER_ERROR", "RUN_ERROR",
+                        "the agent loop reported an error; the partial work is not scored",
+                        Stage.RUN)
+    return None
 
 
 def _handler_error(exc: BaseException, stage: Stage) -> JobError:
@@ -109,22 +129,31 @@ async def release(handler: AgentHandler | None, ctx: JobContext, llm_end: object
 
 
 def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings: StageTimings,
-                     reward: Reward | None, termination: TerminationReason | None) -> Trajectory:
+                     reward: Reward | None, termination: TerminationReason | None, *,
+                     state: JobState | None = None, error: JobError | None = None,
+                     labels: Mapping[str, str] | None = None) -> Trajectory:
     """Every terminal job gets a trajectory, so a trainer's accounting is one delivery per job.
 
     A job that failed or was cancelled carries the turns RUN produced, reward 0, and
     ``termination`` saying why it ended. When RUN itself was cut (timeout, cancel), the turns
-    the agent loop finished so far are taken from its live list in ``ctx.state``.
+    the agent loop finished so far are taken from its live list in ``ctx.state``. ``state``
+    and ``error`` (the job's terminal ones) and ``labels`` (the spec's client metadata) are
+    carried as they are, so a trainer reading trajectories alone can tell outcomes apart.
     """
     outcome = ctx.outcome if ctx is not None else None
     partial = list(ctx.state.get(TURNS_KEY, ())) if ctx is not None and not outcome else []
+    turns = list(outcome.turns) if outcome else partial
     metadata = dict(outcome.metadata) if outcome else {}
     if reward is not None:
         metadata.update({f"reward.{k}": v for k, v in reward.info.items()})
+    kinds = {t.logprobs_kind for t in turns}
+    seed = ctx.state.get(SEED_KEY) if ctx is not None and turns else None
     return Trajectory(
-        job_id=job_id, group_id=group_id, turns=list(outcome.turns) if outcome else partial,
+        job_id=job_id, group_id=group_id, turns=turns,
         reward=reward.value if reward else 0.0,
         reward_components=dict(reward.components) if reward else {},
         termination=termination or (outcome.termination if outcome
                                     else TerminationReason.ERROR),
-        timings=timings, metadata=metadata)
+        timings=timings, metadata=metadata, state=state, error=error,
+        labels=dict(labels or {}), seed=seed if isinstance(seed, int) else None,
+        logprobs_kind=kinds.pop() if len(kinds) == 1 else "")
