@@ -37,6 +37,7 @@ from rollout.runtime.types import (
     StageTimings,
     Trajectory,
 )
+from rollout.server import store_file
 from rollout.server.convert import (
     spec_from_bytes,
     spec_to_bytes,
@@ -147,14 +148,25 @@ class JobStore:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def open(self) -> None:
+        stamp = False
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            stamp = await asyncio.to_thread(store_file.check_store_file, Path(self.path))
         self._loop = asyncio.get_running_loop()
         self._writer = Writer(self.path, self._loop, self._max_batch)
         self._writer.start()
         await asyncio.to_thread(self._writer.ready.wait)
         if self._writer.startup_error is not None:
-            raise self._writer.startup_error
+            err = self._writer.startup_error
+            self._writer = None
+            if isinstance(err, sqlite3.DatabaseError):
+                raise store_file.damaged(Path(self.path), err) from None
+            raise err
+        if stamp:
+            fut = self._write(lambda c: c.execute(
+                f"PRAGMA application_id={store_file.APPLICATION_ID}"), True)
+            assert fut is not None
+            await fut
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="jobstore-reader")
         # Pruned deliveries leave their highest id in delivery_marks: ids must never be reused,
         # or a client's ``acked_through`` would acknowledge deliveries it has not seen.

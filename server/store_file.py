@@ -1,0 +1,88 @@
+"""Refuse a job-store file that is not ours before SQLite touches it.
+
+Started on a corrupt file, SQLite fails deep in the writer thread with a raw traceback; started
+on another program's database, it would add our tables beside theirs; started on an empty file
+(a truncated store), it would silently begin a new store and every unacknowledged trajectory
+would be gone. Each case is refused with a message that says what is wrong and what to do.
+
+A store is recognised by SQLite's header, then by ``PRAGMA application_id`` (stamped on every
+store this service opens; stores from before the stamp have 0 and are recognised by their
+``jobs`` table), and ``PRAGMA user_version`` must not be newer than this release knows.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from rollout.server.errors import FailedPrecondition
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+APPLICATION_ID = 0x524F4C4F
+"""``PRAGMA application_id`` of a Rollout Service job store ("ROLO")."""
+KNOWN_USER_VERSION = 0
+"""Highest ``PRAGMA user_version`` this release reads (the schema is migrated by columns, so
+user_version is not used yet; a store that sets it comes from a newer release)."""
+
+
+class StoreFileError(FailedPrecondition):
+    default_reason = "STORE_FILE_INVALID"
+
+
+def check_store_file(path: Path) -> bool:
+    """Raise :class:`StoreFileError` unless ``path`` is absent or a job store of ours.
+    Returns whether the file still needs the application_id stamp (new or older store)."""
+    if not path.exists():
+        return True
+    what = f"the job store {path}"
+    fix = ("Move it out of the state directory (or point server.state_dir elsewhere) and "
+           "start again; restore it from a backup if it held unacknowledged results")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError as e:
+        raise StoreFileError(f"cannot read {what}: {e.strerror}", "STORE_FILE_UNREADABLE",
+                             "server.state_dir") from None
+    if size == 0:
+        raise StoreFileError(f"{what} is an empty file (truncated, or not written by this "
+                             f"service); refusing to start a new store over it. {fix}.",
+                             "STORE_FILE_EMPTY", "server.state_dir")
+    if not head.startswith(SQLITE_HEADER) or len(head) < 100:
+        raise StoreFileError(f"{what} is not an SQLite database (corrupt, or another kind of "
+                             f"file). {fix}.", "STORE_FILE_CORRUPT", "server.state_dir")
+    # Through SQLite, not the header bytes: in WAL mode a recent PRAGMA may sit in the -wal.
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise StoreFileError(f"{what} is damaged ({e}). {fix}.", "STORE_FILE_CORRUPT",
+                             "server.state_dir") from None
+    if app_id not in (0, APPLICATION_ID):
+        raise StoreFileError(f"{what} belongs to another application (application_id "
+                             f"{app_id:#x}, ours is {APPLICATION_ID:#x}). {fix}.",
+                             "STORE_FILE_FOREIGN", "server.state_dir")
+    if user_version > KNOWN_USER_VERSION:
+        raise StoreFileError(f"{what} was written by a newer release (format {user_version}; "
+                             f"this one reads up to {KNOWN_USER_VERSION}): upgrade the server",
+                             "STORE_FILE_TOO_NEW", "server.state_dir")
+    if app_id == APPLICATION_ID:
+        return False
+    if tables and "jobs" not in tables:
+        raise StoreFileError(f"{what} is another application's SQLite database (tables "
+                             f"{sorted(tables)[:5]}). {fix}.", "STORE_FILE_FOREIGN",
+                             "server.state_dir")
+    return True
+
+
+def damaged(path: Path, exc: sqlite3.DatabaseError) -> StoreFileError:
+    """What SQLite's own failure to open a store (past a sane header) is reported as."""
+    return StoreFileError(f"the job store {path} is damaged ({exc}): move it out of the state "
+                          "directory and start again, or restore it from a backup",
+                          "STORE_FILE_CORRUPT", "server.state_dir")

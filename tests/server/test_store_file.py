@@ -1,0 +1,127 @@
+"""A corrupt, foreign, empty or too-new store file is refused at start with a clear message."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rollout.server.store import JobStore
+from rollout.server.store_file import APPLICATION_ID, StoreFileError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _header_app_id(path: Path) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("PRAGMA application_id").fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def _open(path: Path) -> StoreFileError:
+    store = JobStore(path)
+    with pytest.raises(StoreFileError) as info:
+        await store.open()
+    await store.close()
+    err = info.value
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(path) in str(err) and err.field == "server.state_dir"
+    return err
+
+
+async def test_new_store_is_stamped_and_reopens(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(path)
+    await store.open()
+    await store.close()
+    assert _header_app_id(path) == APPLICATION_ID
+    again = JobStore(path)
+    await again.open()
+    await again.close()
+
+
+async def test_store_from_before_the_stamp_is_adopted(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(path)
+    await store.open()
+    await store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA application_id=0")
+    conn.commit()
+    conn.close()
+    assert _header_app_id(path) == 0
+    store = JobStore(path)
+    await store.open()
+    await store.close()
+    assert _header_app_id(path) == APPLICATION_ID
+
+
+async def test_empty_file_is_not_silently_started(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    path.touch()
+    err = await _open(path)
+    assert err.reason == "STORE_FILE_EMPTY" and "empty" in str(err)
+    assert path.stat().st_size == 0  # left as it was
+
+
+async def test_garbage_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    data = os.urandom(8192)
+    path.write_bytes(data)
+    err = await _open(path)
+    assert err.reason == "STORE_FILE_CORRUPT" and "not an SQLite database" in str(err)
+    assert path.read_bytes() == data
+
+
+async def test_damaged_pages_after_a_sane_header_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(path)
+    await store.open()
+    await store.close()
+    for extra in ("-wal", "-shm"):
+        Path(f"{path}{extra}").unlink(missing_ok=True)
+    raw = bytearray(path.read_bytes())
+    raw[100:] = b"\xa5" * (len(raw) - 100)  # keep the header, wreck every page
+    path.write_bytes(bytes(raw))
+    err = await _open(path)
+    assert err.reason == "STORE_FILE_CORRUPT"
+
+
+async def test_another_applications_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE invoices (id INTEGER)")
+    conn.commit()
+    conn.close()
+    err = await _open(path)
+    assert err.reason == "STORE_FILE_FOREIGN" and "invoices" in str(err)
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["invoices"]
+    conn.close()
+
+    other = tmp_path / "other.sqlite3"
+    conn = sqlite3.connect(other)
+    conn.execute("PRAGMA application_id=1234")
+    conn.execute("CREATE TABLE jobs (x)")
+    conn.commit()
+    conn.close()
+    err = await _open(other)
+    assert err.reason == "STORE_FILE_FOREIGN" and "0x4d2" in str(err)
+
+
+async def test_store_from_a_newer_release_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(path)
+    await store.open()
+    await store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version=7")
+    conn.commit()
+    conn.close()
+    err = await _open(path)
+    assert err.reason == "STORE_FILE_TOO_NEW"
