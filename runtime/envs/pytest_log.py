@@ -1,13 +1,16 @@
-"""Per-test outcomes out of a ``pytest -rA`` log, and the SWE-bench style verdict over them.
+"""Per-test outcomes of a pytest run, and the SWE-bench style verdict over them.
 
-We run pytest on the test *files* that hold the named tests and read the short test summary
-(``-rA`` prints one ``PASSED``/``FAILED``/``ERROR``/... line per test). Passing the node ids
-themselves would be fragile: a single id that no longer exists (the agent renamed a test)
-makes pytest abort the whole session, and we want that test to count as failed, not the run.
+The swe grader runs only the named tests (their node ids) and reads the outcomes from the JSON
+report of :mod:`rollout.runtime.envs.pytest_report_plugin` (:func:`parse_plugin_report`), never
+from stdout. The test files the named tests live in are restored to the base commit before the
+run, so their ids exist; an id pytest cannot find aborts the session and every test counts as
+``MISSING``, which is a failure. :func:`parse_pytest_report` reads the short test summary of
+``pytest -rA`` (used by the repository generator, which runs trusted code).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 PASSING = frozenset({"PASSED", "XFAIL"})
 """Outcomes that count as "the test passes" (SWE-bench counts an expected failure as passing)."""
 
+KNOWN_OUTCOMES = frozenset({"PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"})
 _SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*?)\s*$")
 
 
@@ -39,6 +43,19 @@ def parse_pytest_report(log: str) -> dict[str, str]:
         if outcomes.get(node) not in ("FAILED", "ERROR"):
             outcomes[node] = outcome
     return outcomes
+
+
+def parse_plugin_report(text: str) -> dict[str, str] | None:
+    """Node id -> outcome from the plugin's JSON report; None when it is not one."""
+    try:
+        data = json.loads(text)
+        tests = data["tests"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(tests, dict) or not all(
+            isinstance(k, str) and v in KNOWN_OUTCOMES for k, v in tests.items()):
+        return None
+    return dict(tests)
 
 
 def files_of(node_ids: Iterable[str]) -> list[str]:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import posixpath
 import re
+import secrets
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -51,7 +53,8 @@ from rollout.runtime.envs.common import (
     string_env,
     write_private,
 )
-from rollout.runtime.envs.pytest_log import files_of, judge, parse_pytest_report
+from rollout.runtime.envs.grading import end_agent, open_grader
+from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
@@ -92,16 +95,11 @@ rm -f "$src"
 git rev-parse HEAD
 """
 
-_APPLY_TESTS = r"""
-set -uo pipefail
-patch=$1 base=$2; shift 2
-for f in "$@"; do
-  if git cat-file -e "$base:$f" 2>/dev/null; then git checkout -q "$base" -- "$f"
-  else rm -f -- "$f"; fi
-done
-git apply --whitespace=nowarn "$patch" || exit 97
-"""
+GRADE_TREE_SOURCE = Path(__file__).with_name("swe_grade_tree.py")
+REPORT_PLUGIN_SOURCE = Path(__file__).with_name("pytest_report_plugin.py")
+REPORT_PLUGIN = "rollout_pytest_report"
 _PATCH_FAILED = 97
+_MAX_REPORT = 8 << 20
 
 
 class SweHandler(AgentHandler):
@@ -129,6 +127,14 @@ class SweHandler(AgentHandler):
         named_tests(task, "PASS_TO_PASS")
         string_env(task, "test_env", env=ENV)
         optional_number(task, "test_timeout_s", 300.0, env=ENV)
+        plugins = task.get("pytest_plugins", [])
+        if not isinstance(plugins, list) or not all(
+                isinstance(p, str) and re.fullmatch(r"[A-Za-z_][\w.]*", p) for p in plugins):
+            raise invalid("swe task field 'pytest_plugins' must be a list of plugin module "
+                          "names (passed to pytest as -p NAME)", "pytest_plugins")
+        if not isinstance(task.get("pytest_plugin_autoload", False), bool):
+            raise invalid("swe task field 'pytest_plugin_autoload' must be true or false",
+                          "pytest_plugin_autoload")
         if "patch" in task and not isinstance(task["patch"], str):
             raise invalid("swe task field 'patch' must be a string", "patch")
 
@@ -157,40 +163,88 @@ class SweHandler(AgentHandler):
             {"role": "system",
              "content": INSTRUCTIONS.format(workspace=sandbox.workspace_in_sandbox)},
             {"role": "user", "content": ctx.spec.task["problem_statement"]}]
-        return await run_agent_loop(ctx, tools, messages)
+        outcome = await run_agent_loop(ctx, tools, messages)
+        await end_agent(ctx)
+        return outcome
 
     async def eval(self, ctx: JobContext) -> Reward:
         task = ctx.spec.task
-        sandbox = sandbox_of(ctx)
         f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
-        patch_path = await write_private(sandbox, "test.patch", task["test_patch"])
-        applied = await sandbox.exec(
-            ["bash", "-c", _APPLY_TESTS, "apply", patch_path, task["base_commit"],
-             *patched_files(task["test_patch"])], timeout=60.0,
-            cwd=sandbox.workspace_in_sandbox)
-        if not applied.ok:
-            why = ("the test patch does not apply" if applied.exit_code == _PATCH_FAILED
-                   else "restoring the test files failed")
-            return Reward(0.0, {"fail_to_pass": 0.0, "pass_to_pass": 0.0},
-                          {"error": why, "log": applied.output[-1000:]})
+        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+        grader = await open_grader(ctx, skip=frozenset({".git"}))
+        try:
+            return await self._grade(ctx, grader, kind, data, f2p, p2p)
+        finally:
+            await grader.destroy()
+
+    async def _grade(self, ctx: JobContext, grader: Any, kind: str, data: bytes,
+                     f2p: list[str], p2p: list[str]) -> Reward:
+        task = ctx.spec.task
+        zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
+        src = await write_private(grader, "repo-source", data)
+        patch = await write_private(grader, "test.patch", task["test_patch"])
+        tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
+        protected = sorted({*patched_files(task["test_patch"]), *files_of(f2p + p2p)})
+        prepared = await grader.exec(
+            ["python", tree, src, kind, task["base_commit"], patch, *protected],
+            timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
+            cwd=grader.workspace_in_sandbox)
+        if not prepared.ok:
+            why = ("the test patch does not apply" if prepared.exit_code == _PATCH_FAILED
+                   else "building the grading tree failed")
+            return Reward(0.0, zero, {"error": why, "log": prepared.output[-1000:]})
+        plugin_dir = posixpath.dirname(await write_private(
+            grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
+        # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
+        # ever ran there, and the plugin refuses to write over a file that exists.
+        report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
         timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
-        run = await sandbox.exec(
-            ["python", "-m", "pytest", "-rA", "--tb=no", "-p", "no:cacheprovider",
-             *files_of(f2p + p2p)],
-            timeout=timeout, cwd=sandbox.workspace_in_sandbox,
-            env=string_env(task, "test_env", env=ENV), max_output=4 << 20)
-        verdict = judge(parse_pytest_report(run.stdout), f2p, p2p)
-        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
-                   if o not in ("PASSED", "XFAIL")]
-        info = {"pytest_exit": str(run.exit_code), "failing": ",".join(failing)[:1000]}
+        run = await grader.exec(
+            ["python", *pytest_args(task), *f2p, *p2p],
+            timeout=timeout, cwd=grader.workspace_in_sandbox,
+            env=test_env(task, plugin_dir, report), max_output=1 << 20)
+        # What the tests left running must not touch the report between the run and the read.
+        await grader.stop_processes()
+        raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
+                                max_output=_MAX_REPORT + 1)
+        outcomes = parse_plugin_report(raw.stdout) if raw.ok else None
+        info = {"pytest_exit": str(run.exit_code),
+                "restored": ",".join(json.loads(prepared.stdout or "{}").get("restored", []))
+                [:1000]}
         if run.timed_out:
             info["error"] = f"tests timed out after {timeout:g} s"
+        elif outcomes is None:
+            info["error"] = "pytest wrote no report (it could not start or was killed)"
+            info["log"] = run.output[-1000:]
+        verdict = judge(outcomes or {}, f2p, p2p)
+        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
+                   if o not in PASSING]
+        info["failing"] = ",".join(failing)[:1000]
         return Reward(1.0 if verdict.resolved else 0.0,
                       {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
                        "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
+
+
+def pytest_args(task: Mapping[str, Any]) -> list[str]:
+    """``-m pytest`` and its options: the report plugin, no cache, the task's plugins."""
+    args = ["-m", "pytest", "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
+    for plugin in task.get("pytest_plugins", []):
+        args += ["-p", plugin]
+    return args
+
+
+def test_env(task: Mapping[str, Any], plugin_dir: str, report: str) -> dict[str, str]:
+    """Environment of the test run: plugin autoload off unless the task asks for it (the
+    server's or the environment's stray plugins change outcomes and cost seconds)."""
+    env = string_env(task, "test_env", env=ENV)
+    if not task.get("pytest_plugin_autoload", False):
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, env.get("PYTHONPATH", "")) if p)
+    env["ROLLOUT_PYTEST_REPORT"] = report
+    return env
 
 
 def named_tests(task: Mapping[str, Any], name: str) -> list[str]:
