@@ -7,7 +7,7 @@ would be gone. Each case is refused with a message that says what is wrong and w
 
 A store is recognised by SQLite's header, then by ``PRAGMA application_id`` (stamped on every
 store this service opens; stores from before the stamp have 0 and are recognised by their
-``jobs`` table), and ``PRAGMA user_version`` must not be newer than this release knows.
+tables), and ``PRAGMA user_version`` must not be newer than this release knows.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ APPLICATION_ID = 0x524F4C4F
 KNOWN_USER_VERSION = 0
 """Highest ``PRAGMA user_version`` this release reads (the schema is migrated by columns, so
 user_version is not used yet; a store that sets it comes from a newer release)."""
+
+
+_OUR_TABLES = {"jobs", "transitions", "deliveries", "delivery_marks", "closed_groups"}
+"""Tables an unstamped store of ours has at least one of (older releases had fewer)."""
 
 
 class StoreFileError(FailedPrecondition):
@@ -74,7 +78,7 @@ def check_store_file(path: Path) -> bool:
                              "STORE_FILE_TOO_NEW", "server.state_dir")
     if app_id == APPLICATION_ID:
         return False
-    if tables and "jobs" not in tables:
+    if tables and not tables & _OUR_TABLES:
         raise StoreFileError(f"{what} is another application's SQLite database (tables "
                              f"{sorted(tables)[:5]}). {fix}.", "STORE_FILE_FOREIGN",
                              "server.state_dir")
