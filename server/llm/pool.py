@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -197,16 +198,33 @@ class BackendPool:
 
     # ----------------------------------------------------------------- LLMClient
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Route one turn (see the module docstring).
+
+        With ``request.timeout_s`` the pool's own waits (for a backend, between retries) come
+        out of the turn's time, and each backend gets only what is left: a turn whose time runs
+        out before any backend took it returns ``deadline`` with no tokens.
+        """
         tried: set[str] = set()
         errors: list[str] = []
-        deadline = time.monotonic() + self.wait_for_backend_s
+        now = time.monotonic()
+        ends = None if request.timeout_s is None else now + max(0.0, request.timeout_s)
+        deadline = now + self.wait_for_backend_s if ends is None else \
+            min(now + self.wait_for_backend_s, ends)
         while len(tried) < self.max_attempts:
-            backend = await self._select(request, tried, deadline)
+            try:
+                backend = await self._select(request, tried, deadline)
+            except LLMUnavailable:
+                if ends is not None and time.monotonic() >= ends:
+                    return GenerateResult([], [], "deadline", request.min_policy_version, "",
+                                          request.sampling.logprobs_mode)
+                raise
             tried.add(backend.name)
             if request.group_id:  # at dispatch, so concurrent samples of the group follow
                 self._groups.setdefault(request.group_id, backend.name)
+            turn = request if ends is None else \
+                dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
             try:
-                result = await self._dispatch(backend, request)
+                result = await self._dispatch(backend, turn)
             except EngineError as exc:
                 errors.append(f"{backend.name}: {exc}")
                 self._eject(backend, str(exc))

@@ -14,9 +14,9 @@ Which logprob a turn records (``SamplingParams.logprobs_mode``):
 
 Greedy rows (temperature below ``GREEDY_EPS``) pick the argmax. The distribution they "sample"
 from is a point mass, whose logprob (always 0) would tell a trainer nothing, so a greedy row
-records what vLLM's processed mode records for it: temperature treated as 1, the row's top-k /
-top-p applied, log-softmax (vLLM's sampler swaps a greedy row's temperature for 1 before the
-shared top-k/top-p step). With the usual greedy settings (no top-k, top-p 1) that equals the raw
+records what vLLM's processed mode records for it: the log-softmax of the logits at temperature 1
+with no top-k / top-p (vLLM's ``SamplingParams`` resets both for temperature 0, and its sampler
+takes an all-greedy batch's processed logprobs straight from the logits). That equals the raw
 logprob. Greedy turns are for evaluation; an importance ratio over them is not meaningful.
 
 Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one
@@ -141,7 +141,8 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[list[int], li
     greedy = [s.greedy for s in samplers]
     processed = processed_logits(
         logits, [1.0 if g else s.temperature for s, g in zip(samplers, greedy, strict=True)],
-        [s.top_k for s in samplers], [s.top_p for s in samplers])
+        [0 if g else s.top_k for s, g in zip(samplers, greedy, strict=True)],
+        [1.0 if g else s.top_p for s, g in zip(samplers, greedy, strict=True)])
     logprobs = torch.log_softmax(processed, dim=-1)
     if all(greedy):
         tokens = torch.argmax(logits, dim=-1)

@@ -34,7 +34,7 @@ import collections
 import concurrent.futures
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,8 @@ class _Seq:
         self.length = 0  # positions holding KV
         self.finish: str | None = None
         self.aborted = False
+        self.progress: asyncio.Event | None = None
+        """Set after every step while someone streams this turn."""
         self.cut: str | None = None
         """Set from the loop to end the turn at the next step with this finish reason
         (``preempted``: a weight swap's drain ran out)."""
@@ -175,6 +177,44 @@ class TransformersEngine(Engine):
         return len(self._pending) + len(self._active)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        seq = self._submit(request)
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:
+            self._give_up(seq)
+            raise
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        """One turn as it is generated: each result holds the tokens (and logprobs) produced
+        since the previous one, with ``finish_reason=""`` until the last. Closing the iterator
+        early aborts the turn (``rollout llm-serve`` streams with it)."""
+        seq = self._submit(request)
+        seq.progress = asyncio.Event()
+        sent = 0
+        try:
+            while not seq.future.done():
+                progress = asyncio.ensure_future(seq.progress.wait())
+                try:
+                    await asyncio.wait({progress, seq.future},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    progress.cancel()
+                seq.progress.clear()
+                # The worker may be appending to the lists right now: take only complete pairs.
+                ready = min(len(seq.output), len(seq.logprobs))
+                if ready > sent and not seq.future.done():
+                    yield GenerateResult(seq.output[sent:ready], seq.logprobs[sent:ready], "",
+                                         seq.version, self.name, seq.sampler.logprobs_kind)
+                    sent = ready
+            final = seq.future.result()
+            yield GenerateResult(final.output_ids[sent:], final.logprobs[sent:],
+                                 final.finish_reason, final.policy_version, final.backend,
+                                 final.logprobs_kind)
+        except (asyncio.CancelledError, GeneratorExit):
+            self._give_up(seq)
+            raise
+
+    def _submit(self, request: GenerateRequest) -> _Seq:
         if self._closed:
             raise EngineError(f"{self.name} is closed")
         validate_request(request.sampling, request.max_tokens, list(request.prompt_ids),
@@ -191,24 +231,25 @@ class TransformersEngine(Engine):
                    self.eos_ids | frozenset(request.sampling.stop_token_ids),
                    min(request.max_tokens, room), loop.create_future())
         self._pending.append(seq)
+        if request.timeout_s is not None:
+            # The worker checks admitted turns each step; this timer covers a turn still
+            # queued (a weight swap or a full batch holding it) when its time runs out.
+            loop.call_later(max(0.0, request.timeout_s), self._expire_queued, seq)
         assert self._wakeup is not None
         self._wakeup.set()
-        try:
-            if seq.deadline is not None:
-                done, _ = await asyncio.wait({seq.future}, timeout=request.timeout_s)
-                if not done and seq in self._pending:
-                    # Never admitted (a swap or a full batch held it): nothing was generated.
-                    self._pending.remove(seq)
-                    seq.version = self._version
-                    return self._result(seq, "deadline")
-                # Admitted: the worker sees the deadline at its next step and finishes the turn.
-            return await asyncio.shield(seq.future)
-        except asyncio.CancelledError:
-            # The caller gave up (job cancelled, deadline): free the batch slot at the next step.
-            seq.aborted = True
-            if seq in self._pending:
-                self._pending.remove(seq)
-            raise
+        return seq
+
+    def _expire_queued(self, seq: _Seq) -> None:
+        if seq in self._pending and not seq.future.done():
+            self._pending.remove(seq)
+            seq.version = self._version
+            seq.future.set_result(self._result(seq, "deadline"))
+
+    def _give_up(self, seq: _Seq) -> None:
+        """The caller went away (job cancelled): free the batch slot at the next step."""
+        seq.aborted = True
+        if seq in self._pending:
+            self._pending.remove(seq)
 
     async def abort(self, session_id: str) -> None:
         for seq in list(self._pending) + list(self._active):
@@ -327,6 +368,8 @@ class TransformersEngine(Engine):
                 continue
             still: list[_Seq] = []
             for seq in self._active:
+                if seq.progress is not None:
+                    seq.progress.set()
                 if seq.finish is None:
                     still.append(seq)
                 elif not seq.future.done():

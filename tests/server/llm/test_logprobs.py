@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.runtime.llm import GenerateRequest, GenerateResult
+from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import SamplingParams
 from rollout.server.llm.sampling import Sampler, sample
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
+from tests.server.llm.reference import (
+    full_forward_logits,
+    raw_logprobs,
+    reference_distribution,
+    reference_logprobs,
+)
 from tests.util import assert_eventually
 
 
@@ -24,58 +30,6 @@ def chat(engine: TransformersEngine, text: str) -> list[int]:
     out = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def full_forward_logits(model: torch.nn.Module, prompt: list[int], output: list[int]
-                        ) -> torch.Tensor:
-    """Logits that predicted each output token, from one uncached forward: ``[len(output), V]``."""
-    ids = torch.tensor([prompt + output])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0].double()
-    return logits[len(prompt) - 1:len(prompt) + len(output) - 1]
-
-
-def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int,
-                           top_p: float) -> dict[int, float]:
-    """The kept tokens and their probabilities under softmax(logits / T), top-k, then top-p.
-
-    Written independently of the engine: float64, a Python walk down the sorted tokens that
-    stops once the mass of the tokens taken reaches ``top_p``, then renormalised.
-    """
-    scaled = logits.double() / (temperature if temperature > 0 else 1.0)
-    order = torch.argsort(scaled, descending=True).tolist()
-    if top_k > 0:
-        order = order[:top_k]
-    probs = torch.softmax(scaled[order], dim=0).tolist()
-    kept, mass = [], 0.0
-    for tok, p in zip(order, probs, strict=True):
-        kept.append(tok)
-        mass += p
-        if mass >= top_p:
-            break
-    log_z = float(torch.logsumexp(scaled[kept], dim=0))
-    return {tok: math.exp(float(scaled[tok]) - log_z) for tok in kept}
-
-
-def reference_logprob(logits: torch.Tensor, token: int, temperature: float, top_k: int,
-                      top_p: float) -> float:
-    kept = reference_distribution(logits, temperature, top_k, top_p)
-    assert token in kept, f"token {token} was sampled outside the kept set"
-    return math.log(kept[token])
-
-
-def reference_logprobs(engine: TransformersEngine, prompt: list[int], result: GenerateResult,
-                       params: SamplingParams) -> list[float]:
-    logits = full_forward_logits(engine.model, prompt, result.output_ids)
-    return [reference_logprob(row, tok, params.temperature, params.top_k, params.top_p)
-            for row, tok in zip(logits, result.output_ids, strict=True)]
-
-
-def raw_logprobs(engine: TransformersEngine, prompt: list[int], output: list[int]
-                 ) -> list[float]:
-    logits = full_forward_logits(engine.model, prompt, output)
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output).unsqueeze(1)
-                                                ).squeeze(1).tolist()
 
 
 @pytest.fixture
@@ -96,11 +50,11 @@ async def test_processed_logprobs_match_reference_forward(no_eos: TransformersEn
     prompt = chat(engine, "the agent runs a command in the sandbox")
     result = await engine.generate(GenerateRequest(prompt, params, 24, "lp", seed=3))
     assert result.logprobs_kind == "processed" and len(result.logprobs) == 24
-    expected = reference_logprobs(engine, prompt, result, params)
+    expected = reference_logprobs(engine.model, prompt, result, params)
     assert result.logprobs == pytest.approx(expected, abs=1e-4)
     # The comparison has teeth: halved values and raw model logprobs are both far off.
     assert [lp / 2 for lp in result.logprobs] != pytest.approx(expected, abs=1e-4)
-    raw = raw_logprobs(engine, prompt, result.output_ids)
+    raw = raw_logprobs(engine.model, prompt, result.output_ids)
     assert raw != pytest.approx(expected, abs=1e-4)
 
 
@@ -113,7 +67,7 @@ async def test_second_turn_logprobs_match_reference(no_eos: TransformersEngine) 
     turn2 = prompt + first.output_ids + chat(engine, "cat file.txt")
     second = await engine.generate(GenerateRequest(turn2, params, 10, "t2", seed=2))
     assert engine.turn_stats[-1].cached_tokens > 0
-    assert second.logprobs == pytest.approx(reference_logprobs(engine, turn2, second, params),
+    assert second.logprobs == pytest.approx(reference_logprobs(engine.model, turn2, second, params),
                                             abs=1e-4)
 
 
@@ -133,33 +87,33 @@ async def test_mixed_batch_each_row_gets_its_own_processing(no_eos: Transformers
     for prompt, params, result in zip(prompts, variants, results, strict=True):
         if params.logprobs_mode == "raw":
             assert result.logprobs_kind == "raw"
-            expected = raw_logprobs(engine, prompt, result.output_ids)
+            expected = raw_logprobs(engine.model, prompt, result.output_ids)
         else:
             assert result.logprobs_kind == "processed"
-            expected = reference_logprobs(engine, prompt, result, params)
+            expected = reference_logprobs(engine.model, prompt, result, params)
         assert result.logprobs == pytest.approx(expected, abs=1e-4), params
 
 
 async def test_raw_mode_and_greedy(no_eos: TransformersEngine) -> None:
-    """``raw`` returns the unmodified model logprob; greedy records log-softmax at T=1 (vLLM's
-    processed value for a greedy row), which for top-p 1 / no top-k is the raw value."""
+    """``raw`` returns the unmodified model logprob; greedy records the log-softmax of the logits
+    whatever its top-k / top-p (vLLM's processed value for a greedy row: the raw value)."""
     engine = no_eos
     prompt = chat(engine, "print the numbers")
     raw_mode = SamplingParams(temperature=0.7, top_p=0.9, logprobs_mode="raw")
     result = await engine.generate(GenerateRequest(prompt, raw_mode, 16, "raw", seed=5))
     assert result.logprobs_kind == "raw"
-    assert result.logprobs == pytest.approx(raw_logprobs(engine, prompt, result.output_ids),
+    assert result.logprobs == pytest.approx(raw_logprobs(engine.model, prompt, result.output_ids),
                                             abs=1e-4)
     processed = await engine.generate(GenerateRequest(
         prompt, SamplingParams(temperature=0.7, top_p=0.9), 16, "proc", seed=5))
     assert processed.output_ids == result.output_ids  # the mode changes the record, not the draw
     assert processed.logprobs != pytest.approx(result.logprobs, abs=1e-3)
-    greedy = await engine.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0),
-                                                   16, "greedy"))
+    greedy = await engine.generate(GenerateRequest(
+        prompt, SamplingParams(temperature=0.0, top_p=0.5, top_k=3), 16, "greedy"))
     logits = full_forward_logits(engine.model, prompt, greedy.output_ids)
     assert greedy.output_ids == logits.argmax(-1).tolist()
     assert greedy.logprobs == pytest.approx(
-        raw_logprobs(engine, prompt, greedy.output_ids), abs=1e-4)
+        raw_logprobs(engine.model, prompt, greedy.output_ids), abs=1e-4)
 
 
 async def test_seeded_row_is_the_same_alone_and_in_a_batch_of_16(
@@ -228,8 +182,8 @@ async def test_timeout_returns_partial_output_with_deadline(no_eos: Transformers
         prompt, params, 1500, "dl", seed=4, timeout_s=0.5)), 60)
     assert result.finish_reason == "deadline"
     assert 0 < len(result.output_ids) < 1500 and len(result.logprobs) == len(result.output_ids)
-    assert result.logprobs == pytest.approx(reference_logprobs(engine, prompt, result, params),
-                                            abs=1e-4)
+    expected = reference_logprobs(engine.model, prompt, result, params)
+    assert result.logprobs == pytest.approx(expected, abs=1e-4)
     assert engine.load == 0
 
 

@@ -1,0 +1,196 @@
+"""The HTTP path's logprobs and turn cuts: processed / raw logprobs over both vLLM request shapes
+against the reference forward, streamed turns cut by ``timeout_s`` keeping their partial output,
+clear errors for what a server lacks, and the pool's deadline accounting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import InvalidArgument, SamplingParams
+from rollout.server.llm.engine import EngineError
+from rollout.server.llm.http_engine import HttpEngine
+from rollout.server.llm.pool import BackendPool
+from tests.server.llm.conftest import FakeEngine
+from tests.server.llm.reference import raw_logprobs, reference_logprobs
+from tests.server.llm.test_http_vllm_path import Served, start_server
+from tests.util import assert_eventually
+
+NUCLEUS = SamplingParams(temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture
+async def served(tiny_dir: Path) -> AsyncIterator[Served]:
+    server = await start_server(tiny_dir, "srv")
+    yield server
+    await server.stop()
+
+
+@pytest.mark.parametrize("protocol", ["generate", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_processed_logprobs_over_http_match_reference(served: Served, protocol: str,
+                                                            stream: bool) -> None:
+    client = HttpEngine(served.url, "tiny", protocol=protocol, stream=stream)
+    prompt = [1, 40, 41, 42, 43, 44]
+    try:
+        result = await client.generate(GenerateRequest(prompt, NUCLEUS, 16, "s", seed=7))
+    finally:
+        await client.close()
+    assert result.logprobs_kind == "processed" and result.finish_reason == "length"
+    assert len(result.output_ids) == 16
+    expected = reference_logprobs(served.engine.model, prompt, result, NUCLEUS)
+    assert result.logprobs == pytest.approx(expected, abs=1e-4)
+    assert raw_logprobs(served.engine.model, prompt, result.output_ids) != \
+        pytest.approx(expected, abs=1e-4)
+
+
+async def test_raw_logprobs_per_request_from_llm_serve(served: Served) -> None:
+    client = HttpEngine(served.url, "tiny")  # configured for a processed server
+    prompt = [1, 50, 51, 52]
+    params = SamplingParams(temperature=0.7, top_p=0.9, logprobs_mode="raw")
+    try:
+        first = await client.generate(GenerateRequest(prompt, params, 12, "r", seed=3))
+        # llm-serve says what it returned, so the engine keeps asking per request.
+        assert client.mode_announced is True
+        second = await client.generate(GenerateRequest(prompt, params, 12, "r2", seed=3))
+    finally:
+        await client.close()
+    assert first.logprobs_kind == "raw" and second.output_ids == first.output_ids
+    assert first.logprobs == pytest.approx(
+        raw_logprobs(served.engine.model, prompt, first.output_ids), abs=1e-4)
+
+
+@pytest.mark.parametrize("protocol", ["generate", "completions"])
+async def test_timeout_streams_and_keeps_partial_output(served: Served, protocol: str) -> None:
+    client = HttpEngine(served.url, "tiny", protocol=protocol)
+    prompt = [1, 60, 61, 62]
+    try:
+        result = await asyncio.wait_for(client.generate(GenerateRequest(
+            prompt, NUCLEUS, 1500, "dl", seed=11, timeout_s=0.8)), 30)
+        assert result.finish_reason == "deadline"
+        assert 0 < len(result.output_ids) < 1500
+        assert result.logprobs == pytest.approx(
+            reference_logprobs(served.engine.model, prompt, result, NUCLEUS), abs=1e-4)
+        await assert_eventually(lambda: served.engine.load == 0)  # the disconnect aborted it
+        # The tokens are those an uncut turn with the same seed produces.
+        whole = await client.generate(GenerateRequest(prompt, NUCLEUS, len(result.output_ids),
+                                                      "whole", seed=11))
+        assert whole.output_ids == result.output_ids
+    finally:
+        await client.close()
+
+
+async def test_streamed_abort_keeps_partial_output(served: Served) -> None:
+    client = HttpEngine(served.url, "tiny", stream=True)
+    try:
+        turn = asyncio.create_task(client.generate(GenerateRequest([1, 2, 3], NUCLEUS, 1500,
+                                                                   "ab", seed=1)))
+        await assert_eventually(lambda: served.engine.decode_steps > 3)
+        await client.abort("ab")
+        result = await asyncio.wait_for(turn, 10)
+        assert result.finish_reason == "abort" and len(result.output_ids) > 0
+        assert len(result.logprobs) == len(result.output_ids)
+        await assert_eventually(lambda: served.engine.load == 0)
+    finally:
+        await client.close()
+
+
+# ----------------------------------------------------------------- a server like real vLLM
+class VllmShaped:
+    """Answers like a vLLM server started *without* ``--enable-scale-out`` (403 on
+    /inference/v1/generate, its message) and with processed logprobs: replies carry no
+    ``logprobs_mode``. Only the reply shapes matter here; the real server has its own test."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def generate(self, request: web.Request) -> web.Response:
+        return web.json_response({"error": {
+            "message": "Scale-out endpoints are disabled. Restart vllm serve with "
+                       "--enable-scale-out to enable them.", "type": "PermissionDeniedError",
+            "code": 403}}, status=403)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        return web.json_response({"choices": [{
+            "index": 0, "text": "", "finish_reason": "length", "token_ids": [5, 6],
+            "logprobs": {"tokens": ["token_id:5", "token_id:6"],
+                         "token_logprobs": [-0.5, -0.25]}}]})
+
+
+@pytest.fixture
+async def vllm_shaped() -> AsyncIterator[tuple[str, VllmShaped]]:
+    fake = VllmShaped()
+    app = web.Application()
+    app.add_routes([web.post("/inference/v1/generate", fake.generate),
+                    web.post("/v1/completions", fake.completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", fake
+    await runner.cleanup()
+
+
+async def test_missing_scale_out_flag_is_named(vllm_shaped: tuple[str, VllmShaped]) -> None:
+    url, _ = vllm_shaped
+    client = HttpEngine(url, "m")
+    try:
+        with pytest.raises(EngineError, match="--enable-scale-out"):
+            await client.generate(GenerateRequest([1, 2], NUCLEUS, 2, "x"))
+    finally:
+        await client.close()
+
+
+async def test_vllm_server_mode_is_fixed_per_server(vllm_shaped: tuple[str, VllmShaped]) -> None:
+    url, fake = vllm_shaped
+    client = HttpEngine(url, "m", protocol="completions", logprobs_mode="processed")
+    raw = SamplingParams(temperature=0.7, logprobs_mode="raw")
+    try:
+        with pytest.raises(InvalidArgument, match="--logprobs-mode raw_logprobs"):
+            await client.generate(GenerateRequest([1, 2], raw, 2, "x"))
+        assert client.mode_announced is False  # vLLM does not say; the first reply told us
+        result = await client.generate(GenerateRequest([1, 2], NUCLEUS, 2, "y"))
+        assert result.logprobs_kind == "processed" and result.output_ids == [5, 6]
+        with pytest.raises(InvalidArgument, match="raw_logprobs"):
+            await client.generate(GenerateRequest([1, 2], raw, 2, "z"))
+        assert len(fake.bodies) == 2  # the last one was refused before it was sent
+        # A non-streaming server answer to a deadline turn is used as is.
+        cut = await client.generate(GenerateRequest([1, 2], NUCLEUS, 2, "t", timeout_s=5))
+        assert cut.output_ids == [5, 6] and fake.bodies[-1]["stream"] is True
+    finally:
+        await client.close()
+
+
+# ----------------------------------------------------------------- the pool
+async def test_pool_passes_the_remaining_time_to_the_backend() -> None:
+    engine = FakeEngine("a")
+    pool = BackendPool([engine], health_interval_s=0)
+    try:
+        await pool.generate(GenerateRequest([1, 2], NUCLEUS, 4, "s", timeout_s=5.0))
+        await pool.generate(GenerateRequest([1, 2], NUCLEUS, 4, "t"))
+    finally:
+        await pool.close()
+    assert 0 < engine.served[0].timeout_s <= 5.0  # type: ignore[operator]
+    assert engine.served[1].timeout_s is None
+
+
+@pytest.mark.timeout(10)
+async def test_pool_wait_for_a_backend_never_outlasts_the_turn() -> None:
+    """With every backend down the pool would wait 60 s; the turn's 0.3 s wins."""
+    engine = FakeEngine("a")
+    engine.alive = False
+    pool = BackendPool([engine], health_interval_s=0, wait_for_backend_s=60)
+    pool.get("a").healthy = False
+    try:
+        result = await pool.generate(GenerateRequest([1, 2], NUCLEUS, 4, "s", timeout_s=0.3))
+    finally:
+        await pool.close()
+    assert result.finish_reason == "deadline" and result.output_ids == []
