@@ -14,16 +14,28 @@ translation and without canonical line editing (which would truncate lines at 4 
 Timeouts: Ctrl-C (SIGINT to the foreground job) first, then, if no sentinel comes back within
 a grace period, the whole shell (its PID namespace) is killed and a new one starts on the next
 call; the result says that cwd and environment were reset.
+
+Spawning: never a Python-level fork in the server. ``pty.fork()`` (what ptyprocess does) runs
+the interpreter's at-fork handlers, and gRPC registers some (``os.register_at_fork``) whose
+child half can crash the forked child of a busy multi-threaded server: about one shell in 15
+then never came up. Instead the server opens the pty pair itself (``os.openpty``) and starts
+``setsid --ctty <launcher>`` with ``subprocess.Popen`` and no ``preexec_fn``: CPython then
+starts the child through ``_posixsubprocess`` with vfork and runs no Python code in it, and
+util-linux's ``setsid`` makes the pty the controlling terminal (so Ctrl-C still reaches the
+foreground job) before it execs the launcher under the same pid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import signal
+import struct
+import subprocess
 import termios
 import threading
 from collections.abc import Mapping, Sequence
@@ -110,8 +122,6 @@ class BashSession:
                     max_output: int = DEFAULT_MAX_OUTPUT,
                     start_timeout: float = 20.0) -> BashSession:
         """Start a shell in ``sandbox`` (or, with ``sandbox=None``, ``argv`` on the host)."""
-        import ptyprocess
-
         from rollout.runtime.sandbox.procs import in_spawner
         if sandbox is not None:
             full = sandbox.command_argv(list(argv or SHELL_ARGV), cwd=cwd, tty=True)
@@ -119,12 +129,11 @@ class BashSession:
         else:
             full = list(argv or SHELL_ARGV)
             full_env = {**os.environ, "TERM": "dumb", **SHELL_ENV, **(env or {})}
-        spawn = asyncio.ensure_future(in_spawner(lambda: ptyprocess.PtyProcess.spawn(
-            full, env=full_env, cwd=None if sandbox is not None else cwd, echo=False,
-            dimensions=(50, 250))))
+        spawn = asyncio.ensure_future(in_spawner(
+            spawn_pty, full, full_env, None if sandbox is not None else cwd))
         try:
             proc = await asyncio.shield(spawn)
-        except (OSError, ptyprocess.PtyProcessError) as e:
+        except OSError as e:
             raise BashError(f"could not start bash: {e}") from e
         except asyncio.CancelledError:
             spawn.add_done_callback(_discard_spawned)
@@ -262,6 +271,45 @@ class BashSession:
                           "shell was killed; the next command runs in a new shell (working "
                           "directory and environment were reset)]", -1, timed_out=True,
                           truncated=bool(self._sink.dropped), restarted=True)
+
+
+class PtyChild:
+    """A process whose stdin, stdout and stderr are the slave side of a pty we hold the master
+    of; ``pid`` leads its own session, with the pty as its controlling terminal."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], fd: int) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.fd = fd
+
+    def wait(self) -> int:
+        return self.popen.wait()
+
+    def close(self, force: bool = True) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def spawn_pty(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None,
+              rows: int = 50, cols: int = 250) -> PtyChild:
+    """Start ``argv`` on a new pty without forking the calling Python process (see the module
+    docstring). Blocking; the sandbox runs it in its spawner thread."""
+    master, slave = os.openpty()  # both non-inheritable; Popen dup2()s the slave to 0, 1, 2
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        attrs = termios.tcgetattr(slave)
+        attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo from the first byte on
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+        popen = subprocess.Popen(["setsid", "--ctty", *argv], stdin=slave, stdout=slave,
+                                 stderr=slave, env=dict(env), cwd=cwd, close_fds=True)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    return PtyChild(popen, master)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
