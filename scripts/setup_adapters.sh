@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Builds the two trainer environments the adapter tests run in, each beside the main .venv:
+#
+#   .venv-verl      verl 0.9.1 and what its agent loop, DataProto and AgentLoopWorker import on a
+#                   CPU (no vLLM, no flash-attn, no GPU), plus our package without its deps.
+#   .venv-nemo-gym  nemo-gym 0.7.0 and what its agent/resources server base classes and
+#                   pydantic models import, plus our package without its deps.
+#
+# Own environments because both pin transformers below the server's (verl: < 5.11) or pull in
+# large stacks (nemo-gym: mlflow, wandb, ray, anthropic, mcp) that the main venv must not carry.
+# Each package goes in with --no-deps and only the dependencies its imported modules need, so a
+# fresh CI machine spends minutes, not tens of minutes, here. Our own package goes in editable and
+# --no-deps, followed by the gRPC stack at the versions of the main venv (the generated stubs
+# require protobuf >= 7.35.1; a trainer's resolver would pick the same from our metadata).
+#
+# Idempotent: a stamp of this script's contents makes a second run a no-op. Set
+# ROLLOUT_SKIP_ADAPTERS=1 to skip it (the adapter tests then skip, saying why).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${ROLLOUT_SKIP_ADAPTERS:-0}" = "1" ]; then
+  echo "setup_adapters: skipped (ROLLOUT_SKIP_ADAPTERS=1)"
+  exit 0
+fi
+
+PY=${PYTHON:-python3}
+# The gRPC stack of the main venv, so that both sides of the wire run the same versions.
+grpc_pins() {
+  .venv/bin/python - <<'EOF'
+from importlib.metadata import version
+print(" ".join(f"{p}=={version(p)}" for p in
+               ("grpcio", "grpcio-status", "protobuf", "googleapis-common-protos")))
+EOF
+}
+
+build_verl() {
+  local venv=.venv-verl stamp=.venv-verl/.setup-stamp want
+  want="$(cat scripts/setup_adapters.sh pyproject.toml | sha256sum | cut -c1-16)"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+  local t0=$SECONDS
+  [ -x $venv/bin/python ] || "$PY" -m venv $venv
+  local pip="$venv/bin/python -m pip"
+  $pip install -q --upgrade pip
+  # The local CPU wheel; any other torch version downloads a CUDA build of several GB.
+  $venv/bin/python -c "import torch" 2>/dev/null || $pip install -q torch==2.13.0
+  $pip install -q --no-deps verl==0.9.1
+  # What verl.protocol, verl.experimental.agent_loop and verl.utils import at module level on a
+  # CPU. ray without [default]: the dashboard and its web stack are not needed in-process.
+  $pip install -q "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
+    ray omegaconf hydra-core pillow codetiming datasets cachetools fastapi uvicorn pydantic \
+    numpy pandas pyarrow dill packaging pytest pytest-asyncio pytest-timeout
+  # shellcheck disable=SC2046
+  $pip install -q --no-deps -e . $(grpc_pins)
+  $venv/bin/python -c "import verl.experimental.agent_loop, rollout.trainer_adapters.verl.agent_loop"
+  echo "$want" > "$stamp"
+  echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
+}
+
+build_nemo_gym() {
+  local venv=.venv-nemo-gym stamp=.venv-nemo-gym/.setup-stamp want
+  want="$(cat scripts/setup_adapters.sh pyproject.toml | sha256sum | cut -c1-16)"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+  local t0=$SECONDS
+  [ -x $venv/bin/python ] || "$PY" -m venv $venv
+  local pip="$venv/bin/python -m pip"
+  $pip install -q --upgrade pip
+  # nemo-gym declares Python >= 3.13 but runs on 3.11; its full dependency list also pulls in
+  # mlflow, anthropic, mcp and datasets, which its server base classes and pydantic models do
+  # not import. The list below is what `import nemo_gym.server_utils` and the agent and
+  # resources base classes need (found by importing them in a bare venv).
+  $pip install -q --no-deps --ignore-requires-python nemo-gym==0.7.0
+  $pip install -q "openai==2.44.0" pydantic fastapi uvicorn httptools aiohttp omegaconf \
+    hydra-core rich itsdangerous orjson psutil requests pyyaml packaging "anyio>=4.15.1" httpx \
+    ray yappi pydot pandas scipy wandb pytest pytest-asyncio pytest-timeout
+  # shellcheck disable=SC2046
+  $pip install -q --no-deps -e . $(grpc_pins)
+  $venv/bin/python -c "import nemo_gym.server_utils, nemo_gym.base_responses_api_agent"
+  echo "$want" > "$stamp"
+  echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
+}
+
+# pip's "Location ... is ignored" lines (local mirrors without that package) are noise here.
+build_verl 2> >(grep -v "Location .* is ignored" >&2)
+build_nemo_gym 2> >(grep -v "Location .* is ignored" >&2)

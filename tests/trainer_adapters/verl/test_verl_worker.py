@@ -1,0 +1,156 @@
+"""verl's own AgentLoopWorker.generate_sequences, with the rollout_service agent loop, against a
+live server: the padded batch verl trains on must hold exactly the tokens, masks, logprobs,
+rewards and policy versions that the tasks spell out.
+
+The server runs here (main environment); verl runs in .venv-verl (its transformers pin conflicts
+with the server's), driven by ``drive_worker.py`` in a subprocess. Expected tensors are worked out
+from the task payloads (``episodes.expected_flat``) and verl's documented padding layout, not from
+the adapter's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.tiny_model import tiny_model_dir
+from tests.trainer_adapters.verl.episodes import (
+    episode_harness,
+    expected_flat,
+    two_turn_tool_episode,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
+pytestmark = [
+    pytest.mark.skipif(not VERL_PY.exists(),
+                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
+    pytest.mark.timeout(300),
+]
+
+PROMPT_LEN, RESPONSE_LEN = 8, 12
+
+
+def overlong_episode() -> dict[str, Any]:
+    """Prompt 4 tokens, response 3 turns of 6 outputs + 2 observations = 24 > RESPONSE_LEN."""
+    turns = [{"prompt": [200, 201, 202, 203] if k == 0 else [],
+              "output": [210 + 10 * k + i for i in range(6)],
+              "logprobs": [-0.1 * (i + 1) - k for i in range(6)],
+              "obs": [250 + k, 251 + k], "version": 7} for k in range(3)]
+    return {"turns": turns, "reward": 0.5, "components": {"exact": 0.0}}
+
+
+def sample(task: dict[str, Any], uid: str) -> dict[str, Any]:
+    return {"raw_prompt": [{"role": "user", "content": "what is two plus two?"}],
+            "extra_info": {"rollout_task": task}, "uid": uid}
+
+
+async def run_verl(address: str, samples: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+    req = {"address": address, "model_dir": str(tiny_model_dir()), "n": 2,
+           "prompt_length": PROMPT_LEN, "response_length": RESPONSE_LEN,
+           "components": ["exact", "format"], "samples": samples}
+    (tmp / "req.json").write_text(json.dumps(req))
+    env = {**os.environ, "VERL_LOGGING_LEVEL": "WARN", "RAY_DEDUP_LOGS": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        str(VERL_PY), str(Path(__file__).with_name("drive_worker.py")), str(tmp / "req.json"),
+        str(tmp / "out.json"), cwd=str(ROOT), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 280)
+    assert proc.returncode == 0, out.decode()[-6000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def chat_prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(str(tiny_model_dir())).pad_token_id
+    ok = two_turn_tool_episode(base=100, version=3, reward=1.0)
+    long = overlong_episode()
+    # EVAL fails after RUN produced turns: the tokens are there, and must not be trained on.
+    failed = two_turn_tool_episode(base=300, version=9, reward=1.0, fail="eval")
+    other = two_turn_tool_episode(base=400, version=5, reward=0.0)
+    # INIT fails: no turn at all, so verl's own rendering of the prompt fills the row.
+    no_turns = two_turn_tool_episode(base=500, version=1, reward=1.0, fail="init")
+    ok2 = two_turn_tool_episode(base=600, version=2, reward=1.0)
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        res = await run_verl(h.address, [
+            sample(ok, "g1"), sample(long, "g1"), sample(failed, "g2"), sample(other, "g2"),
+            sample(no_turns, "g3"), sample(ok2, "g3")], tmp_path)
+    finally:
+        await h.stop()
+    t, nt = res["tensors"], res["non_tensors"]
+    assert len(t["prompts"]) == 6
+    assert all(len(r) == PROMPT_LEN for r in t["prompts"])
+    assert all(len(r) == RESPONSE_LEN for r in t["responses"])
+
+    for row, task, reward in ((0, ok, 1.0), (3, other, 0.0), (5, ok2, 1.0)):
+        exp = expected_flat(task)
+        p = exp["prompt_len"][0]
+        prompt, resp = exp["ids"][:p], exp["ids"][p:]
+        n = len(resp)
+        # verl's layout: prompt left-padded, response right-padded.
+        assert t["prompts"][row] == [pad] * (PROMPT_LEN - p) + prompt
+        assert t["responses"][row] == resp + [pad] * (RESPONSE_LEN - n)
+        assert t["input_ids"][row] == t["prompts"][row] + t["responses"][row]
+        assert t["attention_mask"][row] == [0] * (PROMPT_LEN - p) + [1] * (p + n) + [0] * (
+            RESPONSE_LEN - n)
+        assert t["response_mask"][row] == exp["mask"][p:] + [0] * (RESPONSE_LEN - n)
+        assert t["rollout_log_probs"][row] == pytest.approx(
+            exp["logprobs"][p:] + [0.0] * (RESPONSE_LEN - n))
+        # The reward sits on the last response token, nowhere else.
+        assert t["rm_scores"][row] == pytest.approx(
+            [0.0] * (n - 1) + [reward] + [0.0] * (RESPONSE_LEN - n))
+        versions = [turn["version"] for turn in task["turns"]]
+        assert (nt["min_global_steps"][row], nt["max_global_steps"][row]) == (
+            min(versions), max(versions))
+        assert nt["rollout_valid"][row] is True and nt["truncated"][row] is False
+        # prompt message + 2 assistant turns + 1 tool observation
+        assert nt["__num_turns__"][row] == 4
+
+    # The over-long trajectory is cut to RESPONSE_LEN, flagged, and did not crash the batch.
+    exp = expected_flat(long)
+    p = exp["prompt_len"][0]
+    assert t["responses"][1] == exp["ids"][p:p + RESPONSE_LEN]
+    assert t["response_mask"][1] == exp["mask"][p:p + RESPONSE_LEN]
+    assert t["rollout_log_probs"][1] == pytest.approx(exp["logprobs"][p:p + RESPONSE_LEN])
+    assert t["rm_scores"][1][-1] == pytest.approx(0.5) and sum(t["rm_scores"][1]) == 0.5
+    assert nt["truncated"][1] is True and nt["rollout_valid"][1] is True
+    assert (nt["min_global_steps"][1], nt["max_global_steps"][1]) == (7, 7)
+
+    # A failed sample is masked out (not scored 0 and trained on): its tokens stay visible.
+    exp = expected_flat(failed)
+    p = exp["prompt_len"][0]
+    assert t["responses"][2][:len(exp["ids"]) - p] == exp["ids"][p:]
+    assert t["response_mask"][2] == [0] * RESPONSE_LEN
+    assert nt["rollout_valid"][2] is False and nt["rollout_state"][2] == "FAILED"
+    assert sum(t["rm_scores"][2]) == 0.0
+    # A job that produced no turn gets verl's own prompt and an empty, masked response.
+    fallback = chat_prompt_ids(sample(no_turns, "g3")["raw_prompt"])[-PROMPT_LEN:]
+    assert t["prompts"][4][PROMPT_LEN - len(fallback):] == fallback
+    assert t["response_mask"][4] == [0] * RESPONSE_LEN and sum(t["rm_scores"][4]) == 0.0
+    assert nt["rollout_valid"][4] is False
+
+    # Fixed reward-info keys in every sample; components reported per sample.
+    assert res["reward_extra_keys"] == ["reward", "rollout_valid", "truncated", "exact", "format"]
+    assert nt["exact"] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert nt["format"] == [0.5, 0.0, 0.0, 0.5, 0.0, 0.5]
+    assert nt["rollout_valid"] == [True, True, False, True, False, True]
+    # The sample's uid reached the service as the job's group.
+    assert all(jid.startswith("verl/g1/") for jid in nt["rollout_job_id"][:2])
+    assert all(jid.startswith("verl/g2/") for jid in nt["rollout_job_id"][2:4])

@@ -1,0 +1,190 @@
+"""One job at a time, over one shared session per process: what per-sample trainer hooks need.
+
+verl builds a new agent-loop object for every sample, and a NeMo Gym agent server answers one
+``POST /run`` per sample. Opening a gRPC stream per sample would cost a connection, a session and
+a client id each; instead every caller in a process (on one event loop) shares one
+:class:`JobRunner`, which owns one ``StreamRollouts`` session, submits each job, and hands each
+caller its own job's outcome. The session resumes by itself after a dropped connection (see
+:mod:`rollout.client.session`); trajectories are acknowledged once their caller has them.
+
+Streaming many groups across trainer steps is the batcher's job (``rollout.client.batcher``); this
+module serves hooks that are called once per sample and must return that sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
+from rollout.client.session import Session
+from rollout.client.specs import SpecLike, job_spec
+from rollout.v1 import job_pb2, trajectory_pb2
+
+SUCCEEDED = job_pb2.Job.State.STATE_SUCCEEDED
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """A finished job: its trajectory (turns produced, reward) and its terminal state."""
+
+    trajectory: trajectory_pb2.Trajectory
+    state: int
+    """A ``Job.State`` value: SUCCEEDED, FAILED or CANCELLED."""
+    error: job_pb2.JobError | None = None
+    """Why the job failed or was cancelled; None when it succeeded."""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == SUCCEEDED
+
+    @property
+    def state_name(self) -> str:
+        return job_pb2.Job.State.Name(self.state).removeprefix("STATE_")  # type: ignore[arg-type]
+
+
+class JobRejectedError(ValueError):
+    """The server refused a submitted job (bad environment, task, sampling parameters...)."""
+
+    def __init__(self, job_id: str, rejected: Any) -> None:
+        where = f" (field {rejected.field})" if rejected.field else ""
+        super().__init__(f"job {job_id!r} rejected: {rejected.reason}: {rejected.message}{where}")
+        self.reason = rejected.reason
+        self.field = rejected.field
+
+
+class JobRunner:
+    """Submit a job and await its outcome; many concurrent callers share one session."""
+
+    def __init__(self, address: str, *, token: str | None = None, client_id: str | None = None,
+                 max_unacked: int = 0) -> None:
+        self.client = RolloutClient(address, token=token)
+        self.client_id = client_id or (
+            f"adapter-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._max_unacked = max_unacked
+        self._session: Session | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._waiting: dict[str, asyncio.Future[JobOutcome]] = {}
+        self._trajectories: dict[str, tuple[int, trajectory_pb2.Trajectory]] = {}
+        self._start_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._session is not None:
+                return
+            self.client.connect()
+            session = self.client.session(self.client_id, max_unacked=self._max_unacked)
+            await session.start()
+            self._session = session
+            self._reader = asyncio.create_task(self._read(session),
+                                               name=f"job-runner:{self.client_id}")
+
+    async def run(self, spec: SpecLike) -> JobOutcome:
+        """Submit ``spec`` and wait for its trajectory and terminal state. Cancelling the caller
+        cancels the job on the server, so an abandoned sample frees its sandbox and backend."""
+        proto = job_spec(spec)
+        if not proto.job_id:
+            raise ValueError("job_id is required (it is the job's idempotency key)")
+        await self.start()
+        assert self._session is not None
+        if self._reader is not None and self._reader.done():
+            # The session gave up (reconnects exhausted, or a verdict such as
+            # SESSION_TAKEN_OVER): say why instead of waiting forever.
+            exc = None if self._reader.cancelled() else self._reader.exception()
+            raise RuntimeError(f"the rollout session to {self.client.address} has ended: "
+                               f"{exc or 'closed'}")
+        fut: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
+        self._waiting[proto.job_id] = fut
+        try:
+            await self._session.submit(proto)
+            return await fut
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._session.cancel(job_ids=[proto.job_id]))
+            raise
+        finally:
+            self._waiting.pop(proto.job_id, None)
+
+    async def cancel_group(self, group_id: str) -> None:
+        """Stop a group's unfinished jobs (their callers get CANCELLED outcomes)."""
+        await self.start()
+        assert self._session is not None
+        await self._session.cancel(group_ids=[group_id])
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        if self._session is not None:
+            await self._session.aclose()
+        await self.client.close()
+        self._session = self._reader = None
+
+    async def _read(self, session: Session) -> None:
+        try:
+            async for frame in session.events():
+                kind = frame.WhichOneof("kind")
+                if kind == "rejected":
+                    fut = self._waiting.get(frame.job_id)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(JobRejectedError(frame.job_id, frame.rejected))
+                elif kind == "trajectory":
+                    self._trajectories[frame.job_id] = (frame.trajectory.delivery_id,
+                                                        frame.trajectory.trajectory)
+                elif kind == "finished":
+                    await self._finish(session, frame.job_id, frame.finished)
+        except RolloutError as err:
+            self._fail_all(err)
+            raise
+        self._fail_all(RolloutError(_unavailable(), "SESSION_ENDED",
+                                    "the rollout session ended"))
+
+    async def _finish(self, session: Session, job_id: str, finished: Any) -> None:
+        # JobFinished always follows its job's TrajectoryReady (same delivery), so the
+        # trajectory is here unless the job was never run (then an empty one stands in).
+        delivery_id, traj = self._trajectories.pop(
+            job_id, (0, trajectory_pb2.Trajectory(job_id=job_id)))
+        fut = self._waiting.get(job_id)
+        if fut is not None and not fut.done():
+            fut.set_result(JobOutcome(traj, finished.state,
+                                      finished.error if finished.HasField("error") else None))
+        # Acknowledge even when nobody waits (a replay for a caller that gave up): nothing
+        # else would ever take it, and an unacknowledged trajectory holds server flow control.
+        if delivery_id:
+            await session.ack([delivery_id])
+
+    def _fail_all(self, err: Exception) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+
+def _unavailable() -> Any:
+    import grpc
+
+    return grpc.StatusCode.UNAVAILABLE
+
+
+_RUNNERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], JobRunner]]
+_RUNNERS = weakref.WeakKeyDictionary()
+
+
+def shared_runner(address: str, token: str | None = None) -> JobRunner:
+    """The process's runner for ``address`` on the running event loop (one session each).
+
+    Keyed by event loop because a grpc.aio channel belongs to the loop that made it; verl's
+    agent-loop worker and a Gym agent server each run all their samples on one loop."""
+    loop = asyncio.get_running_loop()
+    per_loop = _RUNNERS.setdefault(loop, {})
+    key = (address, token or "")
+    if key not in per_loop:
+        per_loop[key] = JobRunner(address, token=token)
+    return per_loop[key]
