@@ -5,17 +5,23 @@ flat view is the concatenation, turn by turn, of ``prompt_ids + output_ids + obs
 (the proto's definition), so position ``i`` of every list refers to the same token. Logprobs
 exist only for model tokens; other positions hold 0.0 and carry loss mask 0, so a PPO ratio
 computed over masked positions never reads a made-up value.
+
+Only SUCCEEDED trajectories are training data by default: a FAILED or CANCELLED one carries
+the turns produced before the job ended and reward 0 (a zero that EVAL never computed), so
+:func:`flatten` skips it (returns None) unless asked to keep it with ``keep_failed=True`` (for
+a trainer that masks such samples itself). A trajectory without a state (written by a server
+older than the v1 revision that added ``Trajectory.state``) counts as not succeeded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from google.protobuf import json_format
 
-from rollout.v1 import trajectory_pb2
+from rollout.v1 import job_pb2, trajectory_pb2
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,17 @@ class Flat:
     num_turns: int = 0
     termination: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    """Server and environment information (e.g. ``final_text``)."""
+    state: str = ""
+    """The job's terminal state without prefix: ``SUCCEEDED``, ``FAILED`` or ``CANCELLED``."""
+    error_reason: str = ""
+    """``JobError.reason`` when the job did not succeed, e.g. ``RUN_TIMEOUT``."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The client's labels (the spec's metadata), unchanged."""
+    seed: int | None = None
+    """The seed that reproduces the trajectory (turn k: seed + k)."""
+    logprobs_kind: str = ""
+    """``PROCESSED`` (the behaviour policy) or ``RAW``; empty when unknown."""
 
     @property
     def response_ids(self) -> list[int]:
@@ -48,8 +65,26 @@ class Flat:
         return self.loss_mask[self.prompt_length:]
 
 
-def flatten(traj: trajectory_pb2.Trajectory) -> Flat:
-    """Concatenate the turns; checks the invariants a trainer silently depends on."""
+def succeeded(traj: trajectory_pb2.Trajectory) -> bool:
+    """Did the job succeed (so its reward came from EVAL)?"""
+    return traj.state == job_pb2.Job.STATE_SUCCEEDED
+
+
+@overload
+def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: Literal[True]) -> Flat: ...
+
+
+@overload
+def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Flat | None: ...
+
+
+def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Flat | None:
+    """Concatenate the turns; checks the invariants a trainer silently depends on.
+
+    Returns None for a trajectory whose job did not succeed, unless ``keep_failed``.
+    """
+    if not keep_failed and not succeeded(traj):
+        return None
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -77,7 +112,24 @@ def flatten(traj: trajectory_pb2.Trajectory) -> Flat:
         policy_versions=versions, num_turns=len(traj.turns),
         termination=trajectory_pb2.TerminationReason.Name(traj.termination_reason)
         .removeprefix("TERMINATION_REASON_"),
-        metadata=dict(traj.metadata))
+        metadata=dict(traj.metadata),
+        state=job_pb2.Job.State.Name(traj.state).removeprefix("STATE_")
+        if traj.state else "",
+        error_reason=traj.error.reason if traj.HasField("error") else "",
+        labels=dict(traj.labels), seed=traj.seed if traj.HasField("seed") else None,
+        logprobs_kind=job_pb2.LogprobsKind.Name(traj.logprobs_kind)
+        .removeprefix("LOGPROBS_KIND_") if traj.logprobs_kind else "")
+
+
+def flatten_all(trajs: Iterable[trajectory_pb2.Trajectory], *,
+                keep_failed: bool = False) -> list[Flat]:
+    """:func:`flatten` over many trajectories, leaving out the skipped ones."""
+    out = []
+    for traj in trajs:
+        flat = flatten(traj, keep_failed=keep_failed)
+        if flat is not None:
+            out.append(flat)
+    return out
 
 
 def to_json(traj: trajectory_pb2.Trajectory) -> dict[str, Any]:

@@ -12,6 +12,12 @@ What it does not do (so nobody mistakes it for a model):
 - The prompt ids are ignored (only the session id and the turn index select the reply).
 - ``sampling.stop`` strings are not applied; ``stop_token_ids`` and ``max_tokens`` are
   (truncation at ``max_tokens`` drops the end-of-turn token and reports ``length``).
+
+Cut turns, as a real engine reports them: a ``timeout_s`` shorter than ``latency_s`` returns
+the first half of the message with ``deadline``; :meth:`ScriptedEngine.preempt` (what a weight
+swap whose drain timed out does) returns the first half with ``preempted`` and leaves the script
+on that message, since the loop re-issues the turn; :meth:`ScriptedEngine.abort` returns
+``abort`` with no tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class ScriptedEngine(Engine):
         self.latency_s = latency_s
         self._turns: dict[str, int] = turns if turns is not None else {}
         self._aborts: dict[str, set[asyncio.Event]] = {}
+        self._preempted: set[asyncio.Event] = set()
         self.requests: list[GenerateRequest] = []
         """Every request received, in order (tests inspect seeds, budgets, prompts)."""
         self.released: list[str] = []
@@ -104,17 +111,28 @@ class ScriptedEngine(Engine):
         self._turns[sid] = turn + 1
         aborted = asyncio.Event()
         self._aborts.setdefault(sid, set()).add(aborted)
+        wait = self.latency_s
+        timed_out = request.timeout_s is not None and request.timeout_s < wait
+        if timed_out:
+            wait = max(0.0, request.timeout_s or 0.0)
         try:
             ids = await asyncio.to_thread(self._encode, message)
-            if self.latency_s > 0:
+            if wait > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(aborted.wait(), self.latency_s)
+                    await asyncio.wait_for(aborted.wait(), wait)
         finally:
             self._aborts[sid].discard(aborted)
             if not self._aborts[sid]:
                 del self._aborts[sid]
+        half = ids[:max(1, len(ids) // 2)]
+        if aborted in self._preempted:
+            self._preempted.discard(aborted)
+            self._turns[sid] = turn  # re-issued: the script stays on this message
+            return GenerateResult(half, [0.0] * len(half), "preempted", self._version, self.name)
         if aborted.is_set():
             return GenerateResult([], [], "abort", self._version, self.name)
+        if timed_out:
+            return GenerateResult(half, [0.0] * len(half), "deadline", self._version, self.name)
         output, finish = self._cut([*ids, self.end_of_turn_id], request)
         return GenerateResult(output, [0.0] * len(output), finish, self._version, self.name)
 
@@ -134,6 +152,15 @@ class ScriptedEngine(Engine):
         """Make the session's in-flight turn return ``abort`` now."""
         for event in self._aborts.get(session_id, ()):
             event.set()
+
+    async def preempt(self, session_id: str) -> None:
+        """Cut the session's in-flight turn as a weight swap would (``preempted``)."""
+        for event in self._aborts.get(session_id, ()):
+            self._preempted.add(event)
+            event.set()
+
+    def in_flight(self, session_id: str) -> bool:
+        return bool(self._aborts.get(session_id))
 
     async def release_session(self, session_id: str) -> None:
         self._turns.pop(session_id, None)

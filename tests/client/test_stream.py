@@ -56,6 +56,7 @@ async def test_round_trip(harness: ServerHarness) -> None:
     assert set(trajs) == {"a", "b"}
     assert trajs["a"].trajectory.reward == 0.25
     flat = flatten(trajs["a"].trajectory)
+    assert flat is not None and trajs["a"].trajectory.state == S.STATE_SUCCEEDED
     assert flat.token_ids == [1, 2, 3, 1, 2, 4] and flat.loss_mask == [0, 0, 1, 0, 0, 1]
     finished = {f.job_id: f.finished for f in kinds(frames, "finished")}
     assert finished["a"].state == S.STATE_SUCCEEDED and finished["a"].reward == 0.25
