@@ -34,6 +34,7 @@ import json
 import posixpath
 import re
 import secrets
+import shlex
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -55,6 +56,7 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading import end_agent, open_grader
 from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
+from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
@@ -99,6 +101,9 @@ GRADE_TREE_SOURCE = Path(__file__).with_name("swe_grade_tree.py")
 REPORT_PLUGIN_SOURCE = Path(__file__).with_name("pytest_report_plugin.py")
 REPORT_PLUGIN = "rollout_pytest_report"
 _PATCH_FAILED = 97
+OPTIONS_KEY = "swe.sandbox_options"
+"""``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
+grading sandbox needs as well."""
 _MAX_REPORT = 8 << 20
 
 
@@ -127,6 +132,7 @@ class SweHandler(AgentHandler):
         named_tests(task, "PASS_TO_PASS")
         string_env(task, "test_env", env=ENV)
         optional_number(task, "test_timeout_s", 300.0, env=ENV)
+        EnvSpec.of(task)
         plugins = task.get("pytest_plugins", [])
         if not isinstance(plugins, list) or not all(
                 isinstance(p, str) and re.fullmatch(r"[A-Za-z_][\w.]*", p) for p in plugins):
@@ -142,18 +148,25 @@ class SweHandler(AgentHandler):
         task = ctx.spec.task
         self.validate_task(task)
         kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
-        sandbox = await ctx.open_sandbox()
+        timeout = ctx.spec.limits.init_timeout_s
+
+        async def checkout(sandbox: Any) -> None:
+            await check_out(sandbox, task, kind, data, timeout)
+
+        options: dict[str, Any] = {}
+        spec = EnvSpec.of(task)
+        if spec is not None:
+            factory = ctx.sandbox_factory
+            if factory is None:
+                raise HandlerError("this server has no sandbox runtime configured",
+                                   "NO_SANDBOX")
+            env_dir, built = await ensure_env(spec, factory, checkout, timeout=timeout)
+            options = sandbox_options(env_dir)
+            ctx.progress("environment", {"key": spec.key, "built": built})
+        ctx.state[OPTIONS_KEY] = options
+        sandbox = await ctx.open_sandbox(**options)
         ctx.state[SANDBOX_KEY] = sandbox
-        src = await write_private(sandbox, "repo-source", data)
-        result = await sandbox.exec(["bash", "-c", _CHECKOUT, "checkout", src, kind,
-                                     task["base_commit"]],
-                                    timeout=ctx.spec.limits.init_timeout_s,
-                                    cwd=sandbox.workspace_in_sandbox)
-        head = result.stdout.strip().splitlines()[-1:] if result.ok else []
-        if not head or not head[0].startswith(task["base_commit"]):
-            raise HandlerError(f"could not check out {task['base_commit']} from "
-                               f"{task['repo_source']}: {result.output[-800:]}",
-                               "REPO_CHECKOUT_FAILED")
+        await checkout(sandbox)
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         sandbox = sandbox_of(ctx)
@@ -171,7 +184,8 @@ class SweHandler(AgentHandler):
         task = ctx.spec.task
         f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
         kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
-        grader = await open_grader(ctx, skip=frozenset({".git"}))
+        grader = await open_grader(ctx, skip=frozenset({".git"}),
+                                   **ctx.state.get(OPTIONS_KEY, {}))
         try:
             return await self._grade(ctx, grader, kind, data, f2p, p2p)
         finally:
@@ -186,7 +200,8 @@ class SweHandler(AgentHandler):
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
         protected = sorted({*patched_files(task["test_patch"]), *files_of(f2p + p2p)})
         prepared = await grader.exec(
-            ["python", tree, src, kind, task["base_commit"], patch, *protected],
+            [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
+             *protected],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
@@ -200,7 +215,7 @@ class SweHandler(AgentHandler):
         report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
         timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
         run = await grader.exec(
-            ["python", *pytest_args(task), *f2p, *p2p],
+            [*test_command(task), *f2p, *p2p],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
             env=test_env(task, plugin_dir, report), max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
@@ -228,9 +243,28 @@ class SweHandler(AgentHandler):
         ctx.state.pop(SANDBOX_KEY, None)
 
 
-def pytest_args(task: Mapping[str, Any]) -> list[str]:
-    """``-m pytest`` and its options: the report plugin, no cache, the task's plugins."""
-    args = ["-m", "pytest", "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
+async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: bytes,
+                    timeout: float) -> None:  # noqa: ASYNC109
+    """The task's repository at ``base_commit`` in the sandbox's workspace, history after it
+    and every other ref gone."""
+    src = await write_private(sandbox, "repo-source", data)
+    result = await sandbox.exec(["bash", "-c", _CHECKOUT, "checkout", src, kind,
+                                 task["base_commit"]],
+                                timeout=timeout, cwd=sandbox.workspace_in_sandbox)
+    head = result.stdout.strip().splitlines()[-1:] if result.ok else []
+    if not head or not head[0].startswith(task["base_commit"]):
+        raise HandlerError(f"could not check out {task['base_commit']} from "
+                           f"{task['repo_source']}: {result.output[-800:]}",
+                           "REPO_CHECKOUT_FAILED")
+
+
+def test_command(task: Mapping[str, Any]) -> list[str]:
+    """The task's test command (``spec.test_cmd``, default ``python -m pytest``; inside the
+    task's environment ``python`` is its venv's) and the grader's options: the report plugin,
+    no cache, the task's plugins. The named node ids follow."""
+    spec = task.get("spec")
+    cmd = shlex.split((spec or {}).get("test_cmd") or "python -m pytest")
+    args = [*cmd, "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]
     return args

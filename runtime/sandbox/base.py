@@ -211,6 +211,11 @@ class Sandbox(abc.ABC):
     def _owner(self) -> tuple[int, int] | None:
         return None
 
+    def owner(self) -> tuple[int, int] | None:
+        """(uid, gid) the sandbox's processes run as, when not the server's own (root mode);
+        a host directory bound writable into the sandbox must belong to it."""
+        return self._owner()
+
     async def copy_workspace_from(self, other: Sandbox, *,
                                   skip: frozenset[str] = frozenset()) -> int:
         """Copy ``other``'s workspace into this (empty) one, owned by this sandbox's user;

@@ -157,7 +157,8 @@ def default_env(python: str) -> dict[str, str]:
 class BwrapSandbox(Sandbox):
     def __init__(self, config: SandboxConfig, sid: str, path: Path, lock_fd: int,
                  lease: procs.UidLease | None, env: dict[str, str], network: Network,
-                 limits: SandboxLimits, rootfs: Path | None) -> None:
+                 limits: SandboxLimits, rootfs: Path | None,
+                 extra_binds: tuple[tuple[str, str, bool], ...] = ()) -> None:
         super().__init__()
         self.config = config
         self.id = sid
@@ -194,6 +195,8 @@ class BwrapSandbox(Sandbox):
                     mounts += _ro_bind_below(prefix, "/tmp/")
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
+        for host, inside, writable in extra_binds:
+            mounts += ["--bind" if writable else "--ro-bind", host, inside]
         mounts += ["--remount-ro", "/"]
         cgroup, seccomp = _hardening(config)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
@@ -211,7 +214,11 @@ class BwrapSandbox(Sandbox):
     @classmethod
     async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
-                     rootfs: Path | str | None = None, **unknown: Any) -> BwrapSandbox:
+                     rootfs: Path | str | None = None,
+                     binds: Sequence[tuple[str, str, bool]] = (),
+                     **unknown: Any) -> BwrapSandbox:
+        """``binds``: per-sandbox (host dir, sandbox path, writable) mounts, e.g. a task's
+        prepared environment, read-only, shared by every job of its repository."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
@@ -225,12 +232,13 @@ class BwrapSandbox(Sandbox):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
         return await finish_creation(asyncio.ensure_future(asyncio.to_thread(
             cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
-            rootfs)))
+            rootfs, _check_binds(binds, config.workspace_in_sandbox))))
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, files: dict[str, bytes | str],
                      env: dict[str, str], network: Network, limits: SandboxLimits,
-                     rootfs: Path | None) -> BwrapSandbox:
+                     rootfs: Path | None,
+                     binds: tuple[tuple[str, str, bool], ...] = ()) -> BwrapSandbox:
         root = config.sandboxes_dir
         root.mkdir(parents=True, exist_ok=True, mode=0o711)
         sid = uuid.uuid4().hex[:12]
@@ -261,7 +269,7 @@ class BwrapSandbox(Sandbox):
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
             sb_env.update(env)
-            sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs)
+            sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds)
         except BaseException:
             if lease:
                 lease.release()
@@ -343,6 +351,23 @@ class BwrapSandbox(Sandbox):
             os.close(self._lock_fd)
             self._lock_fd = -1
         _LIVE.pop(self.id, None)
+
+
+def _check_binds(binds: Sequence[tuple[str, str, bool]],
+                 workspace: str) -> tuple[tuple[str, str, bool], ...]:
+    checked = []
+    reserved = ("/", "/tmp", "/proc", "/dev", CTL_IN_SANDBOX, workspace)
+    for host, inside, writable in binds:
+        inside_norm = os.path.normpath(inside)
+        if not inside.startswith("/") or inside_norm in reserved or inside_norm.startswith(
+                tuple(r.rstrip("/") + "/" for r in reserved if r != "/")):
+            raise SandboxError(f"cannot bind over {inside!r} in the sandbox",
+                               "INVALID_SANDBOX_OPTIONS")
+        if not os.path.isdir(host):
+            raise SandboxError(f"bind source {host} is not a directory",
+                               "INVALID_SANDBOX_OPTIONS")
+        checked.append((os.path.abspath(host), inside_norm, bool(writable)))
+    return tuple(checked)
 
 
 @atexit.register

@@ -1,0 +1,238 @@
+"""Per-task Python environments for swe tasks, isolated from the server's interpreter, the way
+the SWE-bench harness builds one environment per repository and version.
+
+A task opts in with a ``spec`` object (the harness's spec fields)::
+
+    "version": "0.3",                      # the repository version the environment is for
+    "spec": {
+      "python": "3.11",                    # optional; an interpreter this server has
+      "pre_install": ["sed -i ... setup.cfg"],   # optional shell commands in the checkout
+      "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # from the wheelhouse only
+      "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
+      "test_cmd": "python -m pytest"       # optional; the grader appends its options and ids
+    }
+
+The environment is a venv built once per (repository, version, spec) in a build sandbox with no
+network: ``pip`` reads only the wheelhouses (``--no-index``): the shipped one
+(``runtime/envs/data/wheelhouse``) and ``$ROLLOUT_WHEELHOUSE`` (default
+``~/.cache/rollout/wheelhouse``), which ``python -m rollout.runtime.envs.tasks prepare FILE``
+fills ahead of time on a machine with registry access. The finished venv sits in
+``$ROLLOUT_SWE_ENV_CACHE`` (default ``~/.cache/rollout/swe-envs``) and every later job of the
+same repository binds it read-only at :data:`ENV_MOUNT`: INIT pays nothing for it, and no agent
+can change the environment its own grader (or another job) uses. It is built at the same path
+it is used at, so its scripts and the editable install's paths (``/workspace/src``) hold in
+every sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.runtime.envs.common import DATA_DIR, invalid
+from rollout.runtime.handler import HandlerError
+
+ENV_MOUNT = "/.rollout-env"
+VENV = f"{ENV_MOUNT}/venv"
+SHIPPED_WHEELHOUSE = DATA_DIR / "wheelhouse"
+_WHEEL_MOUNT = "/.rollout-wheels-{}"
+_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_SPEC_FIELDS = ("python", "pre_install", "pip_packages", "install", "test_cmd")
+_LOCKS: dict[str, asyncio.Lock] = {}
+
+_BUILD = r"""
+set -euo pipefail
+py=$1 install=$2; shift 2
+pre=() pkgs=()
+while [ $# -gt 0 ] && [ "$1" != -- ]; do pre+=("$1"); shift; done
+shift
+pkgs=("$@")
+for cmd in ${pre[@]+"${pre[@]}"}; do bash -c "$cmd"; done
+"$py" -m venv __VENV__
+export PATH=__VENV__/bin:$PATH VIRTUAL_ENV=__VENV__
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+export PIP_FIND_LINKS="$ROLLOUT_FIND_LINKS"
+if [ ${#pkgs[@]} -gt 0 ]; then python -m pip install -q "${pkgs[@]}"; fi
+if [ -n "$install" ]; then bash -c "$install"; fi
+python -m pip freeze --all
+""".replace("__VENV__", VENV)
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """The spec fields of one task (see the module docstring)."""
+
+    python: str
+    """The interpreter (host path) the venv is made from."""
+    pre_install: tuple[str, ...]
+    pip_packages: tuple[str, ...]
+    install: str
+    test_cmd: tuple[str, ...]
+    key: str
+    """Cache key: repository, version and every spec field."""
+
+    @classmethod
+    def of(cls, task: Mapping[str, Any]) -> EnvSpec | None:
+        """The task's spec, validated (INVALID_TASK names the field); None without one."""
+        spec = task.get("spec")
+        if spec is None:
+            return None
+        if not isinstance(spec, Mapping):
+            raise invalid("swe task field 'spec' must be an object with the fields "
+                          f"{list(_SPEC_FIELDS)}", "spec")
+        unknown = sorted(set(spec) - set(_SPEC_FIELDS))
+        if unknown:
+            raise invalid(f"swe task field 'spec' has unknown fields {unknown}; known: "
+                          f"{list(_SPEC_FIELDS)}", "spec")
+        lists = {}
+        for name in ("pre_install", "pip_packages"):
+            value = spec.get(name, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) and v.strip()
+                                                      for v in value):
+                raise invalid(f"swe task field 'spec.{name}' must be a list of strings",
+                              f"spec.{name}")
+            lists[name] = tuple(value)
+        for name in ("install", "test_cmd", "python"):
+            if not isinstance(spec.get(name, ""), str):
+                raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
+        test_cmd = tuple(shlex.split(spec.get("test_cmd") or "python -m pytest"))
+        python = find_python(str(spec.get("python", "")))
+        fingerprint = {"repo": task.get("repo", ""), "version": str(task.get("version", "")),
+                       "python": python, **{k: spec.get(k) for k in _SPEC_FIELDS}}
+        key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(python, lists["pre_install"], lists["pip_packages"],
+                   str(spec.get("install", "")), test_cmd, key)
+
+
+def find_python(version: str) -> str:
+    """The host interpreter for ``"3.11"`` ("" = the server's own version)."""
+    own = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if version in ("", own):
+        # The server's base interpreter: the sandbox always binds its prefix back in.
+        return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    if not all(part.isdigit() for part in version.split(".")) or version.count(".") != 1:
+        raise invalid(f"swe task field 'spec.python' must look like '3.11', got {version!r}",
+                      "spec.python")
+    found = shutil.which(f"python{version}")
+    if found is None or not found.startswith(("/usr/", "/opt/")):
+        raise invalid(f"this server has no Python {version} (python{version} under /usr or "
+                      f"/opt); it has {own}: install that version or drop 'spec.python'",
+                      "spec.python")
+    return os.path.realpath(found)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOUT_SWE_ENV_CACHE")
+                or Path.home() / ".cache" / "rollout" / "swe-envs")
+
+
+def wheelhouses() -> list[Path]:
+    """Where pip may take packages from: the shipped wheelhouse, then the user's."""
+    user = os.environ.get("ROLLOUT_WHEELHOUSE") or str(
+        Path.home() / ".cache" / "rollout" / "wheelhouse")
+    dirs = [SHIPPED_WHEELHOUSE, *(Path(p) for p in user.split(os.pathsep) if p)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def sandbox_options(env_dir: Path) -> dict[str, Any]:
+    """``open_sandbox`` options for a job that uses the environment in ``env_dir``."""
+    return {"binds": [(str(env_dir), ENV_MOUNT, False)],
+            "env": {"PATH": f"{VENV}/bin:{_BASE_PATH}", "VIRTUAL_ENV": VENV}}
+
+
+def ready(spec: EnvSpec) -> Path | None:
+    path = cache_dir() / spec.key
+    return path if (path / "ready").is_file() else None
+
+
+PrepareRepo = Callable[[Any], Awaitable[None]]
+"""Checks the task's repository out into a build sandbox's workspace."""
+
+
+async def ensure_env(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
+                     prepare_repo: PrepareRepo, *, timeout: float = 900.0  # noqa: ASYNC109
+                     ) -> tuple[Path, bool]:
+    """The environment's directory, built now if no job built it before; (path, built)."""
+    if (path := ready(spec)) is not None:
+        return path, False
+    lock = _LOCKS.setdefault(spec.key, asyncio.Lock())
+    async with lock:
+        if (path := ready(spec)) is not None:
+            return path, False
+        root = cache_dir()
+        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+        fd = await asyncio.to_thread(_flock, root / f".{spec.key}.lock")
+        try:
+            if (path := ready(spec)) is not None:  # another server process built it
+                return path, False
+            return await _build(spec, sandbox_factory, prepare_repo, timeout), True
+        finally:
+            os.close(fd)
+
+
+def _flock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
+                 prepare_repo: PrepareRepo, timeout: float) -> Path:  # noqa: ASYNC109
+    root = cache_dir()
+    tmp = root / f".{spec.key}.{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(tmp.mkdir, 0o755)
+    houses = wheelhouses()
+    binds = [(str(tmp), ENV_MOUNT, True)]
+    binds += [(str(h), _WHEEL_MOUNT.format(i), False) for i, h in enumerate(houses)]
+    links = " ".join(_WHEEL_MOUNT.format(i) for i in range(len(houses)))
+    try:
+        sandbox = await sandbox_factory(binds=binds)
+        try:
+            if (owner := sandbox.owner()) is not None:
+                os.chown(tmp, *owner)
+            await prepare_repo(sandbox)
+            started = time.monotonic()
+            result = await sandbox.exec(
+                ["bash", "-c", _BUILD, "build", spec.python, spec.install, *spec.pre_install,
+                 "--", *spec.pip_packages], env={"ROLLOUT_FIND_LINKS": links},
+                timeout=timeout, cwd=sandbox.workspace_in_sandbox)
+            if not result.ok:
+                raise HandlerError(
+                    f"building the task's environment failed (exit {result.exit_code}); is "
+                    "every package in the wheelhouse? (`python -m rollout.runtime.envs.tasks "
+                    f"prepare FILE` fills it): {result.output[-1500:]}", "ENV_BUILD_FAILED")
+        finally:
+            await sandbox.destroy()
+        await asyncio.to_thread(_seal, tmp, result.stdout, time.monotonic() - started)
+        final = root / spec.key
+        await asyncio.to_thread(os.rename, tmp, final)
+        return final
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        raise
+
+
+def _seal(path: Path, freeze: str, seconds: float) -> None:
+    """Hand the tree to the server's user (the build uid may be leased to another sandbox
+    next) and mark it complete."""
+    uid, gid = os.geteuid(), os.getegid()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            with contextlib.suppress(OSError):
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+    os.lchown(path, uid, gid)
+    (path / "freeze.txt").write_text(freeze)
+    (path / "ready").write_text(json.dumps({"built_s": round(seconds, 3)}))
