@@ -6,7 +6,7 @@ scheduler, SQLite store, real gRPC on loopback) with this environment registered
 receive from the task alone, independently of the adapter under test::
 
     {"turns": [{"prompt": [ids], "output": [ids], "logprobs": [floats], "obs": [ids],
-                "version": int}, ...],
+                "version": int, "tool": name}, ...],
      "reward": float, "components": {name: float},
      "fail": "init" | "run" | "eval",     # optional: the stage raises HandlerError
      "sleep": seconds}                     # optional: RUN waits this long (cancellation tests)
@@ -48,7 +48,7 @@ class EpisodeHandler(AgentHandler):
                       output_logprobs=[float(x) for x in t["logprobs"]],
                       observation_ids=[int(i) for i in t.get("obs", [])],
                       policy_version=int(t.get("version", 0)), finish_reason="stop",
-                      backend="episode")
+                      backend="episode", tool_calls=[t["tool"]] if t.get("tool") else [])
                  for t in task["turns"]]
         if task.get("fail") == "run":
             raise HandlerError("scripted failure in run", "SCRIPTED_FAILURE")
@@ -74,7 +74,7 @@ def two_turn_tool_episode(base: int = 100, version: int = 3, reward: float = 1.0
         "turns": [
             {"prompt": [base + i for i in range(6)], "output": [base + 10, base + 11, base + 12],
              "logprobs": [-0.25, -1.5, -0.125], "obs": [base + 20, base + 21],
-             "version": version},
+             "version": version, "tool": "python"},
             {"prompt": [base + 30, base + 31], "output": [base + 40, base + 41],
              "logprobs": [-2.0, -0.5], "obs": [], "version": version + 1},
         ],

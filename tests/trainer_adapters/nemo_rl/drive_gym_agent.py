@@ -1,0 +1,110 @@
+"""Runs inside .venv-nemo-gym: the Gym agent's real FastAPI app, called over ASGI.
+
+Usage: drive_gym_agent.py REQUEST.json RESULT.json. For each row of the request it posts
+``/run``, validates the answer with nemo-gym's own pydantic models, flattens it the way NeMo
+RL's Gym path does (``nemo_flatten``, restated from ``nemo_rl/environments/nemo_gym.py``), and
+converts the job's stored trajectory with ``to_message_log``; it also posts
+``/aggregate_metrics`` and one ``/v1/responses``. The test in the main environment compares all
+of it with what the tasks spell out and with a hand-derived fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def nemo_flatten(gym_result: dict[str, Any]) -> list[dict[str, Any]]:
+    """NeMo RL's Gym postprocessing, restated: items without generation tokens are skipped;
+    each call's prompt must extend every token seen so far (else NeMo RL raises
+    "Non-contiguous messages found"); the new prompt part becomes a user message, the generation
+    an assistant message; GRPO then masks the loss to assistant tokens."""
+    log: list[dict[str, Any]] = []
+    seen: list[int] = []
+    for item in gym_result["response"]["output"]:
+        if "generation_token_ids" not in item:
+            continue
+        prompt = item["prompt_token_ids"]
+        assert prompt[:len(seen)] == seen, "Non-contiguous messages found!"
+        user = prompt[len(seen):]
+        gen = item["generation_token_ids"]
+        log.append({"role": "user", "content": "", "token_ids": user,
+                    "token_loss_mask": [0] * len(user)})
+        log.append({"role": "assistant", "content": "", "token_ids": gen,
+                    "token_loss_mask": [1] * len(gen),
+                    "generation_logprobs": item["generation_log_probs"]})
+        seen = seen + user + gen
+    return log
+
+
+async def main(req: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+    from nemo_gym.base_resources_server import (
+        BaseMultiRewardVerifyResponse,
+        BaseVerifyResponse,
+    )
+    from nemo_gym.config_types import AggregateMetrics
+    from nemo_gym.openai_utils import (
+        NeMoGymResponse,
+        NeMoGymResponseFunctionToolCallForTraining,
+        NeMoGymResponseOutputMessageForTraining,
+    )
+    from nemo_gym.server_utils import BaseServerConfig, ServerClient
+    from omegaconf import DictConfig
+
+    from rollout.client.aio import RolloutClient
+    from rollout.trainer_adapters.nemo_rl.gym_agent import (
+        RolloutServiceAgent,
+        RolloutServiceAgentConfig,
+    )
+    from rollout.trainer_adapters.nemo_rl.message_log import to_message_log
+
+    config = RolloutServiceAgentConfig(host="127.0.0.1", port=0, entrypoint="gym_agent.py",
+                                       name="rollout_service_agent", address=req["address"],
+                                       environment="episode")
+    client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
+                          global_config_dict=DictConfig({}))
+    agent = RolloutServiceAgent(config=config, server_client=client)
+    app = agent.setup_webserver()
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://agent", timeout=60) as http, \
+            RolloutClient(req["address"]) as service:
+        for row in req["rows"]:
+            resp = await http.post("/run", json=row)
+            if resp.status_code != 200:
+                results.append({"status": resp.status_code, "body": resp.text})
+                continue
+            body = resp.json()
+            # nemo-gym's own models accept it: the verify response, the multi-reward variant,
+            # the Responses-API response, and each token-carrying item as its training class.
+            BaseVerifyResponse.model_validate(body)
+            BaseMultiRewardVerifyResponse.model_validate(body)
+            NeMoGymResponse.model_validate(body["response"])
+            for item in body["response"]["output"]:
+                if "generation_token_ids" in item:
+                    cls = (NeMoGymResponseFunctionToolCallForTraining
+                           if item["type"] == "function_call"
+                           else NeMoGymResponseOutputMessageForTraining)
+                    cls.model_validate(item)
+            stored = await service.get_job(body["rollout_job_id"], include_trajectory=True)
+            results.append({"status": 200, "body": body,
+                            "nemo_flatten": nemo_flatten(json.loads(json.dumps(body))),
+                            "message_log": to_message_log(stored.trajectory)})
+        ok = [r["body"] for r in results if r["status"] == 200]
+        agg = await http.post("/aggregate_metrics", json={"verify_responses": ok})
+        AggregateMetrics.model_validate(agg.json())
+        responses = await http.post("/v1/responses", json={
+            "input": [{"role": "user", "content": "hi"}],
+            "metadata": {"rollout_task": json.dumps(req["rows"][0]["rollout_task"])}})
+        NeMoGymResponse.model_validate(responses.json())
+    return {"results": results, "aggregate": agg.json(), "responses": responses.json()}
+
+
+if __name__ == "__main__":
+    request = json.loads(Path(sys.argv[1]).read_text())
+    result = asyncio.run(main(request))
+    Path(sys.argv[2]).write_text(json.dumps(result))

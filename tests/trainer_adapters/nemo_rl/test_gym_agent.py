@@ -1,0 +1,112 @@
+"""The NeMo Gym agent server against a live service, checked with nemo-gym's own models, and the
+message-log conversion against a fixture derived by hand from NeMo RL's Gym flattening
+(``two_turn_message_log.json``: per model call, the new prompt tokens as a non-trained message,
+then the generation with its logprobs; the observation joins the next call's prompt).
+
+The service runs here; the agent runs in .venv-nemo-gym (``drive_gym_agent.py``), because
+nemo-gym and its stack do not belong in the server's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.trainer_adapters.verl.episodes import (
+    episode_harness,
+    expected_flat,
+    two_turn_tool_episode,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+GYM_PY = ROOT / ".venv-nemo-gym" / "bin" / "python"
+FIXTURE = Path(__file__).with_name("two_turn_message_log.json")
+pytestmark = [
+    pytest.mark.skipif(not GYM_PY.exists(),
+                       reason=".venv-nemo-gym is missing: run scripts/setup_adapters.sh"),
+    pytest.mark.timeout(180),
+]
+
+
+async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+    (tmp / "req.json").write_text(json.dumps({"address": address, "rows": rows}))
+    proc = await asyncio.create_subprocess_exec(
+        str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")), str(tmp / "req.json"),
+        str(tmp / "out.json"), cwd=str(ROOT), env=dict(os.environ),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 170)
+    assert proc.returncode == 0, out.decode()[-6000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def row(task: dict[str, Any], index: int) -> dict[str, Any]:
+    return {"responses_create_params": {"input": [{"role": "user", "content": "2+2?"}],
+                                        "temperature": 0.7},
+            "rollout_task": task, "_ng_task_index": index, "_ng_rollout_index": 0}
+
+
+async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path) -> None:
+    ok = two_turn_tool_episode(base=100, version=3, reward=1.0)
+    sums = two_turn_tool_episode(base=200, version=1, reward=1.5)
+    sums["components"] = {"exact": 1.0, "format": 0.5}  # parts that add up to the reward
+    failed = two_turn_tool_episode(base=300, version=1, reward=1.0, fail="eval")
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        res = await run_agent(h.address, [row(ok, 0), row(sums, 1), row(failed, 2), {
+            "responses_create_params": {"input": "no task here"}}], tmp_path)
+    finally:
+        await h.stop()
+    r_ok, r_sums, r_failed, r_bad = res["results"]
+
+    # The two-turn tool episode: NeMo RL's flattening of the /run answer, our converter on the
+    # stored trajectory, and the hand-derived fixture all agree.
+    fixture = json.loads(FIXTURE.read_text())
+    assert r_ok["nemo_flatten"] == fixture
+    assert r_ok["message_log"] == fixture
+    # ...and hold exactly the episode's tokens, mask and logprobs, minus nothing but the
+    # trailing observation (in no model call's prompt).
+    exp = expected_flat(ok)
+    flat_ids = [t for m in fixture for t in m["token_ids"]]
+    flat_mask = [t for m in fixture for t in m["token_loss_mask"]]
+    assert flat_ids == exp["ids"][:len(flat_ids)] and len(flat_ids) == len(exp["ids"])
+    assert flat_mask == exp["mask"]
+    lps = [lp for m in fixture for lp in m.get("generation_logprobs", [])]
+    assert lps == [lp for lp, m in zip(exp["logprobs"], exp["mask"], strict=True) if m]
+
+    body = r_ok["body"]
+    items = body["response"]["output"]
+    # The tool call carries turn 0's tokens, its output carries none (its tokens open the next
+    # call's prompt), and the answer carries turn 1's: whole prompts, each extending the last.
+    assert [i["type"] for i in items] == ["function_call", "function_call_output", "message"]
+    assert items[0]["name"] == "python"
+    assert "generation_token_ids" not in items[1]
+    assert items[2]["prompt_token_ids"] == exp["ids"][:len(items[2]["prompt_token_ids"])]
+    assert items[2]["prompt_token_ids"][:len(items[0]["prompt_token_ids"])] == (
+        items[0]["prompt_token_ids"])
+    assert body["reward"] == 1.0 and body["mask_sample"] is False
+    # exact=1, format=0.5 do not add up to 1.0: they travel beside a summing reward_components.
+    assert body["reward_components"] == {"reward": 1.0}
+    assert body["rollout_reward_components"] == {"exact": 1.0, "format": 0.5}
+
+    assert r_sums["body"]["reward_components"] == {"exact": 1.0, "format": 0.5}
+    assert r_sums["body"]["reward"] == 1.5
+
+    # A failed job is masked out, with a failure kind from nemo-gym's vocabulary.
+    fb = r_failed["body"]
+    assert fb["mask_sample"] is True and fb["reward"] == 0.0
+    assert fb["failure_kind"] == "agent_run_error" and "SCRIPTED_FAILURE" in fb["failure_reason"]
+    assert fb["rollout_state"] == "FAILED"
+
+    # A row with neither a rollout_task nor an expected answer is refused, saying what to fix.
+    assert r_bad["status"] == 422 and "rollout_task" in r_bad["body"]
+
+    assert res["responses"]["output"][0]["generation_token_ids"] == [110, 111, 112]
+    # Gym's aggregation read the three answers, keyed by the row indices they echo.
+    assert [r["body"]["_ng_task_index"] for r in (r_ok, r_sums, r_failed)] == [0, 1, 2]
+    assert res["aggregate"] is not None

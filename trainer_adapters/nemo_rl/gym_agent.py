@@ -1,0 +1,181 @@
+"""The Rollout Service as a NeMo Gym agent server: ``/run``, ``/v1/responses``,
+``/aggregate_metrics``.
+
+NeMo RL has no hook for an outside engine that owns the agent loop; its sanctioned route is NeMo
+Gym, which posts each dataset row to an agent server's ``/run`` and trains on the token ids the
+output items carry. This agent runs the row as one job of the service (sandbox, tools, reward
+included) and answers with nemo-gym's own response models, so NeMo RL's Gym integration consumes
+it unchanged: one token-carrying item per model call (``prompt_token_ids`` contiguous,
+``generation_token_ids``, ``generation_log_probs``), ``reward``, ``reward_components``, and
+``mask_sample`` for a job that failed or was cancelled (its reward is no measurement of the
+policy).
+
+A row names its task in ``rollout_task`` (the environment's JSON task) and optionally
+``rollout_environment``; without them the last user message and ``expected_answer`` (or
+``answer``) become a ``math`` task. ``/v1/responses`` reads the same keys from the request's
+``metadata`` (``rollout_task`` as a JSON string). Runs inside nemo-gym's environment; uses only
+the client side of this package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import Body, HTTPException
+from nemo_gym.base_resources_server import BaseMultiRewardVerifyResponse, BaseRunRequest
+from nemo_gym.base_responses_api_agent import (
+    BaseResponsesAPIAgentConfig,
+    SimpleResponsesAPIAgent,
+)
+from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
+from pydantic import ConfigDict
+
+from rollout.client.specs import job_spec
+from rollout.trainer_adapters.jobs import JobOutcome, shared_runner
+from rollout.trainer_adapters.nemo_rl.message_log import gym_output_items
+from rollout.v1 import job_pb2
+
+_FAILURE_KINDS = {  # JobError.Code -> nemo_gym.failure_kinds vocabulary
+    job_pb2.JobError.Code.CODE_TIMEOUT: "agent_timeout",
+    job_pb2.JobError.Code.CODE_BACKEND_UNAVAILABLE: "provider_unavailable",
+    job_pb2.JobError.Code.CODE_CANCELLED: "cancelled",
+}
+
+
+class RolloutServiceAgentConfig(BaseResponsesAPIAgentConfig):
+    address: str = "127.0.0.1:50051"
+    """The service's gRPC address."""
+    token: str = ""
+    """Bearer token, when the service requires one."""
+    environment: str = "math"
+    """Environment of rows that name none."""
+    max_turns: int = 0
+    """Most LLM turns per job; 0 keeps the environment's default."""
+    total_token_budget: int = 0
+    """Most tokens per trajectory; 0 keeps the service's default."""
+
+
+class RolloutServiceRunRequest(BaseRunRequest):
+    model_config = ConfigDict(extra="allow")
+
+
+class RolloutServiceVerifyResponse(BaseMultiRewardVerifyResponse):
+    model_config = ConfigDict(extra="allow")
+
+
+class RolloutServiceAgent(SimpleResponsesAPIAgent):
+    """Each ``/run`` is one job of the Rollout Service."""
+
+    config: RolloutServiceAgentConfig
+
+    async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()
+                        ) -> NeMoGymResponse:
+        meta = dict(body.metadata or {})
+        task = json.loads(meta["rollout_task"]) if "rollout_task" in meta else None
+        outcome = await self._run_job(body, task, meta.get("rollout_environment"),
+                                      meta.get("answer"))
+        return self._response(body, outcome)
+
+    async def run(self, body: RolloutServiceRunRequest = Body()) -> RolloutServiceVerifyResponse:
+        extra = body.model_extra or {}
+        answer = extra.get("expected_answer", extra.get("answer"))
+        outcome = await self._run_job(body.responses_create_params, extra.get("rollout_task"),
+                                      extra.get("rollout_environment"), answer)
+        traj = outcome.trajectory
+        reward = float(traj.reward) if outcome.succeeded else 0.0
+        components = {k: float(v) for k, v in traj.reward_components.items()}
+        if not outcome.succeeded:
+            components = {}
+        # Gym readers take reward_components as parts of the reward; the service's components
+        # are named measurements (e.g. exact, format) that need not add up, so they travel
+        # beside it unless they do.
+        if not components or not math.isclose(sum(components.values()), reward, abs_tol=1e-9):
+            extra_components, components = components, {"reward": reward}
+        else:
+            extra_components = {}
+        error = outcome.error
+        failure_kind = None if outcome.succeeded else _FAILURE_KINDS.get(
+            error.code if error is not None else 0, "agent_run_error")
+        # The row's own keys (task and rollout indices, agent_ref, verifier metadata) come
+        # back with the answer, as nemo-gym's agents do; Gym's aggregation keys rows by them.
+        return RolloutServiceVerifyResponse(
+            **extra,
+            responses_create_params=body.responses_create_params,
+            response=self._response(body.responses_create_params, outcome),
+            reward=reward, reward_components=components, mask_sample=not outcome.succeeded,
+            failure_kind=failure_kind,
+            failure_reason=(f"{error.reason}: {error.message}" if error is not None else None),
+            rollout_job_id=traj.job_id, rollout_state=outcome.state_name,
+            rollout_reward_components=extra_components,
+            num_turns=len(traj.turns))
+
+    async def _run_job(self, params: NeMoGymResponseCreateParamsNonStreaming, task: Any,
+                       environment: str | None, answer: Any) -> JobOutcome:
+        if task is None:
+            question = _last_user_text(params.input)
+            if question is None or answer is None:
+                raise HTTPException(422, "the row has no rollout_task, and no user message with "
+                                         "an expected_answer to build a math task from")
+            task = {"question": question, "answer": str(answer)}
+        if not isinstance(task, Mapping):
+            raise HTTPException(422, "rollout_task must be a JSON object (the environment's "
+                                     "task)")
+        sampling: dict[str, Any] = {}
+        if params.temperature is not None:
+            sampling["temperature"] = float(params.temperature)
+        if params.top_p is not None:
+            sampling["top_p"] = float(params.top_p)
+        if params.max_output_tokens:
+            sampling["max_tokens_per_turn"] = int(params.max_output_tokens)
+        if self.config.total_token_budget:
+            sampling["total_token_budget"] = self.config.total_token_budget
+        spec: dict[str, Any] = {"job_id": f"gym/{uuid.uuid4().hex}",
+                                "environment": environment or self.config.environment,
+                                "task": dict(task), "sampling": sampling}
+        if self.config.max_turns:
+            spec["limits"] = {"max_turns": self.config.max_turns}
+        try:
+            proto = job_spec(spec)
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        runner = shared_runner(self.config.address, self.config.token or None)
+        try:
+            return await runner.run(proto)
+        except ValueError as exc:  # JobRejectedError: the service named what to fix
+            raise HTTPException(422, str(exc)) from None
+
+    def _response(self, params: NeMoGymResponseCreateParamsNonStreaming,
+                  outcome: JobOutcome) -> NeMoGymResponse:
+        traj = outcome.trajectory
+        return NeMoGymResponse.model_validate({
+            "id": f"resp_{traj.job_id or uuid.uuid4().hex}".replace("/", "_"),
+            "created_at": 0, "model": params.model or "rollout-service", "object": "response",
+            "output": gym_output_items(traj), "parallel_tool_calls": False,
+            "tool_choice": "auto", "tools": [],
+            "status": "completed" if outcome.succeeded else "incomplete",
+        })
+
+
+def _last_user_text(items: Any) -> str | None:
+    if isinstance(items, str):
+        return items
+    for item in reversed(list(items or [])):
+        role = getattr(item, "role", None) if not isinstance(item, Mapping) else item.get("role")
+        if role != "user":
+            continue
+        content = item.get("content") if isinstance(item, Mapping) else item.content
+        if isinstance(content, str):
+            return content
+        texts = [c.get("text", "") if isinstance(c, Mapping) else getattr(c, "text", "")
+                 for c in content or []]
+        return "".join(texts)
+    return None
+
+
+if __name__ == "__main__":
+    # `entrypoint: app.py` in a Gym config runs a module like this one.
+    RolloutServiceAgent.run_webserver()
