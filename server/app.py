@@ -21,8 +21,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout.runtime.envs.common import DATA_DIR, set_host_path_roots
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import InvalidArgument
+from rollout.server.auth import Authenticator, server_credentials
 from rollout.server.config import Config
 from rollout.server.interceptors import ServiceInterceptor
 from rollout.server.scheduler import PipelineConfig, Scheduler
@@ -64,6 +66,7 @@ class Server:
         self.scheduler: Scheduler | None = None
         self._metrics_server: Any = None
         self._owns_llm = False
+        self._prev_roots: Any = None
 
     @property
     def address(self) -> str:
@@ -73,6 +76,9 @@ class Server:
         cfg = self.cfg
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
+        # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
+        self._prev_roots = set_host_path_roots(
+            cfg.server.task_path_roots or [DATA_DIR, state / "tasks"])
         if self.sandbox_factory is None:
             self.sandbox_factory = build_sandbox_factory(cfg)
         if self.llm is None and cfg.llm.backends:
@@ -96,11 +102,17 @@ class Server:
                 prune_interval_s=cfg.pipeline.prune_interval_s))
         await self.scheduler.start()
 
+        # Credentials first: a bad certificate path or client entry fails before we listen.
+        tls = server_credentials(cfg.server.tls_cert_file, cfg.server.tls_key_file,
+                                 cfg.server.tls_client_ca_file)
         server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(cfg.server.auth_token)],
+            interceptors=[ServiceInterceptor(authenticator=Authenticator(
+                cfg.server.auth_token, cfg.server.clients))],
             options=channel_options(cfg.server.max_message_bytes))
         rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s), server)
+            RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s,
+                            min_heartbeat_s=cfg.server.min_heartbeat_s,
+                            max_page_bytes=cfg.server.max_message_bytes // 2), server)
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if self.llm is not None and hasattr(self.llm, "add"):
             from rollout.server.backends_servicer import BackendServicer
@@ -111,8 +123,11 @@ class Server:
             names.append(
                 backend_service_pb2.DESCRIPTOR.services_by_name["BackendService"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{cfg.server.host}:{cfg.server.port}")
+        if cfg.server.reflection:
+            reflection.enable_server_reflection(names, server)
+        self.port = (server.add_secure_port(f"{cfg.server.host}:{cfg.server.port}", tls)
+                     if tls is not None else
+                     server.add_insecure_port(f"{cfg.server.host}:{cfg.server.port}"))
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.server.host}:{cfg.server.port}")
         await server.start()
@@ -139,6 +154,7 @@ class Server:
                 self._metrics_server[0].shutdown()
         if self._owns_llm and self.llm is not None:
             await self.llm.close()
+        set_host_path_roots(self._prev_roots)
 
     async def wait(self) -> None:
         if self._grpc is not None:
@@ -153,7 +169,9 @@ def build_sandbox_factory(cfg: Config) -> Any:
     image = cfg.sandbox.image or None
     if cfg.sandbox.runtime == "bwrap":
         sb_cfg = SandboxConfig(runtime="bwrap", state_dir=cfg.state_path,
-                               rootfs=Path(image) if image else None)
+                               rootfs=Path(image) if image else None,
+                               disk_bytes=cfg.sandbox.disk_bytes,
+                               memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp)
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image)
     else:

@@ -39,7 +39,28 @@ class ServerSection:
     state_dir: str = ".rollout"
     """SQLite job store, sandbox workspaces and caches live here."""
     auth_token: str = ""
-    """When set, every RPC must carry ``authorization: Bearer <token>``."""
+    """When set, every RPC must carry ``authorization: Bearer <token>``. This single token is
+    an operator credential: admin role, may act as any client id (see ``clients`` to keep
+    tenants apart)."""
+    clients: list[dict[str, Any]] = field(default_factory=list)
+    """Per-client credentials, each bound to one client id (``server/auth.py``):
+    ``{client_id = "a", token = "..." | token_sha256 = "<hex>" | tls_identity = "CN or SAN",
+    roles = ["admin"]}``. A bound client sees, acknowledges and cancels only its own jobs;
+    ``admin`` allows BackendService."""
+    tls_cert_file: str = ""
+    """PEM certificate chain of the gRPC port; with ``tls_key_file`` the port speaks TLS."""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mTLS), and the
+    certificate's CN / SANs can be mapped to client ids with ``clients[].tls_identity``."""
+    reflection: bool = True
+    """Serve gRPC server reflection (open without a credential, like health)."""
+    min_heartbeat_s: float = 0.1
+    """Shortest heartbeat interval a session may ask for (0 = no heartbeats stays allowed):
+    each heartbeat is a frame built and sent, so a 1 ns interval is a busy loop."""
+    task_path_roots: list[str] = field(default_factory=list)
+    """Directories a task may name host paths in (a swe task's ``repo_source``); symlinks are
+    resolved first. Empty = the shipped data dir and ``<state_dir>/tasks``."""
     metrics_port: int = 0
     """Prometheus metrics over HTTP on this port; 0 disables."""
     metrics_host: str = "127.0.0.1"
@@ -81,6 +102,14 @@ class SandboxSection:
     """``bwrap`` (default) or ``apptainer`` (Apptainer/Singularity through spython)."""
     image: str = ""
     """Rootfs directory (bwrap) or SIF/directory image (apptainer); empty = host root."""
+    disk_bytes: int = 2 << 30
+    """bwrap, server running as root: size of each sandbox's tmpfs (/workspace, /tmp and
+    /.sandbox together); a job writing more gets ENOSPC. 0 = no quota."""
+    memory_bytes: int = 0
+    """bwrap: memory cap of all sandboxes together (a memory cgroup, where one is writable).
+    0 = half of physical memory; -1 = no cap."""
+    seccomp: bool = True
+    """bwrap: a seccomp filter (no namespaces, mounts, kernel modules, bpf, keyrings)."""
 
 
 @dataclass

@@ -33,8 +33,46 @@ from rollout.runtime.types import (
 )
 from rollout.v1 import job_pb2, trajectory_pb2
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
+ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+"""Job, group and client ids. Always ``fullmatch``: ``re.match`` with ``$`` lets a trailing
+newline through (``$`` matches before a final ``\n``)."""
+JOB_ID_RE = ID_RE
 MAX_TASK_BYTES = 1 << 20
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_BYTES = 16 << 10
+"""Keys plus values of one job's metadata: it is stored with the job and sent back in every
+GetJob and ListJobs answer, so it must stay small next to the message limit."""
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def check_id(value: str, field: str, *, required: bool = True,
+             reason: str = "INVALID_ID") -> str:
+    """A job / group / client id; the error never echoes more than 40 characters of it."""
+    if not value:
+        if required:
+            raise InvalidArgument(f"{field} is required", "MISSING_FIELD", field)
+        return value
+    if not ID_RE.fullmatch(value):
+        raise InvalidArgument(
+            f"{field} {value[:40]!r}{'...' if len(value) > 40 else ''} must be 1-128 "
+            "characters of letters, digits and ._:/- (no whitespace or newline)",
+            reason, field)
+    return value
+
+
+def _check_metadata(metadata: Any) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(f"metadata has {len(metadata)} entries; at most "
+                              f"{MAX_METADATA_ENTRIES} are allowed", "METADATA_TOO_LARGE",
+                              "metadata")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+    if size > MAX_METADATA_BYTES:
+        raise InvalidArgument(f"metadata is {size} bytes (keys plus values); at most "
+                              f"{MAX_METADATA_BYTES} are allowed: keep large payloads in the "
+                              "task", "METADATA_TOO_LARGE", "metadata")
+    return dict(metadata)
 
 _STAGE_TO_PROTO = {Stage.INIT: job_pb2.STAGE_INIT, Stage.RUN: job_pb2.STAGE_RUN,
                    Stage.EVAL: job_pb2.STAGE_EVAL}
@@ -109,6 +147,12 @@ def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         logprobs_mode=_logprobs_mode_from_proto(p),
     )
+    if (len(p.stop) > MAX_STOP_SEQUENCES or any(len(x) > MAX_STOP_CHARS for x in p.stop)
+            or len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS):
+        raise InvalidArgument(
+            f"sampling: at most {MAX_STOP_SEQUENCES} stop strings of {MAX_STOP_CHARS} "
+            f"characters and {MAX_STOP_TOKEN_IDS} stop_token_ids", "INVALID_SAMPLING",
+            "sampling.stop")
     sp.validate()
     return sp
 
@@ -208,10 +252,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
     if not p.job_id:
         raise InvalidArgument("job_id is required (a client-chosen idempotency key)",
                               "MISSING_FIELD", "job_id")
-    if not JOB_ID_RE.match(p.job_id):
-        raise InvalidArgument(
-            f"job_id {p.job_id[:40]!r} must be 1-128 characters of letters, digits and ._:/-",
-            "INVALID_JOB_ID", "job_id")
+    check_id(p.job_id, "job_id", reason="INVALID_JOB_ID")
     if not p.environment:
         raise InvalidArgument("environment is required, e.g. \"math\"", "MISSING_FIELD",
                               "environment")
@@ -227,6 +268,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         if not g.group_id:
             raise InvalidArgument("group.group_id is required when group is set",
                                   "MISSING_FIELD", "group.group_id")
+        check_id(g.group_id, "group.group_id")
         if g.size < 0 or g.finish_after < 0:
             raise InvalidArgument("group.size and group.finish_after must not be negative",
                                   "INVALID_GROUP", "group")
@@ -247,7 +289,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         group=group,
         priority=p.priority,
         min_policy_version=p.min_policy_version,
-        metadata=dict(p.metadata),
+        metadata=_check_metadata(p.metadata),
         chat=chat_from_proto(p.chat),
     )
 

@@ -7,7 +7,8 @@ parse messages.
 
 Mapping (STYLE.md): bad request -> INVALID_ARGUMENT; unknown thing -> NOT_FOUND; job not in a
 cancellable state -> FAILED_PRECONDITION; backend or sandbox down -> UNAVAILABLE; overload or
-quota -> RESOURCE_EXHAUSTED; auth -> UNAUTHENTICATED; broken invariant -> INTERNAL.
+quota -> RESOURCE_EXHAUSTED; no credential -> UNAUTHENTICATED; a credential that may not do
+this -> PERMISSION_DENIED; broken invariant -> INTERNAL.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class Unauthenticated(ServiceError):
     default_reason = "UNAUTHENTICATED"
 
 
+class PermissionDenied(ServiceError):
+    """The caller is known but may not do this (another client's job, a non-admin calling
+    BackendService, a host path outside the configured roots)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
 class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
     default_reason = "ABORTED"
@@ -79,6 +88,8 @@ class Mapped:
 
 # Reasons that mean "the named thing does not exist" rather than "the value is malformed".
 _NOT_FOUND_REASONS = {"UNKNOWN_ENVIRONMENT"}
+# Reasons that mean "well-formed, but the operator's configuration does not allow it".
+_PERMISSION_REASONS = {"PATH_NOT_ALLOWED"}
 
 
 def classify(exc: BaseException) -> Mapped:
@@ -87,6 +98,7 @@ def classify(exc: BaseException) -> Mapped:
         return Mapped(exc.code, exc.reason, str(exc), exc.field)
     if isinstance(exc, InvalidArgument):
         code = (grpc.StatusCode.NOT_FOUND if exc.reason in _NOT_FOUND_REASONS
+                else grpc.StatusCode.PERMISSION_DENIED if exc.reason in _PERMISSION_REASONS
                 else grpc.StatusCode.INVALID_ARGUMENT)
         return Mapped(code, exc.reason, str(exc), exc.field)
     if isinstance(exc, LLMUnavailable):

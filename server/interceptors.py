@@ -1,14 +1,21 @@
-"""Server interceptors: bearer-token auth, request ids, and exception -> status mapping.
+"""Server interceptors: authentication, roles, request ids, undecodable input, and
+exception -> status mapping.
 
-One interceptor wraps every method handler so the three concerns hold for unary and
-streaming RPCs alike. Health and reflection stay open without a token, so load balancers and
-grpcurl's ``list`` work on a locked-down server.
+One interceptor wraps every method handler so these hold for unary and streaming RPCs alike.
+Health stays open without a credential (load balancers), and so does reflection while it is
+enabled (``server.reflection``), so grpcurl's ``list`` works on a locked-down server.
+
+Who the caller is (``server.auth``) is decided inside the call, where the TLS peer is known,
+and kept in ``auth.current`` for the servicers. BackendService needs the admin role.
+
+A request the deserializer cannot parse becomes INVALID_ARGUMENT here, logged at debug level:
+left to gRPC it is a logged traceback and UNKNOWN per frame, which a fuzzing client turns into
+a log flood.
 """
 
 from __future__ import annotations
 
 import contextvars
-import hmac
 import inspect
 import logging
 import uuid
@@ -16,8 +23,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from rollout.server import errors
+from rollout.runtime.types import InvalidArgument
+from rollout.server import auth, errors
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +34,14 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 """The current RPC's request id (from ``x-request-id`` metadata, or generated)."""
 
 _OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+_ADMIN_PREFIXES = ("/rollout.v1.BackendService/",)
+MAX_REQUEST_ID = 64
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth_token: str = "") -> None:
-        self._token = auth_token.encode()
+    def __init__(self, auth_token: str = "", *,
+                 authenticator: auth.Authenticator | None = None) -> None:
+        self._auth = authenticator or auth.Authenticator(auth_token)
 
     async def intercept_service(
         self,
@@ -37,32 +49,65 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
+        # Reflection is only registered while server.reflection is on; off, its methods do
+        # not exist and gRPC answers UNIMPLEMENTED before any handler runs.
         if handler is None or details.method.startswith(_OPEN_PREFIXES):
             return handler
         metadata = dict(details.invocation_metadata or ())
-        rid = str(metadata.get("x-request-id") or uuid.uuid4().hex[:16])
-        denial = self._check_auth(metadata)
-        return _wrap(handler, rid, denial, details.method)
+        given = str(metadata.get("x-request-id") or "")
+        # Echoed into trailers and logs: keep what a client sends there short and printable.
+        rid = given if given and len(given) <= MAX_REQUEST_ID and given.isprintable() \
+            else uuid.uuid4().hex[:16]
+        return _wrap(handler, rid, details.method, self._auth, metadata)
 
-    def _check_auth(self, metadata: dict[str, Any]) -> errors.Unauthenticated | None:
-        if not self._token:
-            return None
-        given = str(metadata.get("authorization", ""))
-        if not given.startswith("Bearer "):
-            return errors.Unauthenticated(
-                "missing 'authorization: Bearer <token>' metadata", "MISSING_TOKEN")
-        if not hmac.compare_digest(given[len("Bearer "):].encode(), self._token):
-            return errors.Unauthenticated("the bearer token is wrong", "BAD_TOKEN")
+
+class _Undecodable:
+    """Stands in for a request the deserializer rejected; the wrapper answers it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
         return None
 
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
+            return _Undecodable(exc)
+    return parse
 
-def _wrap(handler: grpc.RpcMethodHandler, rid: str, denial: Exception | None,
-          method: str) -> grpc.RpcMethodHandler:
+
+def _undecodable(req: _Undecodable) -> InvalidArgument:
+    log.debug("undecodable request: %r", req.error)
+    return InvalidArgument("the request is not a valid protobuf message of this RPC's request "
+                           "type (check the client's generated code and the method name)",
+                           "UNDECODABLE_REQUEST")
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for req in requests:
+        if isinstance(req, _Undecodable):
+            raise _undecodable(req)
+        yield req
+
+
+def _wrap(handler: grpc.RpcMethodHandler, rid: str, method: str,
+          authenticator: auth.Authenticator, metadata: dict[str, Any]) -> grpc.RpcMethodHandler:
     async def prologue(context: grpc.aio.ServicerContext) -> None:
         request_id.set(rid)
         context.set_trailing_metadata((("x-request-id", rid),))
-        if denial is not None:
-            await errors.abort(context, denial)
+        try:
+            principal = authenticator.authenticate(metadata, context.auth_context())
+            if method.startswith(_ADMIN_PREFIXES) and not principal.admin:
+                raise errors.PermissionDenied(
+                    f"{method} needs the admin role; client {principal.client_id!r} does not "
+                    "have it (roles = [\"admin\"] in its server.clients entry)", "ADMIN_REQUIRED")
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+        auth.current.set(principal)
 
     async def on_error(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         if isinstance(exc, grpc.aio.AbortError | grpc.aio.UsageError):
@@ -74,6 +119,10 @@ def _wrap(handler: grpc.RpcMethodHandler, rid: str, denial: Exception | None,
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await prologue(context)
             try:
+                if isinstance(request, _Undecodable):
+                    raise _undecodable(request)
+                if hasattr(request, "__aiter__"):
+                    request = _checked(request)
                 return await behavior(request, context)
             except Exception as exc:  # mapped to a status; AbortError re-raised as is
                 await on_error(context, exc)
@@ -83,6 +132,10 @@ def _wrap(handler: grpc.RpcMethodHandler, rid: str, denial: Exception | None,
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await prologue(context)
             try:
+                if isinstance(request, _Undecodable):
+                    raise _undecodable(request)
+                if hasattr(request, "__aiter__"):
+                    request = _checked(request)
                 result = behavior(request, context)
                 if inspect.isasyncgen(result):
                     async for item in result:
@@ -95,15 +148,16 @@ def _wrap(handler: grpc.RpcMethodHandler, rid: str, denial: Exception | None,
 
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+            unary(handler.unary_unary), _tolerant(handler.request_deserializer),
+            handler.response_serializer)
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            unary(handler.stream_unary), handler.request_deserializer,
+            unary(handler.stream_unary), _tolerant(handler.request_deserializer),
             handler.response_serializer)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            streaming(handler.unary_stream), handler.request_deserializer,
+            streaming(handler.unary_stream), _tolerant(handler.request_deserializer),
             handler.response_serializer)
     return grpc.stream_stream_rpc_method_handler(
-        streaming(handler.stream_stream), handler.request_deserializer,
+        streaming(handler.stream_stream), _tolerant(handler.request_deserializer),
         handler.response_serializer)

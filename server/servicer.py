@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rollout.runtime.types import InvalidArgument, JobState, Stage
-from rollout.server import convert, errors
+from rollout.server import auth, convert, errors
 from rollout.server.scheduler import (
     JobFinished,
     JobRecord,
@@ -42,9 +42,8 @@ def _client_id_ok(client_id: str) -> None:
     if not client_id:
         raise InvalidArgument("open.client_id is required: a durable id for this trainer, "
                               "reused on reconnect to resume", "MISSING_FIELD", "open.client_id")
-    if not convert.JOB_ID_RE.match(client_id):
-        raise InvalidArgument("open.client_id must be 1-128 characters of letters, digits "
-                              "and ._:/-", "INVALID_CLIENT_ID", "open.client_id")
+    convert.check_id(client_id, "open.client_id", reason="INVALID_CLIENT_ID")
+    auth.current.get().check_client_id(client_id, "open.client_id")
 
 
 def job_to_proto(rec: JobRecord) -> job_pb2.Job:
@@ -83,9 +82,14 @@ def _rejected(exc: BaseException) -> pb.JobRejected:
 
 
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0) -> None:
+    def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0,
+                 min_heartbeat_s: float = 0.1, max_page_bytes: int = 4 << 20) -> None:
         self._scheduler = scheduler
         self._heartbeat_s = heartbeat_s
+        self._min_heartbeat_s = min_heartbeat_s
+        self._max_page_bytes = max_page_bytes
+        """ListJobs stops a page before its jobs pass this many bytes (under the message
+        limit, whatever metadata and tasks the jobs carry)."""
         self._started = time.monotonic()
         self.sessions = 0
 
@@ -110,6 +114,13 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         client_id = opened.client_id
         heartbeat = (opened.heartbeat_interval.ToNanoseconds() / 1e9
                      if opened.HasField("heartbeat_interval") else self._heartbeat_s)
+        if opened.HasField("heartbeat_interval") and (
+                heartbeat < 0 or 0 < heartbeat < self._min_heartbeat_s):
+            # A 1 ns interval would turn the session into a busy loop on the server.
+            raise InvalidArgument(
+                f"open.heartbeat_interval must be 0 (no heartbeats) or at least "
+                f"{self._min_heartbeat_s:g} s (the server's server.min_heartbeat_s)",
+                "HEARTBEAT_TOO_SHORT", "open.heartbeat_interval")
         sub = await self._scheduler.attach(
             client_id, acked_through=opened.acked_through,
             max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED, progress=opened.progress)
@@ -214,18 +225,24 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             await self._submit_batch(req.submit.jobs, client_id, out)
         elif kind == "ack":
             if any(i <= 0 for i in req.ack.delivery_ids):
-                raise InvalidArgument("ack.delivery_ids must be positive", "INVALID_ARGUMENT",
-                                      "ack.delivery_ids")
+                # Answered in the stream: a bad ack must not end a session whose other
+                # deliveries are fine (they would all replay).
+                await out.put(pb.StreamRolloutsResponse(rejected=_rejected(InvalidArgument(
+                    "ack.delivery_ids must be positive delivery ids from TrajectoryReady "
+                    "frames; this ack was ignored", "INVALID_ACK", "ack.delivery_ids"))))
+                return
             await self._scheduler.ack(client_id, list(req.ack.delivery_ids))
         elif kind == "cancel":
             targets = [("job_id", j) for j in req.cancel.job_ids]
             targets += [("group_id", g) for g in req.cancel.group_ids]
             for key, value in targets:
                 try:
+                    convert.check_id(value, f"cancel.{key}")
+                    await self._check_owner(**{key: value})
                     await self._scheduler.cancel(**{key: value}, wait=False)
                 except Exception as exc:
                     await out.put(pb.StreamRolloutsResponse(
-                        job_id=value if key == "job_id" else "", rejected=_rejected(exc)))
+                        job_id=value[:128] if key == "job_id" else "", rejected=_rejected(exc)))
         elif kind == "open":
             raise InvalidArgument("`open` is only allowed as the first frame", "DUPLICATE_OPEN",
                                   "open")
@@ -238,8 +255,15 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         for p in jobs:
             try:
                 specs.append(convert.spec_from_proto(p))
-            except InvalidArgument as exc:
-                await out.put(pb.StreamRolloutsResponse(job_id=p.job_id, rejected=_rejected(exc)))
+            except InvalidArgument as exc:  # the id is echoed so the client can match it
+                await out.put(pb.StreamRolloutsResponse(job_id=p.job_id[:128],
+                                                        rejected=_rejected(exc)))
+        foreign = await self._foreign_groups(specs)
+        for s in specs:
+            if s.group is not None and s.group.group_id in foreign:
+                await out.put(pb.StreamRolloutsResponse(job_id=s.job_id, rejected=_rejected(
+                    foreign[s.group.group_id])))
+        specs = [s for s in specs if s.group is None or s.group.group_id not in foreign]
         if not specs:
             return
         try:
@@ -248,13 +272,65 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             for s in specs:
                 await out.put(pb.StreamRolloutsResponse(job_id=s.job_id, rejected=_rejected(exc)))
             return
+        principal = auth.current.get()
         for r in results:
-            if r.error is not None:
+            error: Exception | None = r.error
+            if error is None and r.duplicate and principal.bound:
+                rec = await self._scheduler.get(r.job_id)
+                if rec is not None and not principal.owns(rec.client_id):
+                    error = errors.PermissionDenied(
+                        f"job_id {r.job_id!r} is taken by another client; choose another id",
+                        "JOB_ID_TAKEN", "job_id")
+            if error is not None:
                 await out.put(pb.StreamRolloutsResponse(job_id=r.job_id,
-                                                        rejected=_rejected(r.error)))
+                                                        rejected=_rejected(error)))
             else:
                 await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
                     duplicate=r.duplicate, state=await self._accepted_state(r))))
+
+    async def _check_owner(self, job_id: str | None = None,
+                           group_id: str | None = None) -> None:
+        """Permission before existence: a client bound to a credential gets the same
+        PERMISSION_DENIED for a job or group that does not exist as for another client's."""
+        principal = auth.current.get()
+        if not principal.bound:
+            return
+        if job_id is not None:
+            rec = await self._scheduler.get(job_id)
+            if rec is None or not principal.owns(rec.client_id):
+                raise principal.denied_job(job_id)
+        if group_id is not None:
+            owners = await self._group_owners(group_id)
+            if not owners or not all(principal.owns(o) for o in owners):
+                raise errors.PermissionDenied(
+                    f"no group {group_id!r} is visible to client {principal.client_id!r} (it "
+                    "does not exist, or holds another client's jobs)", "GROUP_NOT_ACCESSIBLE",
+                    "group_id")
+
+    async def _group_owners(self, group_id: str, limit: int = 0) -> set[str]:
+        owners: set[str] = set()
+        token = ""
+        while True:
+            recs, token = await self._scheduler.list(page_size=1000, page_token=token,
+                                                     group_id=group_id)
+            owners.update(r.client_id for r in recs)
+            if not token or (limit and len(recs) >= limit):
+                return owners
+
+    async def _foreign_groups(self, specs: Any) -> dict[str, Exception]:
+        """Groups of ``specs`` that already hold another client's jobs: joining one would let
+        a tenant end someone else's group early (finish_after)."""
+        principal = auth.current.get()
+        if not principal.bound:
+            return {}
+        out: dict[str, Exception] = {}
+        for gid in {s.group.group_id for s in specs if s.group is not None}:
+            owners = await self._group_owners(gid, limit=1)
+            if any(not principal.owns(o) for o in owners):
+                out[gid] = errors.PermissionDenied(
+                    f"group_id {gid!r} is used by another client; choose another id",
+                    "GROUP_ID_TAKEN", "group.group_id")
+        return out
 
     async def _accepted_state(self, r: Any) -> job_pb2.Job.State:
         """QUEUED for a new job; a duplicate reports the existing job's state (it may be
@@ -272,18 +348,25 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         if not request.HasField("job"):
             raise InvalidArgument("job is required", "MISSING_FIELD", "job")
         spec = convert.spec_from_proto(request.job)
+        principal = auth.current.get()
+        for exc in (await self._foreign_groups([spec])).values():
+            raise exc
         # Each job submitted here gets a private delivery channel, so re-submitting the same
-        # job id re-attaches and replays its result.
-        client_id = f"rpc:{spec.job_id}"
+        # job id re-attaches and replays its result (rpc:<owner>#<job> for a bound client).
+        client_id = principal.rpc_channel(spec.job_id)
         sub = await self._scheduler.attach(client_id, acked_through=0,
                                            max_unacked=DEFAULT_MAX_UNACKED)
         try:
             (result,) = await self._scheduler.submit([spec], client_id)
             if result.error is not None:
                 raise result.error
+            rec = await self._scheduler.get(spec.job_id)
+            if rec is not None and not principal.owns(rec.client_id):
+                raise errors.PermissionDenied(
+                    f"job_id {spec.job_id!r} is taken by another client; choose another id",
+                    "JOB_ID_TAKEN", "job_id")
             yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
                 duplicate=result.duplicate, state=await self._accepted_state(result)))
-            rec = await self._scheduler.get(spec.job_id)
             if rec is not None and rec.client_id != client_id:
                 async for msg in self._follow_foreign(spec.job_id):
                     yield msg
@@ -316,8 +399,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
 
     async def GetJob(self, request: pb.GetJobRequest,
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
-        if not request.job_id:
-            raise InvalidArgument("job_id is required", "MISSING_FIELD", "job_id")
+        convert.check_id(request.job_id, "job_id")
+        await self._check_owner(job_id=request.job_id)
         rec = await self._scheduler.get(request.job_id)
         if rec is None:
             raise errors.NotFound(f"no job with id {request.job_id!r}", "JOB_NOT_FOUND",
@@ -337,18 +420,39 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("page_size must not be negative", "INVALID_ARGUMENT",
                                   "page_size")
         page_size = min(request.page_size or 100, 1000)
-        records, token = await self._scheduler.list(
-            page_size=page_size, page_token=request.page_token,
-            state=convert.state_from_proto(request.state),
-            group_id=request.group_id or None, client_id=request.client_id or None)
-        return pb.ListJobsResponse(jobs=[job_to_proto(r) for r in records],
-                                   next_page_token=token or "")
+        convert.check_id(request.group_id, "group_id", required=False)
+        convert.check_id(request.client_id, "client_id", required=False)
+        if len(request.page_token) > 64:
+            raise InvalidArgument("page_token is not one this server issued",
+                                  "INVALID_PAGE_TOKEN", "page_token")
+        principal = auth.current.get()
+        client_id = request.client_id or None
+        if principal.bound:
+            principal.check_client_id(client_id or principal.client_id or "", "client_id")
+            client_id = principal.client_id
+        query = {"page_token": request.page_token, "state": convert.state_from_proto(request.state),
+                 "group_id": request.group_id or None, "client_id": client_id}
+        records, token = await self._scheduler.list(page_size=page_size, **query)
+        jobs = [job_to_proto(r) for r in records]
+        # Stop before the page passes the byte budget (each job carries its task and
+        # metadata), asking again for fewer jobs so the page token points where it stopped.
+        total, fits = 0, 0
+        for j in jobs:
+            total += j.ByteSize() + 8  # field tag and length prefix
+            if total > self._max_page_bytes and fits:
+                records, token = await self._scheduler.list(page_size=fits, **query)
+                jobs = [job_to_proto(r) for r in records]
+                break
+            fits += 1
+        return pb.ListJobsResponse(jobs=jobs, next_page_token=token or "")
 
     async def CancelJob(self, request: pb.CancelJobRequest,
                         context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
         target = request.WhichOneof("target")
         if target is None or not getattr(request, target):
             raise InvalidArgument("set job_id or group_id", "MISSING_FIELD", "target")
+        convert.check_id(getattr(request, target), target)
+        await self._check_owner(**{target: getattr(request, target)})
         ids = await self._scheduler.cancel(**{target: getattr(request, target)})
         return pb.CancelJobResponse(cancelled_job_ids=ids)
 

@@ -8,6 +8,7 @@ field to fix, instead of failing minutes later inside a stage.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +26,37 @@ SANDBOX_KEY = "env.sandbox"
 PRIVATE_DIR = "/tmp/.rollout-eval"
 """Sandbox path for EVAL-only files (hidden tests, test patches): the sandbox's own ``/tmp``,
 outside the workspace, written only after RUN has ended."""
+
+
+_HOST_PATH_ROOTS: tuple[Path, ...] | None = None
+
+
+def set_host_path_roots(roots: Sequence[str | Path] | None) -> tuple[Path, ...] | None:
+    """Set the directories tasks may name host paths in (symlinks resolved); returns the
+    previous setting so a server can restore it when it stops. The server sets this at start
+    from ``server.task_path_roots``; None (library use without a server) leaves host paths
+    unrestricted, since whoever calls a handler in-process already controls the host."""
+    global _HOST_PATH_ROOTS
+    previous = _HOST_PATH_ROOTS
+    _HOST_PATH_ROOTS = (None if roots is None
+                        else tuple(Path(os.path.realpath(Path(r).expanduser())) for r in roots))
+    return previous
+
+
+def host_path(value: str, field: str, *, env: str) -> Path:
+    """A host path named by a task: relative paths are under :data:`DATA_DIR`; the result
+    (symlinks resolved, so a link cannot lead out) must lie in an allowed root. Permission is
+    checked before existence, so a task cannot probe which paths exist outside the roots."""
+    path = Path(value).expanduser()
+    real = Path(os.path.realpath(path if path.is_absolute() else DATA_DIR / path))
+    roots = _HOST_PATH_ROOTS
+    if roots is not None and not any(real == r or real.is_relative_to(r) for r in roots):
+        shown = value if len(value) <= 200 else value[:200] + "..."
+        raise InvalidArgument(
+            f"{env} task field {field!r} ({shown!r}) is outside the directories this server "
+            "reads task files from; an operator can allow a directory with the config key "
+            "server.task_path_roots", "PATH_NOT_ALLOWED", f"task.{field}")
+    return real
 
 
 def invalid(message: str, field: str) -> InvalidArgument:

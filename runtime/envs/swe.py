@@ -43,9 +43,9 @@ from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
 from rollout.runtime.envs.common import (
-    DATA_DIR,
     SANDBOX_KEY,
     check_task_object,
+    host_path,
     invalid,
     optional_number,
     require_str,
@@ -305,8 +305,8 @@ def patched_files(patch: str) -> list[str]:
 
 
 def resolve_source(repo_source: str) -> Path:
-    path = Path(repo_source).expanduser()
-    return path if path.is_absolute() else DATA_DIR / path
+    """Only inside the server's allowed roots (``server.task_path_roots``), links resolved."""
+    return host_path(repo_source, "repo_source", env=ENV)
 
 
 def read_source(path: Path) -> tuple[str, bytes]:

@@ -1,0 +1,350 @@
+"""Tenants kept apart: credentials bound to client ids, roles, TLS and mTLS (real servers).
+
+Alice, Bob and an operator each hold their own token; Bob tries everything the issue's
+reliability tester did with a shared token (open Alice's session, read, cancel and ack her
+jobs, take her job ids and groups) and must get PERMISSION_DENIED every time, while Alice's
+jobs run on and deliver to her.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from rollout.runtime.handler import HandlerRegistry
+from rollout.server.app import Server
+from rollout.server.llm.pool import BackendPool
+from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc, job_pb2
+from rollout.v1 import rollout_service_pb2 as pb
+from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from tests.client.conftest import ServerHarness, _no_sandbox, make_config
+from tests.server.handlers import ScriptedHandler
+from tests.server.tls_certs import TestCA
+
+pytestmark = pytest.mark.timeout(60)
+
+ALICE, BOB, OPS, LEGACY = ("alice-token-0123456789", "bob-token-0123456789",
+                           "ops-token-0123456789", "legacy-token-0123456789")
+CLIENTS = [{"client_id": "alice", "token": ALICE},
+           {"client_id": "bob", "token": BOB},
+           {"client_id": "ops", "token": OPS, "roles": ["admin"]}]
+
+
+def _md(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def _job(job_id: str, group: str = "", **task: Any) -> job_pb2.JobSpec:
+    s = struct_pb2.Struct()
+    s.update(task or {"reward": 1.0})
+    spec = job_pb2.JobSpec(job_id=job_id, environment="scripted", task=s)
+    if group:
+        spec.group.CopyFrom(job_pb2.GroupSpec(group_id=group, size=4))
+    return spec
+
+
+def _reason(err: grpc.aio.AioRpcError) -> str:
+    from google.rpc import error_details_pb2
+
+    status = rpc_status.from_call(err)
+    for d in status.details if status else ():
+        info = error_details_pb2.ErrorInfo()
+        if d.Unpack(info):
+            return info.reason
+    return ""
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[ServerHarness]:
+    h = ServerHarness(tmp_path / "state", clients=json.dumps(CLIENTS),
+                      auth_token=LEGACY)
+    await h.start()
+    yield h
+    await h.stop()
+
+
+class Session:
+    """A bare StreamRollouts call fed from a queue, for one principal."""
+
+    def __init__(self, channel: grpc.aio.Channel, token: str | None, client_id: str) -> None:
+        self.queue: asyncio.Queue[pb.StreamRolloutsRequest | None] = asyncio.Queue()
+        self.queue.put_nowait(pb.StreamRolloutsRequest(open=pb.OpenSession(client_id=client_id)))
+        self.call = pb_grpc.RolloutServiceStub(channel).StreamRollouts(
+            self._requests(), metadata=_md(token) if token else (), timeout=30)
+
+    async def _requests(self) -> AsyncIterator[pb.StreamRolloutsRequest]:
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    def send(self, **kind: Any) -> None:
+        self.queue.put_nowait(pb.StreamRolloutsRequest(**kind))
+
+    async def until(self, pred: Any) -> list[pb.StreamRolloutsResponse]:
+        got = []
+        async for f in self.call:
+            got.append(f)
+            if pred(f):
+                return got
+        raise AssertionError(f"stream ended first: {got}")
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+def _kind(f: pb.StreamRolloutsResponse) -> str:
+    return str(f.WhichOneof("kind"))
+
+
+async def test_another_client_can_neither_open_read_cancel_ack_nor_take_ids(
+        harness: ServerHarness) -> None:
+    async with grpc.aio.insecure_channel(harness.address) as channel:
+        stub = pb_grpc.RolloutServiceStub(channel)
+        alice = Session(channel, ALICE, "alice")
+        alice.send(submit=pb.SubmitJobs(jobs=[_job("a-gated", group="a-group", reward=1.0,
+                                                   gate=["run"]),  # runs until opened
+                                              _job("a-done")]))
+        first = await alice.until(lambda f: _kind(f) == "trajectory" and f.job_id == "a-done")
+        delivery = next(f.trajectory.delivery_id for f in first if _kind(f) == "trajectory")
+
+        # Bob opens Alice's session: refused before anything is replayed to him.
+        bob_as_alice = Session(channel, BOB, "alice")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await bob_as_alice.until(lambda f: True)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _reason(info.value) == "CLIENT_ID_MISMATCH"
+
+        # Read, cancel and list: the same answer whether the job exists or not.
+        for job_id in ("a-gated", "a-done", "never-submitted"):
+            for rpc, req in ((stub.GetJob, pb.GetJobRequest(job_id=job_id,
+                                                            include_trajectory=True)),
+                             (stub.CancelJob, pb.CancelJobRequest(job_id=job_id))):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await rpc(req, metadata=_md(BOB), timeout=5)
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (rpc, job_id)
+                assert _reason(info.value) == "JOB_NOT_ACCESSIBLE"
+                assert "it does not exist, or another client" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.CancelJob(pb.CancelJobRequest(group_id="a-group"), metadata=_md(BOB))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListJobs(pb.ListJobsRequest(client_id="alice"), metadata=_md(BOB))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert list((await stub.ListJobs(pb.ListJobsRequest(), metadata=_md(BOB))).jobs) == []
+
+        # Bob's own session: cancel Alice's job, take her job id and her group, ack her ids.
+        bob = Session(channel, BOB, "bob")
+        bob.send(cancel=pb.CancelJobs(job_ids=["a-gated"], group_ids=["a-group"]))
+        bob.send(submit=pb.SubmitJobs(jobs=[_job("a-done"), _job("b-1", group="a-group")]))
+        bob.send(ack=pb.AckTrajectories(delivery_ids=[delivery]))
+        rejected: list[pb.StreamRolloutsResponse] = []
+        async for f in bob.call:
+            assert _kind(f) not in ("trajectory", "finished"), f
+            if _kind(f) == "rejected":
+                rejected.append(f)
+            if len(rejected) == 4:
+                break
+        bob.close()
+        reasons = sorted(f.rejected.reason for f in rejected)
+        assert reasons == ["GROUP_ID_TAKEN", "GROUP_NOT_ACCESSIBLE", "JOB_ID_TAKEN",
+                           "JOB_NOT_ACCESSIBLE"]
+        assert all(f.rejected.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+                   for f in rejected)
+        # SubmitRollout with Alice's id: refused, and her trajectory is not streamed to Bob.
+        call = stub.SubmitRollout(pb.SubmitRolloutRequest(job=_job("a-done")),
+                                  metadata=_md(BOB), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for msg in call:
+                assert msg.WhichOneof("kind") != "trajectory"
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        # Alice's work is untouched: the gated job still runs and finishes for her, and the
+        # delivery Bob "acked" is still unacknowledged for her (it replays on reconnect).
+        got = await stub.GetJob(pb.GetJobRequest(job_id="a-gated"), metadata=_md(ALICE))
+        assert got.job.state == job_pb2.Job.STATE_RUNNING
+        harness.handler.open("a-gated", "run")
+        await alice.until(lambda f: _kind(f) == "finished" and f.job_id == "a-gated")
+        alice.close()
+        again = Session(channel, ALICE, "alice")
+        opened = await again.until(lambda f: _kind(f) == "opened")
+        assert opened[0].opened.replaying == 2
+        again.close()
+        mine = await stub.ListJobs(pb.ListJobsRequest(), metadata=_md(ALICE))
+        assert {j.job_id for j in mine.jobs} == {"a-gated", "a-done"}
+        assert {j.state for j in mine.jobs} == {job_pb2.Job.STATE_SUCCEEDED}
+
+
+async def test_operator_credentials_and_open_services(harness: ServerHarness) -> None:
+    async with grpc.aio.insecure_channel(harness.address) as channel:
+        stub = pb_grpc.RolloutServiceStub(channel)
+        alice = Session(channel, ALICE, "alice")
+        alice.send(submit=pb.SubmitJobs(jobs=[_job("a-1")]))
+        await alice.until(lambda f: _kind(f) == "finished")
+        alice.close()
+        # The old single token is an operator: any client id, any job (documented).
+        got = await stub.GetJob(pb.GetJobRequest(job_id="a-1"), metadata=_md(LEGACY))
+        assert got.job.client_id == "alice"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetJob(pb.GetJobRequest(job_id="nope"), metadata=_md(LEGACY))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        operator = Session(channel, LEGACY, "alice")
+        assert _kind((await operator.until(lambda f: True))[0]) == "opened"
+        operator.close()
+        # The admin role is for BackendService; it does not open other tenants' jobs.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetJob(pb.GetJobRequest(job_id="a-1"), metadata=_md(OPS))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # No or a wrong credential: UNAUTHENTICATED; health and reflection stay open.
+        for md in ((), _md("wrong-token-0123456789"), (("authorization", "Basic x"),)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListJobs(pb.ListJobsRequest(), metadata=md)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel)
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = [r async for r in refl.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services="")]))]
+        assert "rollout.v1.RolloutService" in str(answers[0])
+
+
+async def test_reflection_can_be_switched_off(tmp_path: Path) -> None:
+    h = ServerHarness(tmp_path / "state", reflection="false")
+    await h.start()
+    try:
+        async with grpc.aio.insecure_channel(h.address) as channel:
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [r async for r in refl.ServerReflectionInfo(iter([
+                    reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await h.stop()
+
+
+async def test_backend_service_needs_the_admin_role(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "state", clients=json.dumps(CLIENTS))
+    registry = HandlerRegistry()
+    registry.register("scripted", ScriptedHandler())
+    pool = BackendPool()
+    server = await Server(cfg, registry=registry, llm=pool, sandbox_factory=_no_sandbox).start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = backend_service_pb2_grpc.BackendServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListBackends(backend_service_pb2.ListBackendsRequest(),
+                                        metadata=_md(ALICE))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert _reason(info.value) == "ADMIN_REQUIRED"
+            listed = await stub.ListBackends(backend_service_pb2.ListBackendsRequest(),
+                                             metadata=_md(OPS))
+            assert list(listed.backends) == []
+    finally:
+        await server.stop(0.1)
+        await pool.close()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, Any]:
+    ca = TestCA()
+    (tmp_path / "ca.crt").write_bytes(ca.pem)
+    server_cert, server_key = ca.issue("rollout-server", dns=("localhost",),
+                                       ips=("127.0.0.1",), server=True).write(tmp_path, "server")
+    return {"ca": ca, "ca_file": tmp_path / "ca.crt", "cert": server_cert, "key": server_key,
+            "dir": tmp_path}
+
+
+def _tls_channel(address: str, ca_pem: bytes, client: Any = None) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca_pem,
+        private_key=client.key_pem if client else None,
+        certificate_chain=client.cert_pem if client else None)
+    return grpc.aio.secure_channel(address, creds)
+
+
+async def test_tls_port_with_tokens(pki: dict[str, Any]) -> None:
+    h = ServerHarness(pki["dir"] / "state", clients=json.dumps(CLIENTS),
+                      tls_cert_file=pki["cert"], tls_key_file=pki["key"])
+    await h.start()
+    try:
+        async with _tls_channel(h.address, pki["ca"].pem) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            listed = await stub.ListJobs(pb.ListJobsRequest(), metadata=_md(ALICE), timeout=10)
+            assert list(listed.jobs) == []
+        async with grpc.aio.insecure_channel(h.address) as plain:  # plaintext to a TLS port
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.RolloutServiceStub(plain).ListJobs(
+                    pb.ListJobsRequest(), metadata=_md(ALICE), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await h.stop()
+
+
+async def test_mtls_identity_is_the_client_id(pki: dict[str, Any]) -> None:
+    clients = [{"client_id": "alice", "tls_identity": "alice.trainers.example"},
+               {"client_id": "bob", "tls_identity": "bob-node-7"}]
+    h = ServerHarness(pki["dir"] / "state", clients=json.dumps(clients),
+                      tls_cert_file=pki["cert"], tls_key_file=pki["key"],
+                      tls_client_ca_file=pki["ca_file"])
+    await h.start()
+    ca: TestCA = pki["ca"]
+    try:
+        # Identity in a DNS SAN (Alice) or in the CN (Bob).
+        alice_cert = ca.issue("ignored-cn", dns=("alice.trainers.example",))
+        bob_cert = ca.issue("bob-node-7")
+        async with _tls_channel(h.address, ca.pem, alice_cert) as channel:
+            alice = Session(channel, None, "alice")  # no token: the certificate is it
+            alice.send(submit=pb.SubmitJobs(jobs=[_job("m-1")]))
+            await alice.until(lambda f: _kind(f) == "finished")
+            alice.close()
+        async with _tls_channel(h.address, ca.pem, bob_cert) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetJob(pb.GetJobRequest(job_id="m-1"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            call = stub.StreamRollouts(iter([pb.StreamRolloutsRequest(
+                open=pb.OpenSession(client_id="alice"))]), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Signed by the CA but mapped to no client: UNAUTHENTICATED, saying what to add.
+        async with _tls_channel(h.address, ca.pem, ca.issue("stranger")) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.RolloutServiceStub(channel).ListJobs(pb.ListJobsRequest(),
+                                                                   timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "tls_identity" in info.value.details()
+        # No certificate, or one from another CA: the handshake itself fails.
+        other = TestCA("another CA").issue("alice.trainers.example")
+        for client in (None, other):
+            async with _tls_channel(h.address, ca.pem, client) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pb_grpc.RolloutServiceStub(channel).ListJobs(pb.ListJobsRequest(),
+                                                                       timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await h.stop()
+
+
+def test_bad_client_entries_are_refused_with_the_key_to_fix() -> None:
+    from rollout.runtime.types import InvalidArgument
+    from rollout.server.auth import Authenticator
+
+    for entry, words in (({"client_id": "a", "token": "short"}, "at least 16"),
+                         ({"client_id": "a b", "token": "x" * 20}, "client_id"),
+                         ({"client_id": "a", "roles": ["root"], "token": "x" * 20}, "roles"),
+                         ({"client_id": "a"}, "token, token_sha256 or tls_identity"),
+                         ({"client_id": "a", "tokn": "x" * 20}, "unknown keys")):
+        with pytest.raises(InvalidArgument, match=words) as info:
+            Authenticator("", [entry])
+        assert "server.clients[0]" in str(info.value)
