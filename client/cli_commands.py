@@ -86,5 +86,9 @@ async def status(settings: Any, console: Console | None = None) -> int:
     counts = ", ".join(f"{k.removeprefix('STATE_')}={v}"
                        for k, v in sorted(st.jobs_by_state.items())) or "none"
     console.print(f"jobs: {counts}")
+    # By state alone a job whose agent ran out of RUN time is a success; say how runs ended.
+    ended = ", ".join(f"{k.lower().replace('_', ' ')}={v}" for k, v in sorted(
+        st.jobs_by_termination.items(), key=lambda kv: (-kv[1], kv[0]))) or "none yet"
+    console.print(f"runs ended by: {ended}")
     console.print(f"environments: {', '.join(st.environments) or 'none'}")
     return 0

@@ -15,22 +15,19 @@ import contextlib
 import hashlib
 import json
 import re
-import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from rollout.client.aio import RolloutClient
 from rollout.client.cli import ClientSettings, CliError
 from rollout.client.errors import RolloutError
 from rollout.client.specs import group_specs, job_spec
-from rollout.client.tables import compact_table
-from rollout.client.trajectory import to_json, total_tokens
+from rollout.client.summary import RunStats
+from rollout.client.trajectory import to_json
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -72,98 +69,48 @@ def load_specs(path: str, samples: int = 1, finish_after: int = 0) -> list[job_p
     return specs
 
 
-@dataclass
-class _EnvStats:
-    jobs: int = 0
-    states: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    rewards: list[float] = field(default_factory=list)
-    solved: int = 0
-    """Succeeded jobs with full reward (1.0)."""
-    turns: list[int] = field(default_factory=list)
-    tokens: int = 0
-    stage_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-
-
-class RunStats:
-    """What the summary table shows, gathered from the frames."""
-
-    def __init__(self, specs: list[job_pb2.JobSpec]) -> None:
-        self.env_of = {s.job_id: s.environment for s in specs}
-        self.envs: dict[str, _EnvStats] = defaultdict(_EnvStats)
-        for s in specs:
-            self.envs[s.environment].jobs += 1
-        self.rejected: list[str] = []
-        self.already_done = 0
-        self.written = 0
-
-    def env(self, job_id: str) -> _EnvStats:
-        return self.envs[self.env_of.get(job_id, "(earlier run)")]
-
-    def trajectory(self, t: Any) -> None:
-        e = self.env(t.job_id)
-        e.turns.append(len(t.turns))
-        e.tokens += total_tokens(t)
-        for name in ("init", "run", "eval"):
-            e.stage_s[name].append(getattr(t.timings, name).ToNanoseconds() / 1e9)
-        self.written += 1
-
-    def finished(self, job_id: str, f: pb.JobFinished) -> None:
-        e = self.env(job_id)
-        e.states[f.state] += 1
-        if f.state == job_pb2.Job.STATE_SUCCEEDED:
-            e.rewards.append(f.reward)
-            e.solved += f.reward >= 1.0
-
-    def table(self) -> Table:
-        """Per environment; stage columns are mean seconds inside the stage."""
-        t = compact_table(
-            "rollout summary",
-            ("env", "jobs", "ok", "fail", "cancel", "solved", "reward", "turns", "tokens",
-             "INIT", "RUN", "EVAL"), left=("env",),
-            caption="ok / fail / cancel: jobs by final state; solved: reward 1; reward and "
-                    "turns: means; INIT / RUN / EVAL: mean seconds in each stage")
-        S = job_pb2.Job
-
-        def mean(xs: list[float] | list[int], fmt: str = "{:.2f}") -> str:
-            return fmt.format(statistics.fmean(xs)) if xs else "-"
-
-        for name, e in sorted(self.envs.items()):
-            t.add_row(name, str(e.jobs), str(e.states[S.STATE_SUCCEEDED]),
-                      str(e.states[S.STATE_FAILED]), str(e.states[S.STATE_CANCELLED]),
-                      str(e.solved), mean(e.rewards), mean(e.turns, "{:.1f}"), str(e.tokens),
-                      *(mean(e.stage_s[s], "{:.2f}") for s in ("init", "run", "eval")))
-        return t
-
-
 class _Bars:
-    """One bar per stage (jobs past that stage) and one for finished jobs."""
+    """One bar per stage (jobs past that stage), one for finished jobs by outcome; the RUN bar's
+    label counts agent turns as they finish, so it moves while jobs are inside RUN."""
 
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.p = progress
-        self.ok = self.failed = 0
+        self.outcomes: dict[str, int] = defaultdict(int)
+        self.turns = 0
         self._past: dict[str, set[int]] = defaultdict(set)
         self._done: set[str] = set()  # a replayed `finished` must not count twice
         if progress is not None:
-            self.tasks = {st: progress.add_task(job_pb2.Stage.Name(st).removeprefix("STAGE_"),
-                                                total=total) for st in _STAGES}
+            self.tasks = {st: progress.add_task(self._stage_label(st), total=total)
+                          for st in _STAGES}
             self.done = progress.add_task(self._done_label(), total=total)
 
+    def _stage_label(self, stage: int) -> str:
+        name = job_pb2.Stage.Name(stage).removeprefix("STAGE_")
+        return f"{name} · {self.turns} turns" if stage == job_pb2.STAGE_RUN else name
+
     def _done_label(self) -> str:
-        return f"done  [green]✓{self.ok}[/] [red]✗{self.failed}[/]"
+        o = self.outcomes
+        return (f"done [green]✓{o['ok']}[/] [yellow]⏱{o['deadline']}[/] "
+                f"[red]✗{o['fail'] + o['cancel']}[/]")
+
+    def turn(self) -> None:
+        """One agent turn finished somewhere (a ``StageProgress`` EVENT_TURN frame)."""
+        self.turns += 1
+        if self.p is not None:
+            self.p.update(self.tasks[job_pb2.STAGE_RUN],
+                          description=self._stage_label(job_pb2.STAGE_RUN))
 
     def stage_finished(self, job_id: str, stage: job_pb2.Stage) -> None:
         if self.p is not None and stage in self.tasks and stage not in self._past[job_id]:
             self._past[job_id].add(stage)
             self.p.advance(self.tasks[stage])
 
-    def job_done(self, job_id: str, ok: bool) -> None:
+    def job_done(self, job_id: str, outcome: str) -> None:
+        """``outcome``: ok, deadline, fail or cancel (:attr:`JobOutcome.outcome`)."""
         if job_id in self._done:
             return
         self._done.add(job_id)
-        if ok:
-            self.ok += 1
-        else:
-            self.failed += 1
+        self.outcomes[outcome] += 1
         for st in _STAGES:  # a failed job never passes its later stages; fill them in
             self.stage_finished(job_id, st)
         if self.p is not None:
@@ -203,21 +150,25 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
                     await session.ack([frame.trajectory.delivery_id])
                 elif kind == "finished":
                     stats.finished(frame.job_id, frame.finished)
-                    bars.job_done(frame.job_id,
-                                  frame.finished.state == job_pb2.Job.STATE_SUCCEEDED)
+                    bars.job_done(frame.job_id, stats.jobs[frame.job_id].outcome)
                 elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_FINISHED:
                     bars.stage_finished(frame.job_id, frame.progress.stage)
+                elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_TURN:
+                    bars.turn()
                 elif kind == "accepted" and frame.accepted.state in _TERMINAL:
                     stats.already_done += 1  # finished in an earlier run of this command
-                    bars.job_done(frame.job_id,
-                                  frame.accepted.state == job_pb2.Job.STATE_SUCCEEDED)
+                    bars.job_done(frame.job_id, "ok" if frame.accepted.state
+                                  == job_pb2.Job.STATE_SUCCEEDED else "fail")
                 elif kind == "rejected":
                     stats.rejected.append(frame.job_id)
-                    bars.job_done(frame.job_id, False)
+                    bars.job_done(frame.job_id, "fail")
                     err = RolloutError.from_rejected(frame.rejected)
                     console.print(f"[red]rejected[/] {frame.job_id}: {err.one_line()}",
                                   markup=True, highlight=False)
     console.print(stats.table())
+    console.print(stats.endings_table())
+    for note in stats.zero_reward_notes():
+        console.print(note, markup=False, highlight=False)
     console.print(f"{stats.written} trajectories appended to {args.out} "
                   f"(client id {client_id}); {stats.already_done} finished in an earlier run; "
                   f"{len(stats.rejected)} rejected")

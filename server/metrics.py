@@ -122,8 +122,27 @@ class SchedulerMetrics:
         self.jobs_submitted = Counter(
             "rollout_jobs_submitted", "Jobs accepted (duplicates excluded).",
             registry=self.registry)
+        # By state alone a job whose agent loop ran out of time looks like a clean success
+        # (the loop stops before the stage deadline and EVAL scores what it left): counting
+        # by termination reason as well keeps those apart on a dashboard.
+        self.jobs_terminated = Counter(
+            "rollout_jobs_terminated",
+            "Jobs that reached a terminal state, by how their trajectory ended (reason: "
+            "submitted, no_tool_call, max_turns, token_budget, context_length, deadline, "
+            "cancelled, error) and by terminal state.", ["reason", "state"],
+            registry=self.registry)
+        self.terminations: dict[TerminationReason, int] = {}
+        """Jobs finished since this process started, by termination reason (the status
+        snapshot's ``jobs_by_termination``)."""
         self.registry.register(_StatusCollector(status))
         self._children: dict[tuple[str, ...], Any] = {}
+
+    def job_finished(self, state: JobState, error_code: str,
+                     termination: TerminationReason) -> None:
+        """Count one terminal job by state (and error code) and by termination reason."""
+        self.jobs_finished.labels(state.value, error_code).inc()
+        self.jobs_terminated.labels(termination.value, state.value).inc()
+        self.terminations[termination] = self.terminations.get(termination, 0) + 1
 
     # Label lookups take a lock and build a tuple; cache the children for the hot path.
     def stage_duration(self, stage: Stage, outcome: str) -> Any:
@@ -146,32 +165,48 @@ class SchedulerMetrics:
 
 
 class _StatusCollector(Collector):
-    """Scrape-time gauges from the status snapshot, so the hot path never sets gauges."""
+    """Scrape-time gauges from the status snapshot, so the hot path never sets gauges.
+
+    ``describe`` names the families without taking a snapshot: the registry asks for the names
+    when the collector is registered, which happens while the scheduler is still being built.
+    """
 
     def __init__(self, status: Callable[[], SchedulerStatus]) -> None:
         self._status = status
 
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        by_stage = ["stage"]
+        return {
+            "depth": GaugeMetricFamily("rollout_stage_queue_depth",
+                                       "Jobs waiting for a stage worker.", labels=by_stage),
+            "flight": GaugeMetricFamily("rollout_stage_in_flight",
+                                        "Jobs held by a stage's workers.", labels=by_stage),
+            "workers": GaugeMetricFamily("rollout_stage_workers", "Configured workers per stage.",
+                                         labels=by_stage),
+            "tput": GaugeMetricFamily("rollout_stage_throughput_per_second",
+                                      "Completed stage executions per second, recent window.",
+                                      labels=by_stage),
+            "jobs": GaugeMetricFamily("rollout_jobs", "Live jobs by state.", labels=["state"]),
+            "pending": GaugeMetricFamily("rollout_pending_jobs",
+                                         "Accepted jobs not yet terminal.", labels=[]),
+            "sessions": GaugeMetricFamily("rollout_sessions", "Attached client sessions.",
+                                          labels=[]),
+        }
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families().values()
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         st = self._status()
-        depth = GaugeMetricFamily("rollout_stage_queue_depth", "Jobs waiting for a stage worker.",
-                                  labels=["stage"])
-        flight = GaugeMetricFamily("rollout_stage_in_flight", "Jobs held by a stage's workers.",
-                                   labels=["stage"])
-        workers = GaugeMetricFamily("rollout_stage_workers", "Configured workers per stage.",
-                                    labels=["stage"])
-        tput = GaugeMetricFamily("rollout_stage_throughput_per_second",
-                                 "Completed stage executions per second, recent window.",
-                                 labels=["stage"])
+        f = self._families()
         for s in st.stages:
-            depth.add_metric([s.stage.value], s.queue_depth)
-            flight.add_metric([s.stage.value], s.in_flight)
-            workers.add_metric([s.stage.value], s.workers)
-            tput.add_metric([s.stage.value], s.throughput_per_s)
-        jobs = GaugeMetricFamily("rollout_jobs", "Live jobs by state.", labels=["state"])
+            f["depth"].add_metric([s.stage.value], s.queue_depth)
+            f["flight"].add_metric([s.stage.value], s.in_flight)
+            f["workers"].add_metric([s.stage.value], s.workers)
+            f["tput"].add_metric([s.stage.value], s.throughput_per_s)
         for state in (JobState.QUEUED, JobState.RUNNING):
-            jobs.add_metric([state.value], st.jobs_by_state.get(state, 0))
-        pending = GaugeMetricFamily("rollout_pending_jobs", "Accepted jobs not yet terminal.",
-                                    value=st.pending)
-        sessions = GaugeMetricFamily("rollout_sessions", "Attached client sessions.",
-                                     value=st.sessions)
-        yield from (depth, flight, workers, tput, jobs, pending, sessions)
+            f["jobs"].add_metric([state.value], st.jobs_by_state.get(state, 0))
+        f["pending"].add_metric([], st.pending)
+        f["sessions"].add_metric([], st.sessions)
+        yield from f.values()

@@ -390,4 +390,5 @@ class Scheduler(StageRunner):
         return SchedulerStatus(
             stages=tuple(stages), jobs_by_state=by_state, pending=self._pending,
             max_pending=self.config.max_pending_jobs, sessions=len(self._subs),
-            uptime_s=time.monotonic() - self._started_at, window_s=self.config.status_window_s)
+            uptime_s=time.monotonic() - self._started_at, window_s=self.config.status_window_s,
+            jobs_by_termination=dict(self.metrics.terminations))

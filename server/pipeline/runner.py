@@ -302,8 +302,8 @@ class StageRunner:
         else:
             self._per_client.pop(job.client_id, None)
         self._finished_counts[rec.state] = self._finished_counts.get(rec.state, 0) + 1
-        self.metrics.jobs_finished.labels(rec.state.value,
-                                          rec.error.code if rec.error else "").inc()
+        self.metrics.job_finished(rec.state, rec.error.code if rec.error else "",
+                                  traj.termination)
         sub = self._subs.get(job.client_id)
         if sub is not None:
             sub.publish_delivery(

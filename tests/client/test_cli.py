@@ -51,8 +51,8 @@ def test_submit_writes_trajectories_and_summary(threaded_server: ThreadedServer,
     assert "rollout summary" in text and "scripted" in text
     assert "4 trajectories appended" in text
     row = next(line for line in text.splitlines() if line.split()[:1] == ["scripted"])
-    # jobs, ok, fail, cancel, solved, mean reward
-    assert row.split()[1:7] == ["4", "4", "0", "0", "2", "0.75"]
+    # jobs, ok, deadline, fail, cancel, solved, mean reward
+    assert row.split()[1:8] == ["4", "4", "0", "0", "0", "2", "0.75"]
     # the same command again: every job is a duplicate, nothing is written twice
     assert main([*argv, "--no-progress"]) == 0
     assert len(read_out(out)) == 4
