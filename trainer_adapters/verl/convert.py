@@ -170,7 +170,8 @@ def job_for_sample(sample: Mapping[str, Any], sampling_params: Mapping[str, Any]
     task = extra.get("rollout_task")
     env = extra.get("rollout_environment") or environment
     if task is None:
-        messages = list(_scalar(sample.get("raw_prompt")) or [])
+        raw = _scalar(sample.get("raw_prompt"))  # a list, or a numpy array of dicts
+        messages = list(raw) if raw is not None else []
         question = next((m.get("content") for m in reversed(messages)
                          if isinstance(m, Mapping) and m.get("role") == "user"), None)
         answer = (_scalar(sample.get("reward_model")) or {}).get("ground_truth")

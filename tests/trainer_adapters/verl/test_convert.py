@@ -1,0 +1,81 @@
+"""The verl field mapping and the job builder, without verl (plain Python), on hand-built
+trajectories whose expected fields are written out by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollout.trainer_adapters.verl.convert import job_for_sample, to_verl_sample
+from rollout.v1 import job_pb2, trajectory_pb2
+
+SUCCEEDED, FAILED = job_pb2.Job.State.STATE_SUCCEEDED, job_pb2.Job.State.STATE_FAILED
+
+
+def outcome(turns: list[dict[str, Any]], *, state: int = SUCCEEDED, reward: float = 1.0,
+            components: dict[str, float] | None = None) -> Any:
+    traj = trajectory_pb2.Trajectory(job_id="j", reward=reward, state=state,
+                                     reward_components=components or {})
+    for t in turns:
+        traj.turns.add(prompt_ids=t["p"], output_ids=t["o"],
+                       output_logprobs=[-1.0 - i for i in range(len(t["o"]))],
+                       observation_ids=t.get("obs", []), policy_version=t.get("v", 0))
+    return SimpleNamespace(trajectory=traj, state=state, error=None)
+
+
+def test_prompt_longer_than_prompt_length_is_cut_and_masked() -> None:
+    s = to_verl_sample(outcome([{"p": [1, 2, 3, 4, 5], "o": [6, 7]}]),
+                       prompt_length=3, response_length=8)
+    # Left-truncated like verl's own prompts, but the response was sampled after the whole
+    # prompt, so nothing of it is trained on.
+    assert s.prompt_ids == [3, 4, 5] and s.response_ids == [6, 7]
+    assert s.response_mask == [0, 0]
+    assert s.extra_fields["truncated"] is True and s.extra_fields["rollout_valid"] is False
+
+
+def test_overlong_mask_policy_trains_on_nothing() -> None:
+    job = outcome([{"p": [1], "o": [2, 3, 4], "obs": [5, 6]}, {"p": [7], "o": [8, 9]}])
+    kept = to_verl_sample(job, prompt_length=4, response_length=5)
+    assert kept.response_ids == [2, 3, 4, 5, 6] and kept.response_mask == [1, 1, 1, 0, 0]
+    assert kept.response_logprobs == [-1.0, -2.0, -3.0, 0.0, 0.0]
+    masked = to_verl_sample(job, prompt_length=4, response_length=5, overlong="mask")
+    assert masked.response_mask == [0] * 5 and masked.reward_score == 1.0
+    assert masked.extra_fields["reward_extra_info"]["rollout_valid"] == 0.0
+    with pytest.raises(ValueError, match="overlong"):
+        to_verl_sample(job, prompt_length=4, response_length=5, overlong="drop")
+
+
+def test_failed_job_scores_zero_whatever_it_reported_and_keeps_fixed_keys() -> None:
+    s = to_verl_sample(outcome([{"p": [1], "o": [2], "v": 4}], state=FAILED, reward=1.0,
+                               components={"exact": 1.0}),
+                       prompt_length=4, response_length=4, reward_components=["exact", "x"])
+    assert s.reward_score == 0.0 and s.response_mask == [0]
+    assert s.extra_fields["reward_extra_info"] == {
+        "reward": 0.0, "rollout_valid": 0.0, "truncated": 0.0, "exact": 0.0, "x": 0.0}
+    assert (s.extra_fields["min_global_steps"], s.extra_fields["max_global_steps"]) == (4, 4)
+    with pytest.raises(ValueError, match="clashes"):
+        to_verl_sample(outcome([{"p": [1], "o": [2]}]), prompt_length=4, response_length=4,
+                       reward_components=["reward"])
+
+
+def test_job_for_sample_maps_verl_fields() -> None:
+    sample = {"raw_prompt": np.array([{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "2+2?"}], dtype=object),
+              "reward_model": {"ground_truth": "4"}, "uid": np.str_("u-1"),
+              "index": np.int64(7), "extra_info": {}}
+    spec = job_for_sample(sample, {"temperature": 0.6, "top_p": 0.9, "top_k": -1},
+                          environment="math", prompt_length=100, response_length=50,
+                          group_size=4, max_turns=3, finish_after=2)
+    assert spec.environment == "math"
+    assert dict(spec.task) == {"question": "2+2?", "answer": "4"}
+    assert spec.sampling.top_k == 0 and spec.sampling.temperature == pytest.approx(0.6)
+    assert spec.sampling.total_token_budget == 150 and spec.sampling.max_tokens_per_turn == 50
+    assert (spec.group.group_id, spec.group.size, spec.group.finish_after) == ("verl/u-1", 4, 2)
+    assert spec.job_id.startswith("verl/u-1/") and spec.limits.max_turns == 3
+    assert dict(spec.metadata)["uid"] == "u-1" and dict(spec.metadata)["index"] == "7"
+    with pytest.raises(ValueError, match="rollout_task"):
+        job_for_sample({"raw_prompt": [], "extra_info": {}}, {}, environment="math",
+                       prompt_length=1, response_length=1, group_size=1)

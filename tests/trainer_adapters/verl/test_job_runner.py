@@ -1,0 +1,87 @@
+"""The per-sample job runner both adapters share, against a live server: concurrent callers on one
+session each get their own outcome, a rejected job says what to fix, and a caller that gives up
+cancels its job on the server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
+from rollout.trainer_adapters.jobs import JobRejectedError, JobRunner, shared_runner
+from rollout.v1 import job_pb2
+from tests.client.conftest import ServerHarness
+from tests.trainer_adapters.verl.episodes import episode_harness, two_turn_tool_episode
+from tests.util import assert_eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[ServerHarness]:
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    yield h
+    await h.stop()
+
+
+def job(job_id: str, task: dict) -> dict:
+    return {"job_id": job_id, "environment": "episode", "task": task}
+
+
+async def test_concurrent_callers_share_one_session(harness: ServerHarness) -> None:
+    runner = shared_runner(harness.address)
+    assert shared_runner(harness.address) is runner
+    try:
+        outs = await asyncio.gather(*[
+            runner.run(job(f"j{i}", two_turn_tool_episode(base=100 * i, reward=float(i))))
+            for i in range(1, 5)])
+        assert [o.trajectory.job_id for o in outs] == ["j1", "j2", "j3", "j4"]
+        assert [o.trajectory.reward for o in outs] == [1.0, 2.0, 3.0, 4.0]
+        assert all(o.succeeded for o in outs)
+        assert [o.trajectory.turns[0].prompt_ids[0] for o in outs] == [100, 200, 300, 400]
+        async with RolloutClient(harness.address) as client:
+            jobs = [j async for j in client.list_jobs()]
+        assert {j.client_id for j in jobs} == {runner.client_id}
+    finally:
+        await runner.close()
+
+
+async def test_rejected_job_names_the_field(harness: ServerHarness) -> None:
+    runner = JobRunner(harness.address)
+    try:
+        with pytest.raises(JobRejectedError, match=r"task\.turns") as err:
+            await runner.run(job("bad", {"turns": "not a list"}))
+        assert err.value.reason == "INVALID_TASK"
+    finally:
+        await runner.close()
+
+
+async def test_caller_that_gives_up_cancels_its_job(harness: ServerHarness) -> None:
+    runner = JobRunner(harness.address)
+    try:
+        task = asyncio.create_task(runner.run(job("slow", {**two_turn_tool_episode(),
+                                                           "sleep": 30})))
+        async with RolloutClient(harness.address) as client:
+            async def running() -> bool:
+                try:
+                    job_now = (await client.get_job("slow")).job
+                except RolloutError:  # not submitted yet
+                    return False
+                return job_now.state == job_pb2.Job.STATE_RUNNING
+
+            await assert_eventually(running)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+            async def cancelled() -> bool:
+                return (await client.get_job("slow")).job.state == job_pb2.Job.STATE_CANCELLED
+
+            await assert_eventually(cancelled)
+    finally:
+        await runner.close()
