@@ -430,9 +430,14 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         if principal.bound:
             principal.check_client_id(client_id or principal.client_id or "", "client_id")
             client_id = principal.client_id
-        query = {"page_token": request.page_token, "state": convert.state_from_proto(request.state),
-                 "group_id": request.group_id or None, "client_id": client_id}
-        records, token = await self._scheduler.list(page_size=page_size, **query)
+        state = convert.state_from_proto(request.state)
+
+        async def page(size: int) -> tuple[list[JobRecord], str]:
+            return await self._scheduler.list(
+                page_size=size, page_token=request.page_token, state=state,
+                group_id=request.group_id or None, client_id=client_id)
+
+        records, token = await page(page_size)
         jobs = [job_to_proto(r) for r in records]
         # Stop before the page passes the byte budget (each job carries its task and
         # metadata), asking again for fewer jobs so the page token points where it stopped.
@@ -440,7 +445,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         for j in jobs:
             total += j.ByteSize() + 8  # field tag and length prefix
             if total > self._max_page_bytes and fits:
-                records, token = await self._scheduler.list(page_size=fits, **query)
+                records, token = await page(fits)
                 jobs = [job_to_proto(r) for r in records]
                 break
             fits += 1

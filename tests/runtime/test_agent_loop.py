@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -197,20 +198,31 @@ async def test_context_length_smaller_than_budget_is_the_reported_limit(tok: Any
     assert engine.requests[0].max_tokens == 10
 
 
-async def test_deadline_during_generation_returns_turns_so_far(tok: Any) -> None:
-    ctx, engine, client, _ = make_ctx(tok, [call("echo", text="a"), "never"], latency_s=0.0)
+@pytest.mark.parametrize("engine_honours_timeout", [True, False])
+async def test_deadline_during_generation_returns_turns_so_far(
+        tok: Any, engine_honours_timeout: bool) -> None:
+    ctx, engine, client, _ = make_ctx(tok, [call("echo", text="a"), "never ever again"],
+                                      latency_s=0.0)
     echo = EchoTool()
     real_generate = engine.generate
 
     async def slow_second_turn(request: Any) -> Any:
         if len(engine.requests) == 1:
             engine.latency_s = 30.0
+            if not engine_honours_timeout:  # an engine that ignores timeout_s
+                request = dataclasses.replace(request, timeout_s=None)
         return await real_generate(request)
 
     engine.generate = slow_second_turn  # type: ignore[method-assign]
     out = await run_agent_loop(ctx, [echo], TASK, deadline=time.monotonic() + 2.0)
     assert out.termination is TerminationReason.DEADLINE
-    assert len(out.turns) == 1 and out.turns[0].tool_calls == ["echo"]
+    assert out.turns[0].tool_calls == ["echo"]
+    if engine_honours_timeout:  # the partial second turn is kept as sampled
+        assert len(out.turns) == 2 and out.turns[1].finish_reason == "deadline"
+        ids = tok.encode("never ever again", add_special_tokens=False)
+        assert out.turns[1].output_ids == ids[:len(ids) // 2]
+    else:  # the loop's own backstop cancels the call: nothing of it can be kept
+        assert len(out.turns) == 1
     assert client.ended == ["job-1"]
 
 
