@@ -39,7 +39,7 @@ from rollout.trainer_adapters.jobs import JobOutcome, shared_runner
 from rollout.trainer_adapters.nemo_rl.message_log import gym_output_items
 from rollout.v1 import job_pb2
 
-_FAILURE_KINDS = {  # JobError.Code -> nemo_gym.failure_kinds vocabulary
+_FAILURE_KINDS: dict[int, str] = {  # JobError.Code -> nemo_gym.failure_kinds vocabulary
     job_pb2.JobError.Code.CODE_TIMEOUT: "agent_timeout",
     job_pb2.JobError.Code.CODE_BACKEND_UNAVAILABLE: "provider_unavailable",
     job_pb2.JobError.Code.CODE_CANCELLED: "cancelled",
@@ -99,7 +99,7 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             extra_components = {}
         error = outcome.error
         failure_kind = None if outcome.succeeded else _FAILURE_KINDS.get(
-            error.code if error is not None else 0, "agent_run_error")
+            int(error.code) if error is not None else 0, "agent_run_error")
         # The row's own keys (task and rollout indices, agent_ref, verifier metadata) come
         # back with the answer, as nemo-gym's agents do; Gym's aggregation keys rows by them.
         return RolloutServiceVerifyResponse(
