@@ -27,7 +27,25 @@ from typing import Any
 from rollout.client.aio import DEFAULT_ADDRESS
 from rollout.client.errors import RolloutError
 
-BENCHES = ("pipeline", "tools", "llm")
+BENCHES = {
+    "pipeline": "what the pipeline itself costs (jobs/s over gRPC vs in-process, memory) and "
+                "whether stages overlap",
+    "tools": "bash, IPython and sandbox latency inside bubblewrap, beside tmux and bare bwrap",
+    "llm": "in-process engine: batching, KV reuse across turns, batched prefill, balancing",
+}
+"""What ``rollout bench NAME`` runs (``server/bench/NAME.py``); written here because the help
+must work where the server extra is not installed."""
+
+SERVER_EXTRA = {
+    # import name -> distribution in pyproject's `server` extra (tests keep the two in step)
+    "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
+    "prometheus_client": "prometheus-client", "transformers": "transformers",
+    "tokenizers": "tokenizers", "safetensors": "safetensors", "gguf": "gguf",
+    "accelerate": "accelerate", "ptyprocess": "ptyprocess", "jupyter_client": "jupyter-client",
+    "ipykernel": "ipykernel", "spython": "spython", "aiohttp": "aiohttp", "sympy": "sympy",
+    "matplotlib": "matplotlib", "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp",
+}
+SERVER_COMMANDS = ("serve", "quickstart", "llm-serve", "bench")
 
 
 @dataclass(frozen=True)
@@ -94,15 +112,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout", description="Rollout Service")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the service")
-    p.add_argument("--config", help="TOML configuration (env ROLLOUT_CONFIG)")
+    # The defaults below are the server's embedded ones (server/config.py); they are spelled
+    # out rather than imported because this parser must work without the server extra, and a
+    # test compares them with the server's.
+    p = sub.add_parser(
+        "serve", help="run the service",
+        description="Run the Rollout Service until Ctrl-C / SIGTERM (then it drains). Settings "
+                    "resolve as: embedded defaults < TOML file < ROLLOUT_SECTION__KEY "
+                    "environment < flags. One server per port and per state directory.",
+        epilog="example: rollout serve --port 50052 --state-dir /scratch/rollout "
+               "--set pipeline.run_workers=16")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML configuration with [server], [pipeline], [sandbox], [llm] "
+                        "tables (env ROLLOUT_CONFIG; default: embedded defaults only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any dotted setting, e.g. pipeline.run_workers=16")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--state-dir")
-    p.add_argument("--token", help="require this bearer token on every RPC")
-    p.add_argument("--metrics-port", type=int)
+                   help="override any dotted setting, e.g. pipeline.run_workers=16 or "
+                        "'llm.backends=[]' (repeatable)")
+    p.add_argument("--host", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for "
+                                  "every interface)")
+    p.add_argument("--port", type=int, help="gRPC port, 0 to 65535 (default 50051; 0 picks a "
+                                            "free port)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="job store, sandbox workspaces and logs; locked by one server at a "
+                        "time (default .rollout, in the current directory)")
+    p.add_argument("--token", help="require this bearer token on every RPC (default: none)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (default 0: off)")
 
     p = sub.add_parser("submit", help="run the jobs of a JSONL file, write trajectories")
     _client_flags(p)
@@ -141,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
                          ("quickstart", "start a server and run a small demo")):
         p = sub.add_parser(name, help=target, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
-    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
-    p.add_argument("name", choices=BENCHES)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "bench", help="benchmarks: " + ", ".join(BENCHES),
+        description="Benchmarks; each prints a table beside a baseline measured in the same "
+                    "run. `rollout bench NAME --help` lists a benchmark's own flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks:\n" + "\n".join(f"  {name:<9} {text}"
+                                            for name, text in BENCHES.items()))
+    p.add_argument("name", choices=list(BENCHES), help="which benchmark to run")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="its flags")
 
     if importlib.util.find_spec("rollout.client.cli_backends") is not None:
         importlib.import_module("rollout.client.cli_backends").add_parser(sub)
@@ -153,7 +194,33 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ commands
 
 
+def require_server_extra(command: str) -> None:
+    """Fail with the install command when the server's dependencies are absent (a trainer's
+    client-only install), instead of a traceback from deep inside an import."""
+    missing = [dist for name, dist in SERVER_EXTRA.items() if not _importable(name)]
+    if missing:
+        raise CliError("FAILED_PRECONDITION", "MISSING_EXTRA",
+                       f"`rollout {command}` needs the server's dependencies, which this "
+                       f"environment lacks ({', '.join(missing)}); install them with: "
+                       "pip install 'rollout-service[server]'")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a broken or half-removed package
+        return False
+
+
+def _server_errors() -> tuple[type[BaseException], ...]:
+    """The server's own error type, once a server command has imported it (the client never
+    imports server code itself); ``except ()`` catches nothing."""
+    errors = sys.modules.get("rollout.server.errors")
+    return (errors.ServiceError,) if errors is not None else ()
+
+
 def _serve(args: argparse.Namespace) -> int:
+    require_server_extra("serve")
     from rollout.server.app import serve
     from rollout.server.config import load_config
 
@@ -170,6 +237,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _delegate(module: str, argv: list[str]) -> int:
+    if module.startswith("rollout.server."):
+        command = next((c for c, m in _DELEGATED.items() if m == module), "bench")
+        require_server_extra(command)
     mod = importlib.import_module(module)
     return int(mod.main(argv) or 0)
 
@@ -223,9 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(err.code.name, err.reason, err.message)
     except CliError as err:
         return _fail(err.code, err.reason, err.message)
+    except _server_errors() as err:  # start-up failures: port in use, state dir locked, …
+        return _fail(err.code.name, err.reason, str(err))  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:  # e.g. torch, which the server extra leaves to the user
+        return _fail("FAILED_PRECONDITION", "MISSING_DEPENDENCY",
+                     f"{exc}; install it with: pip install {exc.name or 'the missing package'}"
+                     " (or pip install 'rollout-service[server]')")
     except (ValueError, OSError) as exc:  # bad input files, server config errors
         code = "NOT_FOUND" if isinstance(exc, FileNotFoundError) else "INVALID_ARGUMENT"
         return _fail(code, str(getattr(exc, "reason", "BAD_INPUT")), str(exc))

@@ -11,7 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
 
 from rollout.client.aio import RolloutClient
-from rollout.client.tables import compact_table
+from rollout.client.tables import cli_console, compact_table
 from rollout.v1 import job_pb2
 
 
@@ -39,7 +39,7 @@ def _fmt_time(ts: Timestamp) -> str:
 
 
 async def jobs(args: argparse.Namespace, settings: Any, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or cli_console()
     async with _client(settings) as client:
         if args.jobs_command == "list":
             table = compact_table("jobs", ("job", "env", "state", "stage", "tries", "reward",
@@ -70,7 +70,7 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
 
 
 async def status(settings: Any, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or cli_console()
     async with _client(settings) as client:
         st = await client.status()
     table = compact_table(f"rollout service {st.version} — up {fmt_duration(st.uptime)}, "

@@ -29,6 +29,13 @@ from rollout.server.config import Config
 from rollout.server.interceptors import ServiceInterceptor
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.servicer import RolloutServicer
+from rollout.server.startup import (
+    StartupError,
+    StateDirLock,
+    check_port_free,
+    check_port_range,
+    port_in_use,
+)
 from rollout.server.store import JobStore
 from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
 
@@ -67,15 +74,41 @@ class Server:
         self._metrics_server: Any = None
         self._owns_llm = False
         self._prev_roots: Any = None
+        self._lock: StateDirLock | None = None
 
     @property
     def address(self) -> str:
         return f"{self.cfg.server.host}:{self.port}"
 
     async def start(self) -> Server:
+        """Claim the state directory and the port, then start; raises ``StartupError`` (one
+        line naming what to change) when either is taken or unusable, having released
+        whatever it had claimed."""
+        cfg = self.cfg
+        check_port_range(cfg.server.port)
+        check_port_range(cfg.server.metrics_port, "server.metrics_port", "--metrics-port")
+        # The lock comes before anything reads or reaps the state directory: a second server
+        # must not "recover" (and so run again) the jobs the first one is running.
+        self._lock = StateDirLock.acquire(cfg.state_path)
+        try:
+            await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the start-up error is the one to report
+                await self.stop(0)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            raise
+        return self
+
+    async def _start(self) -> None:
         cfg = self.cfg
         state = cfg.state_path
-        state.mkdir(parents=True, exist_ok=True)
+        # Answer "port in use" now, not after a model has loaded for a minute.
+        check_port_free(cfg.server.host, cfg.server.port)
+        if cfg.server.metrics_port:
+            check_port_free(cfg.server.metrics_host, cfg.server.metrics_port,
+                            "the metrics endpoint", "--metrics-port")
         # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
         self._prev_roots = set_host_path_roots(
             cfg.server.task_path_roots or [DATA_DIR, state / "tasks"])
@@ -108,7 +141,9 @@ class Server:
         server = grpc.aio.server(
             interceptors=[ServiceInterceptor(authenticator=Authenticator(
                 cfg.server.auth_token, cfg.server.clients))],
-            options=channel_options(cfg.server.max_message_bytes))
+            # gRPC turns SO_REUSEPORT on by default: a second server on a taken port would
+            # start and receive every other request. Off, the bind fails as it should.
+            options=[*channel_options(cfg.server.max_message_bytes), ("grpc.so_reuseport", 0)])
         rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
             RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s,
                             min_heartbeat_s=cfg.server.min_heartbeat_s,
@@ -125,20 +160,30 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if cfg.server.reflection:
             reflection.enable_server_reflection(names, server)
-        self.port = (server.add_secure_port(f"{cfg.server.host}:{cfg.server.port}", tls)
-                     if tls is not None else
-                     server.add_insecure_port(f"{cfg.server.host}:{cfg.server.port}"))
+        try:
+            self.port = (server.add_secure_port(f"{cfg.server.host}:{cfg.server.port}", tls)
+                         if tls is not None else
+                         server.add_insecure_port(f"{cfg.server.host}:{cfg.server.port}"))
+        except RuntimeError:  # "Failed to bind": taken since check_port_free looked
+            raise port_in_use(cfg.server.host, cfg.server.port) from None
         if self.port == 0:
-            raise OSError(f"cannot listen on {cfg.server.host}:{cfg.server.port}")
+            raise StartupError(grpc.StatusCode.INVALID_ARGUMENT, "CANNOT_LISTEN",
+                               f"cannot listen on {cfg.server.host}:{cfg.server.port}; check "
+                               "--host and --port", "server.host")
         await server.start()
         self._grpc = server
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self._lock is not None:
+            self._lock.record_address(self.address)
         if cfg.server.metrics_port:
-            self._metrics_server = self.scheduler.serve_metrics(
-                cfg.server.metrics_host, cfg.server.metrics_port)
+            try:
+                self._metrics_server = self.scheduler.serve_metrics(
+                    cfg.server.metrics_host, cfg.server.metrics_port)
+            except OSError:
+                raise port_in_use(cfg.server.metrics_host, cfg.server.metrics_port,
+                                  "the metrics endpoint", "--metrics-port") from None
         log.info("rollout service listening on %s (state in %s)", self.address, state)
-        return self
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.cfg.server.grace_s if grace_s is None else grace_s
@@ -155,6 +200,9 @@ class Server:
         if self._owns_llm and self.llm is not None:
             await self.llm.close()
         set_host_path_roots(self._prev_roots)
+        if self._lock is not None:  # last: the next server may now recover what we left
+            self._lock.release()
+            self._lock = None
 
     async def wait(self) -> None:
         if self._grpc is not None:

@@ -1,6 +1,6 @@
 """``rollout quickstart``: the whole system on the embedded defaults, in one command.
 
-Starts a real server in this process (gRPC on loopback, SQLite job store under ``./.rollout``,
+Starts a real server in this process (gRPC on loopback, SQLite job store under ``<out-dir>/state``,
 bubblewrap sandboxes, the in-process transformers engine with SmolLM2-135M-Instruct on the
 CPU), submits a mixed batch of the shipped tasks through the real client, shows live progress
 per stage, and leaves behind the trajectories as JSONL and a timeline plot of every job's
@@ -97,7 +97,10 @@ def _fresh_file(path: Path) -> None:
 async def run(args: argparse.Namespace, console: Console) -> int:
     # Fewer RUN workers than jobs, so the plot shows jobs queueing for RUN while INIT and EVAL
     # of others go on; --set pipeline.run_workers=N overrides it.
+    # Its own state directory, inside --out-dir: a `rollout serve` beside it keeps ./.rollout
+    # (one server per state directory; the second would refuse to start).
     cfg = load_config(args.config, overrides=[f"server.port={args.port}",
+                                              f"server.state_dir={Path(args.out_dir) / 'state'}",
                                               "pipeline.run_workers=8", *args.set])
     console.print("[bold]rollout quickstart[/]: starting an in-process server "
                   "(bubblewrap sandboxes, SmolLM2-135M-Instruct on the CPU)…")
@@ -138,7 +141,7 @@ def _parse_mix(text: str) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout quickstart", description=__doc__)
     p.add_argument("--out-dir", default="quickstart-out",
-                   help="where trajectories.jsonl and timeline.png go")
+                   help="where trajectories.jsonl, timeline.png and the server's state/ go")
     p.add_argument("--config", help="TOML configuration file (defaults are embedded)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. pipeline.run_workers=8")
