@@ -61,6 +61,8 @@ class TerminationReason(enum.Enum):
 
 
 LOGPROBS_MODES = ("processed", "raw")
+MAX_SEED = 2**62
+"""Seeds are in [0, MAX_SEED) so ``seed + turn`` never overflows int64."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,11 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.max_tokens_per_turn must be > 0, got {self.max_tokens_per_turn}",
                 "INVALID_SAMPLING_PARAMS", "sampling.max_tokens_per_turn")
+        if self.seed is not None and not (0 <= self.seed < MAX_SEED):
+            # seed + k must stay a valid int64 for every turn, and engines seed non-negative
+            raise InvalidArgument(
+                f"sampling.seed must be in [0, 2^62), got {self.seed}",
+                "INVALID_SAMPLING_PARAMS", "sampling.seed")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidArgument(
                 f"sampling.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "

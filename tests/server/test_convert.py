@@ -99,3 +99,14 @@ def test_trajectory_round_trip_keeps_outcome_fields() -> None:
     empty = convert.trajectory_to_proto(Trajectory(job_id="k", state=JobState.CANCELLED))
     assert not empty.HasField("seed") and not empty.HasField("error")
     assert empty.logprobs_kind == job_pb2.LOGPROBS_KIND_UNSPECIFIED
+
+
+@pytest.mark.parametrize("seed", [-1, 2**62])
+def test_a_seed_whose_turn_seeds_could_overflow_is_rejected(seed: int) -> None:
+    p = proto_spec()
+    p.sampling.seed = seed
+    with pytest.raises(InvalidArgument, match=r"\[0, 2\^62\)") as e:
+        convert.spec_from_proto(p)
+    assert e.value.field == "sampling.seed"
+    p.sampling.seed = 2**62 - 1
+    assert convert.spec_from_proto(p).sampling.seed == 2**62 - 1
