@@ -11,9 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
 from rollout.client.trajectory import flatten
 from rollout.runtime.agent_loop import run_agent_loop
 from rollout.runtime.handler import (
@@ -165,3 +167,28 @@ async def test_every_trajectory_says_how_its_job_ended(tmp_path: Path) -> None:
     assert sorted(handler.evaluated) == ["evalfail", "ok"]
     # A trainer's default view holds only the success.
     assert [f.job_id for f in map(flatten, trajs.values()) if f is not None] == ["ok"]
+
+
+async def test_bad_chat_options_are_rejected_with_what_to_fix(tmp_path: Path) -> None:
+    registry = HandlerRegistry()
+    registry.register("loop", LoopHandler())
+    engine = ScriptedEngine(chatml_tokenizer(), script)
+    server = await Server(make_config(tmp_path / "state"), registry=registry,
+                          llm=EngineClient(engine)).start()
+    try:
+        async with RolloutClient(f"127.0.0.1:{server.port}") as client:
+            for chat, reason, field in (
+                    ({"tool_call_format": "llama2"}, "UNKNOWN_TOOL_CALL_FORMAT",
+                     "chat.tool_call_format"),
+                    ({"chat_template_kwargs": {"tools": []}}, "INVALID_CHAT_OPTIONS",
+                     "chat.chat_template_kwargs")):
+                spec = {"job_id": f"bad-{reason}", "environment": "loop", "task": {"q": 1},
+                        "chat": chat}
+                with pytest.raises(RolloutError) as e:
+                    async for _ in client.submit_rollout(spec):
+                        pass
+                assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+                assert (e.value.reason, e.value.field) == (reason, field)
+        assert engine.requests == []  # nothing ran
+    finally:
+        await server.stop(0.1)
