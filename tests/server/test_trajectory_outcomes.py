@@ -125,6 +125,7 @@ async def test_every_trajectory_says_how_its_job_ended(tmp_path: Path) -> None:
             if disruptor.done():
                 disruptor.result()  # surface a crash of the disruptor itself
             disruptor.cancel()
+            status = await client.status()
     finally:
         await server.stop(0.1)
 
@@ -165,6 +166,8 @@ async def test_every_trajectory_says_how_its_job_ended(tmp_path: Path) -> None:
 
     # Neither cut RUN reached EVAL; only the two jobs whose loops finished were graded.
     assert sorted(handler.evaluated) == ["evalfail", "ok"]
+    # GetServerStatus counts outcomes by how the trajectories ended, not only by job state.
+    assert dict(status.jobs_by_termination) == {"SUBMITTED": 1, "ERROR": 2, "CANCELLED": 2}
     # A trainer's default view holds only the success.
     assert [f.job_id for f in map(flatten, trajs.values()) if f is not None] == ["ok"]
 
