@@ -139,7 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on this port (default 0: off)")
 
-    p = sub.add_parser("submit", help="run the jobs of a JSONL file, write trajectories")
+    p = sub.add_parser(
+        "submit", help="run the jobs of a JSONL file, write trajectories",
+        description="Run the jobs of a JSONL file and append each trajectory to --out. Job "
+                    "ids: a line's own job_id, else <file-stem>-<line number> (math.jsonl line "
+                    "3 -> math-3; with --samples N, math-3/0 .. math-3/N-1). Ids are "
+                    "idempotency keys: submitting the same file again does not run jobs that "
+                    "already ran under those ids (it says so, and how to fetch them with "
+                    "`rollout jobs get ID --trajectory`); re-running the same command with "
+                    "the same --out resumes after a crash. To run the jobs again, add --fresh "
+                    "or --job-prefix PREFIX.")
     _client_flags(p)
     p.add_argument("file", help="JSONL: one {environment, task, sampling?, limits?, group?, "
                    "priority?, job_id?} per line")
@@ -151,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cancel a group's other jobs once this many succeeded")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="live progress bars per stage")
+    ids = p.add_mutually_exclusive_group()
+    ids.add_argument("--job-prefix", metavar="PREFIX",
+                     help="ids become PREFIX-<line> (PREFIX-<job_id> for lines that name their "
+                          "own id, and likewise for group ids); pass the same PREFIX again to "
+                          "resume that run (default: the file's stem, lines' ids as written)")
+    ids.add_argument("--fresh", action="store_true",
+                     help="run every line again under new ids: a prefix made of the file's "
+                          "stem, the time and a random tag (printed, for resuming)")
 
     p = sub.add_parser("jobs", help="list, show or cancel jobs")
     jobs = p.add_subparsers(dest="jobs_command", required=True)

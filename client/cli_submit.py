@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import TextIO
@@ -26,7 +25,9 @@ from rollout.client.aio import RolloutClient
 from rollout.client.cli import ClientSettings, CliError
 from rollout.client.errors import RolloutError
 from rollout.client.specs import group_specs, job_spec
+from rollout.client.submit_ids import EarlierRuns, check_prefix, file_stem, fresh_prefix, id_rule
 from rollout.client.summary import RunStats
+from rollout.client.tables import cli_console
 from rollout.client.trajectory import to_json
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
@@ -40,11 +41,14 @@ def default_client_id(out: str) -> str:
     return "submit-" + hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
 
 
-def load_specs(path: str, samples: int = 1, finish_after: int = 0) -> list[job_pb2.JobSpec]:
-    """One job per line (or a group of ``samples`` jobs); ids default to ``<stem>-<line>``."""
+def load_specs(path: str, samples: int = 1, finish_after: int = 0,
+               job_prefix: str | None = None) -> list[job_pb2.JobSpec]:
+    """One job per line (or a group of ``samples`` jobs); ids default to ``<stem>-<line>``.
+    ``job_prefix`` replaces the stem and also goes before ids and group ids the file names,
+    so that every job of the file gets an id no earlier run used."""
     if samples < 1:
         raise CliError("INVALID_ARGUMENT", "BAD_FLAG", "--samples must be at least 1")
-    stem = re.sub(r"[^A-Za-z0-9._:/-]", "_", Path(path).stem) or "job"
+    stem = check_prefix(job_prefix) if job_prefix else file_stem(path)
     specs: list[job_pb2.JobSpec] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -54,8 +58,13 @@ def load_specs(path: str, samples: int = 1, finish_after: int = 0) -> list[job_p
                 data = json.loads(line)
                 if not isinstance(data, dict):
                     raise ValueError("a line must be a JSON object")
+                named = "job_id" in data or "jobId" in data
                 data.setdefault("job_id", f"{stem}-{lineno}")
                 spec = job_spec(data)
+                if job_prefix and named:
+                    spec.job_id = f"{job_prefix}-{spec.job_id}"
+                if job_prefix and spec.group.group_id:
+                    spec.group.group_id = f"{job_prefix}-{spec.group.group_id}"
             except ValueError as exc:
                 raise CliError("INVALID_ARGUMENT", "BAD_INPUT",
                                f"{path}:{lineno}: {exc}") from None
@@ -119,8 +128,14 @@ class _Bars:
 
 def run_submit(args: argparse.Namespace, settings: ClientSettings,
                console: Console | None = None) -> int:
-    console = console or Console()
-    specs = load_specs(args.file, args.samples, args.finish_after)
+    console = console or cli_console()
+    if getattr(args, "fresh", False):
+        args.job_prefix = fresh_prefix(args.file)
+        console.print(f"--fresh: job ids are {args.job_prefix}-<line>; to resume this run "
+                      f"after a crash, repeat the command with --job-prefix {args.job_prefix} "
+                      "instead of --fresh", markup=False, highlight=False)
+    specs = load_specs(args.file, args.samples, args.finish_after,
+                       getattr(args, "job_prefix", None))
     with open(args.out, "a") as out:
         return asyncio.run(submit_specs(args, settings, console, specs, out))
 
@@ -131,6 +146,7 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
     ``args`` needs ``out`` and ``progress``; also used by ``rollout quickstart``."""
     client_id = settings.client_id or default_client_id(args.out)
     stats = RunStats(specs)
+    earlier = EarlierRuns()
     progress = (Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
                          TimeElapsedColumn(), console=console, transient=False)
                 if args.progress else None)
@@ -147,18 +163,22 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
                     out.write(json.dumps(to_json(frame.trajectory.trajectory)) + "\n")
                     out.flush()  # written before acknowledged: a crash never loses one
                     stats.trajectory(frame.trajectory.trajectory)
+                    earlier.trajectory_written(frame.trajectory.trajectory.job_id)
                     await session.ack([frame.trajectory.delivery_id])
                 elif kind == "finished":
                     stats.finished(frame.job_id, frame.finished)
+                    earlier.job_finished(frame.job_id)
                     bars.job_done(frame.job_id, stats.jobs[frame.job_id].outcome)
                 elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_FINISHED:
                     bars.stage_finished(frame.job_id, frame.progress.stage)
                 elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_TURN:
                     bars.turn()
-                elif kind == "accepted" and frame.accepted.state in _TERMINAL:
-                    stats.already_done += 1  # finished in an earlier run of this command
-                    bars.job_done(frame.job_id, "ok" if frame.accepted.state
-                                  == job_pb2.Job.STATE_SUCCEEDED else "fail")
+                elif kind == "accepted":
+                    earlier.accepted(frame.job_id, frame.accepted)
+                    if frame.accepted.state in _TERMINAL:
+                        stats.already_done += 1  # finished in an earlier run of this command
+                        bars.job_done(frame.job_id, "ok" if frame.accepted.state
+                                      == job_pb2.Job.STATE_SUCCEEDED else "fail")
                 elif kind == "rejected":
                     stats.rejected.append(frame.job_id)
                     bars.job_done(frame.job_id, "fail")
@@ -172,4 +192,7 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
     console.print(f"{stats.written} trajectories appended to {args.out} "
                   f"(client id {client_id}); {stats.already_done} finished in an earlier run; "
                   f"{len(stats.rejected)} rejected")
+    rule = id_rule(getattr(args, "file", None), getattr(args, "job_prefix", None))
+    for line in earlier.report(len(specs), args.out, rule):
+        console.print(line, markup=False, highlight=False)
     return 1 if stats.rejected else 0
