@@ -257,7 +257,8 @@ def _copy_dir(src_fd: int, dst_fd: int, owner: tuple[int, int] | None,
             budget["bytes"] -= st.st_size
             if budget["bytes"] < 0:
                 raise TreeTooLarge("the workspace is too large to grade")
-            fd_in = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_fd)
+            # Checked again on the fd: a FIFO swapped in after the stat must not block us.
+            fd_in = _open_regular(src_fd, name, name, os.O_RDONLY)
             try:
                 mode = 0o755 if st.st_mode & 0o111 else 0o644
                 fd_out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW

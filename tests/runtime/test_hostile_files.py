@@ -105,3 +105,26 @@ async def test_links_are_not_followed_for_reads_writes_or_directory_checks(
     assert hostfs.kind_beneath(sb.workspace, "ok.txt") == "file"
     assert hostfs.kind_beneath(sb.workspace, "missing") is None
     assert secret.read_text() == "host secret"
+
+
+def test_copy_tree_drops_fifos_and_copies_links_as_links(tmp_path: Path) -> None:
+    src, dst, outside = tmp_path / "src", tmp_path / "dst", tmp_path / "outside"
+    for d in (src, dst, outside):
+        d.mkdir()
+    (outside / "secret").write_text("host secret")
+    (src / "a.txt").write_text("a")
+    os.mkfifo(src / "pipe")
+    (src / "link").symlink_to(outside / "secret")
+    (src / "dirlink").symlink_to(outside)
+    copied = hostfs.copy_tree(src, dst)
+    assert copied == 1
+    assert sorted(p.name for p in dst.iterdir()) == ["a.txt", "dirlink", "link"]
+    assert (dst / "link").is_symlink() and (dst / "dirlink").is_symlink()
+    assert not (outside / "pipe").exists() and list(outside.iterdir()) == [outside / "secret"]
+    # The fd-level check that guards the copy: a FIFO is refused without blocking.
+    dfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(hostfs.SpecialFileError):
+            hostfs._open_regular(dfd, "pipe", "pipe", os.O_RDONLY)
+    finally:
+        os.close(dfd)
