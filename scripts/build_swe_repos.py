@@ -1,4 +1,4 @@
-"""Build the five tiny git repositories behind the shipped ``swe`` tasks, and ``swe.jsonl``.
+"""Build the tiny git repositories behind the shipped ``swe`` tasks, and ``swe.jsonl``.
 
 Each repository is a small Python package with one bug and a pytest suite. For every spec below
 the script commits the buggy base (fixed author and dates, so commit ids are identical on every
@@ -13,11 +13,14 @@ it, and writes ``runtime/envs/data/swe_repos/<name>.bundle`` plus ``runtime/envs
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -440,8 +443,164 @@ SPECS: list[dict[str, Any]] = [
     },
 ]
 
+# Tasks that need a per-task environment (the task's "spec"): a src/ layout that only an
+# install makes importable, a dependency that exists only in the wheelhouse, a package whose
+# name collides with one in the server's venv, pytest configuration the run depends on, and
+# class-based test ids.
+_TASK_PYTEST = "pytest==8.3.5"
+
+_MDURL_DECODE = (
+    '"""Percent-decoding of URL strings."""\n\n'
+    "_HEX = \"0123456789abcdefABCDEF\"\n\n\n"
+    "def decode(text):\n"
+    '    """Replace every %XX escape in ``text`` with the byte it encodes (UTF-8)."""\n'
+    "    raw = text.encode(\"utf-8\")\n"
+    "    out = bytearray()\n"
+    "    i = 0\n"
+    "    while i < len(raw):\n"
+    "        chunk = raw[i:i + 3]\n"
+    "        if (chunk[:1] == b\"%\" and i + 3 < len(raw)\n"
+    "                and all(chr(c) in _HEX for c in chunk[1:])):\n"
+    "            out.append(int(chunk[1:], 16))\n"
+    "            i += 3\n"
+    "        else:\n"
+    "            out.append(raw[i])\n"
+    "            i += 1\n"
+    "    return out.decode(\"utf-8\", \"replace\")\n")
+_MDURL_TESTS = (
+    "import pytest\n\n"
+    "import mdurl\n\n\n"
+    "@pytest.mark.encoding\n"
+    "class DescribeDecode:\n"
+    "    def test_plain(self):\n"
+    "        assert mdurl.decode(\"abc\") == \"abc\"\n\n"
+    "    def test_escape_in_middle(self):\n"
+    "        assert mdurl.decode(\"a%20b\") == \"a b\"\n"
+    "{extra_decode}\n\n"
+    "@pytest.mark.encoding\n"
+    "class DescribeEncode:\n"
+    "    def test_space(self):\n"
+    "        assert mdurl.encode(\"a b\") == \"a%20b\"\n")
+_MDURL_NEW_TESTS = (
+    "\n"
+    "    def test_escape_at_end(self):\n"
+    "        assert mdurl.decode(\"a%20\") == \"a \"\n\n"
+    "    def test_multibyte_at_end(self):\n"
+    "        assert mdurl.decode(\"caf%C3%A9\") == \"caf\\u00e9\"\n")
+_TINYUNITS = {
+    "tinyunits/__init__.py": (
+        '"""Length units and their size in metres."""\n\n'
+        "FACTORS = {\"mm\": 0.001, \"cm\": 0.01, \"m\": 1.0, \"km\": 1000.0, "
+        "\"in\": 0.0254, \"ft\": 0.3048}\n\n\n"
+        "def factor(unit):\n"
+        "    try:\n"
+        "        return FACTORS[unit]\n"
+        "    except KeyError:\n"
+        "        raise ValueError(f\"unknown unit: {unit!r}\") from None\n"),
+}
+_UNITCONV = (
+    '"""Converting lengths between units."""\n\n'
+    "from tinyunits import factor\n\n\n"
+    "def convert(value, from_unit, to_unit):\n"
+    '    """``value`` in ``from_unit``, expressed in ``to_unit``."""\n'
+    "    return value * {ratio}\n")
+_UNITCONV_TESTS = (
+    "import pytest\n\n"
+    "from unitconv import convert\n\n\n"
+    "class TestConvert:\n"
+    "    def test_same_unit(self):\n"
+    "        assert convert(5, \"m\", \"m\") == 5\n\n"
+    "    def test_unknown_unit(self):\n"
+    "        with pytest.raises(ValueError):\n"
+    "            convert(1, \"m\", \"furlong\")\n"
+    "{extra}")
+_UNITCONV_NEW_TESTS = (
+    "\n"
+    "    def test_km_to_m(self):\n"
+    "        assert convert(1, \"km\", \"m\") == pytest.approx(1000)\n\n"
+    "    def test_inches_to_feet(self):\n"
+    "        assert convert(12, \"in\", \"ft\") == pytest.approx(1)\n")
+
+SPECS += [
+    {
+        "name": "mdurl",
+        "version": "0.3",
+        "problem_statement": (
+            "`decode` leaves an escape at the end of the string alone\n\n"
+            "`mdurl.decode(\"a%20\")` returns `\"a%20\"` instead of `\"a \"`, and "
+            "`mdurl.decode(\"caf%C3%A9\")` returns `\"caf\\ufffd%A9\"` instead of "
+            "`\"caf\\u00e9\"`: a percent escape that ends the string is never decoded."),
+        "files": {
+            "pyproject.toml": (
+                "[build-system]\nrequires = [\"setuptools>=64\"]\n"
+                "build-backend = \"setuptools.build_meta\"\n\n"
+                "[project]\nname = \"mdurl\"\nversion = \"0.3.0\"\n"
+                "requires-python = \">=3.9\"\n\n"
+                "[tool.setuptools.packages.find]\nwhere = [\"src\"]\n\n"
+                "[tool.pytest.ini_options]\ntestpaths = [\"tests\"]\n"
+                "python_classes = [\"Describe*\"]\naddopts = \"--strict-markers\"\n"
+                "markers = [\"encoding: percent-encoding and decoding\"]\n"),
+            "src/mdurl/__init__.py": ("from mdurl._decode import decode\n"
+                                      "from mdurl._encode import encode\n\n"
+                                      "__all__ = [\"decode\", \"encode\"]\n"),
+            "src/mdurl/_decode.py": _MDURL_DECODE,
+            "src/mdurl/_encode.py": (
+                '"""Percent-encoding of URL strings."""\n\n'
+                "_SAFE = frozenset(b\"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                "0123456789-_.~/:\")\n\n\n"
+                "def encode(text):\n"
+                '    """Escape every byte of ``text`` (UTF-8) outside the safe set."""\n'
+                "    return \"\".join(chr(b) if b in _SAFE else f\"%{b:02X}\"\n"
+                "                   for b in text.encode(\"utf-8\"))\n"),
+            "tests/test_mdurl.py": _MDURL_TESTS.format(extra_decode=""),
+        },
+        "fix": {"src/mdurl/_decode.py": _MDURL_DECODE.replace("i + 3 < len(raw)",
+                                                              "i + 3 <= len(raw)")},
+        "tests_after": {"tests/test_mdurl.py": _MDURL_TESTS.format(
+            extra_decode=_MDURL_NEW_TESTS)},
+        "fail_to_pass": ["tests/test_mdurl.py::DescribeDecode::test_escape_at_end",
+                         "tests/test_mdurl.py::DescribeDecode::test_multibyte_at_end"],
+        "pass_to_pass": ["tests/test_mdurl.py::DescribeDecode::test_plain",
+                         "tests/test_mdurl.py::DescribeDecode::test_escape_in_middle",
+                         "tests/test_mdurl.py::DescribeEncode::test_space"],
+        "spec": {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
+                 "pip_packages": [_TASK_PYTEST, "wheel==0.45.1"],
+                 "install": "python -m pip install --no-build-isolation --no-deps -e ."},
+        "verify_path": ["src"],
+    },
+    {
+        "name": "unitconv",
+        "version": "1.0",
+        "problem_statement": (
+            "`convert` turns kilometres into millimetres\n\n"
+            "`unitconv.convert(1, \"km\", \"m\")` returns 0.001 instead of 1000: every "
+            "conversion between different units comes out inverted."),
+        "files": {
+            "pyproject.toml": ("[project]\nname = \"unitconv\"\nversion = \"1.0.0\"\n"
+                               "requires-python = \">=3.9\"\n"
+                               "dependencies = [\"tinyunits==0.1.0\"]\n"),
+            "setup.cfg": ("[tool:pytest]\ntestpaths = checks\npython_files = check_*.py\n"),
+            "unitconv/__init__.py": "from unitconv.core import convert\n\n"
+                                    "__all__ = [\"convert\"]\n",
+            "unitconv/core.py": _UNITCONV.format(
+                ratio="factor(to_unit) / factor(from_unit)"),
+            "checks/check_convert.py": _UNITCONV_TESTS.format(extra=""),
+        },
+        "fix": {"unitconv/core.py": _UNITCONV.format(
+            ratio="factor(from_unit) / factor(to_unit)")},
+        "tests_after": {"checks/check_convert.py": _UNITCONV_TESTS.format(
+            extra=_UNITCONV_NEW_TESTS)},
+        "fail_to_pass": ["checks/check_convert.py::TestConvert::test_km_to_m",
+                         "checks/check_convert.py::TestConvert::test_inches_to_feet"],
+        "pass_to_pass": ["checks/check_convert.py::TestConvert::test_same_unit",
+                         "checks/check_convert.py::TestConvert::test_unknown_unit"],
+        "spec": {"pip_packages": [_TASK_PYTEST, "tinyunits==0.1.0"]},
+        "verify_path": ["@tinyunits-0.1.0-py3-none-any.whl"],
+    },
+]
+
 for _spec in SPECS:
-    _spec["files"]["pyproject.toml"] = _PYPROJECT.format(name=_spec["name"])
+    _spec["files"].setdefault("pyproject.toml", _PYPROJECT.format(name=_spec["name"]))
     _spec["files"]["README.md"] = f"# {_spec['name']}\n\nA tiny library. Run `python -m pytest`.\n"
 
 
@@ -467,23 +626,30 @@ def _diff(repo: Path, files: dict[str, str]) -> str:
     return patch
 
 
-def _outcomes(repo: Path, node_ids: list[str]) -> dict[str, bool]:
-    """Pass/fail of each node id, found the way the environment's EVAL finds them."""
+def _outcomes(repo: Path, node_ids: list[str], path: list[str]) -> dict[str, bool]:
+    """Pass/fail of each node id (trusted code: the summary of ``-rA`` is enough here).
+    ``path`` goes first on PYTHONPATH: what the task's environment installs (a src/ folder,
+    a dependency's wheel), so the repository's copy wins over anything in this venv."""
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
                            *files_of(node_ids)], cwd=repo, capture_output=True, text=True,
-                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                          env=env)
     outcomes = parse_pytest_report(proc.stdout)
     return {node: outcome_of(node, outcomes) in PASSING for node in node_ids}
 
 
-def _verify(repo: Path, spec: dict[str, Any], patch: str, test_patch: str) -> None:
+def _verify(repo: Path, spec: dict[str, Any], patch: str, test_patch: str,
+            wheelhouse: Path) -> None:
     def apply(text: str) -> None:
         subprocess.run(["git", "apply", "-"], cwd=repo, input=text, text=True, check=True)
 
+    path = [str(wheelhouse / p[1:]) if p.startswith("@") else str(repo / p)
+            for p in spec.get("verify_path", [])]
     apply(test_patch)
-    before = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"])
+    before = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"], path)
     apply(patch)
-    after = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"])
+    after = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"], path)
     _git(repo, "checkout", "--", ".")
     _git(repo, "clean", "-fdxq")
     bad = [n for n in spec["fail_to_pass"] if before[n]] + [n for n, ok in after.items() if not ok]
@@ -492,13 +658,38 @@ def _verify(repo: Path, spec: dict[str, Any], patch: str, test_patch: str) -> No
         raise SystemExit(f"{spec['name']}: tests behave unexpectedly: {bad}")
 
 
-def build_one(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def build_wheel(name: str, version: str, files: dict[str, str], out_dir: Path) -> Path:
+    """A pure-Python wheel written byte for byte the same on every machine (fixed order and
+    timestamps), for the shipped wheelhouse."""
+    dist = f"{name}-{version}.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+            f"{dist}/WHEEL": ("Wheel-Version: 1.0\nGenerator: build_swe_repos\n"
+                              "Root-Is-Purelib: true\nTag: py3-none-any\n")}
+    entries = {**files, **meta}
+    record = []
+    for rel, text in entries.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{rel},sha256={digest.decode()},{len(text.encode())}")
+    entries[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wheel = out_dir / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        for rel, text in entries.items():
+            info = zipfile.ZipInfo(rel, date_time=(2025, 1, 6, 10, 0, 0))
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(info, text)
+    return wheel
+
+
+def build_one(spec: dict[str, Any], out_dir: Path, wheelhouse: Path) -> dict[str, Any]:
     """Create one repository and its bundle; return its task (SWE-bench instance format)."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / spec["name"]
         repo.mkdir()
         _git(repo, "init", "-q", "-b", "main")
-        sources = {k: v for k, v in spec["files"].items() if not k.startswith("tests/")}
+        sources = {k: v for k, v in spec["files"].items()
+                   if not k.startswith("tests/") and k not in spec["tests_after"]}
         _write(repo, sources)
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", f"Initial import of {spec['name']}", date=_DATES[0])
@@ -508,11 +699,11 @@ def build_one(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         base_commit = _git(repo, "rev-parse", "HEAD").strip()
         patch = _diff(repo, spec["fix"])
         test_patch = _diff(repo, spec["tests_after"])
-        _verify(repo, spec, patch, test_patch)
+        _verify(repo, spec, patch, test_patch, wheelhouse)
         out_dir.mkdir(parents=True, exist_ok=True)
         bundle = out_dir / f"{spec['name']}.bundle"
         _git(repo, "bundle", "create", "-q", str(bundle), "HEAD", "main")
-    return {
+    task = {
         "instance_id": f"rollout__{spec['name']}-1",
         "repo": f"rollout-service/{spec['name']}",
         "repo_source": f"swe_repos/{spec['name']}.bundle",
@@ -524,10 +715,16 @@ def build_one(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "FAIL_TO_PASS": spec["fail_to_pass"],
         "PASS_TO_PASS": spec["pass_to_pass"],
     }
+    if "spec" in spec:
+        task["version"] = spec["version"]
+        task["spec"] = spec["spec"]
+    return task
 
 
 def build(data_dir: Path) -> list[dict[str, Any]]:
-    tasks = [build_one(spec, data_dir / "swe_repos") for spec in SPECS]
+    wheelhouse = data_dir / "wheelhouse"
+    build_wheel("tinyunits", "0.1.0", _TINYUNITS, wheelhouse)
+    tasks = [build_one(spec, data_dir / "swe_repos", wheelhouse) for spec in SPECS]
     with open(data_dir / "swe.jsonl", "w") as f:
         for task in tasks:
             f.write(json.dumps({"environment": "swe", "task": task}) + "\n")
@@ -547,8 +744,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp))
         fresh = (Path(tmp) / "swe.jsonl").read_text()
+        wheels = {p.name: p.read_bytes() for p in (Path(tmp) / "wheelhouse").iterdir()}
     if fresh != (args.data_dir / "swe.jsonl").read_text():
         print("swe.jsonl is stale: run scripts/build_swe_repos.py", file=sys.stderr)
+        return 1
+    shipped = args.data_dir / "wheelhouse"
+    if any(not (shipped / n).is_file() or (shipped / n).read_bytes() != b
+           for n, b in wheels.items()):
+        print("the shipped wheelhouse is stale: run scripts/build_swe_repos.py",
+              file=sys.stderr)
         return 1
     print("swe.jsonl matches a fresh build")
     return 0

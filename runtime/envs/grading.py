@@ -30,13 +30,15 @@ async def end_agent(ctx: JobContext) -> None:
         await sandbox.stop_processes()
 
 
-async def open_grader(ctx: JobContext, *, skip: frozenset[str] = frozenset()) -> Any:
+async def open_grader(ctx: JobContext, *, skip: frozenset[str] = frozenset(),
+                      **options: Any) -> Any:
     """A fresh sandbox holding a copy of the agent's workspace (minus ``skip``, top-level
-    names). The job's resources destroy it at the latest when the job ends; callers destroy
-    it as soon as they have their result."""
+    names), opened with ``options`` (the ones the agent's sandbox had, e.g. the task
+    environment's binds). The job's resources destroy it at the latest when the job ends;
+    callers destroy it as soon as they have their result."""
     agent = sandbox_of(ctx)
     await end_agent(ctx)
-    grader = await ctx.open_sandbox()
+    grader = await ctx.open_sandbox(**options)
     try:
         await grader.copy_workspace_from(agent, skip=skip)
     except TreeTooLarge as e:

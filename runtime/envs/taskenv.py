@@ -110,8 +110,10 @@ class EnvSpec:
                 raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
         test_cmd = tuple(shlex.split(spec.get("test_cmd") or "python -m pytest"))
         python = find_python(str(spec.get("python", "")))
+        # The build script is part of the key: a changed recipe never reuses an old venv.
         fingerprint = {"repo": task.get("repo", ""), "version": str(task.get("version", "")),
-                       "python": python, **{k: spec.get(k) for k in _SPEC_FIELDS}}
+                       "python": python, "recipe": hashlib.sha256(_BUILD.encode()).hexdigest(),
+                       **{k: spec.get(k) for k in _SPEC_FIELDS}}
         key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         return cls(python, lists["pre_install"], lists["pip_packages"],
                    str(spec.get("install", "")), test_cmd, key)
@@ -139,12 +141,16 @@ def cache_dir() -> Path:
                 or Path.home() / ".cache" / "rollout" / "swe-envs")
 
 
-def wheelhouses() -> list[Path]:
-    """Where pip may take packages from: the shipped wheelhouse, then the user's."""
+def user_wheelhouses() -> list[Path]:
+    """``$ROLLOUT_WHEELHOUSE`` (``:``-separated), default ``~/.cache/rollout/wheelhouse``."""
     user = os.environ.get("ROLLOUT_WHEELHOUSE") or str(
         Path.home() / ".cache" / "rollout" / "wheelhouse")
-    dirs = [SHIPPED_WHEELHOUSE, *(Path(p) for p in user.split(os.pathsep) if p)]
-    return [d for d in dirs if d.is_dir()]
+    return [Path(p) for p in user.split(os.pathsep) if p]
+
+
+def wheelhouses() -> list[Path]:
+    """Where pip may take packages from: the shipped wheelhouse, then the user's."""
+    return [d for d in (SHIPPED_WHEELHOUSE, *user_wheelhouses()) if d.is_dir()]
 
 
 def sandbox_options(env_dir: Path) -> dict[str, Any]:

@@ -17,8 +17,11 @@ A relative ``repo_source`` of a swe task is resolved against the shipped data di
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,7 +95,81 @@ def job_lines(env: str, tasks: Iterable[Mapping[str, Any]], *, samples: int = 1,
     return lines
 
 
+def fill_wheelhouse(tasks: Iterable[Mapping[str, Any]], wheelhouse: Path) -> list[str]:
+    """Make every ``spec.pip_packages`` of the swe tasks installable offline from
+    ``wheelhouse`` (plus the shipped one): what is missing is downloaded with ``pip download``
+    (registry access needed then, and only then). Returns the packages that were fetched."""
+    from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec
+
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    fetched: list[str] = []
+    by_python: dict[str, set[str]] = {}
+    for task in tasks:
+        spec = EnvSpec.of(task)
+        if spec is not None and spec.pip_packages:
+            version = subprocess.run([spec.python, "-c", "import sys; print('%d.%d' % "
+                                      "sys.version_info[:2])"], capture_output=True, text=True,
+                                     check=True).stdout.strip()
+            by_python.setdefault(version, set()).update(spec.pip_packages)
+    links = ["--find-links", str(SHIPPED_WHEELHOUSE), "--find-links", str(wheelhouse)]
+    for version, packages in sorted(by_python.items()):
+        pins = sorted(packages)
+        target = ["--python-version", version, "--only-binary=:all:", "--disable-pip-version-check"]
+        with tempfile.TemporaryDirectory() as scratch:
+            offline = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-index",
+                                      *links, *target, "-d", scratch, *pins],
+                                     capture_output=True, text=True)
+        if offline.returncode == 0:
+            continue
+        online = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *links, *target,
+                                 "-d", str(wheelhouse), *pins], capture_output=True, text=True)
+        if online.returncode != 0:
+            raise RuntimeError(f"pip download of {pins} for Python {version} failed: "
+                               f"{online.stderr[-1500:]}")
+        fetched += pins
+    return fetched
+
+
+async def prepare(path: Path, wheelhouse: Path, state_dir: Path) -> list[dict[str, Any]]:
+    """``prepare FILE``: fill the wheelhouse, then build every environment the file's swe
+    tasks need (one per repository, version and spec), so INIT finds them ready."""
+    import functools
+    import os
+    import time
+
+    from rollout.runtime.envs.swe import check_out, read_source, resolve_source
+    from rollout.runtime.envs.taskenv import EnvSpec, ensure_env
+    from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+
+    tasks = read_task_file(path, "swe")
+    fetched = await asyncio.to_thread(fill_wheelhouse, tasks, wheelhouse)
+    os.environ["ROLLOUT_WHEELHOUSE"] = str(wheelhouse)
+    factory = functools.partial(create_sandbox, SandboxConfig(state_dir=state_dir))
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for task in tasks:
+        spec = EnvSpec.of(task)
+        if spec is None or spec.key in seen:
+            continue
+        seen.add(spec.key)
+        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+
+        async def checkout(sandbox: Any, task: Mapping[str, Any] = task, kind: str = kind,
+                           data: bytes = data) -> None:
+            await check_out(sandbox, task, kind, data, 300.0)
+
+        started = time.monotonic()
+        env_dir, built = await ensure_env(spec, factory, checkout)
+        rows.append({"task": task_key(task), "env": spec.key, "built": built,
+                     "seconds": round(time.monotonic() - started, 2), "path": str(env_dir)})
+    rows.append({"fetched": fetched})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"]:
+        return _prepare_main(argv[1:])
     parser = argparse.ArgumentParser(description="Print job lines for `rollout submit`.")
     parser.add_argument("env", choices=ENVIRONMENTS)
     parser.add_argument("--file", type=Path, help="a task file (default: the shipped set)")
@@ -103,6 +180,29 @@ def main(argv: list[str] | None = None) -> int:
     for line in job_lines(args.env, tasks, samples=args.samples,
                           job_id_prefix=args.job_id_prefix):
         sys.stdout.write(json.dumps(line) + "\n")
+    return 0
+
+
+def _prepare_main(argv: list[str]) -> int:
+    from rollout.runtime.envs.taskenv import cache_dir, user_wheelhouses
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.runtime.envs.tasks prepare",
+        description="Fill the wheelhouse and build the environments of a swe task file ahead "
+                    "of time (needs registry access only for packages the wheelhouse lacks).")
+    parser.add_argument("file", type=Path, help="a task file (JSONL of tasks or job lines)")
+    parser.add_argument("--wheelhouse", type=Path, default=None,
+                        help="where downloaded wheels go (default: $ROLLOUT_WHEELHOUSE or "
+                             "~/.cache/rollout/wheelhouse)")
+    parser.add_argument("--state-dir", type=Path, default=Path(".rollout"),
+                        help="state dir for the build sandboxes")
+    args = parser.parse_args(argv)
+    wheelhouse = args.wheelhouse or user_wheelhouses()[0]
+    rows = asyncio.run(prepare(args.file, wheelhouse, args.state_dir))
+    for row in rows:
+        sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.write(json.dumps({"env_cache": str(cache_dir()),
+                                 "wheelhouse": str(wheelhouse)}) + "\n")
     return 0
 
 

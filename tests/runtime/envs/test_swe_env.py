@@ -12,16 +12,34 @@ import pytest
 
 from rollout.runtime.envs.common import DATA_DIR
 from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.taskenv import user_wheelhouses
+from rollout.runtime.envs.tasks import fill_wheelhouse, load_tasks
 from rollout.runtime.handler import HandlerError, JobContext
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
 
 TASKS = load_tasks("swe")
 IDS = [t["instance_id"] for t in TASKS]
 SUBMIT = call("submit", answer="fixed")
+_WHEELHOUSE_PROBLEM: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wheelhouse_for_task_environments() -> None:
+    """Tasks with a ``spec`` install from the wheelhouse: fill the user's wheelhouse once per
+    machine (registry access needed that first time only); environments are cached in the
+    user's env cache under a key that covers the spec and the build recipe."""
+    try:
+        fill_wheelhouse(TASKS, user_wheelhouses()[0])
+    except (RuntimeError, OSError) as e:
+        _WHEELHOUSE_PROBLEM.append(str(e))
+
+
+def needs_environment(task: dict[str, Any]) -> None:
+    if "spec" in task and _WHEELHOUSE_PROBLEM:
+        pytest.skip(f"the wheelhouse could not be filled: {_WHEELHOUSE_PROBLEM[0][:300]}")
 
 
 def apply_with_bash(patch: str) -> str:
@@ -31,6 +49,7 @@ def apply_with_bash(patch: str) -> str:
 
 @pytest.mark.parametrize("task", TASKS, ids=IDS)
 async def test_gold_patch_earns_1(task: dict[str, Any], rollout: Rollout) -> None:
+    needs_environment(task)
     result = await rollout(SweHandler(), task, [apply_with_bash(task["patch"]), SUBMIT])
     assert result.outcome.termination is TerminationReason.SUBMITTED
     assert result.reward.value == 1.0, result.reward.info
@@ -39,6 +58,7 @@ async def test_gold_patch_earns_1(task: dict[str, Any], rollout: Rollout) -> Non
 
 @pytest.mark.parametrize("task", TASKS, ids=IDS)
 async def test_no_change_earns_0(task: dict[str, Any], rollout: Rollout) -> None:
+    needs_environment(task)
     result = await rollout(SweHandler(), task, [SUBMIT])
     assert result.reward.value == 0.0
     assert result.reward.components["fail_to_pass"] < 1.0
@@ -48,6 +68,7 @@ async def test_no_change_earns_0(task: dict[str, Any], rollout: Rollout) -> None
 
 @pytest.mark.parametrize("task", TASKS, ids=IDS)
 async def test_breaking_the_package_earns_0(task: dict[str, Any], rollout: Rollout) -> None:
+    needs_environment(task)
     # A "fix" that gets the new tests wrong and the old ones too: empty every source module.
     wreck = call("bash", command="git ls-files '*.py' | grep -v '^tests/' | "
                                  "while read f; do : > \"$f\"; done")
