@@ -1,0 +1,132 @@
+"""The DAPO policy-gradient loss on padded ``[batch, tokens]`` tensors.
+
+Per token, with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
+
+- decoupled clip (DAPO, "clip-higher"): ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
+  a larger ``eps_high`` lets unlikely tokens with positive advantage grow, which keeps entropy
+  from collapsing;
+- dual clip (Ye et al. 2020): for ``A < 0`` the loss is also capped at ``-A c``, so one token
+  whose ratio exploded cannot dominate the step with an unbounded negative-advantage push;
+- truncated importance sampling: the rollout engine's sampling distribution is not exactly the
+  trainer's (kernels, precision, a backend that was one version behind); each token's loss is
+  weighted by ``min(exp(old_logp - rollout_logp), cap)``, detached, so the gradient estimates
+  the trainer's policy while a token the engine found far likelier cannot blow it up;
+- token-mean aggregation over the *whole batch*: the sum over all masked tokens divided by the
+  batch's token count (``num_tokens``), not a mean of per-sequence means, so long and short
+  answers weigh the same per token. With gradient accumulation every micro-batch divides by the
+  token count of the whole batch, which makes the accumulated gradient equal the full-batch one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOG_RATIO_LIMIT = 20.0
+"""``logp - old_logp`` is clamped to +-this before ``exp``: an overflowed ratio would turn the
+whole batch into NaN; past it every clip is active anyway."""
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = 3.0
+    """None disables the dual clip; otherwise it must exceed 1."""
+    tis_cap: float | None = 2.0
+    """Cap of the truncated importance weight; None disables the correction."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, "
+                             f"{self.eps_high}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """Token fractions over the masked tokens of the call (detached floats)."""
+
+    clip_low: float
+    """A < 0 and r < 1 - eps_low: the clip stopped pushing the token further down."""
+    clip_high: float
+    """A > 0 and r > 1 + eps_high: the clip stopped pushing the token further up."""
+    dual_clip: float
+    """A < 0 and the loss capped at -A c."""
+    tis_truncated: float
+    """Importance weights cut at the cap."""
+    approx_kl: float
+    """Mean of old_logp - logp (k1 estimator of KL(old || new))."""
+    tokens: int
+
+
+def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                       cap: float | None) -> torch.Tensor:
+    """``min(exp(old - rollout), cap)`` per token, detached (a constant weight)."""
+    log_w = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    weights = torch.exp(log_w)
+    return weights if cap is None else weights.clamp(max=cap)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cfg: ClipConfig, *, rollout_logp: torch.Tensor | None = None,
+                num_tokens: float | None = None) -> tuple[torch.Tensor, LossStats]:
+    """The loss of one (micro-)batch; all tensors ``[B, T]`` (advantages may be ``[B, 1]``).
+
+    ``num_tokens``: the normaliser, the masked-token count of the whole batch this micro-batch
+    belongs to; defaults to this call's own count.
+    """
+    mask = mask.to(logp.dtype)
+    advantages = advantages.to(logp.dtype).expand_as(logp)
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    negative = advantages < 0
+    dual = torch.zeros_like(negative)
+    if cfg.dual_clip_c is not None:
+        cap = -advantages * cfg.dual_clip_c
+        dual = negative & (per_token > cap)
+        per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
+    truncated = torch.zeros_like(negative)
+    if rollout_logp is not None and cfg.tis_cap is not None:
+        weights = importance_weights(old_logp, rollout_logp, cfg.tis_cap)
+        truncated = torch.exp((old_logp - rollout_logp).detach()) > cfg.tis_cap
+        per_token = per_token * weights
+    count = mask.sum()
+    denominator = count if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
+    loss = (per_token * mask).sum() / denominator.clamp(min=1)
+
+    def frac(flags: torch.Tensor) -> float:
+        return float((flags.to(mask.dtype) * mask).sum() / count.clamp(min=1))
+
+    stats = LossStats(
+        clip_low=frac(negative & (ratio < 1 - cfg.eps_low)),
+        clip_high=frac((advantages > 0) & (ratio > 1 + cfg.eps_high)),
+        dual_clip=frac(dual), tis_truncated=frac(truncated),
+        approx_kl=float(((old_logp - logp).detach() * mask).sum() / count.clamp(min=1)),
+        tokens=int(count))
+    return loss, stats
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of each position's distribution.
+
+    ``logits[:, t]`` predicts ``targets[:, t]`` (the caller shifts). Logits are divided by the
+    sampling temperature first, so the trainer's probabilities are those of the distribution
+    the rollout sampled from (top-k / top-p truncation aside).
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = logz - (probs * logits).sum(-1)
+    return picked - logz, entropy
