@@ -149,14 +149,18 @@ class ChatTokenizer:
         messages of roles they do not know, so the model would never see the observation.
         Rendering a probe conversation catches both; ``user`` is the role every template takes.
         """
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a"},
-                 {"role": "tool", "name": "probe", "content": _TOOL_SENTINEL}]
-        try:
-            text = self.render(probe, add_generation_prompt=True)
-        except Exception:  # jinja2 TemplateError, raise_exception(...), a template's own bugs
-            return "user"
-        return "tool" if _TOOL_SENTINEL in text else "user"
+        chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+                {"role": "tool", "name": "probe", "content": _TOOL_SENTINEL}]
+        # With and without a system message: some templates refuse the system role itself,
+        # which says nothing about the tool role.
+        for probe in ([{"role": "system", "content": "s"}, *chat], chat):
+            try:
+                text = self.render(probe, add_generation_prompt=True)
+            except Exception:  # jinja2 TemplateError, raise_exception(...), template bugs
+                continue
+            if _TOOL_SENTINEL in text:
+                return "tool"
+        return "user"
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

@@ -241,3 +241,25 @@ async def test_the_jobs_tool_call_format_overrides_the_detected_one() -> None:
     echo = EchoTool()
     await run_agent_loop(ctx, [echo], TASK, tool_call_format="mistral")
     assert echo.calls == [{"text": "m"}]
+
+
+def test_observation_role_probe() -> None:
+    from rollout.runtime.tokens import ChatTokenizer
+    from tests.runtime.doubles import QWEN25_TEMPLATE
+
+    tok = thinking_chatml_tokenizer()
+    assert ChatTokenizer(tok).observation_role == "tool"  # ChatML renders any role
+    assert ChatTokenizer(tok, chat_template=QWEN25_TEMPLATE).observation_role == "tool"
+    assert ChatTokenizer(llama31_tokenizer()).observation_role == "tool"  # as ipython
+    assert ChatTokenizer(gemma_tokenizer()).observation_role == "user"  # raises on tool
+    drops_unknown_roles = (
+        "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}"
+        "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert ChatTokenizer(tok, chat_template=drops_unknown_roles).observation_role == "user"
+    refuses_system = (
+        "{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert ChatTokenizer(tok, chat_template=refuses_system).observation_role == "tool"
