@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import json
 import os
+import queue
 import re
 import secrets
 import socket
@@ -146,7 +147,7 @@ class IPythonKernel:
         client.start_channels()
         self._client = client
         self._log = host_dir / f"k{n}.log"
-        ready = asyncio.ensure_future(client.wait_for_ready(timeout=timeout))
+        ready = asyncio.ensure_future(_wait_ready(client, timeout))
         died = asyncio.ensure_future(self._proc.wait())
         try:
             done, _ = await asyncio.wait({ready, died}, timeout=timeout,
@@ -157,8 +158,13 @@ class IPythonKernel:
         if ready not in done or ready.cancelled() or ready.exception() is not None:
             detail = self._log.read_bytes()[-2000:].decode(errors="replace") \
                 if self._log.exists() else ""
+            code = self._proc.returncode
             await self.close()
-            raise KernelError(f"IPython kernel did not start within {timeout:g} s: {detail}")
+            if code is not None:
+                raise KernelError(f"IPython kernel exited (status {code}) before answering: "
+                                  f"{detail}")
+            raise KernelError(f"IPython kernel did not answer within {timeout:g} s (on a "
+                              f"loaded machine, raise ROLLOUT_TIMEOUT_SCALE): {detail}")
 
     @property
     def alive(self) -> bool:
@@ -276,6 +282,33 @@ class IPythonKernel:
             state["error"] = content.get("ename", "Error")
             parts.append(_ANSI.sub("", "\n".join(content.get("traceback", []))) + "\n")
         return False
+
+
+async def _wait_ready(client: Any, timeout: float) -> None:  # noqa: ASYNC109
+    """Until the kernel answers ``kernel_info`` on shell and iopub delivers too (ZeroMQ
+    subscriptions join late, so a reply alone does not prove iopub is connected).
+
+    Not ``client.wait_for_ready``: without a KernelManager it judges liveness by heartbeats,
+    and its heartbeat channel calls a kernel dead after 1 s without a pong, which is an
+    ordinary start on a loaded machine (the kernel binds its heartbeat only once IPython has
+    imported). Whether the process died is the caller's question, asked of the process.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        client.kernel_info()
+        try:
+            reply = await client.get_shell_msg(timeout=1.0)
+            if reply["msg_type"] != "kernel_info_reply":
+                continue
+            await client.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            continue  # not up yet (or iopub not joined): ask again
+        with contextlib.suppress(queue.Empty):  # drop the status messages of the requests
+            while True:
+                await client.get_iopub_msg(timeout=0.2)
+        return
+    raise TimeoutError(f"no kernel_info reply within {timeout:g} s")
 
 
 class IPythonTool:
