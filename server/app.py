@@ -37,6 +37,7 @@ from rollout.server.startup import (
     port_in_use,
 )
 from rollout.server.store import JobStore
+from rollout.server.store_file import STORE_FILE, check_store_file
 from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class Server:
         if cfg.server.metrics_port:
             check_port_free(cfg.server.metrics_host, cfg.server.metrics_port,
                             "the metrics endpoint", "--metrics-port")
+        # A corrupt or foreign store is refused before a model loads for a minute.
+        await asyncio.to_thread(check_store_file, state / STORE_FILE)
         # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
         self._prev_roots = set_host_path_roots(
             cfg.server.task_path_roots or [DATA_DIR, state / "tasks"])
@@ -119,7 +122,7 @@ class Server:
 
             self.llm = await build_pool(cfg)
             self._owns_llm = True
-        self.store = JobStore(state / "jobs.sqlite3")
+        self.store = JobStore(state / STORE_FILE)
         await self.store.open()
         self.scheduler = Scheduler(
             self.store, self.registry, llm=self.llm, sandbox_factory=self.sandbox_factory,

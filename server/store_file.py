@@ -17,6 +17,8 @@ from pathlib import Path
 
 from rollout.server.errors import FailedPrecondition
 
+STORE_FILE = "jobs.sqlite3"
+"""The job store's name inside the state directory."""
 SQLITE_HEADER = b"SQLite format 3\x00"
 APPLICATION_ID = 0x524F4C4F
 """``PRAGMA application_id`` of a Rollout Service job store ("ROLO")."""

@@ -125,3 +125,25 @@ async def test_store_from_a_newer_release_is_refused(tmp_path: Path) -> None:
     conn.close()
     err = await _open(path)
     assert err.reason == "STORE_FILE_TOO_NEW"
+
+
+@pytest.mark.parametrize("content, reason", [(b"", "STORE_FILE_EMPTY"),
+                                             (b"not a database " * 100, "STORE_FILE_CORRUPT")])
+async def test_rollout_serve_refuses_before_loading_a_model(tmp_path: Path, content: bytes,
+                                                            reason: str) -> None:
+    """The default configuration loads SmolLM2 first; the store is checked before that, so
+    the operator hears about it in seconds, as one line and no traceback."""
+    import asyncio
+    import sys
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "jobs.sqlite3").write_bytes(content)
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "rollout"), "serve", "--state-dir", str(state),
+        "--port", "0", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 25)
+    text = (out + err).decode()
+    assert proc.returncode != 0, text
+    assert reason in text and "Traceback" not in text
+    assert (state / "jobs.sqlite3").read_bytes() == content
