@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.client.specs import job_spec
-from rollout.client.trajectory import flatten
+from rollout.client.trajectory import Flat, flatten
 from rollout.v1 import job_pb2, trajectory_pb2
 
 REWARD_INFO_KEYS = ("reward", "rollout_valid", "truncated")
@@ -77,6 +77,43 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
     succeeded = job.state == job_pb2.Job.State.STATE_SUCCEEDED
     # keep_failed: a failed job still yields its row (masked out below), never a missing one.
     flat = flatten(traj, keep_failed=True)
+    error = getattr(job, "error", None)
+    llm_s = sum(t.latency.ToTimedelta().total_seconds() for t in traj.turns)
+    run_s = traj.timings.run.ToTimedelta().total_seconds()
+    metrics = {
+        "generate_sequences": llm_s,
+        # The rest of RUN is tool execution and the loop itself.
+        "tool_calls": max(run_s - llm_s, 0.0),
+        "compute_score": traj.timings.eval.ToTimedelta().total_seconds(),
+        "num_preempted": float(sum(getattr(t, "preempted_retries", 0) for t in traj.turns)),
+    }
+    sample = from_flat(
+        flat, succeeded=succeeded,
+        turn_versions=[t.policy_version for t in traj.turns if len(t.output_ids)],
+        prompt_length=prompt_length, response_length=response_length,
+        reward_components=reward_components, overlong=overlong,
+        fallback_prompt_ids=fallback_prompt_ids, metrics=metrics,
+        observations=sum(1 for t in traj.turns if len(t.observation_ids)))
+    sample.extra_fields.update({
+        "rollout_job_id": traj.job_id,
+        "rollout_state": job_pb2.Job.State.Name(job.state).removeprefix("STATE_"),  # type: ignore[arg-type]
+        "rollout_termination": trajectory_pb2.TerminationReason.Name(
+            traj.termination_reason).removeprefix("TERMINATION_REASON_"),
+    })
+    if error is not None:
+        sample.extra_fields["rollout_error"] = f"{error.reason}: {error.message}"
+    return sample
+
+
+def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prompt_length: int,
+              response_length: int, reward_components: Sequence[str] = (),
+              overlong: str = "truncate", fallback_prompt_ids: Sequence[int] = (),
+              metrics: dict[str, float] | None = None, observations: int | None = None
+              ) -> VerlSample:
+    """The same mapping from a flattened trajectory (what the batcher's samples hold).
+    ``observations`` counts tool observations; by default every turn but the last had one."""
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if flat.token_ids:
         p = flat.prompt_length
         prompt = flat.token_ids[:p]
@@ -101,16 +138,14 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
     if not valid:
         mask = [0] * len(mask)
 
-    reward = float(traj.reward) if succeeded else 0.0
-    components = dict(traj.reward_components)
+    reward = float(flat.reward) if succeeded else 0.0
     info: dict[str, float] = {"reward": reward, "rollout_valid": float(valid),
                               "truncated": float(truncated)}
     for name in reward_components:
         if name in info:
             raise ValueError(f"reward component name {name!r} clashes with a fixed key")
-        info[name] = float(components.get(name, 0.0)) if succeeded else 0.0
-
-    versions = [t.policy_version for t in traj.turns if len(t.output_ids)]
+        info[name] = float(flat.reward_components.get(name, 0.0)) if succeeded else 0.0
+    versions = list(turn_versions)
     extra: dict[str, Any] = {
         "reward_extra_info": info,
         "min_global_steps": min(versions) if versions else None,
@@ -119,29 +154,41 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
         "tool_rewards": [],
         "truncated": truncated,
         "rollout_valid": valid,
-        "rollout_job_id": traj.job_id,
-        "rollout_state": job_pb2.Job.State.Name(job.state).removeprefix("STATE_"),  # type: ignore[arg-type]
-        "rollout_termination": trajectory_pb2.TerminationReason.Name(
-            traj.termination_reason).removeprefix("TERMINATION_REASON_"),
+        "rollout_job_id": flat.job_id,
     }
-    error = getattr(job, "error", None)
-    if error is not None:
-        extra["rollout_error"] = f"{error.reason}: {error.message}"
-
-    llm_s = sum(t.latency.ToTimedelta().total_seconds() for t in traj.turns)
-    run_s = traj.timings.run.ToTimedelta().total_seconds()
-    observations = sum(1 for t in traj.turns if len(t.observation_ids))
-    metrics = {
-        "generate_sequences": llm_s,
-        # The rest of RUN is tool execution and the loop itself.
-        "tool_calls": max(run_s - llm_s, 0.0),
-        "compute_score": traj.timings.eval.ToTimedelta().total_seconds(),
-        "num_preempted": float(sum(getattr(t, "preempted_retries", 0) for t in traj.turns)),
-    }
+    if observations is None:
+        observations = max(flat.num_turns - 1, 0)
     return VerlSample(
         prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=logprobs,
-        reward_score=reward, num_turns=1 + len(traj.turns) + observations, metrics=metrics,
-        extra_fields=extra)
+        reward_score=reward, num_turns=1 + flat.num_turns + observations,
+        metrics=dict(metrics or {}), extra_fields=extra)
+
+
+def pad_batch(samples: Sequence[VerlSample], *, prompt_length: int, response_length: int,
+              pad_token_id: int) -> dict[str, list[list[Any]]]:
+    """verl's padded layout (``AgentLoopWorker._postprocess``), as lists: prompts left-padded,
+    responses right-padded, the reward on each row's last response token."""
+    out: dict[str, list[list[Any]]] = {k: [] for k in (
+        "prompts", "responses", "response_mask", "input_ids", "attention_mask",
+        "rollout_log_probs", "rm_scores")}
+    for s in samples:
+        lp, lr = len(s.prompt_ids), len(s.response_ids)
+        if lp > prompt_length or lr > response_length:
+            raise ValueError("sample longer than the configured lengths; cut it first")
+        prompts = [pad_token_id] * (prompt_length - lp) + list(s.prompt_ids)
+        responses = list(s.response_ids) + [pad_token_id] * (response_length - lr)
+        out["prompts"].append(prompts)
+        out["responses"].append(responses)
+        out["input_ids"].append(prompts + responses)
+        out["response_mask"].append(list(s.response_mask) + [0] * (response_length - lr))
+        out["attention_mask"].append([0] * (prompt_length - lp) + [1] * (lp + lr)
+                                     + [0] * (response_length - lr))
+        out["rollout_log_probs"].append(list(s.response_logprobs)
+                                        + [0.0] * (response_length - lr))
+        scores = [0.0] * response_length
+        scores[max(lr, 1) - 1] = s.reward_score
+        out["rm_scores"].append(scores)
+    return out
 
 
 def _scalar(value: Any) -> Any:

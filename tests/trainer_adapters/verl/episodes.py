@@ -8,6 +8,7 @@ receive from the task alone, independently of the adapter under test::
     {"turns": [{"prompt": [ids], "output": [ids], "logprobs": [floats], "obs": [ids],
                 "version": int, "tool": name}, ...],
      "reward": float, "components": {name: float},
+     "rewards": [float, ...],             # optional: per sample, by the job id's /<index>
      "fail": "init" | "run" | "eval",     # optional: the stage raises HandlerError
      "sleep": seconds}                     # optional: RUN waits this long (cancellation tests)
 """
@@ -58,6 +59,10 @@ class EpisodeHandler(AgentHandler):
         if ctx.spec.task.get("fail") == "eval":
             raise HandlerError("scripted failure in eval", "SCRIPTED_FAILURE")
         components = {k: float(v) for k, v in dict(ctx.spec.task.get("components", {})).items()}
+        rewards = ctx.spec.task.get("rewards")
+        if rewards:  # per sample of a group: job ids end in /<index>
+            tail = ctx.spec.job_id.rsplit("/", 1)[-1]
+            return Reward(float(rewards[int(tail) if tail.isdigit() else 0]), components)
         return Reward(float(ctx.spec.task.get("reward", 0.0)), components)
 
 
