@@ -1,0 +1,99 @@
+"""The streaming manager (batcher underneath) over two steps against a live server: dynamic
+sampling drops a group whose rewards are all equal, the policy version set from the trainer's
+step makes older samples stale (dropped, never batched) and new jobs ask the service for it, and
+the batch holds each kept sample's tokens, masks and logprobs in verl's padded layout."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout.client.aio import RolloutClient
+from tests.trainer_adapters.verl.episodes import (
+    episode_harness,
+    expected_flat,
+    two_turn_tool_episode,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
+pytestmark = [
+    pytest.mark.skipif(not VERL_PY.exists(),
+                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
+    pytest.mark.skipif(importlib.util.find_spec("rollout.client.batcher") is None,
+                       reason="rollout.client.batcher (issue 10) is not in this checkout"),
+    pytest.mark.timeout(300),
+]
+PROMPT_LEN, RESPONSE_LEN = 8, 12
+
+
+def group(uid: str, base: int, version: int, rewards: list[float]) -> dict[str, Any]:
+    task = two_turn_tool_episode(base=base, version=version)
+    # Both turns of a sample come from one policy version here (staleness is per sample).
+    task["turns"][1]["version"] = version
+    task["rewards"] = rewards
+    return {"uid": uid, "task": task}
+
+
+async def test_two_steps_of_streaming_batches(tmp_path: Path) -> None:
+    a, b, c = (group("A", 100, 0, [1.0, 0.0]), group("B", 200, 0, [1.0, 1.0]),
+               group("C", 300, 0, [0.0, 1.0]))
+    d, e, f = (group("D", 400, 0, [1.0, 0.0]), group("E", 500, 1, [0.0, 1.0]),
+               group("F", 600, 1, [0.0, 0.0]))
+    req = {"n": 2, "groups_per_batch": 3, "prompt_length": PROMPT_LEN,
+           "response_length": RESPONSE_LEN,
+           "steps": [{"version": 0, "groups": [a, b, c]}, {"version": 1, "groups": [d, e, f]}]}
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        req["address"] = h.address
+        (tmp_path / "req.json").write_text(json.dumps(req))
+        proc = await asyncio.create_subprocess_exec(
+            str(VERL_PY), str(Path(__file__).with_name("drive_streaming.py")),
+            str(tmp_path / "req.json"), str(tmp_path / "out.json"), cwd=str(ROOT),
+            env=dict(os.environ), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 280)
+        assert proc.returncode == 0, out.decode()[-6000:]
+        async with RolloutClient(h.address) as client:
+            jobs = [j async for j in client.list_jobs(client_id="verl-streaming-test")]
+    finally:
+        await h.stop()
+    step1, step2 = json.loads((tmp_path / "out.json").read_text())["steps"]
+
+    # Step 1: B's rewards are all equal (no advantage anywhere): dropped; A and C kept.
+    assert sorted(set(step1["uid"])) == ["A", "C"] and len(step1["uid"]) == 4
+    assert step1["stats"]["groups_dropped_equal"] == 1 and step1["stats"]["partial"] is True
+    assert step1["policy_version"] == 0
+    t = step1["tensors"]
+    for row, uid in enumerate(step1["uid"]):
+        task = {"A": a, "C": c}[uid]["task"]
+        exp = expected_flat(task)
+        p = exp["prompt_len"][0]
+        n = len(exp["ids"]) - p
+        assert t["prompts"][row] == [0] * (PROMPT_LEN - p) + exp["ids"][:p]
+        assert t["responses"][row] == exp["ids"][p:] + [0] * (RESPONSE_LEN - n)
+        assert t["response_mask"][row] == exp["mask"][p:] + [0] * (RESPONSE_LEN - n)
+        assert t["rollout_log_probs"][row] == pytest.approx(
+            exp["logprobs"][p:] + [0.0] * (RESPONSE_LEN - n))
+        assert t["rm_scores"][row][n - 1] == step1["reward"][row]
+    # Rewards per sample, as the tasks assign them: each kept group has a 0 and a 1.
+    for uid in ("A", "C"):
+        assert sorted(r for r, u in zip(step1["reward"], step1["uid"], strict=True)
+                      if u == uid) == [0.0, 1.0]
+
+    # Step 2, after the weight update to version 1 (max_staleness 0): D's samples were made by
+    # version 0 and are dropped; F's rewards are all equal; only E is batched.
+    assert step2["policy_version"] == 1
+    assert step2["uid"] == ["E", "E"] and step2["min_global_steps"] == [1, 1]
+    assert step2["stats"]["stale_samples"] == 2
+    assert step2["stats"]["groups_dropped_equal"] == 1
+    # ...and every job of step 2 asked the service for the new version.
+    by_uid = {j.spec.metadata["uid"]: j.spec.min_policy_version for j in jobs}
+    assert by_uid["D"] == by_uid["E"] == by_uid["F"] == 1 and by_uid["A"] == 0

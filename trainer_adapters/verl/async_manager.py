@@ -1,0 +1,259 @@
+"""A verl rollout manager that streams groups across training steps through the batcher.
+
+The per-sample agent loop (:mod:`.agent_loop`) runs exactly the samples verl hands it and returns
+them row by row. This manager instead keeps one :class:`rollout.client.batcher.GroupBatcher`
+alive for the whole run: each ``generate_sequences`` call adds the step's prompt groups (one per
+``uid``) to the batcher's queue and returns the next batch the batcher forms, with DAPO dynamic
+sampling (groups whose rewards are all equal are dropped), the staleness bound (a sample whose
+oldest turn lags the trainer by more than ``max_staleness`` versions is dropped; new jobs ask the
+service for ``min_policy_version``), early termination of redundant groups, and groups left
+running between steps (``prefetch_groups``) that serve the next step. One generation round per
+step (prompts arrive a step at a time): a dropped group shortens the batch (``partial``). The
+trainer's version is set from ``meta_info["global_steps"]`` on every call, that is after each
+weight update, or explicitly with :meth:`set_policy_version`.
+
+Because groups are dropped and carried across steps, a batch is *not* row-aligned with the
+prompts of the call: it is self-contained (tensors in verl's padded layout plus each row's
+source fields: ``uid``, ``raw_prompt``, ``extra_info``, ``index``, ...). Use it where the
+rollout output is the training batch (``batch = manager.generate_sequences(gen_batch)``), not in
+a loop that does ``batch.repeat(n).union(output)`` by position; the stock ``RayPPOTrainer.fit``
+does the latter and takes the per-sample ``rollout_service`` agent loop instead.
+
+The manager runs its session on a private event loop thread (a grpc.aio channel belongs to the
+loop that created it, while verl calls its managers both synchronously and with ``await``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from verl.protocol import DataProto
+from verl.utils.model import compute_position_id_with_mask
+
+from rollout.client.aio import RolloutClient
+from rollout.client.batcher import Batch, BatcherConfig, GroupBatcher
+from rollout.trainer_adapters.verl.agent_loop import ServiceSettings
+from rollout.trainer_adapters.verl.convert import _scalar, from_flat, job_for_sample, pad_batch
+
+_SOURCE_KEYS = ("uid", "raw_prompt", "extra_info", "index", "data_source", "reward_model",
+                "agent_name")
+"""Per-row fields of verl's prompt batch that travel with a group into the batch it lands in."""
+
+
+class _Feed:
+    """The batcher's prompt source: items added by ``generate_sequences`` calls, in order. It
+    never ends; the batcher only asks for more than it was given between batches (prefetch),
+    and then waits for the next step's prompts, which is what prefetching means here."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Mapping[str, Any]] = asyncio.Queue()
+
+    def put(self, item: Mapping[str, Any]) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[Mapping[str, Any]]:
+        while True:
+            yield await self._queue.get()
+
+
+class StreamingRolloutManager:
+    """verl's rollout-manager interface (``create``, ``generate_sequences``) over the service.
+
+    ``settings`` say where the service is and how samples become jobs (see
+    :class:`ServiceSettings`); ``batcher`` sets dynamic sampling, staleness and prefetch
+    (``group_size`` must be verl's ``rollout.n``; ``groups_per_batch`` defaults to the number of
+    groups in the first call)."""
+
+    def __init__(self, *, settings: ServiceSettings, prompt_length: int, response_length: int,
+                 pad_token_id: int, group_size: int, batcher: BatcherConfig | None = None,
+                 client_id: str = "verl-streaming") -> None:
+        self.settings = settings
+        self.prompt_length, self.response_length = prompt_length, response_length
+        self.pad_token_id = pad_token_id
+        self.group_size = group_size
+        self._batcher_config = batcher
+        self.client_id = client_id
+        self.policy_version = 0
+        self._sources: dict[str, dict[str, Any]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="rollout-streaming-manager")
+        self._thread.start()
+        self._client: RolloutClient | None = None
+        self._batcher: GroupBatcher | None = None
+        self._feed: _Feed | None = None
+
+    @classmethod
+    def create(cls, config: Any, llm_client: Any = None, teacher_client: Any = None,
+               reward_loop_worker_handles: Any = None, **kwargs: Any) -> StreamingRolloutManager:
+        """Build from a verl trainer config (the ``agent_loop_manager_class`` hook's call)."""
+        rollout = config.actor_rollout_ref.rollout
+        settings = ServiceSettings.resolve({}, config)
+        block = config.get("rollout_service") or {}
+        batcher = BatcherConfig(
+            groups_per_batch=int(block.get("groups_per_batch", 0) or config.data.train_batch_size),
+            group_size=int(rollout.n), max_staleness=int(block.get("max_staleness", 0)),
+            max_rounds=1,
+            dynamic_sampling=bool(block.get("dynamic_sampling", True)),
+            min_group_size=min(2, int(rollout.n)))
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        return cls(settings=settings, prompt_length=int(rollout.prompt_length),
+                   response_length=int(rollout.response_length),
+                   pad_token_id=int(tok.pad_token_id or 0), group_size=int(rollout.n),
+                   batcher=batcher, **kwargs)
+
+    # ------------------------------------------------------------------ verl's interface
+
+    def set_policy_version(self, version: int) -> None:
+        """The trainer pushed weights of ``version`` to the service's backends."""
+        self._call(self._set_version(int(version)))
+
+    def generate_sequences(self, prompts: DataProto) -> Any:
+        """The next batch (see the module docstring). Returns the DataProto when called
+        synchronously and an awaitable when an event loop is running (verl does both)."""
+        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts), self._loop)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return fut.result()
+        return asyncio.wrap_future(fut)
+
+    def close(self) -> None:
+        self._call(self._close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    # ------------------------------------------------------------------ internals
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _set_version(self, version: int) -> None:
+        if version < self.policy_version:
+            raise ValueError(f"policy version went backwards: {self.policy_version} -> "
+                             f"{version}")
+        self.policy_version = version
+        if self._batcher is not None:
+            self._batcher.set_policy_version(version)
+
+    async def _start(self, groups_per_batch: int) -> GroupBatcher:
+        if self._batcher is not None:
+            return self._batcher
+        cfg = self._batcher_config or BatcherConfig(
+            groups_per_batch=groups_per_batch, group_size=self.group_size, max_rounds=1,
+            min_group_size=min(2, self.group_size))
+        if cfg.max_rounds != 1:
+            # Prompts arrive one step at a time: a second generation round would wait for
+            # prompts only the next call brings. Dropped groups are replaced from the next
+            # step's prompts instead, and a batch may come back short (stats.partial).
+            raise ValueError("the streaming manager needs BatcherConfig.max_rounds == 1")
+        if cfg.group_size != self.group_size:
+            raise ValueError(f"batcher group_size {cfg.group_size} differs from rollout.n "
+                             f"{self.group_size}")
+        self._client = RolloutClient(self.settings.address, token=self.settings.token or None)
+        self._client.connect()
+        session = self._client.session(self.client_id)
+        await session.start()
+        self._feed = _Feed()
+        self._batcher = GroupBatcher(session, self._feed, cfg,
+                                     policy_version=self.policy_version)
+        self._batcher.start()
+        return self._batcher
+
+    async def _generate(self, prompts: DataProto) -> DataProto:
+        step = prompts.meta_info.get("global_steps")
+        if step is not None and int(step) > self.policy_version:
+            await self._set_version(int(step))
+        rows = _rows(prompts)
+        firsts: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            firsts.setdefault(str(row.get("uid")), row)
+        batcher = await self._start(len(firsts))
+        assert self._feed is not None
+        for uid, row in firsts.items():
+            if uid in self._sources:
+                continue  # verl repeats a prompt n times; the group covers all of them
+            self._sources[uid] = {k: row[k] for k in _SOURCE_KEYS if k in row}
+            self._feed.put(self._item(row))
+        batch = await batcher.next_batch()
+        return self._to_dataproto(batch)
+
+    def _item(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        spec = job_for_sample(row, {}, environment=self.settings.environment,
+                              prompt_length=self.prompt_length,
+                              response_length=self.response_length, group_size=self.group_size,
+                              max_turns=self.settings.max_turns or None,
+                              max_tokens_per_turn=self.settings.max_tokens_per_turn or None)
+        from google.protobuf import json_format
+
+        item = json_format.MessageToDict(spec, preserving_proto_field_name=True)
+        for key in ("job_id", "group", "min_policy_version"):  # the batcher's to set
+            item.pop(key, None)
+        return item
+
+    def _to_dataproto(self, batch: Batch) -> DataProto:
+        samples, sources = [], []
+        for group in batch.groups:
+            uid = str(dict(group.prompt.get("metadata", {})).get("uid", group.group_id))
+            source = self._sources.get(uid, {"uid": uid})
+            for s in group.samples:
+                samples.append(from_flat(
+                    s.flat, succeeded=True, turn_versions=s.turn_versions,
+                    prompt_length=self.prompt_length, response_length=self.response_length,
+                    reward_components=self.settings.reward_components,
+                    overlong=self.settings.overlong))
+                sources.append(source)
+        padded = pad_batch(samples, prompt_length=self.prompt_length,
+                           response_length=self.response_length,
+                           pad_token_id=self.pad_token_id)
+        tensors = {k: torch.tensor(v, dtype=torch.float32 if k in (
+            "rollout_log_probs", "rm_scores") else torch.int64) for k, v in padded.items()}
+        if samples:
+            tensors["position_ids"] = compute_position_id_with_mask(tensors["attention_mask"])
+        non_tensors: dict[str, Any] = {}
+        for key in _SOURCE_KEYS:
+            if any(key in src for src in sources):
+                arr = np.empty(len(sources), dtype=object)
+                arr[:] = [src.get(key) for src in sources]
+                non_tensors[key] = arr
+        for key in ("min_global_steps", "max_global_steps", "rollout_valid", "truncated",
+                    "rollout_job_id"):
+            arr = np.empty(len(samples), dtype=object)
+            arr[:] = [s.extra_fields.get(key) for s in samples]
+            non_tensors[key] = arr
+        info_keys = list(samples[0].extra_fields["reward_extra_info"]) if samples else []
+        for key in info_keys:
+            non_tensors[key] = np.array([s.extra_fields["reward_extra_info"][key]
+                                         for s in samples])
+        non_tensors["__num_turns__"] = np.array([s.num_turns for s in samples], dtype=np.int32)
+        st = batch.stats
+        meta = {"reward_extra_keys": info_keys, "policy_version": batch.policy_version,
+                "rollout_stats": {
+                    "groups_kept": st.groups_kept, "groups_dropped_equal": st.groups_dropped_equal,
+                    "groups_dropped_stale": st.groups_dropped_stale,
+                    "groups_cancelled": st.groups_cancelled, "stale_samples": st.stale_samples,
+                    "failed_samples": st.failed_samples, "partial": st.partial,
+                    "generation_rounds": st.generation_rounds, "wait_s": st.wait_s},
+                "timing": {"agent_loop/streaming/wait_s": st.wait_s}}
+        if not samples:
+            return DataProto(non_tensor_batch=non_tensors, meta_info=meta)
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+    async def _close(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.aclose()
+            await self._batcher.session.aclose()
+        if self._client is not None:
+            await self._client.close()
+
+
+def _rows(prompts: DataProto) -> list[dict[str, Any]]:
+    n = len(prompts.non_tensor_batch.get("uid", []))
+    return [{k: _scalar(v[i]) for k, v in prompts.non_tensor_batch.items()} for i in range(n)]
