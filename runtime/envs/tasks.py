@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["prepare"]:
         return _prepare_main(argv[1:])
+    if argv[:1] == ["import-swebench"]:
+        from rollout.runtime.envs.swebench_import import main as import_main
+
+        return import_main(argv[1:])
     parser = argparse.ArgumentParser(description="Print job lines for `rollout submit`.")
     parser.add_argument("env", choices=ENVIRONMENTS)
     parser.add_argument("--file", type=Path, help="a task file (default: the shipped set)")
