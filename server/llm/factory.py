@@ -61,8 +61,15 @@ async def build_engine(spec: dict[str, Any], index: int = 0) -> tuple[Engine, fl
                                   "BAD_CONFIG", "llm.backends.url")
         tok_dir = spec.get("tokenizer") or spec.get("model")
         tokenizer = await asyncio.to_thread(_tokenizer, _model_dir(str(tok_dir or "smollm2")))
+        mode = str(spec.get("logprobs_mode", "processed"))
+        if mode not in ("processed", "raw"):
+            raise InvalidArgument(
+                f"llm backend logprobs_mode must be 'processed' (a vLLM started with "
+                f"--logprobs-mode processed_logprobs) or 'raw' (vLLM's default), got {mode!r}",
+                "BAD_CONFIG", "llm.backends.logprobs_mode")
         engine = VLLMEngine(spec["url"], model=spec.get("model", ""), tokenizer=tokenizer,
-                            name=name, protocol=spec.get("protocol", "generate"))
+                            name=name, protocol=spec.get("protocol", "generate"),
+                            logprobs_mode=mode, stream=spec.get("stream"))
     elif kind == "vllm-launch":
         from rollout.server.llm.vllm_launcher import launch_vllm_engine
 

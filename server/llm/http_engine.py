@@ -115,6 +115,8 @@ class HttpEngine(Engine):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self.stream = stream
+        self.ignore_eos = False
+        """Send vLLM's ``ignore_eos`` (benchmarks: every turn runs to ``max_tokens``)."""
         self.mode_announced: bool | None = None
         """Whether the server says per reply which logprobs it returned (``rollout
         llm-serve`` does and honours the request header; vLLM does not); None until a reply."""
@@ -210,6 +212,8 @@ class HttpEngine(Engine):
         }
         if seed is not None:
             params["seed"] = seed
+        if self.ignore_eos:
+            params["ignore_eos"] = True
         if s.stop:
             params["stop"] = list(s.stop)
             params["include_stop_str_in_output"] = True

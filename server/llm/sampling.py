@@ -99,13 +99,20 @@ def validate_request(sampling: SamplingParams, max_tokens: int, prompt_ids: list
                               "INVALID_SAMPLING_PARAMS", "sampling.stop_token_ids")
 
 
+PROBE = 1024
+"""How many of a row's best logits the top-p search looks at first. A nucleus that needs more
+(a flat distribution) sends its row to a full sort; with a real model at usual temperatures the
+nucleus is far smaller, and a full-vocabulary sort of a batch costs seconds on a CPU."""
+
+
 def processed_logits(logits: torch.Tensor, temperature: list[float], top_k: list[int],
                      top_p: list[float]) -> torch.Tensor:
     """Logits of the distribution each row samples from: ``[B, vocab]``, removed tokens -inf.
 
     Per row: ``temperature`` (greedy rows pass 1), ``top_k`` (0: off), ``top_p`` (1: off). The
     parameters arrive as host lists so deciding what to compute never waits for the device.
-    Rows keep vocabulary order; only the threshold search sorts (once, over the batch).
+    Rows keep vocabulary order; only the search for each row's cut-off logit sorts: one
+    ``topk`` over the batch, and a sort of just the rows whose nucleus lies beyond it.
     """
     device = logits.device
     scaled = logits.float() / torch.tensor(temperature, dtype=torch.float32,
@@ -113,25 +120,44 @@ def processed_logits(logits: torch.Tensor, temperature: list[float], top_k: list
     vocab = scaled.shape[1]
     k_of = [k if 0 < k < vocab else vocab for k in top_k]
     use_p = [p < 1.0 for p in top_p]
-    if all(k == vocab for k in k_of) and not any(use_p):
+    filtering = [k < vocab or u for k, u in zip(k_of, use_p, strict=True)]
+    if not any(filtering):
         return scaled
-    width = max(k_of)
-    if width < vocab:  # every row has a top-k: its best `width` logits are all that matter
-        values = torch.topk(scaled, width, dim=-1).values
-    else:
-        values = torch.sort(scaled, dim=-1, descending=True).values
-    rank = torch.arange(width, device=device).unsqueeze(0)
-    in_top_k = rank < torch.tensor(k_of, device=device).unsqueeze(1)
-    values = values.masked_fill(~in_top_k, float("-inf"))
-    # Exclusive cumulative mass: the mass of the tokens ranked strictly above each one.
-    probs = torch.softmax(values, dim=-1)
-    above = probs.cumsum(-1) - probs
-    p_limit = torch.tensor([p if u else float("inf") for p, u in zip(top_p, use_p, strict=True)],
-                           dtype=torch.float32, device=device)
-    keep = (above < p_limit.unsqueeze(1)) & in_top_k
-    kept = keep.sum(-1).clamp(min=1)
-    threshold = values.gather(1, (kept - 1).unsqueeze(1))
+    probe = min(vocab, max([PROBE] + [k for k in k_of if k < vocab]))
+    k_t = torch.tensor(k_of, device=device).unsqueeze(1)
+    p_t = torch.tensor([p if u else float("inf") for p, u in zip(top_p, use_p, strict=True)],
+                       dtype=torch.float32, device=device).unsqueeze(1)
+    values = torch.topk(scaled, probe, dim=-1).values  # sorted, best first
+    # Each row's normaliser: over its top-k when that fits in the probe, else the full row.
+    log_z = torch.logsumexp(values.masked_fill(
+        torch.arange(probe, device=device).unsqueeze(0) >= k_t, float("-inf")), dim=-1)
+    if any(k == vocab and u for k, u in zip(k_of, use_p, strict=True)):
+        log_z = torch.where(k_t.squeeze(1) >= vocab, torch.logsumexp(scaled, dim=-1), log_z)
+    threshold, reached = _cut_off(values, log_z.unsqueeze(1), k_t, p_t)
+    # A nucleus that did not fit in the probe: sort those rows fully (rare, see PROBE).
+    short = ~reached & (k_t.squeeze(1) > probe)
+    if probe < vocab and bool(short.any()):
+        rows = short.nonzero().squeeze(1)
+        full = torch.sort(scaled[rows], dim=-1, descending=True).values
+        threshold[rows] = _cut_off(full, log_z[rows].unsqueeze(1), k_t[rows], p_t[rows])[0]
+    threshold = torch.where(torch.tensor(filtering, device=device).unsqueeze(1), threshold,
+                            float("-inf"))
     return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
+def _cut_off(values: torch.Tensor, log_z: torch.Tensor, k: torch.Tensor, p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's last kept logit, from its best logits ``values`` (sorted, best first):
+    within the top ``k``, the smallest prefix whose mass (normalised by ``log_z``) reaches
+    ``p``. Also whether the prefix's mass reached ``p`` within ``values``."""
+    rank = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+    in_top_k = rank < k
+    probs = torch.exp(values - log_z).masked_fill(~in_top_k, 0.0)
+    cumulative = probs.cumsum(-1)
+    # Exclusive cumulative mass: the mass of the tokens ranked strictly above each one.
+    keep = (cumulative - probs < p) & in_top_k
+    kept = keep.sum(-1, keepdim=True).clamp(min=1)
+    return values.gather(1, kept - 1), cumulative[:, -1] >= p.squeeze(1)
 
 
 def sample(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[list[int], list[float]]:

