@@ -15,16 +15,26 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "FAIL_TO_PASS": ["tests/test_v.py::test_x"],   # list, or a JSON string of one
       "PASS_TO_PASS": ["tests/test_v.py::test_y"],
       "test_env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},   # optional, for the test run
-      "test_timeout_s": 300                      # optional
+      "test_timeout_s": 300,                     # optional
+      "pytest_plugins": ["xdist"],               # optional: -p NAME for each
+      "pytest_plugin_autoload": false,           # optional: entry-point plugins (default off)
+      "version": "0.3",                          # with "spec": the task's own environment,
+      "spec": {"pip_packages": ["pytest==8.3.5"], "install": "..."}   # see runtime.envs.taskenv
     }
 
-INIT copies the source into the sandbox, checks out ``base_commit`` as branch ``main`` in the
-workspace and then deletes every other ref and prunes unreachable objects, so the agent cannot
-read the fix from later history. The agent gets bash, the editor and submit; the test patch
-stays on the host until EVAL, which restores the files it touches to ``base_commit`` (the
-agent's edits to those tests do not count), applies it with ``git apply``, runs pytest on the
-test files that hold the named tests and parses ``-rA``. Reward 1 iff every FAIL_TO_PASS test
-and every PASS_TO_PASS test passes.
+INIT builds or reuses the task's environment (when it has a ``spec``), copies the source into
+the sandbox, checks out ``base_commit`` as branch ``main`` in the workspace and then deletes
+every other ref and prunes unreachable objects, so the agent cannot read the fix from later
+history. The agent gets bash, the editor and submit; the end of RUN kills every process it
+started. The test patch stays on the host until EVAL, which grades where the agent cannot
+reach (:mod:`rollout.runtime.envs.grading`): a fresh sandbox (its own uid when the server is
+root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file
+pytest loads by configuration (conftest, ini files, ``.pth``, changed pytest sections) and
+every file of the named tests is put back to ``base_commit``, then the test patch applied
+(:mod:`rollout.runtime.envs.swe_grade_tree`). Only the named tests run (their node ids), with
+plugin autoload off, and their outcomes come from a report file
+(:mod:`rollout.runtime.envs.pytest_report_plugin`) read after every process of the run is
+dead, never from stdout. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passes.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ objects (one task per line, as in a SWE-bench export); :func:`job_lines` and
 
 A relative ``repo_source`` of a swe task is resolved against the shipped data dir
 (``runtime/envs/data``) at INIT, on the server; users' own tasks give absolute paths.
+
+Two more commands prepare swe tasks on a machine with registry access, ahead of serving::
+
+    python -m rollout.runtime.envs.tasks prepare FILE          # wheelhouse + environments
+    python -m rollout.runtime.envs.tasks import-swebench INSTANCES --repos DIR --out FILE
 """
 
 from __future__ import annotations
