@@ -35,9 +35,10 @@ ENV_PREFIX = "ROLLOUT_"
 class ServerSection:
     host: str = "127.0.0.1"
     port: int = 50051
-    """0 picks a free port (tests)."""
+    """0 to 65535; 0 picks a free port (tests). Never shared: a taken port fails start-up."""
     state_dir: str = ".rollout"
-    """SQLite job store, sandbox workspaces and caches live here."""
+    """SQLite job store, sandbox workspaces and logs live here. One server at a time holds it
+    (an exclusive lock on ``server.lock``, which names the holder's pid and address)."""
     auth_token: str = ""
     """When set, every RPC must carry ``authorization: Bearer <token>``. This single token is
     an operator credential: admin role, may act as any client id (see ``clients`` to keep
