@@ -52,10 +52,6 @@ class StateDirLock:
         self._holder: dict[str, Any] = {"pid": os.getpid(), "address": "",
                                         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
-    @property
-    def path(self) -> Path:
-        return self.state_dir / LOCK_FILE
-
     @classmethod
     def acquire(cls, state_dir: Path) -> StateDirLock:
         """Create ``state_dir`` if needed and lock it, or raise ``StartupError``."""
