@@ -131,31 +131,36 @@ def port_in_use(host: str, port: int, what: str = "", flag: str = "--port") -> S
 
 def check_port_free(host: str, port: int, what: str = "", flag: str = "--port") -> None:
     """Fail before the slow part of start-up (loading a model) when ``host:port`` cannot be
-    bound. The real bind happens later and is checked again; this only answers early."""
+    bound. The real bind happens later and is checked again; this only answers early, and
+    with a reason gRPC's own "Failed to bind" does not give."""
     check_port_range(port, flag=flag)
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise StartupError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_HOST",
-                           f"cannot listen on host {host!r}: {exc.strerror}; use an address of "
-                           "this machine such as 127.0.0.1 or 0.0.0.0 (--host)",
-                           "server.host") from None
+        raise bad_host(host, exc.strerror) from None
+    usable = 0
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as probe:
             # gRPC sets SO_REUSEADDR too, so a port in TIME_WAIT is not reported as taken.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(addr)
+                usable += 1
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     raise port_in_use(host, port, what, flag) from None
                 if exc.errno == errno.EACCES:
                     raise StartupError(grpc.StatusCode.PERMISSION_DENIED, "PORT_NOT_ALLOWED",
-                                       f"not allowed to listen on {host}:{port}; "
-                                       f"ports below 1024 need privileges: choose another "
-                                       f"with {flag} N") from None
-                # EADDRNOTAVAIL and friends (an IPv6 address on a host without IPv6): left to
-                # gRPC, which binds what it can.
+                                       f"not allowed to listen on {host}:{port}; ports below "
+                                       f"1024 need privileges: choose another with {flag} N"
+                                       ) from None
+                # EADDRNOTAVAIL, EAFNOSUPPORT: gRPC skips such an address and binds the others
+    if not usable:
+        raise bad_host(host, "not an address of this machine")
+
+
+def bad_host(host: str, why: str) -> StartupError:
+    return StartupError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_HOST",
+                        f"cannot listen on host {host!r} ({why}); use an address of this "
+                        "machine such as 127.0.0.1 or 0.0.0.0 (--host)", "server.host")

@@ -246,3 +246,15 @@ def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert code == 2, err
     line = _one_line(err, "FAILED_PRECONDITION PORT_IN_USE")
     assert f"127.0.0.1:{port} (the metrics endpoint)" in line and "--metrics-port" in line
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "10.254.254.254"])
+async def test_bad_host_is_named(tmp_path: Path, host: str) -> None:
+    """Checked also for port 0, where gRPC's own failure would only say "Failed to bind"."""
+    h = ServerHarness(tmp_path / "state", host=host)
+    with pytest.raises(StartupError) as info:
+        await h.start()
+    assert info.value.reason == "BAD_HOST" and repr(host) in str(info.value)
+    again = ServerHarness(tmp_path / "state")  # the failed start let the directory go
+    await again.start()
+    await again.stop()
