@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,19 +25,29 @@ from rollout.server.llm.smollm2 import smollm2_dir
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+GRPCURL = ".venv/bin/grpcurl"
+"""How the README calls grpcurl: the venv's copy, from the repository root (a new user's shell
+has no ``grpcurl`` on its PATH)."""
 
 
 def grpcurl_commands() -> list[str]:
     text = README.read_text()
     block = re.search(r"```bash grpcurl-session\n(.*?)```", text, re.S)
     assert block, "README lost its ```bash grpcurl-session block"
-    return [line for line in block.group(1).splitlines() if line.startswith("grpcurl ")]
+    lines = [line for line in block.group(1).splitlines() if line.strip()]
+    assert lines and all(line.startswith(GRPCURL + " ") for line in lines), (
+        f"every command of the walkthrough calls {GRPCURL}, as pasted from the repository root")
+    return lines
 
 
 def grpcurl_binary() -> str:
-    exe = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
-    assert Path(exe).exists(), "grpcurl is missing: run scripts/setup.sh"
-    return exe
+    """The README's path when this checkout has its venv (as after scripts/setup.sh), else the
+    copy beside the running interpreter (a CI venv elsewhere)."""
+    exe = ROOT / GRPCURL
+    if not exe.exists():
+        exe = Path(sys.executable).parent / "grpcurl"
+    assert exe.exists(), "grpcurl is missing: run scripts/setup.sh"
+    return str(exe)
 
 
 async def run_grpcurl(args: list[str]) -> tuple[int, str]:
