@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import posixpath
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,7 @@ def runner_results(stdout: str, nonce: str, count: int) -> list[dict[str, Any]] 
     return [r if isinstance(r, dict) else {"passed": False} for r in results]
 
 
-def score(results: list[Mapping[str, Any]], reward_mode: str) -> Reward:
+def score(results: Sequence[Mapping[str, Any]], reward_mode: str) -> Reward:
     passed = sum(bool(r.get("passed")) for r in results)
     total = len(results)
     fraction = passed / total if total else 0.0
