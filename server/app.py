@@ -35,6 +35,7 @@ from rollout.server.startup import (
     check_port_free,
     check_port_range,
     port_in_use,
+    who_listens,
 )
 from rollout.server.store import JobStore
 from rollout.server.store_file import STORE_FILE, check_store_file
@@ -106,7 +107,13 @@ class Server:
         cfg = self.cfg
         state = cfg.state_path
         # Answer "port in use" now, not after a model has loaded for a minute.
-        check_port_free(cfg.server.host, cfg.server.port)
+        try:
+            check_port_free(cfg.server.host, cfg.server.port)
+        except StartupError as exc:
+            if exc.reason != "PORT_IN_USE":
+                raise
+            holder = await who_listens(cfg.server.host, cfg.server.port, SERVICE_NAME)
+            raise port_in_use(cfg.server.host, cfg.server.port, holder=holder) from None
         if cfg.server.metrics_port:
             check_port_free(cfg.server.metrics_host, cfg.server.metrics_port,
                             "the metrics endpoint", "--metrics-port")

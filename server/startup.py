@@ -121,12 +121,32 @@ def check_port_range(port: int, name: str = "server.port", flag: str = "--port")
                            f"got {port}", name)
 
 
-def port_in_use(host: str, port: int, what: str = "", flag: str = "--port") -> StartupError:
+def port_in_use(host: str, port: int, what: str = "", flag: str = "--port",
+                holder: str = "another rollout server or another program") -> StartupError:
     """``what``: which of the server's listeners, when it is not the gRPC one."""
     return StartupError(grpc.StatusCode.FAILED_PRECONDITION, "PORT_IN_USE",
                         f"{host}:{port}{f' ({what})' if what else ''} is already in use by "
-                        "another rollout server or another program; stop it, or choose "
-                        f"another port with {flag} N (0 = any free port)")
+                        f"{holder}; stop it, or choose another port with {flag} N "
+                        "(0 = any free port)")
+
+
+async def who_listens(host: str, port: int, service: str) -> str:
+    """Ask whoever holds ``host:port`` for the health of ``service``: a rollout server answers,
+    any other gRPC server says it does not know it, anything else fails to speak gRPC."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    async with grpc.aio.insecure_channel(f"{target}:{port}") as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                return "another gRPC server (not a rollout server)"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return "another rollout server (it asks for a token)"
+            return "another program"
+    return "another rollout server (it answers health checks there)"
 
 
 def check_port_free(host: str, port: int, what: str = "", flag: str = "--port") -> None:

@@ -51,7 +51,8 @@ async def test_second_server_on_same_port_fails_and_first_keeps_serving(tmp_path
             await second.start()
         assert info.value.reason == "PORT_IN_USE"
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert f"127.0.0.1:{first.port} is already in use" in str(info.value)
+        assert (f"127.0.0.1:{first.port} is already in use by another rollout server (it "
+                "answers health checks there)") in str(info.value)
         assert "--port" in str(info.value)
         assert await _serving_async(first.address)
         # the failed start released its state directory: a server may use it right away
@@ -82,6 +83,20 @@ async def test_grpc_bind_itself_refuses_a_shared_port(tmp_path: Path,
         await first.stop()
 
 
+async def test_port_taken_by_another_grpc_server(tmp_path: Path) -> None:
+    other = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = other.add_insecure_port("127.0.0.1:0")
+    await other.start()
+    try:
+        h = ServerHarness(tmp_path / "s")
+        h.port = port
+        with pytest.raises(StartupError) as info:
+            await h.start()
+        assert "in use by another gRPC server (not a rollout server)" in str(info.value)
+    finally:
+        await other.stop(0)
+
+
 async def test_port_taken_by_another_program(tmp_path: Path) -> None:
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -91,6 +106,7 @@ async def test_port_taken_by_another_program(tmp_path: Path) -> None:
         with pytest.raises(StartupError) as info:
             await h.start()
         assert info.value.reason == "PORT_IN_USE"
+        assert "already in use by another program;" in str(info.value)
         # a listener that asked for SO_REUSEPORT itself (as gRPC does by default) is no
         # exception: with ours off, the kernel refuses to share the port
     with socket.socket() as sharer:
@@ -196,7 +212,8 @@ def test_serve_twice_on_one_port_and_one_state_dir(running_serve, tmp_path: Path
     port = address.rsplit(":", 1)[1]
     code, err = _run_serve(tmp_path / "other", "--port", port)
     assert code == 2
-    assert f"{address} is already in use" in _one_line(err, "FAILED_PRECONDITION PORT_IN_USE")
+    assert f"{address} is already in use by another rollout server" in \
+        _one_line(err, "FAILED_PRECONDITION PORT_IN_USE")
     code, err = _run_serve(state, "--port", "0")
     assert code == 2
     line = _one_line(err, "FAILED_PRECONDITION STATE_DIR_LOCKED")
