@@ -252,6 +252,10 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
     table = Table(title="rollout bench llm")
     for column in ("benchmark", "target", "baseline", "ratio", "goal"):
         table.add_column(column)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if "sampler" in args.only:
         e = bench_sampler(args.sampler_vocab, args.sampler_batch, args.device)
         table.add_row(f"(e) sampler: one decode step, vocab {args.sampler_vocab:,}, batch "
@@ -259,12 +263,8 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
                       f"{e['per_row'] * 1e3:.1f} ms (per-row loop)",
                       f"{e['per_row'] / e['batched']:.2f}x", "batched faster")
     if {"batching", "kv", "prefill", "vllm"} & set(args.only):
-        import torch
-
         from rollout.server.llm.transformers_engine import TransformersEngine
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
         if args.model:
             model_dir = args.model
         else:
