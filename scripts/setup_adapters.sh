@@ -33,9 +33,29 @@ print(" ".join(f"{p}=={version(p)}" for p in
 EOF
 }
 
+# setuptools prints pages of packaging warnings while building an editable wheel; show them
+# only when the step fails.
+quiet() {
+  local log rc=0
+  log=$(mktemp)
+  "$@" >"$log" 2>&1 || rc=$?
+  [ $rc -eq 0 ] || cat "$log" >&2
+  rm -f "$log"
+  return $rc
+}
+
+# What a rebuild depends on: this script, the package list and entry points of pyproject.toml
+# (an editable install must be redone when they change) and the main venv's gRPC versions, not
+# every edit of pyproject.toml (a rebuild with everything cached still takes about 1.5 min).
+stamp_of() {
+  { cat scripts/setup_adapters.sh
+    sed -n '/^\[project.entry-points/,/^$/p; /^packages = \[/,/^\]/p' pyproject.toml
+    grpc_pins; } | sha256sum | cut -c1-16
+}
+
 build_verl() {
   local venv=.venv-verl stamp=.venv-verl/.setup-stamp want
-  want="$(cat scripts/setup_adapters.sh pyproject.toml | sha256sum | cut -c1-16)"
+  want="$(stamp_of)"
   [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
   local t0=$SECONDS
   [ -x $venv/bin/python ] || "$PY" -m venv $venv
@@ -49,8 +69,7 @@ build_verl() {
   $pip install -q "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
     ray omegaconf hydra-core pillow codetiming datasets cachetools fastapi uvicorn pydantic \
     numpy pandas pyarrow dill packaging pytest pytest-asyncio pytest-timeout
-  # shellcheck disable=SC2046
-  $pip install -q --no-deps -e . $(grpc_pins)
+  quiet $pip install -q --no-deps -e . $(grpc_pins)
   $venv/bin/python -c "import verl.experimental.agent_loop, rollout.trainer_adapters.verl.agent_loop"
   echo "$want" > "$stamp"
   echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
@@ -58,7 +77,7 @@ build_verl() {
 
 build_nemo_gym() {
   local venv=.venv-nemo-gym stamp=.venv-nemo-gym/.setup-stamp want
-  want="$(cat scripts/setup_adapters.sh pyproject.toml | sha256sum | cut -c1-16)"
+  want="$(stamp_of)"
   [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
   local t0=$SECONDS
   [ -x $venv/bin/python ] || "$PY" -m venv $venv
@@ -72,8 +91,7 @@ build_nemo_gym() {
   $pip install -q "openai==2.44.0" pydantic fastapi uvicorn httptools aiohttp omegaconf \
     hydra-core rich itsdangerous orjson psutil requests pyyaml packaging "anyio>=4.15.1" httpx \
     ray yappi pydot pandas scipy wandb pytest pytest-asyncio pytest-timeout
-  # shellcheck disable=SC2046
-  $pip install -q --no-deps -e . $(grpc_pins)
+  quiet $pip install -q --no-deps -e . $(grpc_pins)
   $venv/bin/python -c "import nemo_gym.server_utils, nemo_gym.base_responses_api_agent"
   echo "$want" > "$stamp"
   echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
