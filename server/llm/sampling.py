@@ -24,12 +24,14 @@ token), computed on the top-k-filtered distribution, as vLLM does. Tokens tied w
 kept value are kept too (the cut is a threshold on the logit, like vLLM's top-k).
 
 The batched step (:func:`sample`) never loops over the vocabulary per row and never syncs with
-the device per row: one ``topk`` (when every row has a top-k) or one ``sort`` (when some row
-needs top-p over the full vocabulary) over the whole batch finds each row's cut-off logit, a
-comparison against that per-row threshold masks the batch in vocabulary order, and one
-``tolist`` brings tokens and logprobs back. Draws are inverse-CDF in vocabulary order with one
-uniform per row from the row's own generator, so a seeded row gives the same token whatever else
-shares its batch (the order and the uniform do not depend on the other rows).
+the device per row. One ``topk`` over the whole batch takes each row's best ``max(PROBE, top-k)``
+logits, enough to find every top-k cut and, for a model at usual temperatures, every top-p cut;
+the rare row whose nucleus lies beyond that is searched again 8x wider, then sorted whole, alone
+(one host check per batch decides whether any row needs it). A comparison against each row's
+cut-off logit masks the batch in vocabulary order, and one ``tolist`` brings tokens and logprobs
+back. Draws are inverse-CDF in vocabulary order with one uniform per row from the row's own
+generator, so a seeded row gives the same token whatever else shares its batch (the order and
+the uniform do not depend on the other rows).
 """
 
 from __future__ import annotations

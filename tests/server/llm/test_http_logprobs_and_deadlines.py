@@ -17,6 +17,7 @@ from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.engine import EngineError
 from rollout.server.llm.http_engine import HttpEngine
 from rollout.server.llm.pool import BackendPool
+from tests.fixtures.tiny_model import random_state_dict
 from tests.server.llm.conftest import FakeEngine
 from tests.server.llm.reference import raw_logprobs, reference_logprobs
 from tests.server.llm.test_http_vllm_path import Served, start_server
@@ -99,6 +100,23 @@ async def test_streamed_abort_keeps_partial_output(served: Served) -> None:
         await assert_eventually(lambda: served.engine.load == 0)
     finally:
         await client.close()
+
+
+@pytest.mark.timeout(60)
+async def test_swap_cut_over_http_is_preempted(served: Served, tiny_dir: Path) -> None:
+    """A server-side swap whose drain times out cuts the turn; the client hears "preempted"."""
+    served.engine.drain_timeout_s = 0.3
+    client = HttpEngine(served.url, "tiny")
+    try:
+        turn = asyncio.create_task(client.generate(GenerateRequest([1, 2, 3], NUCLEUS, 1500,
+                                                                   "sw", seed=2)))
+        await assert_eventually(lambda: served.engine.decode_steps > 3)
+        await served.engine.update_weights(random_state_dict(tiny_dir, seed=4), 1)
+        result = await asyncio.wait_for(turn, 30)
+    finally:
+        await client.close()
+    assert result.finish_reason == "preempted" and result.policy_version == 0
+    assert 0 < len(result.output_ids) < 1500
 
 
 # ----------------------------------------------------------------- a server like real vLLM
