@@ -25,7 +25,14 @@ from rollout.client.aio import RolloutClient
 from rollout.client.cli import ClientSettings, CliError
 from rollout.client.errors import RolloutError
 from rollout.client.specs import group_specs, job_spec
-from rollout.client.submit_ids import EarlierRuns, check_prefix, file_stem, fresh_prefix, id_rule
+from rollout.client.submit_ids import (
+    ID_TAKEN,
+    EarlierRuns,
+    check_prefix,
+    file_stem,
+    fresh_prefix,
+    id_rule,
+)
 from rollout.client.summary import RunStats
 from rollout.client.tables import cli_console
 from rollout.client.trajectory import to_json
@@ -179,6 +186,9 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
                         stats.already_done += 1  # finished in an earlier run of this command
                         bars.job_done(frame.job_id, "ok" if frame.accepted.state
                                       == job_pb2.Job.STATE_SUCCEEDED else "fail")
+                elif kind == "rejected" and frame.rejected.reason == ID_TAKEN:
+                    earlier.taken_by_another(frame.job_id)  # reported below, with what to do
+                    bars.job_done(frame.job_id, "earlier")
                 elif kind == "rejected":
                     stats.rejected.append(frame.job_id)
                     bars.job_done(frame.job_id, "fail")

@@ -21,6 +21,8 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
 _ID_CHARS = re.compile(r"[A-Za-z0-9._:/-]+")
+ID_TAKEN = "JOB_ID_TAKEN"
+"""The server's reason for rejecting a job id that another client id submitted first."""
 _TERMINAL = {job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED, job_pb2.Job.STATE_CANCELLED}
 
 
@@ -61,12 +63,17 @@ class EarlierRuns:
     """Already finished when re-submitted: they did not run again."""
     running: list[str] = field(default_factory=list)
     """Already queued or running; ours (a resumed run) if they finish in this session."""
+    taken: list[str] = field(default_factory=list)
+    """Refused because another client id (another ``--out``) submitted them first."""
     finished_here: set[str] = field(default_factory=set)
     written: set[str] = field(default_factory=set)
 
     def accepted(self, job_id: str, accepted: pb.JobAccepted) -> None:
         if accepted.duplicate:
             (self.finished if accepted.state in _TERMINAL else self.running).append(job_id)
+
+    def taken_by_another(self, job_id: str) -> None:
+        self.taken.append(job_id)
 
     def job_finished(self, job_id: str) -> None:
         self.finished_here.add(job_id)
@@ -76,7 +83,7 @@ class EarlierRuns:
 
     def report(self, total: int, out: str, rule: str) -> list[str]:
         """Plain lines for the user; none when every job ran in this submit."""
-        elsewhere = [j for j in self.running if j not in self.finished_here]
+        elsewhere = self.taken + [j for j in self.running if j not in self.finished_here]
         earlier = self.finished + elsewhere
         if not earlier:
             return []
@@ -92,8 +99,8 @@ class EarlierRuns:
                              "run that submitted them")
             lines.append(f"  {len(self.finished)} had finished: " + "; ".join(parts) + ".")
         if elsewhere:
-            lines.append(f"  {len(elsewhere)} are still running for another submit (another "
-                         "--out or --client-id); their trajectories go there.")
+            lines.append(f"  {len(elsewhere)} belong to another submit (another --out or "
+                         "--client-id): their trajectories went, or will go, to its --out.")
         lines.append(f"  see one:         rollout jobs get {earlier[0]} --trajectory")
         lines.append("  run them again:  add --fresh (new ids), or --job-prefix PREFIX")
         return lines

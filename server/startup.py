@@ -158,7 +158,7 @@ def check_port_free(host: str, port: int, what: str = "", flag: str = "--port") 
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise bad_host(host, exc.strerror) from None
+        raise bad_host(host, exc.strerror or str(exc)) from None
     usable = 0
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as probe:

@@ -46,8 +46,9 @@ def test_second_submit_reports_earlier_jobs_and_fresh_runs_them_again(
     assert ("3 of 3 jobs already ran under the same ids before this submit, so they did not "
             "run again (job ids are <file-stem>-<line>, here batch-<line>; e.g. batch-1)."
             in text)
-    assert "3 had finished: 3 delivered before, to the --out of the run that submitted them." \
-        in text
+    assert ("3 belong to another submit (another --out or --client-id): their trajectories "
+            "went, or will go, to its --out.") in text
+    assert "rejected batch-" not in text and "0 rejected" in text  # not errors of this run
     assert "rollout jobs get batch-1 --trajectory" in text and "--fresh" in text
 
     # the hint works as printed
@@ -106,7 +107,7 @@ def test_job_running_for_another_submit_is_reported(threaded_server: ThreadedSer
             threaded_server.open_gate("g-2", "run")
     text = capsys.readouterr().out
     assert "1 of 2 jobs already ran under the same ids" in text and "e.g. g-2" in text
-    assert "1 are still running for another submit" in text
+    assert "1 belong to another submit" in text
     assert [t.job_id for t in read_out(tmp_path / "out.jsonl")] == ["g-1"]
 
 
