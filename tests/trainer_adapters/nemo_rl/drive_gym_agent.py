@@ -101,7 +101,28 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
             "input": [{"role": "user", "content": "hi"}],
             "metadata": {"rollout_task": json.dumps(req["rows"][0]["rollout_task"])}})
         NeMoGymResponse.model_validate(responses.json())
-    return {"results": results, "aggregate": agg.json(), "responses": responses.json()}
+    return {"results": results, "aggregate": agg.json(), "responses": responses.json(),
+            "scaffold": check_scaffold(Path(req["scaffold_root"]), req["address"])}
+
+
+def check_scaffold(root: Path, address: str) -> dict[str, Any]:
+    """The directory NeMo Gym would launch: its config validates as the agent's config (with
+    the host, port and name Gym adds) and its app.py compiles and names the agent."""
+    from omegaconf import OmegaConf
+
+    from rollout.trainer_adapters.nemo_rl.gym_agent import RolloutServiceAgentConfig
+    from rollout.trainer_adapters.nemo_rl.scaffold import AGENT_NAME, scaffold
+
+    server_dir = scaffold(root, address=address, environment="episode")
+    cfg = OmegaConf.to_container(OmegaConf.load(server_dir / "configs" / f"{AGENT_NAME}.yaml"))
+    entry = cfg[AGENT_NAME]["responses_api_agents"][AGENT_NAME]
+    config = RolloutServiceAgentConfig.model_validate(
+        {**entry, "host": "127.0.0.1", "port": 1, "name": AGENT_NAME})
+    app = (server_dir / "app.py").read_text()
+    compile(app, str(server_dir / "app.py"), "exec")
+    return {"address": config.address, "environment": config.environment,
+            "entrypoint": config.entrypoint, "runs_agent": "RolloutServiceAgent.run_webserver()"
+            in app, "requirements": (server_dir / "requirements.txt").read_text().split()}
 
 
 if __name__ == "__main__":

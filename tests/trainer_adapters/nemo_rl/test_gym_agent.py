@@ -34,7 +34,8 @@ pytestmark = [
 
 
 async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
-    (tmp / "req.json").write_text(json.dumps({"address": address, "rows": rows}))
+    (tmp / "req.json").write_text(json.dumps({"address": address, "rows": rows,
+                                              "scaffold_root": str(tmp / "gym")}))
     proc = await asyncio.create_subprocess_exec(
         str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")), str(tmp / "req.json"),
         str(tmp / "out.json"), cwd=str(ROOT), env=dict(os.environ),
@@ -107,6 +108,10 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     assert r_bad["status"] == 422 and "rollout_task" in r_bad["body"]
 
     assert res["responses"]["output"][0]["generation_token_ids"] == [110, 111, 112]
+    # The server directory NeMo Gym launches: its config is the agent's config.
+    assert res["scaffold"] == {"address": h.address, "environment": "episode",
+                               "entrypoint": "app.py", "runs_agent": True,
+                               "requirements": ["rollout-service"]}
     # Gym's aggregation read the three answers, keyed by the row indices they echo.
     assert [r["body"]["_ng_task_index"] for r in (r_ok, r_sums, r_failed)] == [0, 1, 2]
     assert res["aggregate"] is not None
