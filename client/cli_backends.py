@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout.client.errors import RolloutError
-from rollout.client.tables import compact_table
+from rollout.client.tables import cli_console, compact_table
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace, settings: Any, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or cli_console()
     metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
     with grpc.insecure_channel(settings.address) as channel:
         stub = pb_grpc.BackendServiceStub(channel)
