@@ -45,17 +45,27 @@ def parse_pytest_report(log: str) -> dict[str, str]:
     return outcomes
 
 
-def parse_plugin_report(text: str) -> dict[str, str] | None:
-    """Node id -> outcome from the plugin's JSON report; None when it is not one."""
+@dataclass
+class PluginReport:
+    outcomes: dict[str, str]
+    """Node id -> outcome."""
+    foreign_hooks: list[str]
+    """Outcome hooks the code under test registered (see the plugin); any is disqualifying."""
+
+
+def parse_plugin_report(text: str) -> PluginReport | None:
+    """The plugin's JSON report; None when it is not one."""
     try:
         data = json.loads(text)
-        tests = data["tests"]
-    except (ValueError, KeyError, TypeError):
+        tests, foreign = data["tests"], data.get("foreign_hooks", [])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not isinstance(tests, dict) or not all(
             isinstance(k, str) and v in KNOWN_OUTCOMES for k, v in tests.items()):
         return None
-    return dict(tests)
+    if not isinstance(foreign, list) or not all(isinstance(f, str) for f in foreign):
+        return None
+    return PluginReport(dict(tests), list(foreign))
 
 
 def files_of(node_ids: Iterable[str]) -> list[str]:

@@ -12,16 +12,24 @@ creates the file with ``O_EXCL`` when it loads, before any conftest or test modu
 (a file planted there beforehand makes the run fail instead of being trusted), and writes the
 outcomes through that descriptor when the session finishes.
 
+The report also names every implementation of a hook that decides or reports an outcome
+(``pytest_runtest_makereport``, ``pytest_pyfunc_call``, ...) that lives in the repository under
+test but not in a ``conftest.py`` (the grader restored those to the base commit): code under
+test that registers such a hook at import is rewriting its own verdict, and the grader scores
+that run 0.
+
 What this cannot stop: code under test runs in this same process and could, on purpose,
-monkeypatch pytest or this module, or overwrite the file at exit. The grader removes every
-file pytest loads by configuration (conftest, ini files, ``.pth``) before the run; source code
-written to attack the test runner itself is out of this plugin's reach.
+monkeypatch pytest's internals or this module, or overwrite the file at exit. The grader
+removes every file pytest loads by configuration (conftest, ini files, ``.pth``) before the
+run; source code written to attack the test runner itself is beyond a plugin's reach.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import types
 
 _ORDER = {"MISSING": 0, "PASSED": 1, "XFAIL": 1, "XPASS": 1, "SKIPPED": 2, "FAILED": 3,
           "ERROR": 4}
@@ -29,6 +37,11 @@ _PATH = os.environ.pop("ROLLOUT_PYTEST_REPORT", "")
 _FD = (os.open(_PATH, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                0o600) if _PATH else -1)
 _outcomes: dict[str, str] = {}
+_ROOT = os.path.realpath(os.getcwd()) + os.sep
+_GUARDED_HOOKS = ("pytest_runtest_makereport", "pytest_runtest_logreport",
+                  "pytest_report_teststatus", "pytest_runtest_protocol", "pytest_runtest_call",
+                  "pytest_runtest_setup", "pytest_runtest_teardown", "pytest_pyfunc_call",
+                  "pytest_collection_modifyitems", "pytest_sessionfinish")
 
 
 def _record(nodeid: str, outcome: str) -> None:
@@ -56,10 +69,30 @@ def pytest_collectreport(report):  # type: ignore[no-untyped-def]
         _record(report.nodeid, "ERROR")
 
 
+def _foreign_hooks(pluginmanager) -> list[str]:  # type: ignore[no-untyped-def]
+    """Outcome hooks implemented in the repository outside a conftest.py."""
+    found = []
+    for name in _GUARDED_HOOKS:
+        caller = getattr(pluginmanager.hook, name, None)
+        for impl in caller.get_hookimpls() if caller is not None else ():
+            try:
+                path = os.path.realpath(inspect.getfile(impl.function))
+            except (TypeError, OSError):
+                path = "<unknown>"
+            module = impl.plugin.__name__ if isinstance(impl.plugin, types.ModuleType) else ""
+            if module == "pytest" or module.startswith("_pytest."):
+                continue  # pytest's own (under test itself when the repository is pytest)
+            if path == "<unknown>" or (path.startswith(_ROOT)
+                                       and os.path.basename(path) != "conftest.py"):
+                found.append(f"{name} in {path}")
+    return found
+
+
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     if _FD < 0:
         return
-    data = json.dumps({"tests": _outcomes, "exitstatus": int(exitstatus)}).encode()
+    data = json.dumps({"tests": _outcomes, "exitstatus": int(exitstatus),
+                       "foreign_hooks": _foreign_hooks(session.config.pluginmanager)}).encode()
     os.ftruncate(_FD, 0)
     view = memoryview(data)
     offset = 0

@@ -44,7 +44,6 @@ import json
 import posixpath
 import re
 import secrets
-import shlex
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -111,6 +110,21 @@ GRADE_TREE_SOURCE = Path(__file__).with_name("swe_grade_tree.py")
 REPORT_PLUGIN_SOURCE = Path(__file__).with_name("pytest_report_plugin.py")
 REPORT_PLUGIN = "rollout_pytest_report"
 _PATCH_FAILED = 97
+# ``python -m pytest`` would put the repository first on sys.path before pytest is imported:
+# a ``pytest.py`` or ``_pytest/`` the agent adds would be the test runner (and could write the
+# report itself), and a file named like the report plugin would replace it. So pytest and the
+# plugin are imported from the environment first, and only then does the repository go to the
+# front of sys.path, where ``python -m pytest`` would have put it for the code under test.
+_LAUNCH = """\
+import sys
+if sys.path and sys.path[0] in ("", "."):
+    del sys.path[0]
+import rollout_pytest_report
+import pytest
+sys.path.insert(0, sys.argv[1])
+sys.argv[:] = ["pytest", *sys.argv[2:]]
+raise SystemExit(getattr(pytest, "console_main", pytest.main)())
+"""
 OPTIONS_KEY = "swe.sandbox_options"
 """``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
 grading sandbox needs as well."""
@@ -225,14 +239,20 @@ class SweHandler(AgentHandler):
         report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
         timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
         run = await grader.exec(
-            [*test_command(task), *f2p, *p2p],
+            [*test_command(task, grader.workspace_in_sandbox), *f2p, *p2p],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
             env=test_env(task, plugin_dir, report), max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
         await grader.stop_processes()
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
                                 max_output=_MAX_REPORT + 1)
-        outcomes = parse_plugin_report(raw.stdout) if raw.ok else None
+        report_data = parse_plugin_report(raw.stdout) if raw.ok else None
+        outcomes = report_data.outcomes if report_data is not None else None
+        if report_data is not None and report_data.foreign_hooks:
+            return Reward(0.0, zero, {
+                "error": "the code under test registered pytest hooks that decide outcomes",
+                "hooks": "; ".join(report_data.foreign_hooks)[:1000],
+                "pytest_exit": str(run.exit_code)})
         info = {"pytest_exit": str(run.exit_code),
                 "restored": ",".join(json.loads(prepared.stdout or "{}").get("restored", []))
                 [:1000]}
@@ -268,13 +288,13 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
                            "REPO_CHECKOUT_FAILED")
 
 
-def test_command(task: Mapping[str, Any]) -> list[str]:
-    """The task's test command (``spec.test_cmd``, default ``python -m pytest``; inside the
-    task's environment ``python`` is its venv's) and the grader's options: the report plugin,
-    no cache, the task's plugins. The named node ids follow."""
-    spec = task.get("spec")
-    cmd = shlex.split((spec or {}).get("test_cmd") or "python -m pytest")
-    args = [*cmd, "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
+def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
+    """pytest through :data:`_LAUNCH` (``python`` is the task environment's when it has one),
+    the options of the task's ``spec.test_cmd`` and the grader's: the report plugin, no cache,
+    the task's plugins. The named node ids follow."""
+    spec = EnvSpec.of(task)
+    args = ["python", "-c", _LAUNCH, workspace, *(spec.test_cmd if spec else ()),
+            "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]
     return args

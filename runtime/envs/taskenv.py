@@ -9,7 +9,7 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
       "pre_install": ["sed -i ... setup.cfg"],   # optional shell commands in the checkout
       "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # from the wheelhouse only
       "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
-      "test_cmd": "python -m pytest"       # optional; the grader appends its options and ids
+      "test_cmd": "pytest -rA"             # optional; pytest only: its options are kept
     }
 
 The environment is a venv built once per (repository, version, spec) in a build sandbox with no
@@ -81,6 +81,7 @@ class EnvSpec:
     pip_packages: tuple[str, ...]
     install: str
     test_cmd: tuple[str, ...]
+    """The pytest options of ``test_cmd`` (the runner itself is always the grader's)."""
     key: str
     """Cache key: repository, version and every spec field."""
 
@@ -108,7 +109,7 @@ class EnvSpec:
         for name in ("install", "test_cmd", "python"):
             if not isinstance(spec.get(name, ""), str):
                 raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
-        test_cmd = tuple(shlex.split(spec.get("test_cmd") or "python -m pytest"))
+        test_cmd = pytest_options(str(spec.get("test_cmd") or ""))
         python = find_python(str(spec.get("python", "")))
         # The build script is part of the key: a changed recipe never reuses an old venv.
         fingerprint = {"repo": task.get("repo", ""), "version": str(task.get("version", "")),
@@ -117,6 +118,21 @@ class EnvSpec:
         key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         return cls(python, lists["pre_install"], lists["pip_packages"],
                    str(spec.get("install", "")), test_cmd, key)
+
+
+def pytest_options(test_cmd: str) -> tuple[str, ...]:
+    """The options of a SWE-bench ``test_cmd`` (``pytest -rA``, ``python -m pytest ...``).
+    Other runners (tox, a repository's own script) cannot report per-test outcomes the way the
+    grader reads them, so they are refused."""
+    words = shlex.split(test_cmd)
+    for prefix in (["pytest"], ["py.test"], ["python", "-m", "pytest"],
+                   ["python3", "-m", "pytest"]):
+        if words[:len(prefix)] == prefix:
+            return tuple(words[len(prefix):])
+    if not words:
+        return ()
+    raise invalid(f"swe task field 'spec.test_cmd' must run pytest ('pytest ...' or 'python -m "
+                  f"pytest ...'), got {test_cmd!r}", "spec.test_cmd")
 
 
 def find_python(version: str) -> str:
