@@ -32,8 +32,14 @@ Decisions:
 - cancel() waits (bounded by the cleanup deadline) until the cancelled jobs are terminal and their
   resources are freed, unless ``wait=False``. Cancelling a group also closes it: later jobs of
   that group are cancelled at once, like jobs of a group that reached ``finish_after``.
-- ``attempts`` counts INIT starts; a job found interrupted at start() after ``max_attempts``
-  attempts fails with INTERNAL / TOO_MANY_ATTEMPTS instead of crash-looping the server.
+- ``attempts`` counts INIT starts. ``crashes`` counts process deaths while the job was inside a
+  stage; at ``max_attempts`` crashes the job fails with INTERNAL / TOO_MANY_ATTEMPTS instead of
+  crash-looping the server. Waiting in a queue during a crash and graceful stops are free.
+- Submit is atomic with respect to its caller: the commit and the adoption by the pools run in
+  a task shielded from the caller's cancellation, so a client that goes away mid-commit leaves
+  jobs that run (and a re-submit answers duplicate for a job that really is live). A job found
+  stored-but-not-live (a duplicate answer for an id nobody runs, or after a failed commit) is
+  adopted by a sweep, as start() adopts every live row.
 - Errors map through server/errors.py: Overloaded -> RESOURCE_EXHAUSTED, JobNotFound ->
   NOT_FOUND, NotCancellable -> FAILED_PRECONDITION, submit while stopping -> UNAVAILABLE,
   per-job InvalidArgument inside SubmitResult.error.
@@ -71,7 +77,7 @@ from rollout.server.pipeline.session import (
     Subscription,
     TrajectoryReady,
 )
-from rollout.server.store import JobStore, PruneStats, now
+from rollout.server.store import JobStore, PruneStats, StoredJob, now
 
 __all__ = [
     "GROUP_FINISHED", "Event", "JobAccepted", "JobFinished", "JobNotFound", "JobRecord",
@@ -108,6 +114,8 @@ class Scheduler(StageRunner):
         self._started_at = time.monotonic()
         self._running = False
         self._stopping = False
+        self._committing: dict[str, int] = {}
+        """Job ids whose submit commit is in flight (how many submits): not orphans yet."""
         super().__init__(store, registry, llm=llm, sandbox_factory=sandbox_factory,
                          config=config)
         self.retention = Retention(store, retention_s=self.config.retention_s,
@@ -137,37 +145,68 @@ class Scheduler(StageRunner):
         """Recover: jobs left QUEUED or RUNNING by a previous process run again from INIT."""
         self._groups.load_closed(await self.store.closed_groups())
         stored = await self.store.live_jobs()
-        counts = await self.store.succeeded_counts(sorted({s.group_id for s in stored}))
-        interrupted = [s.job_id for s in stored if s.state is JobState.RUNNING]
-        if interrupted:
-            await self.store.requeue(interrupted, now())
+        crashed = await self._adopt_stored(stored)
         self._running = True
+        if stored:
+            log.info("recovered %d unfinished jobs (%d crashed inside a stage)", len(stored),
+                     crashed)
+        self.retention.start()
+
+    async def _adopt_stored(self, stored: Sequence[StoredJob]) -> int:
+        """Make stored QUEUED/RUNNING jobs live: charge a crash to those that were inside a
+        stage, fail those at ``max_attempts`` crashes, queue the rest. Returns the crashes."""
+        stored = [s for s in stored if s.job_id not in self._live
+                  and not self._committing.get(s.job_id)]
+        if not stored:
+            return 0
+        counts = await self.store.succeeded_counts(sorted({s.group_id for s in stored}))
+        crashes = {s.job_id: s.crashes + s.in_stage for s in stored}
+        interrupted = [(s.job_id, crashes[s.job_id]) for s in stored
+                       if s.state is JobState.RUNNING or s.in_stage]
+        if interrupted:
+            await self.store.recover(interrupted, now())
         for s in stored:
+            if s.job_id in self._live:  # adopted by someone else while we awaited
+                continue
             job = LiveJob(spec=s.spec, client_id=s.client_id, seq=s.seq, created_at=s.created_at,
                           attempts=s.attempts, updated_at=s.updated_at)
             self._adopt(job, counts.get(s.group_id, 0))
-            if s.attempts >= self.config.max_attempts:
+            if crashes[s.job_id] >= self.config.max_attempts:
                 self._finish(job, JobState.FAILED, JobError(
                     "INTERNAL", "TOO_MANY_ATTEMPTS",
-                    f"interrupted {s.attempts} times; giving up", None), None)
+                    f"the server died {crashes[s.job_id]} times while this job was inside a "
+                    "stage; it is not run again", None), None)
             elif (reason := self._groups.closed_reason(s.group_id)) is not None:
                 self._cancel(job, reason)
             else:
                 self.pools[Stage.INIT].push(job)
-        if stored:
-            log.info("recovered %d unfinished jobs (%d interrupted)", len(stored),
-                     len(interrupted))
-        self.retention.start()
+        return sum(1 for s in stored if s.in_stage)
+
+    async def sweep(self, job_ids: Sequence[str] | None = None) -> int:
+        """Adopt jobs that are stored QUEUED/RUNNING but not live in this process (all, or
+        those of ``job_ids``); returns how many. Runs after failed commits and for duplicate
+        answers nobody runs, so a job the store holds is never left stranded."""
+        if not self._running or self._stopping:
+            return 0
+        stored = await self.store.live_jobs(job_ids)
+        before = len(self._live)
+        await self._adopt_stored(stored)
+        adopted = len(self._live) - before
+        if adopted:
+            log.warning("adopted %d stored jobs that were not running", adopted)
+        return adopted
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop starting stages, let running ones finish within ``grace_s``, then cancel them.
 
         Interrupted jobs are not marked terminal: they stay QUEUED/RUNNING in the store and run
-        again on the next start(). Their resources are released either way.
+        again on the next start(), without being charged a crash. Their resources are released
+        either way.
         """
         if self._stopping:
             return
         self._stopping = True
+        self._closing = True
         await self.retention.stop()
         for pool in self.pools.values():
             pool.paused = True
@@ -184,7 +223,14 @@ class Scheduler(StageRunner):
         holders = [j for j in self._live.values()
                    if j.ctx is not None and j.task is None and not j.finishing]
         await asyncio.gather(*(self._release(j) for j in holders))
-        await self.store.flush()
+        # A graceful stop is not a crash: the jobs it interrupted are not charged for it.
+        unfinished = [j for j, job in self._live.items()]
+        try:
+            if unfinished:
+                await self.store.record_waiting(unfinished)  # type: ignore[misc]
+            await self.store.flush()
+        except Exception as exc:
+            log.error("could not record the graceful stop in the job store: %s", exc)
         for sub in list(self._subs.values()):
             sub.close_nowait()
         self._running = False
@@ -220,11 +266,47 @@ class Scheduler(StageRunner):
         # Reserve before awaiting the commit so concurrent submits cannot overshoot the caps.
         self._pending += n
         self._per_client[client_id] = mine + n
+        # The commit and the adoption run in their own task: a caller cancelled mid-commit (its
+        # stream went away) must not leave jobs stored but never scheduled.
+        commit = asyncio.ensure_future(self._commit_and_adopt(specs, fresh, results, client_id))
+        self._tasks.add(commit)
+        commit.add_done_callback(self._tasks.discard)
+        await asyncio.shield(commit)
+        return [r for r in results if r is not None]
+
+    async def _commit_and_adopt(self, specs: Sequence[JobSpec], fresh: list[int],
+                                results: list[SubmitResult | None], client_id: str) -> None:
+        n = len(fresh)
+        ids = [specs[i].job_id for i in fresh]
+        for j in ids:
+            self._committing[j] = self._committing.get(j, 0) + 1
+        try:
+            await self._commit_jobs(specs, fresh, results, client_id, n)
+        finally:
+            for j in ids:
+                left = self._committing[j] - 1
+                if left:
+                    self._committing[j] = left
+                else:
+                    del self._committing[j]
+        orphans = [specs[i].job_id for i in fresh
+                   if results[i] is not None and results[i].duplicate  # type: ignore[union-attr]
+                   and specs[i].job_id not in self._live
+                   and not self._committing.get(specs[i].job_id)]
+        if orphans:  # stored earlier, live nowhere (e.g. a commit whose adoption was lost)
+            await self.sweep(orphans)
+
+    async def _commit_jobs(self, specs: Sequence[JobSpec], fresh: list[int],
+                           results: list[SubmitResult | None], client_id: str, n: int) -> None:
         try:
             seqs = await self.store.insert_jobs([(specs[i], client_id) for i in fresh], now())
         except BaseException:
             self._pending -= n
             self._per_client[client_id] -= n
+            if not self._per_client[client_id]:
+                del self._per_client[client_id]
+            # Whether or not any of it reached the disk, a sweep adopts what did.
+            self._spawn(self._sweep_quietly())
             raise
         created = now()
         for i, seq in zip(fresh, seqs, strict=True):
@@ -246,7 +328,12 @@ class Scheduler(StageRunner):
                 self._cancel(job, reason)
             else:
                 self.pools[Stage.INIT].push(job)
-        return [r for r in results if r is not None]
+
+    async def _sweep_quietly(self) -> None:
+        try:
+            await self.sweep()
+        except Exception as exc:  # the store is still failing; the next failure sweeps again
+            log.warning("sweep for stranded jobs failed: %s", exc)
 
     def _validate(self, spec: JobSpec) -> None:
         handler = self.registry.get(spec.environment)  # raises UNKNOWN_ENVIRONMENT
@@ -341,21 +428,28 @@ class Scheduler(StageRunner):
         if old is not None:
             old.close_nowait()
         sub = Subscription(client_id, max_unacked=max_unacked, on_close=self._detached,
-                           progress=progress)
+                           progress=progress, fetch=lambda after, limit: self._page(
+                               client_id, after, limit), page_size=self.config.replay_page)
         self._subs[client_id] = sub
         if acked_through > 0:
             await self.store.ack(client_id, through=acked_through)
-        stored = await self.store.unacked(client_id)
-        replay = []
-        for d in stored:
-            traj = d.trajectory
-            if traj is None:
-                continue
-            replay.append((TrajectoryReady(d.delivery_id, d.job.job_id, traj, replayed=True),
-                           JobFinished(d.job.job_id, d.job.state, d.job.error, d.job.reward,
-                                       d.delivery_id)))
-        sub.finish_replay(replay, acked_through)
+        waiting, upto = await self.store.unacked_summary(client_id, acked_through)
+        await sub.start(waiting, upto, acked_through)
         return sub
+
+    async def _page(self, client_id: str, after: int,
+                    limit: int) -> list[tuple[TrajectoryReady, JobFinished]]:
+        """One page of a client's stored, unacknowledged deliveries (replay is paged so a long
+        outage never loads every trajectory at once)."""
+        out = []
+        for d in await self.store.unacked(client_id, after=after, limit=limit):
+            traj = d.trajectory
+            if traj is None:  # cannot happen (unacked are never pruned); skip, never stall
+                continue
+            out.append((TrajectoryReady(d.delivery_id, d.job.job_id, traj),
+                        JobFinished(d.job.job_id, d.job.state, d.job.error, d.job.reward,
+                                    d.delivery_id)))
+        return out
 
     def _detached(self, sub: Subscription) -> None:
         if self._subs.get(sub.client_id) is sub:
@@ -367,6 +461,7 @@ class Scheduler(StageRunner):
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.acked(delivery_ids, through)
+            await sub.refill()
 
     async def prune(self) -> PruneStats:
         """Run one retention pass now (acked trajectories past ``retention_s``, then job rows

@@ -1,8 +1,9 @@
 """Durable job store: SQLite in WAL mode, one writer thread with group commit.
 
 Why this shape:
-- WAL with ``synchronous=NORMAL`` keeps every committed transaction across a process crash
-  (SIGKILL) without an fsync per commit; only an OS crash can lose the last few commits.
+- WAL with ``synchronous=FULL`` (the default; ``NORMAL`` is configurable): a transaction is on
+  disk before anyone hears it committed, so even an OS crash cannot take back an announced
+  delivery. Group commit pays the fsync once per batch, not once per job.
 - Every write goes through ONE writer thread that drains whatever has queued up while the last
   transaction was committing and applies it all in one transaction (group commit). Throughput
   then grows with load instead of being capped by one commit per job, and the event loop never
@@ -11,8 +12,13 @@ Why this shape:
 - Writes keep their submission order (one FIFO), so "stage started" can never overtake
   "job finished" for the same job. Callers that need durability (submit, a finished job's
   delivery, acks) await the returned future; progress bookkeeping is fire-and-forget.
-- Delivery ids are assigned here, on the event loop, monotonically per client; a delivery is only
-  announced to its client after its transaction committed, so an id a client has seen is durable.
+- Delivery ids are assigned inside the transaction that writes the delivery (a per-client
+  counter row in ``delivery_marks``), so ids follow commit order and an id exists only if its
+  delivery committed: a failed finish leaves no id behind that a later job could be given. The
+  scheduler announces a delivery only after that transaction committed.
+- ``attempts`` counts INIT starts (what GetJob reports); ``crashes`` counts the times the process
+  died while the job was inside a stage (``in_stage``), the only thing ``max_attempts`` limits.
+  A job waiting in a queue, or stopped by a graceful shutdown, is not charged.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from rollout.server.convert import (
     trajectory_from_bytes,
     trajectory_to_bytes,
 )
-from rollout.server.pipeline.sqlite import Op, Writer, connect
+from rollout.server.pipeline.sqlite import Op, StoreWriteFailed, Writer, connect
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +85,10 @@ class StoredJob:
     timings: StageTimings
     created_at: float
     updated_at: float
+    crashes: int = 0
+    """Times a process died while this job was inside a stage."""
+    in_stage: bool = False
+    """The job was executing a stage when the row was last written (not waiting in a queue)."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +123,16 @@ class PruneStats:
     """Acknowledged deliveries whose trajectory, delivery and transition rows were dropped."""
     jobs: int = 0
     """Job rows forgotten entirely (past the second retention window)."""
+    channels: int = 0
+    """Delivery counters of finished ``SubmitRollout`` channels (``rpc:...``) forgotten."""
 
 
 class StoreClosed(RuntimeError):
     """The store was closed while an operation was pending."""
+
+
+__all__ = ["FinishRecord", "JobStore", "PruneStats", "StoreClosed", "StoreWriteFailed",
+           "StoredDelivery", "StoredJob", "Transition", "now"]
 
 
 def error_to_json(err: JobError | None) -> str | None:
@@ -136,14 +152,15 @@ def error_from_json(text: str | None) -> JobError | None:
 class JobStore:
     """Jobs, their transitions, and per-client deliveries of finished trajectories."""
 
-    def __init__(self, path: str | Path, *, max_batch: int = 2048) -> None:
+    def __init__(self, path: str | Path, *, max_batch: int = 2048,
+                 synchronous: str = "FULL") -> None:
         self.path = str(path)
         self._max_batch = max_batch
+        self._synchronous = synchronous
         self._writer: Writer | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._reader_local = threading.local()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._next_delivery: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -153,7 +170,7 @@ class JobStore:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             stamp = await asyncio.to_thread(store_file.check_store_file, Path(self.path))
         self._loop = asyncio.get_running_loop()
-        self._writer = Writer(self.path, self._loop, self._max_batch)
+        self._writer = Writer(self.path, self._loop, self._max_batch, self._synchronous)
         self._writer.start()
         await asyncio.to_thread(self._writer.ready.wait)
         if self._writer.startup_error is not None:
@@ -167,19 +184,20 @@ class JobStore:
                 f"PRAGMA application_id={store_file.APPLICATION_ID}"), True)
             assert fut is not None
             await fut
+        # delivery_marks holds each client's highest delivery id ever issued (ids must never be
+        # reused, or a client's ``acked_through`` would acknowledge deliveries it has not seen).
+        # Stores written before the counter lived there get it from their deliveries once.
+        fut = self._write(lambda c: c.execute(
+            "INSERT INTO delivery_marks SELECT client_id, MAX(delivery_id) FROM deliveries"
+            " WHERE true GROUP BY client_id ON CONFLICT(client_id)"
+            " DO UPDATE SET last_id=MAX(last_id, excluded.last_id)"), True)
+        assert fut is not None
+        await fut
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="jobstore-reader")
-        # Pruned deliveries leave their highest id in delivery_marks: ids must never be reused,
-        # or a client's ``acked_through`` would acknowledge deliveries it has not seen.
-        rows = await self._read(lambda c: c.execute(
-            "SELECT client_id, MAX(mx) FROM ("
-            " SELECT client_id, MAX(delivery_id) AS mx FROM deliveries GROUP BY client_id"
-            " UNION ALL SELECT client_id, last_id FROM delivery_marks) GROUP BY client_id"
-        ).fetchall())
-        self._next_delivery = {cid: int(mx) + 1 for cid, mx in rows}
 
     async def close(self) -> None:
         if self._writer is not None:
-            self._writer.queue.put(None)
+            self._writer.stop()
             await asyncio.to_thread(self._writer.join)
             self._writer = None
         if self._reader is not None:
@@ -198,7 +216,14 @@ class JobStore:
         if self._writer is None or self._loop is None:
             raise StoreClosed("job store is not open")
         fut = self._loop.create_future() if wait else None
-        self._writer.queue.put((op, fut))
+        try:
+            self._writer.submit(op, fut)  # raises StoreWriteFailed at once if the writer died
+        except StoreWriteFailed:
+            if wait:
+                raise
+            # Fire-and-forget writes are bookkeeping (stage entered, left a stage); losing one
+            # never loses a job, and raising would strand the caller's job mid-flight.
+            log.warning("job store writer is dead; a bookkeeping write was dropped")
         return fut
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -251,58 +276,69 @@ class JobStore:
         return list(await fut)
 
     def record_stage(self, job_id: str, stage: Stage, attempts: int, at: float) -> None:
-        """The job entered ``stage`` (fire-and-forget; ordering is kept by the writer queue)."""
+        """The job entered ``stage`` and is executing it (fire-and-forget; ordering is kept by
+        the writer queue). A process death before the matching :meth:`record_waiting` or
+        finish is charged to the job as a crash at the next start."""
         running = JobState.RUNNING.value
 
         def op(c: sqlite3.Connection) -> None:
-            c.execute("UPDATE jobs SET state=?, stage=?, attempts=?, updated_at=? WHERE job_id=?",
-                      (running, stage.value, attempts, at, job_id))
+            c.execute("UPDATE jobs SET state=?, stage=?, attempts=?, in_stage=1, updated_at=?"
+                      " WHERE job_id=?", (running, stage.value, attempts, at, job_id))
             c.execute("INSERT INTO transitions VALUES (?,?,?,?)",
                       (job_id, at, running, stage.value))
 
         self._write(op, wait=False)
 
-    def requeue(self, job_ids: Iterable[str], at: float) -> asyncio.Future[Any]:
-        """Mark interrupted jobs QUEUED again (recovery after a crash or a stop)."""
-        ids = list(job_ids)
+    def record_waiting(self, job_ids: Iterable[str], *,
+                       wait: bool = True) -> asyncio.Future[Any] | None:
+        """The jobs left their stage without failing (queued for the next one, or stopped by a
+        graceful shutdown): a process death now is not their fault."""
+        ids = [(j,) for j in job_ids]
+        return self._write(lambda c: c.executemany(
+            "UPDATE jobs SET in_stage=0 WHERE job_id=?", ids), wait=wait)
+
+    def recover(self, jobs: Iterable[tuple[str, int]], at: float) -> asyncio.Future[Any]:
+        """Mark jobs interrupted by the last process QUEUED again with their crash counts."""
+        rows = list(jobs)
         queued = JobState.QUEUED.value
 
         def op(c: sqlite3.Connection) -> None:
-            c.executemany("UPDATE jobs SET state=?, stage=NULL, updated_at=? WHERE job_id=?",
-                          [(queued, at, j) for j in ids])
+            c.executemany("UPDATE jobs SET state=?, stage=NULL, in_stage=0, crashes=?,"
+                          " updated_at=? WHERE job_id=?",
+                          [(queued, crashes, at, j) for j, crashes in rows])
             c.executemany("INSERT INTO transitions VALUES (?,?,?,NULL)",
-                          [(j, at, queued) for j in ids])
+                          [(j, at, queued) for j, _ in rows])
 
         fut = self._write(op, wait=True)
         assert fut is not None
         return fut
 
-    def next_delivery_id(self, client_id: str) -> int:
-        n = self._next_delivery.get(client_id, 1)
-        self._next_delivery[client_id] = n + 1
-        return n
+    async def next_delivery_id(self, client_id: str) -> int:
+        """The id the client's next delivery will get (ids only grow, even across pruning)."""
+        row = await self._read(lambda c: c.execute(
+            "SELECT last_id FROM delivery_marks WHERE client_id=?", (client_id,)).fetchone())
+        return int(row[0]) + 1 if row else 1
 
-    def finish(self, rec: FinishRecord, delivery_id: int | None) -> asyncio.Future[Any]:
-        """Write the terminal state, the trajectory and (if given) its delivery, atomically.
+    def finish(self, rec: FinishRecord, *, deliver: bool = True) -> asyncio.Future[Any]:
+        """Write the terminal state, the trajectory and (with ``deliver``) its delivery in one
+        savepoint; the future resolves to the delivery id, assigned inside that transaction
+        (None without ``deliver``). If it fails, nothing of it was written and no id was used.
 
         The trajectory is encoded in the writer thread, off the event loop.
         """
-        def op(c: sqlite3.Connection) -> None:
+        def op(c: sqlite3.Connection) -> int | None:
             timings = json.dumps(asdict(rec.timings))
             err = error_to_json(rec.error)
             blob = trajectory_to_bytes(rec.trajectory) if rec.trajectory is not None else None
             c.execute(
                 "UPDATE jobs SET state=?, stage=?, error=?, reward=?, timings=?, trajectory=?,"
-                " updated_at=? WHERE job_id=?",
+                " in_stage=0, updated_at=? WHERE job_id=?",
                 (rec.state.value, rec.stage.value if rec.stage else None, err, rec.reward,
                  timings, blob, rec.at, rec.job_id))
             c.execute("INSERT INTO transitions VALUES (?,?,?,?)",
                       (rec.job_id, rec.at, rec.state.value,
                        rec.stage.value if rec.stage else None))
-            if delivery_id is not None:
-                c.execute("INSERT OR REPLACE INTO deliveries"
-                          " (client_id, delivery_id, job_id, acked) VALUES (?,?,?,0)",
-                          (rec.client_id, delivery_id, rec.job_id))
+            return _deliver(c, rec.client_id, rec.job_id) if deliver else None
 
         fut = self._write(op, wait=True)
         assert fut is not None
@@ -376,6 +412,18 @@ class JobStore:
             c.executemany("DELETE FROM transitions WHERE job_id=?", ids)
             return len(ids)
 
+        def forget_channels(c: sqlite3.Connection) -> int:
+            # SubmitRollout's per-job channels (rpc:...) never resume with acked_through: the
+            # server acks each id it sent. Their counters may go with their last job row; a
+            # trainer's own client id keeps its counter forever (see delivery_marks above).
+            rows = c.execute(
+                "SELECT client_id FROM delivery_marks m WHERE client_id LIKE 'rpc:%'"
+                " AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.client_id = m.client_id)"
+                " AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.client_id = m.client_id)"
+                " LIMIT ?", (batch,)).fetchall()
+            c.executemany("DELETE FROM delivery_marks WHERE client_id=?", rows)
+            return len(rows)
+
         async def drain(op: Op) -> int:
             total = 0
             while True:
@@ -389,6 +437,7 @@ class JobStore:
         stats.trajectories = await drain(drop_trajectories)
         if forget_before is not None:
             stats.jobs = await drain(forget_jobs)
+            stats.channels = await drain(forget_channels)
         return stats
 
     async def file_bytes(self) -> int:
@@ -438,26 +487,49 @@ class JobStore:
         rows = await self._read(lambda c: c.execute(sql, (*args, limit)).fetchall())
         return [_row_to_job(r) for r in rows]
 
-    async def live_jobs(self) -> list[StoredJob]:
-        """Jobs that were QUEUED or RUNNING when the last process stopped, in submit order."""
-        rows = await self._read(lambda c: c.execute(
-            f"SELECT {_COLS} FROM jobs WHERE state IN (?,?) ORDER BY seq", _LIVE).fetchall())
-        return [_row_to_job(r) for r in rows]
+    async def live_jobs(self, job_ids: Sequence[str] | None = None) -> list[StoredJob]:
+        """Jobs stored QUEUED or RUNNING (all, or those of ``job_ids``), in submit order."""
+        if job_ids is None:
+            rows = await self._read(lambda c: c.execute(
+                f"SELECT {_COLS} FROM jobs WHERE state IN (?,?) ORDER BY seq", _LIVE).fetchall())
+            return [_row_to_job(r) for r in rows]
+        ids = list(job_ids)
 
-    async def unacked(self, client_id: str) -> list[StoredDelivery]:
+        def q(c: sqlite3.Connection) -> list[Any]:
+            out = []
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                out += c.execute(
+                    f"SELECT {_COLS} FROM jobs WHERE state IN (?,?) AND job_id IN"
+                    f" ({','.join('?' * len(chunk))})", (*_LIVE, *chunk)).fetchall()
+            return sorted(out, key=lambda r: r[0])
+
+        return [_row_to_job(r) for r in await self._read(q)]
+
+    async def unacked(self, client_id: str, *, after: int = 0,
+                      limit: int = -1) -> list[StoredDelivery]:
+        """Unacknowledged deliveries with ids above ``after``, oldest first, at most ``limit``
+        (-1: all). Replay pages through this so memory never holds more than one page."""
         cols = ", ".join(f"j.{c.strip()}" for c in _COLS.split(","))
 
         def q(c: sqlite3.Connection) -> list[StoredDelivery]:
             rows = c.execute(
                 f"SELECT d.delivery_id, j.trajectory, {cols} FROM deliveries d"
                 " JOIN jobs j ON j.job_id = d.job_id"
-                " WHERE d.client_id=? AND d.acked=0 ORDER BY d.delivery_id",
-                (client_id,)).fetchall()
+                " WHERE d.client_id=? AND d.delivery_id>? AND d.acked=0"
+                " ORDER BY d.delivery_id LIMIT ?", (client_id, after, limit)).fetchall()
             return [StoredDelivery(r[0], _row_to_job(r[2:]),
                                    trajectory_from_bytes(r[1]) if r[1] is not None else None)
                     for r in rows]
 
         return await self._read(q)
+
+    async def unacked_summary(self, client_id: str, after: int = 0) -> tuple[int, int]:
+        """(count, highest id) of the client's unacknowledged deliveries above ``after``."""
+        row = await self._read(lambda c: c.execute(
+            "SELECT COUNT(*), COALESCE(MAX(delivery_id), 0) FROM deliveries"
+            " WHERE client_id=? AND delivery_id>? AND acked=0", (client_id, after)).fetchone())
+        return int(row[0]), int(row[1])
 
     async def closed_groups(self) -> dict[str, str]:
         rows = await self._read(lambda c: c.execute(
@@ -488,7 +560,18 @@ class JobStore:
 
 
 _COLS = ("seq, job_id, client_id, group_id, state, stage, attempts, priority, spec, error,"
-         " reward, timings, created_at, updated_at")
+         " reward, timings, created_at, updated_at, crashes, in_stage")
+
+
+def _deliver(c: sqlite3.Connection, client_id: str, job_id: str) -> int:
+    """Insert a delivery under the client's next id (writer thread, inside the caller's
+    savepoint: if anything after this fails, the id goes back with the rollback)."""
+    delivery_id = int(c.execute(
+        "INSERT INTO delivery_marks VALUES (?, 1) ON CONFLICT(client_id)"
+        " DO UPDATE SET last_id=last_id+1 RETURNING last_id", (client_id,)).fetchone()[0])
+    c.execute("INSERT INTO deliveries (client_id, delivery_id, job_id, acked) VALUES (?,?,?,0)",
+              (client_id, delivery_id, job_id))
+    return delivery_id
 
 
 def _row_to_job(r: Sequence[Any]) -> StoredJob:
@@ -497,7 +580,8 @@ def _row_to_job(r: Sequence[Any]) -> StoredJob:
         seq=r[0], job_id=r[1], client_id=r[2], group_id=r[3], state=JobState(r[4]),
         stage=Stage(r[5]) if r[5] else None, attempts=r[6], priority=r[7],
         spec=spec_from_bytes(r[8]), error=error_from_json(r[9]), reward=r[10],
-        timings=timings, created_at=r[12], updated_at=r[13])
+        timings=timings, created_at=r[12], updated_at=r[13], crashes=r[14],
+        in_stage=bool(r[15]))
 
 
 def now() -> float:

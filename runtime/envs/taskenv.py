@@ -14,7 +14,8 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
 
 The environment is a venv built once per (repository, version, spec) in a build sandbox with no
 network: ``pip`` reads only the wheelhouses (``--no-index``): the shipped one
-(``runtime/envs/data/wheelhouse``) and ``$ROLLOUT_WHEELHOUSE`` (default
+(``runtime/envs/data/wheelhouse``: what the shipped tasks need, so they build offline out of the
+box; ``SOURCES.txt`` there lists each wheel's hash) and ``$ROLLOUT_WHEELHOUSE`` (default
 ``~/.cache/rollout/wheelhouse``), which ``python -m rollout.runtime.envs.tasks prepare FILE``
 fills ahead of time on a machine with registry access. The finished venv sits in
 ``$ROLLOUT_SWE_ENV_CACHE`` (default ``~/.cache/rollout/swe-envs``) and every later job of the

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout.runtime.handler import HandlerRegistry, JobContext
@@ -58,7 +58,12 @@ class PipelineConfig:
     cleanup_deadline_s: float = 30.0
     """Bound on each of handler.cleanup, resources.aclose and llm.end_session."""
     max_attempts: int = 3
-    """A job interrupted (crash, stop) this many times fails instead of running again."""
+    """A job whose stage was interrupted by a process crash this many times fails with
+    TOO_MANY_ATTEMPTS instead of running again (it may be what crashes the server). Waiting in
+    a queue during a crash, or a graceful stop, does not count."""
+    finish_retry_s: tuple[float, float] = (0.05, 5.0)
+    """First and longest pause between retries of a terminal write that failed (full disk,
+    I/O error): the job stays live and unannounced until its end is durable."""
     status_window_s: float = 30.0
     """Window of the per-stage throughput in ``status()``."""
     retention_s: float = 86_400.0
@@ -69,6 +74,9 @@ class PipelineConfig:
     0 = forever."""
     prune_interval_s: float = 60.0
     """How often the retention pass runs."""
+    replay_page: int = 256
+    """Deliveries read from the store at a time when a client replays a backlog (memory per
+    replaying client is about one page of trajectories)."""
 
     def __post_init__(self) -> None:
         for name in ("init_workers", "run_workers", "eval_workers", "stage_queue_size",
@@ -108,6 +116,11 @@ class StageRunner:
         self._stats = {s: StageStats(window_s=cfg.status_window_s) for s in STAGES}
         self._finished_counts: dict[JobState, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        """Set by the scheduler's stop(): failed terminal writes stop being retried (the job
+        stays live in the store and runs again on the next start)."""
+        self.finish_failures = 0
+        """Terminal writes that failed and were retried (not announced)."""
         self.metrics = SchedulerMetrics(self.status)
 
     def status(self) -> SchedulerStatus:
@@ -172,6 +185,9 @@ class StageRunner:
                     pool = nxt
                     continue
                 job.task = None
+                # Waiting for the next stage: a process death from here on is not charged to
+                # the job as a crash (see JobStore.recover).
+                self.store.record_waiting([job.job_id], wait=False)
                 pool.hand_on(job)
                 handed_on = True
                 return
@@ -278,22 +294,57 @@ class StageRunner:
             term = TerminationReason.ERROR
         traj = build_trajectory(job.ctx, job.job_id, job.spec.group_id, job.timings, reward, term,
                                 state=state, error=error, labels=job.spec.metadata)
-        delivery_id = self.store.next_delivery_id(job.client_id)
         rec = FinishRecord(job.job_id, job.client_id, state, job.stage, error,
                            reward.value if reward is not None else None, job.timings, traj,
                            now())
-        fut = self.store.finish(rec, delivery_id)
         to_cancel = self._groups.job_ended(job, state is JobState.SUCCEEDED)
         if to_cancel is not None:
-            self._spawn(self.store.close_group(job.spec.group_id, GROUP_FINISHED, now()))
+            self._spawn(self._close_group(job.spec.group_id))
             for other in to_cancel:
                 self._cancel(other, GROUP_FINISHED)
-        fut.add_done_callback(lambda f: self._announce(job, rec, delivery_id, traj, f))
+        self._commit_finish(job, rec, traj, 0)
 
-    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any,
-                  fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.error("could not persist the end of job %s: %s", job.job_id, fut.exception())
+    async def _close_group(self, group_id: str) -> None:
+        try:
+            await self.store.close_group(group_id, GROUP_FINISHED, now())
+        except Exception as exc:  # the closure is re-derived from succeeded counts at start
+            log.warning("could not persist the closure of group %s: %s", group_id, exc)
+
+    def _commit_finish(self, job: LiveJob, rec: FinishRecord, traj: Any, failures: int) -> None:
+        """Write the end of ``job``; announce it only once that write committed."""
+        try:
+            fut = self.store.finish(rec)
+        except Exception as exc:  # the writer is dead or the store closed: same as a failure
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
+        fut.add_done_callback(lambda f: self._finish_written(job, rec, traj, failures, f))
+
+    def _finish_written(self, job: LiveJob, rec: FinishRecord, traj: Any, failures: int,
+                        fut: asyncio.Future[Any]) -> None:
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is None:
+            self._announce(job, rec, int(fut.result()), traj)
+            return
+        # Nothing of it is durable (its savepoint or its batch rolled back), so nothing may be
+        # announced and no delivery id was used. The job stays live and is written again.
+        self.finish_failures += 1
+        if self._closing:
+            log.error("end of job %s not stored (%s); it runs again after the restart",
+                      job.job_id, exc)
+            job.mark_done()
+            return
+        first, longest = self.config.finish_retry_s
+        pause = min(longest, first * 2 ** failures)
+        log.error("could not store the end of job %s (%s); retrying in %.2fs", job.job_id, exc,
+                  pause)
+
+        async def retry() -> None:
+            await asyncio.sleep(pause)
+            self._commit_finish(job, replace(rec, at=now()), traj, failures + 1)
+
+        self._spawn(retry())
+
+    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any) -> None:
         self._live.pop(job.job_id, None)
         self._pending -= 1
         left = self._per_client.get(job.client_id, 1) - 1

@@ -1,22 +1,27 @@
 """Client subscriptions: the events a trainer's session receives, in order, with flow control.
 
 Why it works this way:
-- Trajectories are durable: a delivery is published only after its row committed, and a client
-  that re-attaches first gets every unacknowledged delivery replayed from the store in
-  ``delivery_id`` order. Live deliveries that race with the replay are buffered during it and
-  de-duplicated by ``delivery_id``, so nothing arrives twice and nothing is skipped.
+- Trajectories are durable: a delivery is published only after its row committed, so the store
+  always holds every delivery a subscription has not sent yet. A subscription therefore never
+  buffers deliveries it cannot send now: when it is "behind" (replaying on attach, or held back
+  by flow control) it drops live ones and later reads pages from the store in ``delivery_id``
+  order, ``page_size`` at a time and only as fast as the consumer takes them. Memory per client
+  is one page and the ids of outstanding deliveries, however large the backlog.
+- Ids follow commit order, so a page ending below a dropped live id means more is waiting; a live
+  delivery at or below the cursor is one a page already carried (nothing arrives twice).
 - Progress events are ephemeral: a detached client misses them, and a consumer that falls far
   behind loses the oldest progress events rather than growing memory without bound.
 - Flow control (``max_unacked``): once that many deliveries are outstanding, further deliveries
-  wait here (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
+  wait in the store (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
   max-outstanding-messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +71,11 @@ class JobFinished:
 
 
 Event = JobAccepted | StageProgress | TrajectoryReady | JobFinished
+Delivery = tuple[TrajectoryReady, JobFinished]
+Fetch = Callable[[int, int], Awaitable[list[Delivery]]]
+"""``fetch(after_id, limit)``: the client's unacknowledged deliveries above ``after_id``."""
+
+log = logging.getLogger(__name__)
 
 
 class Subscription:
@@ -73,24 +83,34 @@ class Subscription:
 
     def __init__(self, client_id: str, *, max_unacked: int = 0, max_buffered: int = 10_000,
                  on_close: Callable[[Subscription], None] | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, fetch: Fetch | None = None,
+                 page_size: int = 256) -> None:
         self.client_id = client_id
         self.progress = progress
         """Whether StageProgress events are wanted at all."""
         self.max_unacked = max_unacked
         """0 means unlimited."""
         self._max_buffered = max_buffered
+        self._fetch = fetch
+        self._page_size = page_size
         self._events: deque[Event] = deque()
-        self._held: deque[tuple[TrajectoryReady, JobFinished]] = deque()
         self._outstanding: set[int] = set()
-        self._replaying = True
-        self._early: list[Event | tuple[TrajectoryReady, JobFinished]] = []
+        self._cursor = 0
+        """Highest delivery id queued to the consumer (or acknowledged before attach)."""
+        self._behind = fetch is not None
+        """Deliveries above the cursor wait in the store; live ones are dropped meanwhile."""
+        self._dropped_max = 0
+        """Highest live delivery id dropped while behind: a page must reach it to catch up."""
+        self._in_store = 0
+        """Deliveries known to wait in the store (approximate; for heartbeats only)."""
+        self._replay_upto = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._filling = asyncio.Lock()
         self._closed = False
         self._on_close = on_close
         self.dropped_progress = 0
         self.replaying = 0
-        """How many stored deliveries were replayed on attach."""
+        """How many stored deliveries were waiting for this client when it attached."""
 
     @property
     def closed(self) -> bool:
@@ -103,13 +123,24 @@ class Subscription:
 
     @property
     def buffered(self) -> int:
-        """Events published but not yet taken by the consumer."""
+        """Events not yet taken by the consumer, counting deliveries the store holds for it
+        that flow control would let through now."""
+        return len(self._events) + (self._in_store if self._behind and self._room() else 0)
+
+    @property
+    def in_memory(self) -> int:
+        """Events held in memory now (what paging bounds)."""
         return len(self._events)
 
     @property
     def unacked(self) -> int:
-        """Outstanding deliveries plus those held back by ``max_unacked``."""
-        return len(self._outstanding) + len(self._held)
+        """Outstanding deliveries plus those waiting in the store (held back)."""
+        return len(self._outstanding) + (self._in_store if self._behind else 0)
+
+    def _room(self) -> int:
+        if not self.max_unacked:
+            return self._page_size
+        return max(0, min(self._page_size, self.max_unacked - len(self._outstanding)))
 
     # -- producer side (scheduler, on the event loop) ---------------------------------------
 
@@ -120,61 +151,85 @@ class Subscription:
                 not self.progress or len(self._events) >= self._max_buffered):
             self.dropped_progress += self.progress
             return
-        if self._replaying:
-            self._early.append(event)
-            return
         self._events.append(event)
         self._wake()
 
     def publish_delivery(self, ready: TrajectoryReady, finished: JobFinished) -> None:
+        """A delivery that just committed. Queued now when nothing older waits in the store
+        and flow control allows; otherwise left to the store (where it already is)."""
         if self._closed:
             return
-        if self._replaying:
-            self._early.append((ready, finished))
+        did = ready.delivery_id
+        if did <= self._cursor:
+            return  # a page from the store carried it already
+        if self._behind or not self._room():
+            self._behind = True
+            self._in_store += 1
+            self._dropped_max = max(self._dropped_max, did)
+            self._wake()
             return
-        self._held.append((ready, finished))
-        self._release_held()
-
-    def finish_replay(self, replay: Iterable[tuple[TrajectoryReady, JobFinished]],
-                      acked_through: int) -> None:
-        """Queue the stored deliveries, then whatever arrived live meanwhile (de-duplicated)."""
-        if self._closed:  # a newer attach of the same client took over meanwhile
-            return
-        seen: set[int] = set()
-        for pair in replay:
-            self.replaying += 1
-            seen.add(pair[0].delivery_id)
-            self._held.append(pair)
-        self._replaying = False
-        early, self._early = self._early, []
-        for item in early:
-            if isinstance(item, tuple):
-                did = item[0].delivery_id
-                if did in seen or did <= acked_through:
-                    continue
-                self._held.append(item)
-            else:
-                self._events.append(item)
-        self._release_held()
+        self._queue(ready, finished)
         self._wake()
+
+    async def start(self, waiting: int, waiting_upto: int, acked_through: int) -> None:
+        """Begin after attach: ``waiting`` deliveries (ids up to ``waiting_upto``) are stored
+        for this client; read the first page now so it is ready before the first frame."""
+        self.replaying = waiting
+        self._in_store = waiting
+        self._replay_upto = waiting_upto
+        self._cursor = max(self._cursor, acked_through)
+        await self._fill()
+
+    def _queue(self, ready: TrajectoryReady, finished: JobFinished) -> None:
+        self._cursor = ready.delivery_id
+        self._outstanding.add(ready.delivery_id)
+        self._events.append(ready)
+        self._events.append(finished)
+
+    async def refill(self) -> None:
+        """Read the next page now if flow control has room (after an ack, so the consumer
+        finds the next deliveries ready instead of waiting for its next read)."""
+        if self._behind and self._room():
+            await self._fill()
+
+    async def _fill(self) -> None:
+        """Read one page from the store if behind and flow control leaves room."""
+        async with self._filling:  # one page at a time: the ack path and the consumer race
+            await self._fill_locked()
+
+    async def _fill_locked(self) -> None:
+        if not self._behind or self._closed or self._fetch is None:
+            return
+        room = self._room()
+        if not room:
+            return
+        dropped_before = self._dropped_max
+        page = await self._fetch(self._cursor, room)
+        if self._closed:
+            return
+        for ready, finished in page:
+            if ready.delivery_id <= self._cursor:
+                continue
+            if ready.delivery_id <= self._replay_upto:
+                ready = TrajectoryReady(ready.delivery_id, ready.job_id, ready.trajectory,
+                                        replayed=True)
+            self._queue(ready, finished)
+            self._in_store = max(0, self._in_store - 1)
+        if len(page) < room:
+            # A short page holds every unacknowledged delivery committed before it was read,
+            # and a dropped id was committed before it was dropped: one dropped before the read
+            # and missing from the page was acknowledged meanwhile, so the cursor may pass it.
+            self._cursor = max(self._cursor, dropped_before)
+            if self._dropped_max <= self._cursor:  # nothing newer was dropped during the read
+                self._behind = False
+                self._in_store = 0
 
     def acked(self, delivery_ids: Iterable[int] = (), through: int = 0) -> None:
         for d in delivery_ids:
             self._outstanding.discard(d)
         if through:
             self._outstanding = {d for d in self._outstanding if d > through}
-        self._release_held()
-
-    def _release_held(self) -> None:
-        moved = False
-        while self._held and (not self.max_unacked
-                              or len(self._outstanding) < self.max_unacked):
-            ready, finished = self._held.popleft()
-            self._outstanding.add(ready.delivery_id)
-            self._events.append(ready)
-            self._events.append(finished)
-            moved = True
-        if moved:
+        if self._behind:
             self._wake()
 
     def _wake(self) -> None:
@@ -193,6 +248,13 @@ class Subscription:
                 return self._events.popleft()
             if self._closed:
                 raise StopAsyncIteration
+            if self._behind and self._room():
+                try:
+                    await self._fill()
+                except Exception as exc:  # the store is failing: try again shortly
+                    log.warning("replay page for %s failed: %s", self.client_id, exc)
+                    await asyncio.sleep(0.5)
+                continue
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -213,8 +275,6 @@ class Subscription:
             return
         self._closed = True
         self._events.clear()
-        self._held.clear()
-        self._early.clear()
         self._wake()
         if self._on_close is not None:
             self._on_close(self)

@@ -5,6 +5,19 @@ everything queued while the previous transaction was committing turns N small wr
 transaction (group commit), so the cost per job falls as load rises. Each op is a callable
 applied to the writer's connection; its result (or exception) resolves an asyncio future back
 on the event loop with one ``call_soon_threadsafe`` per batch.
+
+Failure rules (what callers may rely on):
+- Each op runs inside its own SAVEPOINT: an op that raises half-way has its partial writes rolled
+  back and only its own future fails; the other ops of the batch commit.
+- A batch whose COMMIT fails (a full disk, an I/O error) fails every op of the batch: nothing of
+  it is durable, and every waiter hears so.
+- Store errors reach callers as :class:`StoreWriteFailed` (UNAVAILABLE): the request may be retried
+  once the store is healthy again; the raw SQLite error is the ``__cause__``.
+- If the writer thread itself dies (an error outside any op), every queued and every later write
+  fails at once with :class:`StoreWriteFailed` instead of waiting forever on a thread that is gone.
+- ``synchronous=FULL`` by default: a commit is on disk before its waiter hears of it, so an
+  operating-system crash or power loss cannot lose a delivery that was announced. ``NORMAL``
+  (configurable) keeps commits across a process crash only.
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from rollout.server.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +52,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     trajectory  BLOB,
     created_at  REAL NOT NULL,
     updated_at  REAL NOT NULL,
-    pruned_at   REAL
+    pruned_at   REAL,
+    in_stage    INTEGER NOT NULL DEFAULT 0,
+    crashes     INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_group ON jobs (group_id, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_client ON jobs (client_id, seq);
@@ -69,7 +86,9 @@ CREATE TABLE IF NOT EXISTS closed_groups (
 
 # Columns added after the first release: (table, column, type). Databases created before them
 # get the column on open; see ``migrate``.
-_ADDED_COLUMNS = (("jobs", "pruned_at", "REAL"), ("deliveries", "acked_at", "REAL"))
+_ADDED_COLUMNS = (("jobs", "pruned_at", "REAL"), ("deliveries", "acked_at", "REAL"),
+                  ("jobs", "in_stage", "INTEGER NOT NULL DEFAULT 0"),
+                  ("jobs", "crashes", "INTEGER NOT NULL DEFAULT 0"))
 
 # Indexes on the added columns (created after ``migrate`` so old databases have the columns).
 # Partial, so they only hold the rows retention looks at: acknowledged deliveries and jobs whose
@@ -97,14 +116,35 @@ def migrate(conn: sqlite3.Connection, now: float) -> None:
 
 Op = Callable[[sqlite3.Connection], Any]
 Result = tuple[asyncio.Future[Any] | None, Any, BaseException | None]
+SYNCHRONOUS = ("FULL", "NORMAL", "EXTRA")
+"""Values accepted for ``synchronous``; OFF is not offered (it loses commits on a power cut)."""
+
+
+class StoreWriteFailed(Unavailable):
+    """A write did not commit (full disk, I/O error, dead writer). Nothing of it is durable."""
+
+    default_reason = "STORE_WRITE_FAILED"
+
+
+def _failed(exc: BaseException, what: str) -> StoreWriteFailed:
+    if isinstance(exc, StoreWriteFailed):
+        return exc
+    err = StoreWriteFailed(f"the job store could not {what}: {exc}. Nothing of this request was "
+                           "stored; retry once the server's state directory is writable again")
+    err.__cause__ = exc
+    return err
 
 
 class Writer(threading.Thread):
     """The single writer: applies queued ops in batches, one transaction per batch."""
 
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, max_batch: int,
+                 synchronous: str = "FULL") -> None:
         super().__init__(name="jobstore-writer", daemon=True)
+        if synchronous not in SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {', '.join(SYNCHRONOUS)}")
         self._path = path
+        self._synchronous = synchronous
         self._loop = loop
         self._max_batch = max_batch
         self.queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any] | None] | None] = (
@@ -113,10 +153,29 @@ class Writer(threading.Thread):
         self.startup_error: BaseException | None = None
         self.batches = 0
         self.ops = 0
+        self.dead: BaseException | None = None
+        """Why the thread stopped serving writes; set once, under ``_lock``."""
+        self._lock = threading.Lock()
+
+    def submit(self, op: Op, fut: asyncio.Future[Any] | None) -> None:
+        """Queue ``op``; raises StoreWriteFailed at once if the writer is dead.
+
+        The lock makes "check dead, then enqueue" atomic with "mark dead, then drain", so no
+        write can slip into the queue after the dying thread emptied it.
+        """
+        with self._lock:
+            if self.dead is not None:
+                raise _failed(self.dead, "write (its writer thread stopped)")
+            self.queue.put((op, fut))
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.dead is None:
+                self.queue.put(None)
 
     def run(self) -> None:
         try:
-            conn = connect(self._path)
+            conn = connect(self._path, self._synchronous)
             if conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0:
                 # A new database: let ``PRAGMA incremental_vacuum`` hand pruned pages back to
                 # the OS if an operator ever wants the file smaller. Retention itself relies
@@ -130,23 +189,46 @@ class Writer(threading.Thread):
             self.ready.set()
             return
         self.ready.set()
-        stop = False
-        while not stop:
-            item = self.queue.get()
-            batch = []
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= self._max_batch:
-                    break
+        batch: list[tuple[Op, asyncio.Future[Any] | None]] = []
+        try:
+            stop = False
+            while not stop:
+                item = self.queue.get()
+                batch = []
+                while item is not None:
+                    batch.append(item)
+                    if len(batch) >= self._max_batch:
+                        break
+                    try:
+                        item = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    stop = True
+                if batch:
+                    self._apply(conn, batch)
+                    batch = []
+        except BaseException as exc:
+            log.critical("job store writer thread died; every write now fails", exc_info=True)
+            self._die(exc, batch)
+        finally:
+            conn.close()
+
+    def _die(self, exc: BaseException, batch: list[tuple[Op, asyncio.Future[Any] | None]]
+             ) -> None:
+        """Fail the batch in hand and everything queued behind it, in one go."""
+        with self._lock:
+            self.dead = exc
+            pending = list(batch)
+            while True:
                 try:
                     item = self.queue.get_nowait()
                 except queue.Empty:
                     break
-            else:
-                stop = True
-            if batch:
-                self._apply(conn, batch)
-        conn.close()
+                if item is not None:
+                    pending.append(item)
+        err = _failed(exc, "write (its writer thread stopped)")
+        self._resolve([(fut, None, err) for _, fut in pending])
 
     def _apply(self, conn: sqlite3.Connection,
                batch: list[tuple[Op, asyncio.Future[Any] | None]]) -> None:
@@ -154,27 +236,40 @@ class Writer(threading.Thread):
         try:
             conn.execute("BEGIN")
             for op, fut in batch:
+                # One savepoint per op: an op that raises half-way takes back exactly its own
+                # writes; the rest of the batch commits.
+                conn.execute("SAVEPOINT op")
                 try:
-                    results.append((fut, op(conn), None))
-                except Exception as exc:  # one bad op must not sink the batch
-                    log.exception("job store write failed")
-                    results.append((fut, None, exc))
+                    value = op(conn)
+                except Exception as exc:  # one bad op must not sink (or half-commit) the batch
+                    log.warning("job store write failed: %s", exc)
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    results.append((fut, None, _failed(exc, "write") if isinstance(
+                        exc, sqlite3.Error) else exc))
+                else:
+                    conn.execute("RELEASE op")
+                    results.append((fut, value, None))
             conn.execute("COMMIT")
-        except Exception as exc:
-            log.exception("job store commit failed")
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            results = [(fut, None, exc) for _, fut in batch]
+        except sqlite3.Error as exc:
+            log.error("job store commit failed (%d ops lost): %s", len(batch), exc)
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            err = _failed(exc, "commit")
+            results = [(fut, None, err) for _, fut in batch]
         self.batches += 1
         self.ops += len(batch)
+        self._resolve(results)
+
+    def _resolve(self, results: list[Result]) -> None:
         if any(fut is not None for fut, _, _ in results):
             try:
                 self._loop.call_soon_threadsafe(resolve_batch, results)
             except RuntimeError:  # loop closed during shutdown
                 pass
-
 
 
 def resolve_batch(results: list[Result]) -> None:
@@ -187,9 +282,9 @@ def resolve_batch(results: list[Result]) -> None:
             fut.set_result(value)
 
 
-def connect(path: str) -> sqlite3.Connection:
+def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute("PRAGMA foreign_keys=OFF")
     return conn

@@ -84,6 +84,10 @@ async def test_sigkill_mid_run_then_restart_delivers_everything(tmp_path):
         for j in RUNNING:
             rec = await sched.get(j)
             assert rec is not None and rec.attempts == 2, "interrupted once, ran again"
+        # Only the jobs inside a stage at the kill are charged a crash; those waiting in a
+        # queue (before INIT, or between stages) are not.
+        crashes = {j: (await sched.store.get(j)).crashes for j in RUNNING + QUEUED}
+        assert crashes == {**{j: 1 for j in RUNNING}, **{j: 0 for j in QUEUED}}
         ids = sorted(d.delivery_id for d in deliveries.values())
         assert ids == list(range(1, len(everything) + 1))
 
@@ -112,18 +116,61 @@ async def test_graceful_stop_requeues_running_jobs(tmp_path):
 
 
 @pytest.mark.timeout(30)
-async def test_job_interrupted_too_often_fails_instead_of_looping(tmp_path):
+async def test_job_that_keeps_crashing_inside_a_stage_fails_instead_of_looping(tmp_path):
     db = tmp_path / "jobs.db"
     store = JobStore(db)
     await store.open()
-    await store.insert_jobs([(spec("loop"), "c")], 1.0)
-    store.record_stage("loop", Stage.RUN, 3, 2.0)
+    await store.insert_jobs([(spec("loop"), "c"), (spec("waited"), "c")], 1.0)
+    await store.recover([("loop", 2), ("waited", 2)], 1.5)  # two crashes charged before
+    store.record_stage("loop", Stage.RUN, 3, 2.0)  # the process died inside RUN a third time
+    store.record_stage("waited", Stage.INIT, 3, 2.0)
+    await store.record_waiting(["waited"])  # ... while this one was queued for RUN
     await store.close()
     async with running_scheduler(db, max_attempts=3) as (sched, handler):
         sub = await sched.attach("c")
-        fin = (await collect_finished(sub, ["loop"]))["loop"]
-        assert fin.state is JobState.FAILED and fin.error.reason == "TOO_MANY_ATTEMPTS"
+        fin = await collect_finished(sub, ["loop", "waited"])
+        assert fin["loop"].state is JobState.FAILED
+        assert fin["loop"].error.reason == "TOO_MANY_ATTEMPTS"
         assert not handler.started("loop", "init")
+        assert fin["waited"].state is JobState.SUCCEEDED  # waiting is not crashing
+        assert (await sched.store.get("waited")).crashes == 2
+
+
+@pytest.mark.timeout(60)
+async def test_graceful_restarts_never_count_against_jobs(tmp_path):
+    """Five graceful stops with jobs inside a stage and jobs queued: none is charged, none
+    fails (three such restarts used to fail a sixth of the jobs with TOO_MANY_ATTEMPTS)."""
+    db = tmp_path / "jobs.db"
+    ids = [f"g{i}" for i in range(6)]
+    for restart in range(5):
+        async with running_scheduler(db, init_workers=1, run_workers=1,
+                                     max_attempts=2) as (sched, handler):
+            if restart == 0:
+                await sched.submit([spec(j, gate=["run"]) for j in ids], "c")
+            await assert_eventually(lambda h=handler: h.started("g0", "run"))
+            await sched.stop(grace_s=0.0)
+        for j in ids:
+            rec = await _stored(db, j)
+            assert rec.crashes == 0 and not rec.in_stage and not rec.state.terminal
+    again = ScriptedHandler()
+    for j in ids:
+        again.open(j, "run")
+    async with running_scheduler(db, handler=again, max_attempts=2) as (sched, _):
+        sub = await sched.attach("c")
+        done = await collect_finished(sub, ids)
+        assert {f.state for f in done.values()} == {JobState.SUCCEEDED}
+        assert (await sched.store.get("g0")).attempts == 6  # started once per run
+
+
+async def _stored(db: Path, job_id: str):
+    store = JobStore(db)
+    await store.open()
+    try:
+        rec = await store.get(job_id)
+        assert rec is not None
+        return rec
+    finally:
+        await store.close()
 
 
 if __name__ == "__main__":

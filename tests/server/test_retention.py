@@ -109,9 +109,8 @@ async def test_prune_works_in_bounded_batches_and_keeps_marks(tmp_path):
     try:
         await store.insert_jobs([(spec(f"j{i}"), "c") for i in range(10)], 1.0)
         for i in range(10):
-            did = store.next_delivery_id("c")
             await store.finish(FinishRecord(f"j{i}", "c", JobState.SUCCEEDED, None, None, 1.0,
-                                            StageTimings(), None, 2.0), did)
+                                            StageTimings(), None, 2.0))
         await store.ack("c", through=7)
         before = store.write_stats[0]
         stats = await store.prune(acked_before=1e18, batch=3)
@@ -134,14 +133,14 @@ async def test_old_schema_is_migrated(tmp_path):
     store = JobStore(db)
     await store.open()
     try:
-        assert store.next_delivery_id("c") == 5
+        assert await store.next_delivery_id("c") == 5
         assert (await store.prune(acked_before=1e18)).trajectories == 1
     finally:
         await store.close()
     store = JobStore(db)
     await store.open()
     try:
-        assert store.next_delivery_id("c") == 5  # the mark outlived the pruned row
+        assert await store.next_delivery_id("c") == 5  # the mark outlived the pruned row
     finally:
         await store.close()
 

@@ -57,10 +57,10 @@ async def test_finished_deliveries_survive_reopen_until_acked(tmp_path):
     for i in range(4):
         err = JobError("TIMEOUT", "RUN_TIMEOUT", "slow", Stage.RUN) if i == 3 else None
         state = JobState.FAILED if i == 3 else JobState.SUCCEEDED
-        did = store.next_delivery_id("trainer")
-        await store.finish(FinishRecord(f"j{i}", "trainer", state, Stage.EVAL, err,
-                                        1.0 if i < 3 else None, StageTimings(run_s=0.5),
-                                        _traj(f"j{i}"), 2.0), did)
+        did = await store.finish(FinishRecord(
+            f"j{i}", "trainer", state, Stage.EVAL, err, 1.0 if i < 3 else None,
+            StageTimings(run_s=0.5), _traj(f"j{i}"), 2.0))
+        assert did == i + 1  # assigned in the transaction, per client, in commit order
     await store.ack("trainer", [2])
     await store.close()
 
@@ -73,7 +73,7 @@ async def test_finished_deliveries_survive_reopen_until_acked(tmp_path):
         assert pending[2].job.error == JobError("TIMEOUT", "RUN_TIMEOUT", "slow", Stage.RUN)
         assert pending[0].job.timings.run_s == 0.5
         # Ids keep growing across restarts, so a client's acked_through stays meaningful.
-        assert store.next_delivery_id("trainer") == 5
+        assert await store.next_delivery_id("trainer") == 5
         await store.ack("trainer", through=3)
         assert [d.delivery_id for d in await store.unacked("trainer")] == [4]
         assert await store.unacked("someone-else") == []

@@ -3,13 +3,14 @@ wheelhouse, bound read-only into every job, and what goes wrong without them."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.taskenv import EnvSpec, user_wheelhouses
+from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec, user_wheelhouses
 from rollout.runtime.envs.tasks import fill_wheelhouse, load_tasks
 from rollout.runtime.handler import JobContext
 from rollout.runtime.types import InvalidArgument
@@ -58,6 +59,9 @@ async def test_a_wheelhouse_only_dependency_needs_the_environment(rollout: Rollo
 async def test_environment_is_built_once_then_bound_read_only(
         rollout: Rollout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLOUT_SWE_ENV_CACHE", str(tmp_path / "envs"))
+    # Offline from the shipped wheelhouse alone: the user's wheelhouse is an empty folder.
+    (tmp_path / "no-wheels").mkdir()
+    monkeypatch.setenv("ROLLOUT_WHEELHOUSE", str(tmp_path / "no-wheels"))
     views: list[str] = []
 
     async def look(ctx: JobContext) -> None:
@@ -93,3 +97,14 @@ def test_bad_specs_name_the_field(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         SweHandler().validate_task({**MDURL, "spec": spec})
     assert err.value.field == field, str(err.value)
+
+
+def test_vendored_wheels_match_their_recorded_hashes() -> None:
+    listed = {}
+    for line in (SHIPPED_WHEELHOUSE / "SOURCES.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            digest, name = line.split()
+            listed[name] = digest
+    assert set(listed) == {p.name for p in SHIPPED_WHEELHOUSE.glob("*.whl")}
+    for name, digest in listed.items():
+        assert hashlib.sha256((SHIPPED_WHEELHOUSE / name).read_bytes()).hexdigest() == digest
