@@ -24,7 +24,16 @@ INVALID_ARGUMENT, UNAUTHENTICATED and every other verdict on the request; those 
 ``events()`` with a :class:`RolloutError`.
 
 Sequence numbers restart at 1 on each underlying stream; every re-open shows up as a new
-``opened`` frame.
+``opened`` frame. Each re-open sends the ``store_id`` of the previous one: if the server's
+store changed (its state was lost), the server ignores the old ``acked_through``, the
+``opened`` frame says ``store_changed`` and the session forgets its delivery bookkeeping
+(the new store numbers deliveries from 1 again). Jobs accepted by the lost store never
+finish; ``store_resets`` counts such re-opens.
+
+Re-submitting a job id this client already used never runs it again; ``if_finished`` on
+:meth:`submit` picks what a finished one gets (docs/PROTOCOL.md): ``"report"`` (the default:
+``accepted`` with the final state, nothing more), ``"replay"`` (its stored trajectory again,
+under a new delivery id, with ``resubmitted`` set) or ``"reject"``.
 
 Ending: ``close()`` means "nothing more to submit". The session half-closes the stream only
 when it owes the server nothing: every submit answered, every trajectory it yielded
@@ -50,6 +59,9 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
 _END = object()
+_FINISHED_POLICIES = {"report": pb.FINISHED_JOB_POLICY_REPORT,
+                      "replay": pb.FINISHED_JOB_POLICY_REPLAY,
+                      "reject": pb.FINISHED_JOB_POLICY_REJECT}
 _STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 
 
@@ -74,6 +86,8 @@ class Session:
         """Successful re-opens after a drop."""
         self.opened = pb.SessionOpened()
         """The latest ``opened`` frame (empty until the stream is open)."""
+        self.store_resets = 0
+        """Re-opens that found the server on another store (its state was lost)."""
 
         # Unbounded on purpose: a caller that submits a large batch before it starts reading
         # must not stall the reader, or the server's replies back up until it stops reading
@@ -83,8 +97,10 @@ class Session:
         self._lock = asyncio.Lock()  # one writer at a time; (re)connect is atomic to writers
         self._call: Any = None
         self._half_closed = False
+        self._ready = False
         self._closing = False
         self._pending: dict[str, job_pb2.JobSpec] = {}
+        self._policy: dict[str, int] = {}  # if_finished of each pending job
         self._finished: set[str] = set()
         self._acked_through = 0
         self._acked: set[int] = set()  # acked ids above _acked_through
@@ -131,21 +147,31 @@ class Session:
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, specs: SpecLike | Iterable[SpecLike]) -> list[str]:
-        """Submit jobs; each is answered by an ``accepted`` or ``rejected`` frame."""
+    async def submit(self, specs: SpecLike | Iterable[SpecLike], *,
+                     if_finished: str = "report") -> list[str]:
+        """Submit jobs; each is answered by an ``accepted`` or ``rejected`` frame.
+        ``if_finished`` (``report`` / ``replay`` / ``reject``) decides what a job id of this
+        client whose job already finished gets (see the module docstring)."""
         protos = job_specs(specs)
+        policy = _FINISHED_POLICIES.get(if_finished)
+        if policy is None:
+            raise ValueError(f"if_finished must be one of {sorted(_FINISHED_POLICIES)}")
         if self._closing:
             raise RuntimeError("session is closing; no more submits")
         async with self._lock:
             for p in protos:
                 self._pending[p.job_id] = p
-            await self._write_locked(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(jobs=protos)))
+                self._policy[p.job_id] = policy
+                self._finished.discard(p.job_id)  # a replay's `finished` must come through
+            await self._write_locked(pb.StreamRolloutsRequest(
+                submit=pb.SubmitJobs(jobs=protos, if_finished=policy)))
         return [p.job_id for p in protos]
 
     async def submit_group(self, template: SpecLike, n: int, group_id: str,
-                           finish_after: int = 0) -> list[str]:
+                           finish_after: int = 0, *, if_finished: str = "report") -> list[str]:
         """``n`` samples of one prompt as jobs ``{group_id}/{i}`` of one group."""
-        return await self.submit(group_specs(template, n, group_id, finish_after))
+        return await self.submit(group_specs(template, n, group_id, finish_after),
+                                 if_finished=if_finished)
 
     async def ack(self, delivery_ids: Iterable[int]) -> None:
         new = [i for i in delivery_ids if i > self._acked_through and i not in self._acked]
@@ -201,7 +227,7 @@ class Session:
     async def _write_locked(self, req: pb.StreamRolloutsRequest) -> bool:
         """Write on the live stream; False when there is none (the state is re-sent on
         reconnect, so a failed write loses nothing but a cancel)."""
-        if self._call is None or self._half_closed:
+        if self._call is None or self._half_closed or not self._ready:
             return False
         try:
             await self._call.write(req)
@@ -211,7 +237,8 @@ class Session:
 
     def _open_request(self) -> pb.StreamRolloutsRequest:
         open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
-                               max_unacked=self.max_unacked, progress=self.progress)
+                               max_unacked=self.max_unacked, progress=self.progress,
+                               store_id=self.opened.store_id)
         # Always set: an explicit zero turns heartbeats off (unset would mean the default).
         open_.heartbeat_interval.CopyFrom(Duration(
             seconds=int(max(self.heartbeat_s, 0)),
@@ -221,18 +248,28 @@ class Session:
     async def _connect(self) -> Any:
         async with self._lock:
             call = self.client.stub.StreamRollouts(metadata=self.client.metadata())
-            self._call, self._half_closed = call, False
+            # Writers wait (their state is kept and re-sent) until `opened` has been read.
+            self._call, self._half_closed, self._ready = call, False, False
             await call.write(self._open_request())
+            return call
+
+    async def _resend(self, call: Any) -> None:
+        """After ``opened``: what the last stream may have lost. Not before it, since acks
+        must not reach a server whose store changed (the ids would name other deliveries)."""
+        async with self._lock:
             if self._acked:
                 await call.write(pb.StreamRolloutsRequest(
                     ack=pb.AckTrajectories(delivery_ids=sorted(self._acked))))
-            if self._pending:
+            by_policy: dict[int, list[job_pb2.JobSpec]] = {}
+            for job_id, spec in self._pending.items():
+                by_policy.setdefault(self._policy.get(job_id, 0), []).append(spec)
+            for policy, jobs in by_policy.items():
                 await call.write(pb.StreamRolloutsRequest(
-                    submit=pb.SubmitJobs(jobs=list(self._pending.values()))))
+                    submit=pb.SubmitJobs(jobs=jobs, if_finished=policy)))
             for msg in self._queued_cancels:
                 await call.write(pb.StreamRolloutsRequest(cancel=msg))
             self._queued_cancels.clear()
-            return call
+            self._ready = True
 
     async def _run(self) -> None:
         try:
@@ -258,6 +295,7 @@ class Session:
                 else:
                     self._first_open.set_result(None)
                 await self._on_frame(first)
+                await self._resend(call)
                 while (frame := await call.read()) is not grpc.aio.EOF:
                     await self._on_frame(frame)
                 self._call = None
@@ -291,11 +329,18 @@ class Session:
             self.on_wire(frame)
         kind = frame.WhichOneof("kind")
         if kind == "opened":
+            if frame.opened.store_changed:
+                # Another store numbers deliveries from 1 again: old ids mean nothing there.
+                self.store_resets += 1
+                self._acked_through = 0
+                self._acked.clear()
+                self._seen.clear()
+                self._finished.clear()
             self.opened = frame.opened
-        elif kind == "accepted":
+            self._confirmed(frame.opened.acked_through)
+        elif kind in ("accepted", "rejected"):
             self._pending.pop(frame.job_id, None)
-        elif kind == "rejected":
-            self._pending.pop(frame.job_id, None)
+            self._policy.pop(frame.job_id, None)
         elif kind == "finished":
             if frame.job_id in self._finished:
                 return
@@ -309,8 +354,21 @@ class Session:
                 return
             self._seen.add(did)
         elif kind == "heartbeat":
+            self._confirmed(frame.heartbeat.acked_through)
             await self._maybe_half_close(frame.heartbeat)
         await self._events.put(frame)
+
+    def _confirmed(self, acked_through: int) -> None:
+        """The server says every delivery up to ``acked_through`` is durably acknowledged
+        (also those an earlier process acknowledged): no need to keep or re-send them."""
+        if acked_through <= self._acked_through:
+            return
+        self._acked_through = acked_through
+        self._acked = {i for i in self._acked if i > acked_through}
+        while self._acked_through + 1 in self._acked:
+            self._acked_through += 1
+            self._acked.discard(self._acked_through)
+        self._seen = {i for i in self._seen if i > self._acked_through}
 
     async def ack_again(self, delivery_id: int) -> None:
         """A replay of an acknowledged trajectory means the ack was lost: send it again."""

@@ -4,7 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-rm -f proto/rollout/v1/*_pb2.py proto/rollout/v1/*_pb2.pyi proto/rollout/v1/*_pb2_grpc.py
+rm -f proto/rollout/v1/*_pb2.py proto/rollout/v1/*_pb2.pyi proto/rollout/v1/*_pb2_grpc.py \
+  proto/rollout/v1/descriptor_set.binpb
 "$PY" -m grpc_tools.protoc -Iproto \
   --python_out=proto --pyi_out=proto --grpc_python_out=proto \
   proto/rollout/v1/*.proto
+# The descriptor set with comments (source info) that server reflection serves, so that
+# `grpcurl describe` shows the documentation (server/reflection.py).
+"$PY" -m grpc_tools.protoc -Iproto --include_imports --include_source_info \
+  --descriptor_set_out=proto/rollout/v1/descriptor_set.binpb proto/rollout/v1/*.proto

@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from rollout.runtime.envs.common import DATA_DIR, set_host_path_roots
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import InvalidArgument
+from rollout.server import reflection as rollout_reflection
 from rollout.server.auth import Authenticator, server_credentials
 from rollout.server.config import Config
 from rollout.server.interceptors import ServiceInterceptor
@@ -158,7 +158,7 @@ class Server:
             RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s,
                             min_heartbeat_s=cfg.server.min_heartbeat_s,
                             max_page_bytes=cfg.server.max_message_bytes // 2), server)
-        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        names = [SERVICE_NAME, health.SERVICE_NAME]
         if self.llm is not None and hasattr(self.llm, "add"):
             from rollout.server.backends_servicer import BackendServicer
             from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc
@@ -169,7 +169,8 @@ class Server:
                 backend_service_pb2.DESCRIPTOR.services_by_name["BackendService"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if cfg.server.reflection:
-            reflection.enable_server_reflection(names, server)
+            # Our own reflection: v1 beside v1alpha, and descriptors that keep their comments.
+            rollout_reflection.enable(server, names)
         try:
             self.port = (server.add_secure_port(f"{cfg.server.host}:{cfg.server.port}", tls)
                          if tls is not None else

@@ -30,8 +30,10 @@ Decisions:
 - submit() returns per-job results: one bad job does not reject its batch. The pending cap and the
   per-client cap reject the whole batch with Overloaded (RESOURCE_EXHAUSTED).
 - cancel() waits (bounded by the cleanup deadline) until the cancelled jobs are terminal and their
-  resources are freed, unless ``wait=False``. Cancelling a group also closes it: later jobs of
-  that group are cancelled at once, like jobs of a group that reached ``finish_after``.
+  resources are freed, unless ``wait=False``. Cancelling a group also closes it: jobs of that
+  group submitted while any of its jobs is live are cancelled at once, like jobs of a group that
+  reached ``finish_after``. A group with no live job is not closed (its id is free again); one
+  no job ever had is NOT_FOUND / GROUP_NOT_FOUND (server/pipeline/groups.py).
 - ``attempts`` counts INIT starts. ``crashes`` counts process deaths while the job was inside a
   stage; at ``max_attempts`` crashes the job fails with INTERNAL / TOO_MANY_ATTEMPTS instead of
   crash-looping the server. Waiting in a queue during a crash and graceful stops are free.
@@ -118,6 +120,7 @@ class Scheduler(StageRunner):
         """Job ids whose submit commit is in flight (how many submits): not orphans yet."""
         super().__init__(store, registry, llm=llm, sandbox_factory=sandbox_factory,
                          config=config)
+        self._groups.on_reopen = lambda gid: self._spawn(self.store.reopen_group(gid))
         self.retention = Retention(store, retention_s=self.config.retention_s,
                                    job_retention_s=self.config.job_retention_s,
                                    interval_s=self.config.prune_interval_s)
@@ -137,7 +140,8 @@ class Scheduler(StageRunner):
         """
         sub = self._subs.get(client_id)
         return {"in_flight": self._per_client.get(client_id, 0),
-                "unacked": sub.unacked if sub is not None else 0}
+                "unacked": sub.unacked if sub is not None else 0,
+                "held_back": sub.unacked - sub.outstanding if sub is not None else 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -147,6 +151,8 @@ class Scheduler(StageRunner):
         stored = await self.store.live_jobs()
         crashed = await self._adopt_stored(stored)
         self._running = True
+        for gid in self._groups.drop_idle():  # closures whose jobs all ended: ids free again
+            await self.store.reopen_group(gid)
         if stored:
             log.info("recovered %d unfinished jobs (%d crashed inside a stage)", len(stored),
                      crashed)
@@ -370,8 +376,14 @@ class Scheduler(StageRunner):
                 raise NotCancellable(f"job {job_id!r} already finished")
             jobs.append(job)
         if group_id:
-            jobs += [j for j in self._groups.close(group_id, reason) if j not in jobs]
-            await self.store.close_group(group_id, reason, now())
+            if not self._groups.has_live(group_id):
+                # Nothing to stop and nothing to close: the id is free for a new group.
+                if not await self.store.group_exists(group_id):
+                    raise NotFound(f"no job ever had group_id {group_id!r}",
+                                   "GROUP_NOT_FOUND", "group_id")
+            else:
+                jobs += [j for j in self._groups.close(group_id, reason) if j not in jobs]
+                await self.store.close_group(group_id, reason, now())
         waits = [j.wait_done() for j in jobs if not j.finishing] if wait else []
         ids = [j.job_id for j in jobs if self._cancel(j, reason)]
         if waits:
@@ -462,6 +474,32 @@ class Scheduler(StageRunner):
         if sub is not None:
             sub.acked(delivery_ids, through)
             await sub.refill()
+
+    async def redeliver(self, job_id: str,
+                        client_id: str) -> tuple[int, Callable[[], None] | None] | None:
+        """Prepare a finished job's stored trajectory for ``client_id`` again (a re-submit with
+        the REPLAY policy). Returns the delivery id and a function that announces it to the
+        client's session (call it once the caller has answered the submit, so the answer
+        comes first); None when retention already deleted the trajectory. A delivery of the
+        job to this client that is still unacknowledged is the answer already (it is sent or
+        replayed as usual), so none is added beside it: its id comes back with no function."""
+        pending = await self.store.unacked_delivery(client_id, job_id)
+        if pending is not None:
+            return pending, None
+        stored = await self.store.get(job_id)
+        traj = await self.store.get_trajectory(job_id)
+        if stored is None or traj is None or not stored.state.terminal:
+            return None
+        did = await self.store.add_delivery(client_id, job_id)  # durable before announced
+        ready = TrajectoryReady(did, job_id, traj, replayed=True)
+        finished = JobFinished(job_id, stored.state, stored.error, stored.reward, did)
+
+        def announce() -> None:
+            sub = self._subs.get(client_id)
+            if sub is not None:
+                sub.publish_delivery(ready, finished)
+
+        return did, announce
 
     async def prune(self) -> PruneStats:
         """Run one retention pass now (acked trajectories past ``retention_s``, then job rows

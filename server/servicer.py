@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 DEFAULT_MAX_UNACKED = 1024
+MAX_PAGE_BYTES = (7 << 20) // 2
+"""ListJobs pages stay under the 4 MiB receive limit that grpc-js, grpc-go and grpc-java
+default to, whatever the server's own (larger) message limit."""
 _PROGRESS_EVENTS = {"started": pb.StageProgress.EVENT_STARTED,
                     "finished": pb.StageProgress.EVENT_FINISHED,
                     "turn": pb.StageProgress.EVENT_TURN}
@@ -75,6 +78,26 @@ def _finished_to_proto(ev: JobFinished) -> pb.JobFinished:
     return msg
 
 
+class AlreadyExists(errors.ServiceError):
+    """A job id that another client owns, or a finished job re-submitted with REJECT."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    default_reason = "JOB_ID_TAKEN"
+
+
+def _job_id_taken(job_id: str) -> AlreadyExists:
+    return AlreadyExists(f"job_id {job_id!r} belongs to another client; job ids are owned by "
+                         "the client that first submitted them: choose another id (e.g. "
+                         "prefix your client id)", "JOB_ID_TAKEN", "job_id")
+
+
+def _result_pruned(job_id: str) -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(
+        f"job {job_id!r} finished and retention (pipeline.retention_s) has deleted its "
+        "trajectory, so it cannot be delivered again; submit under a new job id to run it "
+        "again", "JOB_RESULT_PRUNED", "job_id")
+
+
 def _rejected(exc: BaseException) -> pb.JobRejected:
     m = errors.classify(exc)
     return pb.JobRejected(code=m.code.value[0], reason=m.reason, message=m.message,
@@ -87,11 +110,17 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         self._scheduler = scheduler
         self._heartbeat_s = heartbeat_s
         self._min_heartbeat_s = min_heartbeat_s
-        self._max_page_bytes = max_page_bytes
+        self._max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
         """ListJobs stops a page before its jobs pass this many bytes (under the message
         limit, whatever metadata and tasks the jobs carry)."""
         self._started = time.monotonic()
+        self._store_id = ""
         self.sessions = 0
+
+    async def _get_store_id(self) -> str:
+        if not self._store_id:
+            self._store_id = await self._scheduler.store.store_id()
+        return self._store_id
 
     # ------------------------------------------------------------------ the session stream
 
@@ -121,9 +150,14 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 f"open.heartbeat_interval must be 0 (no heartbeats) or at least "
                 f"{self._min_heartbeat_s:g} s (the server's server.min_heartbeat_s)",
                 "HEARTBEAT_TOO_SHORT", "open.heartbeat_interval")
+        store_id = await self._get_store_id()
+        # Delivery ids from another store would acknowledge deliveries this client never saw.
+        store_changed = bool(opened.store_id) and opened.store_id != store_id
         sub = await self._scheduler.attach(
-            client_id, acked_through=opened.acked_through,
+            client_id, acked_through=0 if store_changed else opened.acked_through,
             max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED, progress=opened.progress)
+        acked_through = await self._scheduler.store.acked_through(client_id)
+        resubmitted: set[int] = set()
         out: asyncio.Queue[Any] = asyncio.Queue(maxsize=4096)
         seq = 0
 
@@ -135,7 +169,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         async def read_requests() -> None:
             try:
                 async for req in request_iterator:
-                    await self._handle_request(req, client_id, out)
+                    await self._handle_request(req, client_id, out, resubmitted)
                 await out.put(_END)
             except Exception as exc:  # surfaced by the writer loop below
                 await out.put(exc)
@@ -155,16 +189,16 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         async def beat() -> None:
             while True:
                 await asyncio.sleep(heartbeat)
-                await out.put("heartbeat")
+                await out.put(await self._heartbeat(client_id))
 
         tasks = [asyncio.create_task(read_requests()), asyncio.create_task(pump_events())]
         if heartbeat > 0:
             tasks.append(asyncio.create_task(beat()))
         self.sessions += 1
         try:
-            yield frame(opened=pb.SessionOpened(client_id=client_id,
-                                                replaying=sub.replaying,
-                                                server_version=VERSION))
+            yield frame(opened=pb.SessionOpened(
+                client_id=client_id, replaying=sub.replaying, server_version=VERSION,
+                store_id=store_id, store_changed=store_changed, acked_through=acked_through))
             while True:
                 item = await out.get()
                 if item is _END:
@@ -177,7 +211,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                msg = self._event_frame(item, frame, client_id)
+                msg = self._event_frame(item, frame, resubmitted)
                 if msg is not None:
                     yield msg
         finally:
@@ -196,22 +230,29 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             await asyncio.sleep(0.05)
         await out.put(_END)
 
+    async def _heartbeat(self, client_id: str) -> pb.Heartbeat:
+        # acked_through comes from the store, so it confirms only acknowledgements that are
+        # durable (an ack is committed before the session's state changes).
+        acked_through = await self._scheduler.store.acked_through(client_id)
+        st = self._scheduler.client_stats(client_id)
+        now = Timestamp()
+        now.GetCurrentTime()
+        return pb.Heartbeat(server_time=now, jobs_in_flight=st.get("in_flight", 0),
+                            unacked=st.get("unacked", 0), held_back=st.get("held_back", 0),
+                            acked_through=acked_through)
+
     def _event_frame(self, item: Any, frame: Any,
-                     client_id: str) -> pb.StreamRolloutsResponse | None:
+                     resubmitted: set[int]) -> pb.StreamRolloutsResponse | None:
         if isinstance(item, pb.StreamRolloutsResponse):  # accepted / rejected from the reader
             return frame(item.job_id, **{item.WhichOneof("kind"): getattr(
                 item, item.WhichOneof("kind"))})
-        if item == "heartbeat":
-            st = self._scheduler.client_stats(client_id)
-            now = Timestamp()
-            now.GetCurrentTime()
-            return frame(heartbeat=pb.Heartbeat(server_time=now,
-                                                jobs_in_flight=st.get("in_flight", 0),
-                                                unacked=st.get("unacked", 0)))
+        if isinstance(item, pb.Heartbeat):
+            return frame(heartbeat=item)
         if isinstance(item, TrajectoryReady):
             return frame(item.job_id, trajectory=pb.TrajectoryReady(
                 delivery_id=item.delivery_id,
-                trajectory=convert.trajectory_to_proto(item.trajectory)))
+                trajectory=convert.trajectory_to_proto(item.trajectory),
+                resubmitted=item.delivery_id in resubmitted))
         if isinstance(item, JobFinished):
             return frame(item.job_id, finished=_finished_to_proto(item))
         if isinstance(item, StageProgress):
@@ -219,10 +260,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         return None  # JobAccepted events: the reader already answered the submit
 
     async def _handle_request(self, req: pb.StreamRolloutsRequest, client_id: str,
-                              out: asyncio.Queue[Any]) -> None:
+                              out: asyncio.Queue[Any], resubmitted: set[int]) -> None:
         kind = req.WhichOneof("kind")
         if kind == "submit":
-            await self._submit_batch(req.submit.jobs, client_id, out)
+            await self._submit_batch(req.submit.jobs, client_id, out,
+                                     req.submit.if_finished, resubmitted)
         elif kind == "ack":
             if any(i <= 0 for i in req.ack.delivery_ids):
                 # Answered in the stream: a bad ack must not end a session whose other
@@ -250,7 +292,9 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("empty StreamRollouts frame: set one of submit, ack, cancel",
                                   "EMPTY_FRAME")
 
-    async def _submit_batch(self, jobs: Any, client_id: str, out: asyncio.Queue[Any]) -> None:
+    async def _submit_batch(self, jobs: Any, client_id: str, out: asyncio.Queue[Any],
+                            if_finished: int = pb.FINISHED_JOB_POLICY_REPORT,
+                            resubmitted: set[int] | None = None) -> None:
         specs = []
         for p in jobs:
             try:
@@ -272,21 +316,36 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             for s in specs:
                 await out.put(pb.StreamRolloutsResponse(job_id=s.job_id, rejected=_rejected(exc)))
             return
-        principal = auth.current.get()
         for r in results:
             error: Exception | None = r.error
-            if error is None and r.duplicate and principal.bound:
-                rec = await self._scheduler.get(r.job_id)
-                if rec is not None and not principal.owns(rec.client_id):
-                    error = errors.PermissionDenied(
-                        f"job_id {r.job_id!r} is taken by another client; choose another id",
-                        "JOB_ID_TAKEN", "job_id")
+            announce = None
+            rec = await self._scheduler.get(r.job_id) if r.duplicate and error is None else None
+            if rec is not None and auth.owner_of(rec.client_id) != client_id:
+                error = _job_id_taken(r.job_id)
+            elif rec is not None and rec.state.terminal:
+                if if_finished == pb.FINISHED_JOB_POLICY_REJECT:
+                    error = AlreadyExists(
+                        f"job {r.job_id!r} already finished ({rec.state.name}); its result was "
+                        "delivered to this client before. Submit under a new job id to run "
+                        "it again", "JOB_ALREADY_FINISHED", "job_id")
+                elif if_finished == pb.FINISHED_JOB_POLICY_REPLAY:
+                    again = await self._scheduler.redeliver(r.job_id, client_id)
+                    if again is None:
+                        error = _result_pruned(r.job_id)
+                    elif again[1] is not None:
+                        if resubmitted is not None:
+                            resubmitted.add(again[0])
+                        announce = again[1]
             if error is not None:
                 await out.put(pb.StreamRolloutsResponse(job_id=r.job_id,
                                                         rejected=_rejected(error)))
-            else:
-                await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
-                    duplicate=r.duplicate, state=await self._accepted_state(r))))
+                continue
+            state = (convert.state_to_proto(rec.state) if rec is not None
+                     else await self._accepted_state(r))
+            await out.put(pb.StreamRolloutsResponse(job_id=r.job_id, accepted=pb.JobAccepted(
+                duplicate=r.duplicate, state=state)))
+            if announce is not None:
+                announce()  # after the answer, so `accepted` precedes the trajectory frame
 
     async def _check_owner(self, job_id: str | None = None,
                            group_id: str | None = None) -> None:
@@ -351,6 +410,21 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         principal = auth.current.get()
         for exc in (await self._foreign_groups([spec])).values():
             raise exc
+        rec = await self._scheduler.get(spec.job_id)
+        if rec is not None and not principal.owns(rec.client_id):
+            raise _job_id_taken(spec.job_id)
+        if rec is not None and rec.state.terminal:
+            # A retry of a finished job: answer from the store at once. (Waiting for its
+            # delivery instead hung forever once an earlier call had acknowledged it.)
+            traj = await self._scheduler.get_trajectory(spec.job_id)
+            if traj is None:
+                raise _result_pruned(spec.job_id)
+            yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
+                duplicate=True, state=convert.state_to_proto(rec.state)))
+            yield pb.SubmitRolloutResponse(trajectory=convert.trajectory_to_proto(traj))
+            yield pb.SubmitRolloutResponse(finished=_finished_to_proto(JobFinished(
+                job_id=spec.job_id, state=rec.state, error=rec.error, reward=rec.reward)))
+            return
         # Each job submitted here gets a private delivery channel, so re-submitting the same
         # job id re-attaches and replays its result (rpc:<owner>#<job> for a bound client).
         client_id = principal.rpc_channel(spec.job_id)
@@ -362,9 +436,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 raise result.error
             rec = await self._scheduler.get(spec.job_id)
             if rec is not None and not principal.owns(rec.client_id):
-                raise errors.PermissionDenied(
-                    f"job_id {spec.job_id!r} is taken by another client; choose another id",
-                    "JOB_ID_TAKEN", "job_id")
+                raise _job_id_taken(spec.job_id)
             yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
                 duplicate=result.duplicate, state=await self._accepted_state(result)))
             if rec is not None and rec.client_id != client_id:
@@ -375,9 +447,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 if isinstance(ev, StageProgress):
                     yield pb.SubmitRolloutResponse(progress=_progress_to_proto(ev))
                 elif isinstance(ev, TrajectoryReady):
-                    await self._scheduler.ack(client_id, [ev.delivery_id])
                     yield pb.SubmitRolloutResponse(
                         trajectory=convert.trajectory_to_proto(ev.trajectory))
+                    # Acknowledged once handed to gRPC: a retry after this replays from the
+                    # store (above), so nothing is lost if the caller vanished meanwhile.
+                    await self._scheduler.ack(client_id, [ev.delivery_id])
                 elif isinstance(ev, JobFinished):
                     yield pb.SubmitRolloutResponse(finished=_finished_to_proto(ev))
                     return

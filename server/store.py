@@ -29,6 +29,7 @@ import logging
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -399,10 +400,13 @@ class JobStore:
             c.executemany("DELETE FROM deliveries WHERE client_id=? AND delivery_id=?",
                           [(cid, did) for cid, did, _ in rows])
             at = now()
+            # A job re-delivered on a re-submit may still owe another delivery: keep its data.
+            kept = " AND job_id NOT IN (SELECT job_id FROM deliveries WHERE acked=0)"
             c.executemany(
                 "UPDATE jobs SET trajectory=NULL, pruned_at=? WHERE job_id=?"
-                " AND state NOT IN (?,?)", [(at, j, *live) for _, _, j in rows])
-            c.executemany("DELETE FROM transitions WHERE job_id=?", [(j,) for _, _, j in rows])
+                " AND state NOT IN (?,?)" + kept, [(at, j, *live) for _, _, j in rows])
+            c.executemany("DELETE FROM transitions WHERE job_id=?" + kept,
+                          [(j,) for _, _, j in rows])
             return len(rows)
 
         def forget_jobs(c: sqlite3.Connection) -> int:
@@ -557,6 +561,63 @@ class JobStore:
         rows = await self._read(lambda c: c.execute(
             "SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
         return {JobState(s): n for s, n in rows}
+
+    # -- protocol support (store identity, ack confirmation, re-delivery, group reuse) -------
+
+    async def store_id(self) -> str:
+        """A random id made once per store file: a client that sees it change knows the
+        server's state (jobs, delivery ids) was lost, and must not send old delivery ids."""
+        def op(c: sqlite3.Connection) -> str:
+            c.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)",
+                      (uuid.uuid4().hex,))
+            return str(c.execute("SELECT value FROM meta WHERE key='store_id'").fetchone()[0])
+
+        fut = self._write(op, wait=True)
+        assert fut is not None
+        return str(await fut)
+
+    async def acked_through(self, client_id: str) -> int:
+        """The highest delivery id d of a client such that every committed delivery <= d is
+        acknowledged. Uncommitted ids are higher than every committed one (ids are issued in
+        order and written FIFO), so they can never be counted as acknowledged."""
+        def q(c: sqlite3.Connection) -> int:
+            low = c.execute("SELECT MIN(delivery_id) FROM deliveries WHERE client_id=?"
+                            " AND acked=0", (client_id,)).fetchone()[0]
+            if low is not None:
+                return int(low) - 1
+            high = c.execute(
+                "SELECT MAX(mx) FROM (SELECT MAX(delivery_id) AS mx FROM deliveries"
+                " WHERE client_id=? UNION ALL SELECT last_id FROM delivery_marks"
+                " WHERE client_id=?)", (client_id, client_id)).fetchone()[0]
+            return int(high or 0)
+        return await self._read(q)
+
+    async def unacked_delivery(self, client_id: str, job_id: str) -> int | None:
+        """The id of a delivery of ``job_id`` to ``client_id`` still unacknowledged, if any."""
+        row = await self._read(lambda c: c.execute(
+            "SELECT MIN(delivery_id) FROM deliveries WHERE client_id=? AND job_id=?"
+            " AND acked=0", (client_id, job_id)).fetchone())
+        return int(row[0]) if row and row[0] is not None else None
+
+    async def add_delivery(self, client_id: str, job_id: str) -> int:
+        """One more delivery of a finished job's stored trajectory (a re-submit asked for it);
+        returns its id, assigned in the same transaction (see :meth:`finish`)."""
+        fut = self._write(lambda c: _deliver(c, client_id, job_id), True)
+        assert fut is not None
+        return int(await fut)
+
+    async def reopen_group(self, group_id: str) -> None:
+        """Forget a group's closure once none of its jobs is live: the id may be used again."""
+        fut = self._write(lambda c: c.execute(
+            "DELETE FROM closed_groups WHERE group_id=?", (group_id,)), True)
+        assert fut is not None
+        await fut
+
+    async def group_exists(self, group_id: str) -> bool:
+        row = await self._read(lambda c: c.execute(
+            "SELECT 1 FROM jobs WHERE group_id=? LIMIT 1", (group_id,)).fetchone())
+        return row is not None
 
 
 _COLS = ("seq, job_id, client_id, group_id, state, stage, attempts, priority, spec, error,"

@@ -128,3 +128,6 @@ async def test_readme_trainer_snippet_collects_a_group(live_server: Server) -> N
         assert flat.reward == 1.0
         assert len(flat.token_ids) == len(flat.loss_mask) == len(flat.logprobs)
         assert 0 < sum(flat.loss_mask) < len(flat.loss_mask)
+    # The same call again (same client and job ids) returns the stored samples, not a hang.
+    again = await asyncio.wait_for(namespace["collect"](live_server.address, 4), 30)  # type: ignore[operator]
+    assert sorted(f.token_ids for f in again) == sorted(f.token_ids for f in batch)

@@ -1,12 +1,17 @@
 """Group policies for dynamic sampling (DAPO): early termination of a group's redundant jobs.
 
 A group is closed when a trainer cancels it or when ``finish_after`` of its jobs SUCCEEDED; the
-closure is persisted so jobs of that group submitted later (even after a restart) are cancelled
-at once with the group's reason instead of burning sandbox and GPU time.
+closure is persisted so jobs of that group submitted while any of its jobs is still live (even
+across a restart) are cancelled at once with the group's reason instead of burning sandbox and
+GPU time. A group lives exactly as long as it has live jobs: when its last one ends, the group
+is forgotten (and its persisted closure dropped through ``on_reopen``), so a trainer may use the
+id again for a new group, e.g. the same prompt at the next step. Keeping closures forever made
+such ids unusable and grew the table without bound.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.server.pipeline.pool import LiveJob
@@ -26,12 +31,28 @@ class GroupState:
 class Groups:
     """In-memory view of the groups that matter now: open ones with live jobs, closed ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_reopen: Callable[[str], None] | None = None) -> None:
         self._groups: dict[str, GroupState] = {}
+        self.on_reopen = on_reopen
+        """Called with a closed group's id once it has no live job: its persisted closure
+        must go, or the id would stay closed after a restart."""
 
     def load_closed(self, closed: dict[str, str]) -> None:
         for gid, reason in closed.items():
             self._groups.setdefault(gid, GroupState()).closed_reason = reason
+
+    def drop_idle(self) -> list[str]:
+        """Forget groups without live jobs (closures loaded at start whose jobs all ended);
+        returns the closed ones among them, whose persisted closure is now stale."""
+        idle = [gid for gid, g in self._groups.items() if not g.live]
+        stale = [gid for gid in idle if self._groups[gid].closed_reason is not None]
+        for gid in idle:
+            del self._groups[gid]
+        return stale
+
+    def has_live(self, group_id: str) -> bool:
+        g = self._groups.get(group_id)
+        return bool(g and g.live)
 
     def closed_reason(self, group_id: str) -> str | None:
         g = self._groups.get(group_id)
@@ -57,19 +78,26 @@ class Groups:
         if g is None:
             return None
         g.live.discard(job)
-        to_cancel = None
         if succeeded:
             g.succeeded += 1
-            if g.finish_after and g.succeeded >= g.finish_after and g.closed_reason is None:
-                g.closed_reason = GROUP_FINISHED
-                to_cancel = [j for j in g.live if not j.finishing]
-        if not g.live and g.closed_reason is None and not g.finish_after:
-            del self._groups[gid]  # nothing to remember about a plain finished group
-        return to_cancel
+        if not g.live:
+            # The group's last job: nothing is left to cancel, and the id is free again.
+            del self._groups[gid]
+            if g.closed_reason is not None and self.on_reopen is not None:
+                self.on_reopen(gid)
+            return None
+        if (succeeded and g.finish_after and g.succeeded >= g.finish_after
+                and g.closed_reason is None):
+            g.closed_reason = GROUP_FINISHED
+            return [j for j in g.live if not j.finishing]
+        return None
 
     def close(self, group_id: str, reason: str) -> list[LiveJob]:
-        """Close a group now (a trainer cancelled it); returns its live jobs to cancel."""
-        g = self._groups.setdefault(group_id, GroupState())
+        """Close a group now (a trainer cancelled it); returns its live jobs to cancel. A
+        group without live jobs is not closed: there is nothing to stop, and its id is free."""
+        g = self._groups.get(group_id)
+        if g is None or not g.live:
+            return []
         if g.closed_reason is None:
             g.closed_reason = reason
         return [j for j in g.live if not j.finishing]

@@ -142,11 +142,16 @@ async def test_duplicate_submit_runs_once(harness: ServerHarness) -> None:
         harness.handler.open("dup", "run")
         await s.close()
         frames = await drain(s)
-        # after it finished, a third submit is a duplicate that reports the final state
+        # after it finished, the owner's third submit is a duplicate that reports the final
+        # state; another client may not take the id
+        async with client.session("d", heartbeat_s=0.1) as s1:
+            await s1.submit({"job_id": "dup", **task()})
+            await s1.close()
+            late = await drain(s1)
         async with client.session("d2", heartbeat_s=0.1) as s2:
             await s2.submit({"job_id": "dup", **task()})
             await s2.close()
-            late = await drain(s2)
+            other = await drain(s2)
     dup = [f.accepted.duplicate for f in kinds(frames, "accepted")]
     assert dup == [False, True]
     assert [e for e in harness.handler.events if e[:2] == ("dup", "init")] == [
@@ -154,7 +159,10 @@ async def test_duplicate_submit_runs_once(harness: ServerHarness) -> None:
     assert len(kinds(frames, "trajectory")) == 1
     (acc,) = kinds(late, "accepted")
     assert acc.accepted.duplicate and acc.accepted.state == S.STATE_SUCCEEDED
-    assert not kinds(late, "trajectory")  # it belongs to session "d", already acknowledged
+    assert not kinds(late, "trajectory")  # delivered and acknowledged before (policy REPORT)
+    (rej,) = kinds(other, "rejected")
+    assert (rej.job_id, rej.rejected.reason, rej.rejected.code) == ("dup", "JOB_ID_TAKEN", 6)
+    assert not kinds(other, "accepted") and not kinds(other, "trajectory")
 
 
 async def test_unary_helpers(harness: ServerHarness) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollout.runtime.types import GroupSpec, JobState
+from rollout.server.pipeline.groups import Groups
+from rollout.server.pipeline.pool import LiveJob
 from rollout.server.scheduler import GROUP_FINISHED
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually
@@ -35,12 +37,13 @@ async def test_finish_after_cancels_the_rest_of_the_group(tmp_path):
             assert done[j].state is JobState.CANCELLED, j
             assert (done[j].error.code, done[j].error.reason) == ("CANCELLED", GROUP_FINISHED)
         assert "slow_run" in handler.resources_closed
-        # Jobs of the finished group submitted later are cancelled at once, never run.
+        # Every job of the group ended, so the id is free: a later job starts a new group
+        # (the same prompt at the next step) and runs.
+        assert await sched.store.closed_groups() == {}
         res = await sched.submit([spec("late", group=g)], "t")
         assert res[0].accepted
         late = (await collect_finished(sub, ["late"]))["late"]
-        assert late.state is JobState.CANCELLED and late.error.reason == GROUP_FINISHED
-        assert not handler.started("late", "init")
+        assert late.state is JobState.SUCCEEDED and handler.started("late", "init")
         # Other groups are untouched.
         rec = await sched.get("other")
         assert rec is not None and rec.state is JobState.RUNNING
@@ -69,3 +72,51 @@ async def test_cancel_group_reaches_every_stage(tmp_path):
         await assert_eventually(lambda: handler.started("keep", "init"))
         handler.open("keep", "init")
         assert (await collect_finished(sub, ["keep"]))["keep"].state is JobState.SUCCEEDED
+
+
+def _live(job_id: str, group: GroupSpec) -> LiveJob:
+    return LiveJob(spec=spec(job_id, group=group), client_id="t", seq=0, created_at=0.0)
+
+
+def test_a_closed_group_cancels_late_jobs_while_it_has_live_ones_then_frees_its_id():
+    reopened: list[str] = []
+    groups = Groups(on_reopen=reopened.append)
+    g = GroupSpec("g", size=3)
+    a, b = _live("a", g), _live("b", g)
+    groups.add(a)
+    groups.add(b)
+    assert set(groups.close("g", "CANCELLED_BY_CLIENT")) == {a, b}
+    late = _live("late", g)
+    groups.add(late)  # while a and b are still being cancelled: the scheduler cancels it
+    assert groups.closed_reason("g") == "CANCELLED_BY_CLIENT"
+    assert groups.job_ended(a, False) is None and groups.job_ended(b, False) is None
+    assert reopened == [] and groups.closed_reason("g") == "CANCELLED_BY_CLIENT"
+    assert groups.job_ended(late, False) is None
+    assert reopened == ["g"]  # the persisted closure goes with the last live job
+    assert groups.closed_reason("g") is None and not groups.has_live("g")
+    # closing a group without live jobs closes nothing (the id stays free)
+    assert groups.close("g", "CANCELLED_BY_CLIENT") == []
+    assert groups.closed_reason("g") is None
+
+
+def test_finish_after_reached_by_the_last_live_job_does_not_close_the_group():
+    reopened: list[str] = []
+    groups = Groups(on_reopen=reopened.append)
+    g = GroupSpec("g", size=2, finish_after=2)
+    a, b = _live("a", g), _live("b", g)
+    groups.add(a)
+    groups.add(b)
+    assert groups.job_ended(a, True) is None
+    assert groups.job_ended(b, True) is None
+    assert groups.closed_reason("g") is None and reopened == []
+
+
+async def test_stale_closures_are_dropped_at_start(tmp_path):
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        await sched.store.close_group("old", "CANCELLED_BY_CLIENT", 0.0)
+        assert await sched.store.closed_groups() == {"old": "CANCELLED_BY_CLIENT"}
+    async with running_scheduler(tmp_path / "db") as (sched, _handler):
+        assert await sched.store.closed_groups() == {}
+        sub = await sched.attach("t")
+        await sched.submit([spec("new", group=GroupSpec("old", 1))], "t")
+        assert (await collect_finished(sub, ["new"]))["new"].state is JobState.SUCCEEDED

@@ -157,7 +157,11 @@ async def test_another_client_can_neither_open_read_cancel_ack_nor_take_ids(
         reasons = sorted(f.rejected.reason for f in rejected)
         assert reasons == ["GROUP_ID_TAKEN", "GROUP_NOT_ACCESSIBLE", "JOB_ID_TAKEN",
                            "JOB_NOT_ACCESSIBLE"]
-        assert all(f.rejected.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        # A job id is owned by the client that first used it: taking it is ALREADY_EXISTS
+        # (the id is visibly in use; nothing of the job is shown), the rest is not Bob's.
+        assert all(f.rejected.code == (grpc.StatusCode.ALREADY_EXISTS.value[0]
+                                       if f.rejected.reason == "JOB_ID_TAKEN"
+                                       else grpc.StatusCode.PERMISSION_DENIED.value[0])
                    for f in rejected)
         # SubmitRollout with Alice's id: refused, and her trajectory is not streamed to Bob.
         call = stub.SubmitRollout(pb.SubmitRolloutRequest(job=_job("a-done")),
@@ -165,7 +169,8 @@ async def test_another_client_can_neither_open_read_cancel_ack_nor_take_ids(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for msg in call:
                 assert msg.WhichOneof("kind") != "trajectory"
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert _reason(info.value) == "JOB_ID_TAKEN"
 
         # Alice's work is untouched: the gated job still runs and finishes for her, and the
         # delivery Bob "acked" is still unacknowledged for her (it replays on reconnect).

@@ -13,6 +13,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FinishedJobPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISHED_JOB_POLICY_UNSPECIFIED: _ClassVar[FinishedJobPolicy]
+    FINISHED_JOB_POLICY_REPORT: _ClassVar[FinishedJobPolicy]
+    FINISHED_JOB_POLICY_REPLAY: _ClassVar[FinishedJobPolicy]
+    FINISHED_JOB_POLICY_REJECT: _ClassVar[FinishedJobPolicy]
+FINISHED_JOB_POLICY_UNSPECIFIED: FinishedJobPolicy
+FINISHED_JOB_POLICY_REPORT: FinishedJobPolicy
+FINISHED_JOB_POLICY_REPLAY: FinishedJobPolicy
+FINISHED_JOB_POLICY_REJECT: FinishedJobPolicy
+
 class StreamRolloutsRequest(_message.Message):
     __slots__ = ("open", "submit", "ack", "cancel")
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -26,24 +37,28 @@ class StreamRolloutsRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., submit: _Optional[_Union[SubmitJobs, _Mapping]] = ..., ack: _Optional[_Union[AckTrajectories, _Mapping]] = ..., cancel: _Optional[_Union[CancelJobs, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress")
+    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress", "store_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     MAX_UNACKED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     acked_through: int
     max_unacked: int
     heartbeat_interval: _duration_pb2.Duration
     progress: bool
-    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ...) -> None: ...
+    store_id: str
+    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class SubmitJobs(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "if_finished")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    IF_FINISHED_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[_job_pb2.JobSpec]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[_job_pb2.JobSpec, _Mapping]]] = ...) -> None: ...
+    if_finished: FinishedJobPolicy
+    def __init__(self, jobs: _Optional[_Iterable[_Union[_job_pb2.JobSpec, _Mapping]]] = ..., if_finished: _Optional[_Union[FinishedJobPolicy, str]] = ...) -> None: ...
 
 class AckTrajectories(_message.Message):
     __slots__ = ("delivery_ids",)
@@ -82,14 +97,20 @@ class StreamRolloutsResponse(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., job_id: _Optional[str] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., trajectory: _Optional[_Union[TrajectoryReady, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("client_id", "replaying", "server_version")
+    __slots__ = ("client_id", "replaying", "server_version", "store_id", "store_changed", "acked_through")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLAYING_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     replaying: int
     server_version: str
-    def __init__(self, client_id: _Optional[str] = ..., replaying: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    store_id: str
+    store_changed: bool
+    acked_through: int
+    def __init__(self, client_id: _Optional[str] = ..., replaying: _Optional[int] = ..., server_version: _Optional[str] = ..., store_id: _Optional[str] = ..., store_changed: _Optional[bool] = ..., acked_through: _Optional[int] = ...) -> None: ...
 
 class JobAccepted(_message.Message):
     __slots__ = ("duplicate", "state")
@@ -134,12 +155,14 @@ class StageProgress(_message.Message):
     def __init__(self, stage: _Optional[_Union[_job_pb2.Stage, str]] = ..., event: _Optional[_Union[StageProgress.Event, str]] = ..., elapsed: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., turns: _Optional[int] = ...) -> None: ...
 
 class TrajectoryReady(_message.Message):
-    __slots__ = ("delivery_id", "trajectory")
+    __slots__ = ("delivery_id", "trajectory", "resubmitted")
     DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    RESUBMITTED_FIELD_NUMBER: _ClassVar[int]
     delivery_id: int
     trajectory: _trajectory_pb2.Trajectory
-    def __init__(self, delivery_id: _Optional[int] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+    resubmitted: bool
+    def __init__(self, delivery_id: _Optional[int] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., resubmitted: _Optional[bool] = ...) -> None: ...
 
 class JobFinished(_message.Message):
     __slots__ = ("state", "error", "reward")
@@ -152,14 +175,18 @@ class JobFinished(_message.Message):
     def __init__(self, state: _Optional[_Union[_job_pb2.Job.State, str]] = ..., error: _Optional[_Union[_job_pb2.JobError, _Mapping]] = ..., reward: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("server_time", "jobs_in_flight", "unacked")
+    __slots__ = ("server_time", "jobs_in_flight", "unacked", "acked_through", "held_back")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     JOBS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UNACKED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    HELD_BACK_FIELD_NUMBER: _ClassVar[int]
     server_time: _timestamp_pb2.Timestamp
     jobs_in_flight: int
     unacked: int
-    def __init__(self, server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., unacked: _Optional[int] = ...) -> None: ...
+    acked_through: int
+    held_back: int
+    def __init__(self, server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., unacked: _Optional[int] = ..., acked_through: _Optional[int] = ..., held_back: _Optional[int] = ...) -> None: ...
 
 class SubmitRolloutRequest(_message.Message):
     __slots__ = ("job",)

@@ -33,6 +33,11 @@ class RolloutServiceStub:
     client that reconnects with the same client_id receives everything it has not acknowledged.
     The unary RPCs serve tools such as grpcurl and need no session.
 
+    The session protocol (half-close, acknowledgements and their confirmation, delivery ids,
+    replay and flow control, heartbeats, which stream endings to resume, job and group id
+    reuse) is specified in docs/PROTOCOL.md at the root of this repository; the comments here
+    state each rule where it applies.
+
     RPC failures carry a google.rpc.Status with a google.rpc.ErrorInfo detail whose domain is
     "rollout.v1" and whose reason is an UPPER_SNAKE code such as UNKNOWN_ENVIRONMENT.
     """
@@ -83,6 +88,11 @@ class RolloutServiceServicer:
     client that reconnects with the same client_id receives everything it has not acknowledged.
     The unary RPCs serve tools such as grpcurl and need no session.
 
+    The session protocol (half-close, acknowledgements and their confirmation, delivery ids,
+    replay and flow control, heartbeats, which stream endings to resume, job and group id
+    reuse) is specified in docs/PROTOCOL.md at the root of this repository; the comments here
+    state each rule where it applies.
+
     RPC failures carry a google.rpc.Status with a google.rpc.ErrorInfo detail whose domain is
     "rollout.v1" and whose reason is an UPPER_SNAKE code such as UNKNOWN_ENVIRONMENT.
     """
@@ -91,6 +101,18 @@ class RolloutServiceServicer:
         """StreamRollouts is the trainer's session: the first request must be `open`; later ones
         submit, acknowledge and cancel. A job that cannot be accepted is answered with a
         `rejected` frame and the stream goes on.
+
+        Half-close: when the client ends its request stream, the server keeps sending until every
+        unfinished job of this client has finished and its trajectory frame is written, then ends
+        the call with OK. Deliveries held back by max_unacked, or sent but never acknowledged,
+        stay stored and are replayed on the next session with this client_id; so a client should
+        half-close only once heartbeats report jobs_in_flight 0 and unacked 0.
+
+        Resuming: a stream that ends with UNAVAILABLE or CANCELLED (connection reset, proxy or
+        server restart, graceful shutdown; some clients, such as Connect for Node, report a
+        killed server as CANCELLED) should be reopened with the same client_id, with backoff.
+        ABORTED (SESSION_TAKEN_OVER) means another stream owns this client_id: do not reconnect.
+        Every other code is a verdict on the request: fix it rather than retry.
 
         Errors: INVALID_ARGUMENT (first frame is not `open`, a later `open`, an empty frame),
         UNAUTHENTICATED (missing or wrong bearer token), RESOURCE_EXHAUSTED (too many unfinished
@@ -103,11 +125,16 @@ class RolloutServiceServicer:
 
     def SubmitRollout(self, request, context):
         """SubmitRollout submits one job and streams its progress and result until it finishes.
-        Re-submitting the same job_id attaches to the existing job. Meant for grpcurl and simple
-        clients; trajectories sent here need no acknowledgement.
+        Re-submitting the same job_id attaches to the existing job: a retry while it runs
+        follows it, and a retry after it finished replays its stored trajectory and terminal
+        state at once. Meant for grpcurl and simple clients; trajectories sent here need no
+        acknowledgement.
 
         Errors: INVALID_ARGUMENT (missing environment or task, bad sampling values, zero-valued
-        enums, bad job id), NOT_FOUND (reason UNKNOWN_ENVIRONMENT), UNAUTHENTICATED,
+        enums, bad job id), NOT_FOUND (reason UNKNOWN_ENVIRONMENT), ALREADY_EXISTS (reason
+        JOB_ID_TAKEN: another client submitted this job id), FAILED_PRECONDITION (reason
+        JOB_RESULT_PRUNED: the job finished and retention deleted its trajectory; use a new
+        job id to run it again), PERMISSION_DENIED (reason GROUP_ID_TAKEN), UNAUTHENTICATED,
         RESOURCE_EXHAUSTED (server full or message too large), UNAVAILABLE (shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -142,8 +169,14 @@ class RolloutServiceServicer:
         """CancelJob cancels one job, or every unfinished job of a group. Cancelling reaches into
         whatever stage is running and frees its sandbox, tools and in-flight LLM request.
 
-        Errors: INVALID_ARGUMENT (neither job_id nor group_id), UNAUTHENTICATED, NOT_FOUND (no
-        such job or group), FAILED_PRECONDITION (the job already finished).
+        Cancelling a group closes it: jobs of that group submitted while any of its jobs is still
+        unfinished are cancelled at once. Once every job of the group is terminal the group id
+        is free again, and a later job with it starts a new group.
+
+        Errors: INVALID_ARGUMENT (neither job_id nor group_id), UNAUTHENTICATED, NOT_FOUND
+        (reason JOB_NOT_FOUND or GROUP_NOT_FOUND: no such job, or no job ever had this group
+        id), FAILED_PRECONDITION (the job already finished), PERMISSION_DENIED (a credential
+        bound to another client).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -207,6 +240,11 @@ class RolloutService:
     finished trajectories on the same stream. Trajectories are stored until acknowledged, so a
     client that reconnects with the same client_id receives everything it has not acknowledged.
     The unary RPCs serve tools such as grpcurl and need no session.
+
+    The session protocol (half-close, acknowledgements and their confirmation, delivery ids,
+    replay and flow control, heartbeats, which stream endings to resume, job and group id
+    reuse) is specified in docs/PROTOCOL.md at the root of this repository; the comments here
+    state each rule where it applies.
 
     RPC failures carry a google.rpc.Status with a google.rpc.ErrorInfo detail whose domain is
     "rollout.v1" and whose reason is an UPPER_SNAKE code such as UNKNOWN_ENVIRONMENT.
