@@ -9,6 +9,11 @@ file with the host-side path.
 Timeouts send ``interrupt_request`` on the control channel (ipykernel answers by raising
 KeyboardInterrupt in the running cell; a signal would not cross the PID namespace); if the
 kernel stays busy it is killed and restarted, and the result says that state was lost.
+
+The kernel is started with ``asyncio.create_subprocess_exec`` and no ``preexec_fn``: CPython
+then spawns it through ``_posixsubprocess`` (vfork) without running Python's at-fork handlers,
+so gRPC's fork hooks never run in the server for a tool start (keep it that way: a
+``preexec_fn`` here would bring them back).
 """
 
 from __future__ import annotations
