@@ -191,11 +191,15 @@ class ApptainerSandbox(Sandbox):
     def _kill_runtime_processes(self) -> None:
         # Processes a launch left behind live on inside the instance (its own PID namespace
         # under --containall): kill(-1) from inside reaches all of them but the instance's init.
+        # Only when the command really runs in another PID namespace than ours: on the host
+        # (a stand-in CLI, an instance without --pid) kill(-1) would hit every process there.
         if self.destroyed:  # destroy stops the whole instance anyway
             return
+        guard = '[ "$(readlink /proc/self/ns/pid)" != "$1" ] && exec kill -KILL -1'
         with contextlib.suppress(Exception):
-            subprocess.run([*self.command_argv(["kill", "-KILL", "-1"])], env=self.spawn_env(),
-                           capture_output=True, timeout=30, check=False)
+            subprocess.run(self.command_argv(["sh", "-c", guard, "guard",
+                                              os.readlink("/proc/self/ns/pid")]),
+                           env=self.spawn_env(), capture_output=True, timeout=30, check=False)
 
     def _teardown_runtime(self) -> None:
         with contextlib.suppress(Exception):

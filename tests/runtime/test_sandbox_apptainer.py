@@ -99,3 +99,25 @@ async def test_missing_binary_says_what_to_install(monkeypatch: pytest.MonkeyPat
                         state_dir=tmp_path / "state")
     with pytest.raises(SandboxUnavailable, match="install Apptainer"):
         await create_sandbox(cfg)
+
+
+async def test_stop_processes_never_kills_outside_the_instance(
+        fake: tuple[SandboxConfig, Path]) -> None:
+    """The stand-in CLI runs commands on the host, as an instance without its own PID namespace
+    would: the kill(-1) sweep must then do nothing (it would end every process of the host)."""
+    import subprocess
+
+    cfg, log = fake
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        sb = await create_sandbox(cfg)
+        try:
+            await sb.stop_processes()
+            assert bystander.poll() is None
+            sweeps = [c for c in calls(log) if "guard" in c]
+            assert len(sweeps) == 1 and "kill -KILL -1" in " ".join(sweeps[0])
+        finally:
+            await sb.destroy()
+    finally:
+        bystander.kill()
+        bystander.wait()
