@@ -34,7 +34,7 @@ import collections
 import concurrent.futures
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,7 +184,7 @@ class TransformersEngine(Engine):
             self._give_up(seq)
             raise
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResult]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateResult, None]:
         """One turn as it is generated: each result holds the tokens (and logprobs) produced
         since the previous one, with ``finish_reason=""`` until the last. Closing the iterator
         early aborts the turn (``rollout llm-serve`` streams with it)."""
@@ -194,9 +194,9 @@ class TransformersEngine(Engine):
         try:
             while not seq.future.done():
                 progress = asyncio.ensure_future(seq.progress.wait())
+                waiters: set[asyncio.Future[Any]] = {progress, seq.future}
                 try:
-                    await asyncio.wait({progress, seq.future},
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     progress.cancel()
                 seq.progress.clear()
