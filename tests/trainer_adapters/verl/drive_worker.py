@@ -32,7 +32,7 @@ def build_config(req: dict[str, Any]) -> Any:
             "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.agent.default_agent_loop=rollout_service",
             f"+rollout_service.address={req['address']}",
-            "+rollout_service.environment=episode",
+            f"+rollout_service.environment={req.get('environment', 'episode')}",
             f"+rollout_service.reward_components=[{','.join(req['components'])}]",
         ])
     with open_dict(cfg):

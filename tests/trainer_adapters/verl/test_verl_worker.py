@@ -50,10 +50,12 @@ def sample(task: dict[str, Any], uid: str) -> dict[str, Any]:
             "extra_info": {"rollout_task": task}, "uid": uid}
 
 
-async def run_verl(address: str, samples: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+async def run_verl(address: str, samples: list[dict[str, Any]], tmp: Path, *,
+                   environment: str = "episode", prompt_length: int = PROMPT_LEN,
+                   response_length: int = RESPONSE_LEN) -> dict[str, Any]:
     req = {"address": address, "model_dir": str(tiny_model_dir()), "n": 2,
-           "prompt_length": PROMPT_LEN, "response_length": RESPONSE_LEN,
-           "components": ["exact", "format"], "samples": samples}
+           "prompt_length": prompt_length, "response_length": response_length,
+           "components": ["exact", "format"], "samples": samples, "environment": environment}
     (tmp / "req.json").write_text(json.dumps(req))
     env = {**os.environ, "VERL_LOGGING_LEVEL": "WARN", "RAY_DEDUP_LOGS": "0"}
     proc = await asyncio.create_subprocess_exec(
