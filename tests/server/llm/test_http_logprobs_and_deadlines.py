@@ -5,10 +5,12 @@ clear errors for what a server lacks, and the pool's deadline accounting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -16,7 +18,9 @@ from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.engine import EngineError
 from rollout.server.llm.http_engine import HttpEngine
+from rollout.server.llm.http_server import serve
 from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.server.llm.conftest import FakeEngine
 from tests.server.llm.reference import raw_logprobs, reference_logprobs
@@ -65,6 +69,31 @@ async def test_raw_logprobs_per_request_from_llm_serve(served: Served) -> None:
     assert first.logprobs_kind == "raw" and second.output_ids == first.output_ids
     assert first.logprobs == pytest.approx(
         raw_logprobs(served.engine.model, prompt, first.output_ids), abs=1e-4)
+
+
+async def test_llm_serve_server_flag_sets_the_default_mode(tiny_dir: Path) -> None:
+    """``--logprobs-mode raw_logprobs`` applies to requests that do not say (vLLM clients)."""
+    engine = TransformersEngine(tiny_dir, name="raw-srv")
+    engine.eos_ids = frozenset()
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, "tiny", ready,
+                                     logprobs_mode="raw_logprobs"))
+    prompt = [1, 50, 51, 52]
+    try:
+        port = await asyncio.wait_for(ready, 30)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.7,
+                "top_p": 0.9, "seed": 1, "logprobs": 0, "return_token_ids": True}
+        async with aiohttp.ClientSession() as http, \
+                http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            reply = await response.json()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    choice = reply["choices"][0]
+    assert reply["logprobs_mode"] == "raw"
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        raw_logprobs(engine.model, prompt, choice["token_ids"]), abs=1e-4)
 
 
 @pytest.mark.parametrize("protocol", ["generate", "completions"])
