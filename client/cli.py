@@ -32,6 +32,8 @@ BENCHES = {
                 "whether stages overlap",
     "tools": "bash, IPython and sandbox latency inside bubblewrap, beside tmux and bare bwrap",
     "llm": "in-process engine: batching, KV reuse across turns, batched prefill, balancing",
+    "soak": "clients that disconnect at random and a server SIGKILLed mid-run: the books "
+            "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
 }
 """What ``rollout bench NAME`` runs (``server/bench/NAME.py``); written here because the help
 must work where the server extra is not installed."""
