@@ -173,8 +173,12 @@ def kill_uid(uid: int) -> None:
     pid-by-pid scan would chase forever. Only meaningful (and only called) when the server is
     root and each sandbox has its own uid.
     """
+    # setpriv drops to the uid in the child after exec, not subprocess's user=/group=: with
+    # those CPython cannot vfork and falls back to fork(), which runs gRPC's at-fork handlers
+    # in a server process (DESIGN: never fork from the server).
     for _ in range(3):
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
+        subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                        "kill", "-KILL", "-1"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         if not uid_has_processes(uid):
             return
