@@ -230,10 +230,11 @@ class Scheduler(StageRunner):
                    if j.ctx is not None and j.task is None and not j.finishing]
         await asyncio.gather(*(self._release(j) for j in holders))
         # A graceful stop is not a crash: the jobs it interrupted are not charged for it.
-        unfinished = [j for j, job in self._live.items()]
+        unfinished = list(self._live)
         try:
-            if unfinished:
-                await self.store.record_waiting(unfinished)  # type: ignore[misc]
+            fut = self.store.record_waiting(unfinished) if unfinished else None
+            if fut is not None:
+                await fut
             await self.store.flush()
         except Exception as exc:
             log.error("could not record the graceful stop in the job store: %s", exc)
@@ -450,7 +451,7 @@ class Scheduler(StageRunner):
         return sub
 
     async def _page(self, client_id: str, after: int,
-                    limit: int) -> list[tuple[TrajectoryReady, JobFinished]]:
+                    limit: int) -> Sequence[tuple[TrajectoryReady, JobFinished]]:
         """One page of a client's stored, unacknowledged deliveries (replay is paged so a long
         outage never loads every trajectory at once)."""
         out = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,7 @@ class JobFinished:
 
 Event = JobAccepted | StageProgress | TrajectoryReady | JobFinished
 Delivery = tuple[TrajectoryReady, JobFinished]
-Fetch = Callable[[int, int], Awaitable[list[Delivery]]]
+Fetch = Callable[[int, int], Awaitable[Sequence[Delivery]]]
 """``fetch(after_id, limit)``: the client's unacknowledged deliveries above ``after_id``."""
 
 log = logging.getLogger(__name__)

@@ -127,3 +127,39 @@ async def test_database_is_wal_and_readable_by_plain_sqlite(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("SELECT job_id, state FROM jobs").fetchall() == [("j1", "queued")]
     conn.close()
+
+
+async def test_commits_are_synchronous_full_by_default_and_configurable(tmp_path):
+    for setting, expected in ((None, 2), ("NORMAL", 1)):  # PRAGMA synchronous: FULL=2, NORMAL=1
+        store = (JobStore(tmp_path / f"{setting}.db") if setting is None
+                 else JobStore(tmp_path / f"{setting}.db", synchronous=setting))
+        await store.open()
+        try:
+            fut = store._write(lambda c: c.execute("PRAGMA synchronous").fetchone()[0], True)
+            assert fut is not None and await fut == expected
+        finally:
+            await store.close()
+    with pytest.raises(ValueError, match="synchronous"):
+        await JobStore(tmp_path / "x.db", synchronous="OFF").open()
+
+
+async def test_retention_forgets_finished_submitrollout_channels_not_trainer_ids(tmp_path):
+    """SubmitRollout gives every job its own delivery channel (rpc:...); its id counter must
+    not outlive the job. A trainer's counter must: its acked_through would cover reused ids."""
+    store = JobStore(tmp_path / "s.db")
+    await store.open()
+    try:
+        await store.insert_jobs([(_spec(1), "rpc:j1"), (_spec(2), "trainer")], 1.0)
+        for i, client in ((1, "rpc:j1"), (2, "trainer")):
+            await store.finish(FinishRecord(f"j{i}", client, JobState.SUCCEEDED, Stage.EVAL,
+                                            None, 1.0, StageTimings(), _traj(f"j{i}"), 2.0))
+            await store.ack(client, through=1)
+        stats = await store.prune(acked_before=1e18, forget_before=1e18)
+        assert (stats.trajectories, stats.jobs, stats.channels) == (2, 2, 1)
+        assert await store.next_delivery_id("trainer") == 2
+        assert await store.next_delivery_id("rpc:j1") == 1
+        marks = await store._read(lambda c: c.execute(
+            "SELECT client_id FROM delivery_marks").fetchall())
+        assert marks == [("trainer",)]
+    finally:
+        await store.close()
