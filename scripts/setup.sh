@@ -9,6 +9,7 @@ need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
+[ -n "${ROLLOUT_SKIP_NODE:-}" ] || command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
@@ -37,3 +38,14 @@ bash scripts/setup_vllm.sh
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
 bash scripts/setup_adapters.sh
+
+# The generated TypeScript client's test (tests/clients/test_ts_client.py): protoc-gen-es and
+# Connect from npm into clients/ts/node_modules, pinned by clients/ts/package-lock.json (own
+# stamp: re-installed only when the lock file changes). ROLLOUT_SKIP_NODE=1 skips it.
+if [ -z "${ROLLOUT_SKIP_NODE:-}" ]; then
+  ts_want="$(sha256sum clients/ts/package-lock.json | cut -c1-16)"
+  if [ "$(cat clients/ts/node_modules/.setup-stamp 2>/dev/null)" != "$ts_want" ]; then
+    npm ci --prefix clients/ts --no-audit --no-fund --loglevel=error
+    echo "$ts_want" > clients/ts/node_modules/.setup-stamp
+  fi
+fi

@@ -47,9 +47,17 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 
+_ID_REASONS = {"job_id": "INVALID_JOB_ID", "job_ids": "INVALID_JOB_ID",
+               "group_id": "INVALID_GROUP_ID", "group_ids": "INVALID_GROUP_ID",
+               "client_id": "INVALID_CLIENT_ID"}
+
+
 def check_id(value: str, field: str, *, required: bool = True,
-             reason: str = "INVALID_ID") -> str:
-    """A job / group / client id; the error never echoes more than 40 characters of it."""
+             reason: str | None = None) -> str:
+    """A job / group / client id; the error never echoes more than 40 characters of it.
+    The reason follows the kind of id (INVALID_JOB_ID for a job id in any RPC), so one
+    check always answers with one reason."""
+    reason = reason or _ID_REASONS.get(field.rsplit(".", 1)[-1], "INVALID_ID")
     if not value:
         if required:
             raise InvalidArgument(f"{field} is required", "MISSING_FIELD", field)
@@ -151,7 +159,7 @@ def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
             or len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS):
         raise InvalidArgument(
             f"sampling: at most {MAX_STOP_SEQUENCES} stop strings of {MAX_STOP_CHARS} "
-            f"characters and {MAX_STOP_TOKEN_IDS} stop_token_ids", "INVALID_SAMPLING",
+            f"characters and {MAX_STOP_TOKEN_IDS} stop_token_ids", "INVALID_SAMPLING_PARAMS",
             "sampling.stop")
     sp.validate()
     return sp
@@ -252,7 +260,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
     if not p.job_id:
         raise InvalidArgument("job_id is required (a client-chosen idempotency key)",
                               "MISSING_FIELD", "job_id")
-    check_id(p.job_id, "job_id", reason="INVALID_JOB_ID")
+    check_id(p.job_id, "job_id")
     if not p.environment:
         raise InvalidArgument("environment is required, e.g. \"math\"", "MISSING_FIELD",
                               "environment")
@@ -278,7 +286,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
                 "INVALID_GROUP", "group.finish_after")
         group = GroupSpec(group_id=g.group_id, size=g.size or 1, finish_after=g.finish_after)
     if p.min_policy_version < 0:
-        raise InvalidArgument("min_policy_version must not be negative", "INVALID_ARGUMENT",
+        raise InvalidArgument("min_policy_version must not be negative", "INVALID_POLICY_VERSION",
                               "min_policy_version")
     return JobSpec(
         job_id=p.job_id,

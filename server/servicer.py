@@ -45,7 +45,7 @@ def _client_id_ok(client_id: str) -> None:
     if not client_id:
         raise InvalidArgument("open.client_id is required: a durable id for this trainer, "
                               "reused on reconnect to resume", "MISSING_FIELD", "open.client_id")
-    convert.check_id(client_id, "open.client_id", reason="INVALID_CLIENT_ID")
+    convert.check_id(client_id, "open.client_id")
     auth.current.get().check_client_id(client_id, "open.client_id")
 
 
@@ -137,9 +137,13 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                                   "OPEN_REQUIRED", "open")
         opened = first.open
         _client_id_ok(opened.client_id)
-        if opened.acked_through < 0 or opened.max_unacked < 0:
-            raise InvalidArgument("open.acked_through and open.max_unacked must not be "
-                                  "negative", "INVALID_ARGUMENT", "open")
+        if opened.acked_through < 0:
+            raise InvalidArgument("open.acked_through must not be negative (0 acknowledges "
+                                  "nothing)", "INVALID_ACK", "open.acked_through")
+        if opened.max_unacked < 0:
+            raise InvalidArgument("open.max_unacked must not be negative (0 means the server "
+                                  f"default, {DEFAULT_MAX_UNACKED})", "INVALID_MAX_UNACKED",
+                                  "open.max_unacked")
         client_id = opened.client_id
         heartbeat = (opened.heartbeat_interval.ToNanoseconds() / 1e9
                      if opened.HasField("heartbeat_interval") else self._heartbeat_s)
@@ -491,7 +495,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     async def ListJobs(self, request: pb.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         if request.page_size < 0:
-            raise InvalidArgument("page_size must not be negative", "INVALID_ARGUMENT",
+            raise InvalidArgument("page_size must not be negative", "INVALID_PAGE_SIZE",
                                   "page_size")
         page_size = min(request.page_size or 100, 1000)
         convert.check_id(request.group_id, "group_id", required=False)
