@@ -100,7 +100,7 @@ class Session:
         self._ready = False
         self._closing = False
         self._pending: dict[str, job_pb2.JobSpec] = {}
-        self._policy: dict[str, int] = {}  # if_finished of each pending job
+        self._policy: dict[str, pb.FinishedJobPolicy] = {}  # if_finished of each pending job
         self._finished: set[str] = set()
         self._acked_through = 0
         self._acked: set[int] = set()  # acked ids above _acked_through
@@ -260,9 +260,10 @@ class Session:
             if self._acked:
                 await call.write(pb.StreamRolloutsRequest(
                     ack=pb.AckTrajectories(delivery_ids=sorted(self._acked))))
-            by_policy: dict[int, list[job_pb2.JobSpec]] = {}
+            by_policy: dict[pb.FinishedJobPolicy, list[job_pb2.JobSpec]] = {}
             for job_id, spec in self._pending.items():
-                by_policy.setdefault(self._policy.get(job_id, 0), []).append(spec)
+                policy = self._policy.get(job_id, pb.FINISHED_JOB_POLICY_REPORT)
+                by_policy.setdefault(policy, []).append(spec)
             for policy, jobs in by_policy.items():
                 await call.write(pb.StreamRolloutsRequest(
                     submit=pb.SubmitJobs(jobs=jobs, if_finished=policy)))
