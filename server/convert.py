@@ -31,6 +31,7 @@ from rollout.runtime.types import (
     Trajectory,
     Turn,
 )
+from rollout.server import typed_tasks
 from rollout.v1 import job_pb2, trajectory_pb2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
@@ -261,15 +262,29 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         raise InvalidArgument("job_id is required (a client-chosen idempotency key)",
                               "MISSING_FIELD", "job_id")
     check_id(p.job_id, "job_id")
-    if not p.environment:
+    typed = p.WhichOneof("typed_task")
+    environment = p.environment
+    if typed is not None:
+        implied = typed_tasks.ENVIRONMENTS[typed]
+        if p.HasField("task"):
+            raise InvalidArgument(f"set task or {typed}, not both", "INVALID_TASK", "task")
+        if environment and environment != implied:
+            raise InvalidArgument(f"a {typed} task runs in the {implied!r} environment, not "
+                                  f"{environment!r}: leave environment empty or set it to "
+                                  f"{implied!r}", "INVALID_TASK", "environment")
+        environment = implied
+    if not environment:
         raise InvalidArgument("environment is required, e.g. \"math\"", "MISSING_FIELD",
                               "environment")
-    if not p.HasField("task"):
-        raise InvalidArgument("task is required (the environment's task payload)",
-                              "MISSING_FIELD", "task")
-    if p.task.ByteSize() > MAX_TASK_BYTES:
-        raise InvalidArgument(f"task is {p.task.ByteSize()} bytes; the limit is {MAX_TASK_BYTES}",
-                              "TASK_TOO_LARGE", "task")
+    if typed is None and not p.HasField("task"):
+        raise InvalidArgument("task is required (the environment's task payload, or a typed "
+                              "task: math, code, swe)", "MISSING_FIELD", "task")
+    task_bytes = getattr(p, typed).ByteSize() if typed else p.task.ByteSize()
+    if task_bytes > MAX_TASK_BYTES:
+        raise InvalidArgument(f"task is {task_bytes} bytes; the limit is {MAX_TASK_BYTES}",
+                              "TASK_TOO_LARGE", typed or "task")
+    task = (typed_tasks.typed_task(typed, getattr(p, typed)) if typed
+            else _intify(json_format.MessageToDict(p.task)))
     group = None
     if p.HasField("group"):
         g = p.group
@@ -290,8 +305,8 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
                               "min_policy_version")
     return JobSpec(
         job_id=p.job_id,
-        environment=p.environment,
-        task=_intify(json_format.MessageToDict(p.task)),
+        environment=environment,
+        task=task,
         sampling=sampling_from_proto(p.sampling),
         limits=limits_from_proto(p.limits),
         group=group,

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rollout.runtime.types import InvalidArgument, JobState, Stage
-from rollout.server import auth, convert, errors
+from rollout.server import auth, convert, errors, typed_tasks
 from rollout.server.scheduler import (
     JobFinished,
     JobRecord,
@@ -320,8 +320,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             for s in specs:
                 await out.put(pb.StreamRolloutsResponse(job_id=s.job_id, rejected=_rejected(exc)))
             return
+        typed = {p.job_id: p.WhichOneof("typed_task") for p in jobs}
         for r in results:
-            error: Exception | None = r.error
+            error: BaseException | None = r.error
+            if error is not None:
+                error = typed_tasks.error_for(typed.get(r.job_id), error)
             announce = None
             rec = await self._scheduler.get(r.job_id) if r.duplicate and error is None else None
             if rec is not None and auth.owner_of(rec.client_id) != client_id:
@@ -437,7 +440,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         try:
             (result,) = await self._scheduler.submit([spec], client_id)
             if result.error is not None:
-                raise result.error
+                raise typed_tasks.error_for(request.job.WhichOneof("typed_task"), result.error)
             rec = await self._scheduler.get(spec.job_id)
             if rec is not None and not principal.owns(rec.client_id):
                 raise _job_id_taken(spec.job_id)

@@ -3,6 +3,7 @@ import datetime
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from rollout.v1 import tasks_pb2 as _tasks_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -77,7 +78,7 @@ class GroupSpec(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., size: _Optional[int] = ..., finish_after: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "environment", "task", "sampling", "limits", "group", "priority", "min_policy_version", "metadata", "chat")
+    __slots__ = ("job_id", "environment", "task", "sampling", "limits", "group", "priority", "min_policy_version", "metadata", "chat", "math", "code", "swe")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +96,9 @@ class JobSpec(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    MATH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SWE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     environment: str
     task: _struct_pb2.Struct
@@ -105,7 +109,10 @@ class JobSpec(_message.Message):
     min_policy_version: int
     metadata: _containers.ScalarMap[str, str]
     chat: ChatOptions
-    def __init__(self, job_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., group: _Optional[_Union[GroupSpec, _Mapping]] = ..., priority: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., chat: _Optional[_Union[ChatOptions, _Mapping]] = ...) -> None: ...
+    math: _tasks_pb2.MathTask
+    code: _tasks_pb2.CodeTask
+    swe: _tasks_pb2.SweTask
+    def __init__(self, job_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., group: _Optional[_Union[GroupSpec, _Mapping]] = ..., priority: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., chat: _Optional[_Union[ChatOptions, _Mapping]] = ..., math: _Optional[_Union[_tasks_pb2.MathTask, _Mapping]] = ..., code: _Optional[_Union[_tasks_pb2.CodeTask, _Mapping]] = ..., swe: _Optional[_Union[_tasks_pb2.SweTask, _Mapping]] = ...) -> None: ...
 
 class ChatOptions(_message.Message):
     __slots__ = ("tool_call_format", "chat_template_kwargs")
