@@ -545,17 +545,27 @@ class JobStore:
         if not ids:
             return {}
 
-        def q(c: sqlite3.Connection) -> list[Any]:
-            out = []
-            for i in range(0, len(ids), 500):
-                chunk = ids[i:i + 500]
-                out += c.execute(
-                    f"SELECT group_id, COUNT(*) FROM jobs WHERE state=? AND group_id IN"
-                    f" ({','.join('?' * len(chunk))}) GROUP BY group_id",
-                    (JobState.SUCCEEDED.value, *chunk)).fetchall()
+        def q(c: sqlite3.Connection) -> dict[str, int]:
+            # Only the group's current generation counts: a group id is reused once all its
+            # jobs ended, so a job created after every earlier job of the group had finished
+            # starts a new group whose finish_after counts from zero.
+            out: dict[str, int] = {}
+            live = set(_LIVE)
+            for gid in ids:
+                rows = c.execute("SELECT created_at, updated_at, state FROM jobs"
+                                 " WHERE group_id=? ORDER BY seq", (gid,)).fetchall()
+                open_until, n = float("-inf"), 0
+                for created, updated, state in rows:
+                    if created > open_until:
+                        open_until, n = float("-inf"), 0
+                    open_until = max(open_until,
+                                     float("inf") if state in live else float(updated))
+                    n += state == JobState.SUCCEEDED.value
+                if n:
+                    out[gid] = n
             return out
 
-        return dict(await self._read(q))
+        return await self._read(q)
 
     async def count_by_state(self) -> dict[JobState, int]:
         rows = await self._read(lambda c: c.execute(

@@ -120,3 +120,22 @@ async def test_stale_closures_are_dropped_at_start(tmp_path):
         sub = await sched.attach("t")
         await sched.submit([spec("new", group=GroupSpec("old", 1))], "t")
         assert (await collect_finished(sub, ["new"]))["new"].state is JobState.SUCCEEDED
+
+
+async def test_a_reused_group_id_counts_only_its_own_successes_after_a_restart(tmp_path):
+    g = GroupSpec("reused", size=3, finish_after=2)
+    async with running_scheduler(tmp_path / "db") as (sched, handler):
+        sub = await sched.attach("t")
+        await sched.submit([spec("a0", group=g), spec("a1", group=g)], "t")
+        done = await collect_finished(sub, ["a0", "a1"])
+        assert all(f.state is JobState.SUCCEEDED for f in done.values())
+        # the next generation of the same group id: one success, one still running
+        await sched.submit([spec("b0", group=g), spec("b1", group=g, gate=["run"])], "t")
+        assert (await collect_finished(sub, ["b0"]))["b0"].state is JobState.SUCCEEDED
+        await assert_eventually(lambda: handler.started("b1", "run"))
+    async with running_scheduler(tmp_path / "db") as (sched, handler):
+        # b1 is recovered into a group with 1 success (b0), not 3: it runs on
+        sub = await sched.attach("t")
+        await assert_eventually(lambda: handler.started("b1", "run"))
+        handler.open("b1", "run")
+        assert (await collect_finished(sub, ["b1"]))["b1"].state is JobState.SUCCEEDED
