@@ -97,9 +97,11 @@ async def test_readme_grpcurl_session_runs(live_server: Server) -> None:
     assert frames[-1]["finished"]["state"] == "STATE_SUCCEEDED"
     assert frames[-1]["finished"]["reward"] == 1
     trajectory = next(f["trajectory"] for f in frames if "trajectory" in f)
-    assert trajectory["turns"][0]["output_ids"], "the trajectory carries token ids"
+    # proto3 JSON: reflection serves descriptors with their json_name, so grpcurl prints
+    # lowerCamelCase field names (and accepts either spelling in -d)
+    assert trajectory["turns"][0]["outputIds"], "the trajectory carries token ids"
     assert json.loads(get)["job"]["state"] == "STATE_SUCCEEDED"
-    assert json.loads(listing)["jobs"][0]["job_id"] == "readme-1"
+    assert json.loads(listing)["jobs"][0]["jobId"] == "readme-1"
     assert {s["stage"] for s in json.loads(status)["stages"]} == {
         "STAGE_INIT", "STAGE_RUN", "STAGE_EVAL"}
 
