@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=300, help="jobs per client")
     p.add_argument("--kills", type=int, default=3, help="server SIGKILLs during the run (M)")
     p.add_argument("--duration", type=float, default=90.0,
-                   help="seconds of chaos (jobs arrive in bursts over the first 80%%)")
+                   help="length of the chaos: jobs arrive in bursts over its first 80%%; the "
+                        "run ends once every job is delivered and acked")
     p.add_argument("--bursts", type=int, default=3,
                    help="bursts the jobs arrive in (the kills hit the first one's backlog, "
                         "1.5-2 s apart; later bursts meet only client disconnects)")
