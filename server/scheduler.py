@@ -277,7 +277,7 @@ class Scheduler(StageRunner):
         # stream went away) must not leave jobs stored but never scheduled.
         commit = asyncio.ensure_future(self._commit_and_adopt(specs, fresh, results, client_id))
         self._tasks.add(commit)
-        commit.add_done_callback(self._tasks.discard)
+        commit.add_done_callback(self._commit_done)
         await asyncio.shield(commit)
         return [r for r in results if r is not None]
 
@@ -296,10 +296,8 @@ class Scheduler(StageRunner):
                     self._committing[j] = left
                 else:
                     del self._committing[j]
-        orphans = [specs[i].job_id for i in fresh
-                   if results[i] is not None and results[i].duplicate  # type: ignore[union-attr]
-                   and specs[i].job_id not in self._live
-                   and not self._committing.get(specs[i].job_id)]
+        orphans = [r.job_id for i in fresh if (r := results[i]) is not None and r.duplicate
+                   and r.job_id not in self._live and not self._committing.get(r.job_id)]
         if orphans:  # stored earlier, live nowhere (e.g. a commit whose adoption was lost)
             await self.sweep(orphans)
 
@@ -335,6 +333,12 @@ class Scheduler(StageRunner):
                 self._cancel(job, reason)
             else:
                 self.pools[Stage.INIT].push(job)
+
+    def _commit_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Also seen by the caller if it is still there; logged for the one that went away.
+            log.warning("submit commit failed: %s", task.exception())
 
     async def _sweep_quietly(self) -> None:
         try:
