@@ -379,7 +379,10 @@ class JobStore:
           timings, timestamps) with ``pruned_at`` set.
         - With ``forget_before``: job rows whose trajectory was pruned at or before it go too.
 
-        Unacknowledged deliveries are never touched, so they can always be replayed. Each batch
+        Unacknowledged deliveries are never touched, so they can always be replayed; except on
+        SubmitRollout's per-job channels (``rpc:...``), whose retry of a finished job is answered
+        from the job row, not from a delivery: there a delivery its caller never took counts as
+        acknowledged when the job ended, so it goes ``retention_s`` later. Each batch
         of at most ``batch`` rows is one op of the writer thread, awaited before the next, so the
         hot path's writes interleave with a long prune instead of waiting behind it.
         """
@@ -438,6 +441,18 @@ class JobStore:
                 if n < batch:
                     return total
 
+        def expire_channels(c: sqlite3.Connection) -> int:
+            # The range (not LIKE) keeps this on the primary key: ';' follows ':' in ASCII.
+            rows = c.execute(
+                "SELECT d.client_id, d.delivery_id, j.updated_at FROM deliveries d"
+                " JOIN jobs j ON j.job_id = d.job_id WHERE d.client_id >= 'rpc:'"
+                " AND d.client_id < 'rpc;' AND d.acked=0 AND j.updated_at <= ? LIMIT ?",
+                (acked_before, batch)).fetchall()
+            c.executemany("UPDATE deliveries SET acked=1, acked_at=? WHERE client_id=?"
+                          " AND delivery_id=?", [(at, cid, did) for cid, did, at in rows])
+            return len(rows)
+
+        await drain(expire_channels)
         stats.trajectories = await drain(drop_trajectories)
         if forget_before is not None:
             stats.jobs = await drain(forget_jobs)

@@ -163,3 +163,25 @@ async def test_retention_forgets_finished_submitrollout_channels_not_trainer_ids
         assert marks == [("trainer",)]
     finally:
         await store.close()
+
+
+async def test_submitrollout_deliveries_nobody_took_expire_trainer_ones_never(tmp_path):
+    """A SubmitRollout caller that went away leaves its job's delivery unacknowledged; a retry
+    is answered from the job row, so that delivery must not be kept forever. A trainer's
+    unacknowledged delivery is kept however old it is."""
+    store = JobStore(tmp_path / "s.db")
+    await store.open()
+    try:
+        await store.insert_jobs([(_spec(1), "rpc:j1"), (_spec(2), "trainer"),
+                                 (_spec(3), "rpc:j3")], 1.0)
+        for i, client, at in ((1, "rpc:j1", 2.0), (2, "trainer", 2.0), (3, "rpc:j3", 50.0)):
+            await store.finish(FinishRecord(f"j{i}", client, JobState.SUCCEEDED, Stage.EVAL,
+                                            None, 1.0, StageTimings(), _traj(f"j{i}"), at))
+        stats = await store.prune(acked_before=10.0)  # j1 ended before the window, j3 after
+        assert stats.trajectories == 1
+        assert await store.get_trajectory("j1") is None
+        assert await store.get_trajectory("j2") is not None
+        assert await store.get_trajectory("j3") is not None
+        assert [d.job.job_id for d in await store.unacked("trainer")] == ["j2"]
+    finally:
+        await store.close()
