@@ -81,8 +81,13 @@ def remove(path: str) -> None:
 
 def protect(base: str, named: set[str]) -> list[str]:
     in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
-    # Everything in the working tree, ignored files included: .gitignore is the agent's.
+    # Everything in the working tree, ignored files included: .gitignore is the agent's. The
+    # walk also sees what git would not list (files below a nested .git the agent made).
     in_tree = set(git("ls-files", "-z", "--cached", "--others").decode().split("\0")) - {""}
+    for dirpath, dirnames, filenames in os.walk("."):
+        if dirpath == ".":
+            dirnames[:] = [d for d in dirnames if d != ".git"]
+        in_tree.update(os.path.normpath(os.path.join(dirpath, n)) for n in filenames)
     restored = []
     for path in sorted(in_base | in_tree):
         name = os.path.basename(path)
