@@ -10,6 +10,14 @@ command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
 [ -n "${ROLLOUT_SKIP_NODE:-}" ] || command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
+# The generated Go client's test builds offline against Debian's Go packages (GOPATH mode: the
+# Go module proxy may be unreachable). ROLLOUT_SKIP_GO=1 skips them; that test then skips.
+if [ -z "${ROLLOUT_SKIP_GO:-}" ]; then
+  command -v go >/dev/null 2>&1 || need_apt+=(golang-go)
+  [ -d /usr/share/gocode/src/google.golang.org/grpc ] || need_apt+=(golang-google-grpc-dev)
+  [ -d /usr/share/gocode/src/google.golang.org/protobuf ] || need_apt+=(golang-google-protobuf-dev)
+  command -v protoc-gen-go-grpc >/dev/null 2>&1 || need_apt+=(protoc-gen-go-grpc)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
