@@ -32,6 +32,8 @@ BENCHES = {
                 "whether stages overlap",
     "tools": "bash, IPython and sandbox latency inside bubblewrap, beside tmux and bare bwrap",
     "llm": "in-process engine: batching, KV reuse across turns, batched prefill, balancing",
+    "swe": "swe INIT with a per-task environment: cold cache (builds the venv) vs warm "
+           "(reuses it) vs no task environment, and EVAL of the gold patch",
     "soak": "clients that disconnect at random and a server SIGKILLed mid-run: the books "
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
 }
@@ -192,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(p)
 
     for name, target in (("llm-serve", "serve a model over HTTP (vLLM-compatible routes)"),
-                         ("quickstart", "start a server and run a small demo")):
+                         ("quickstart", "start a server and run a small demo"),
+                         ("tasks", "task files: print job lines, `prepare FILE` (wheelhouse "
+                                   "and per-task environments), `import-swebench`")):
         p = sub.add_parser(name, help=target, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
     p = sub.add_parser(
@@ -205,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=list(BENCHES), help="which benchmark to run")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its flags")
 
-    if importlib.util.find_spec("rollout.client.cli_backends") is not None:
-        importlib.import_module("rollout.client.cli_backends").add_parser(sub)
+    for plugin in ("rollout.client.cli_backends", "rollout.client.cli_train"):
+        if importlib.util.find_spec(plugin) is not None:
+            importlib.import_module(plugin).add_parser(sub)
     return parser
 
 
@@ -256,7 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _delegate(module: str, argv: list[str]) -> int:
-    if module.startswith("rollout.server."):
+    if module.startswith(("rollout.server.", "rollout.runtime.")):
         command = next((c for c, m in _DELEGATED.items() if m == module), "bench")
         require_server_extra(command)
     mod = importlib.import_module(module)
@@ -288,7 +293,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 _DELEGATED = {"llm-serve": "rollout.server.llm.http_server",
-              "quickstart": "rollout.server.quickstart"}
+              "quickstart": "rollout.server.quickstart",
+              "tasks": "rollout.runtime.envs.tasks"}
 
 
 def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:

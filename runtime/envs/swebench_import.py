@@ -1,6 +1,6 @@
 """Turn SWE-bench instances plus local clones of their repositories into a ready swe task file.
 
-    python -m rollout.runtime.envs.tasks import-swebench INSTANCES --repos DIR --out FILE
+    rollout tasks import-swebench INSTANCES --repos DIR --out FILE
         [--specs SPECS.json] [--no-validate]
 
 ``INSTANCES`` is a SWE-bench export (a JSON list or JSONL; ``FAIL_TO_PASS``/``PASS_TO_PASS``
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
 
     from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 
-    parser = argparse.ArgumentParser(prog="python -m rollout.runtime.envs.tasks import-swebench",
+    parser = argparse.ArgumentParser(prog="rollout tasks import-swebench",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("instances", type=Path, help="SWE-bench JSON or JSONL")
     parser.add_argument("--repos", type=Path, required=True, help="folder of local clones")

@@ -16,7 +16,7 @@ The environment is a venv built once per (repository, version, spec) in a build 
 network: ``pip`` reads only the wheelhouses (``--no-index``): the shipped one
 (``runtime/envs/data/wheelhouse``: what the shipped tasks need, so they build offline out of the
 box; ``SOURCES.txt`` there lists each wheel's hash) and ``$ROLLOUT_WHEELHOUSE`` (default
-``~/.cache/rollout/wheelhouse``), which ``python -m rollout.runtime.envs.tasks prepare FILE``
+``~/.cache/rollout/wheelhouse``), which ``rollout tasks prepare FILE``
 fills ahead of time on a machine with registry access. The finished venv sits in
 ``$ROLLOUT_SWE_ENV_CACHE`` (default ``~/.cache/rollout/swe-envs``) and every later job of the
 same repository binds it read-only at :data:`ENV_MOUNT`: INIT pays nothing for it, and no agent
@@ -235,7 +235,7 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
             if not result.ok:
                 raise HandlerError(
                     f"building the task's environment failed (exit {result.exit_code}); is "
-                    "every package in the wheelhouse? (`python -m rollout.runtime.envs.tasks "
+                    "every package in the wheelhouse? (`rollout tasks "
                     f"prepare FILE` fills it): {result.output[-1500:]}", "ENV_BUILD_FAILED")
         finally:
             await sandbox.destroy()

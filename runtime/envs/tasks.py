@@ -15,8 +15,8 @@ A relative ``repo_source`` of a swe task is resolved against the shipped data di
 
 Two more commands prepare swe tasks on a machine with registry access, ahead of serving::
 
-    python -m rollout.runtime.envs.tasks prepare FILE          # wheelhouse + environments
-    python -m rollout.runtime.envs.tasks import-swebench INSTANCES --repos DIR --out FILE
+    rollout tasks prepare FILE          # wheelhouse + environments
+    rollout tasks import-swebench INSTANCES --repos DIR --out FILE
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         from rollout.runtime.envs.swebench_import import main as import_main
 
         return import_main(argv[1:])
-    parser = argparse.ArgumentParser(description="Print job lines for `rollout submit`.")
+    parser = argparse.ArgumentParser(prog="rollout tasks",
+                                     description="Print job lines for `rollout submit`.")
     parser.add_argument("env", choices=ENVIRONMENTS)
     parser.add_argument("--file", type=Path, help="a task file (default: the shipped set)")
     parser.add_argument("--samples", type=int, default=1, help="rollouts per task")
@@ -196,7 +197,7 @@ def _prepare_main(argv: list[str]) -> int:
     from rollout.runtime.envs.taskenv import cache_dir, user_wheelhouses
 
     parser = argparse.ArgumentParser(
-        prog="python -m rollout.runtime.envs.tasks prepare",
+        prog="rollout tasks prepare",
         description="Fill the wheelhouse and build the environments of a swe task file ahead "
                     "of time (needs registry access only for packages the wheelhouse lacks).")
     parser.add_argument("file", type=Path, help="a task file (JSONL of tasks or job lines)")
