@@ -27,8 +27,8 @@ Sequence numbers restart at 1 on each underlying stream; every re-open shows up 
 ``opened`` frame. Each re-open sends the ``store_id`` of the previous one: if the server's
 store changed (its state was lost), the server ignores the old ``acked_through``, the
 ``opened`` frame says ``store_changed`` and the session forgets its delivery bookkeeping
-(the new store numbers deliveries from 1 again). Jobs accepted by the lost store never
-finish; ``store_resets`` counts such re-opens.
+(the new store numbers deliveries from 1 again) and submits again every job it saw accepted
+but not finished, which the lost store took with it; ``store_resets`` counts such re-opens.
 
 Re-submitting a job id this client already used never runs it again; ``if_finished`` on
 :meth:`submit` picks what a finished one gets (docs/PROTOCOL.md): ``"report"`` (the default:
@@ -62,6 +62,8 @@ _END = object()
 _FINISHED_POLICIES = {"report": pb.FINISHED_JOB_POLICY_REPORT,
                       "replay": pb.FINISHED_JOB_POLICY_REPLAY,
                       "reject": pb.FINISHED_JOB_POLICY_REJECT}
+_TERMINAL = (job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED,
+             job_pb2.Job.STATE_CANCELLED)
 _STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 
 
@@ -102,6 +104,8 @@ class Session:
         self._pending: dict[str, job_pb2.JobSpec] = {}
         self._policy: dict[str, pb.FinishedJobPolicy] = {}  # if_finished of each pending job
         self._finished: set[str] = set()
+        self._unfinished: dict[str, job_pb2.JobSpec] = {}
+        """Accepted jobs not finished yet: submitted again if the server's store changes."""
         self._acked_through = 0
         self._acked: set[int] = set()  # acked ids above _acked_through
         self._seen: set[int] = set()  # yielded ids above _acked_through
@@ -337,12 +341,19 @@ class Session:
                 self._acked.clear()
                 self._seen.clear()
                 self._finished.clear()
+                # The lost store's unfinished jobs would never finish: submit them again.
+                self._pending.update(self._unfinished)
+                self._unfinished.clear()
             self.opened = frame.opened
             self._confirmed(frame.opened.acked_through)
         elif kind in ("accepted", "rejected"):
-            self._pending.pop(frame.job_id, None)
+            spec = self._pending.pop(frame.job_id, None)
             self._policy.pop(frame.job_id, None)
+            if (kind == "accepted" and spec is not None
+                    and frame.accepted.state not in _TERMINAL):
+                self._unfinished[frame.job_id] = spec
         elif kind == "finished":
+            self._unfinished.pop(frame.job_id, None)
             if frame.job_id in self._finished:
                 return
             self._finished.add(frame.job_id)

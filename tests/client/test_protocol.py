@@ -216,6 +216,9 @@ async def test_store_id_is_stable_across_restarts_and_changes_with_the_store(
             y1 = await asyncio.wait_for(anext(aiter(s.trajectories())), 15)
             await s.ack([y1.delivery_id])
             assert s.acked_through == 2
+            # a job that is running when the state is lost
+            await s.submit({"job_id": "z1", **task(gate=["run"])})
+            await assert_eventually(lambda: harness.handler.started("z1", "run"))
             await harness.stop()
             shutil.rmtree(harness.state_dir)
             await harness.start()
@@ -224,4 +227,13 @@ async def test_store_id_is_stable_across_restarts_and_changes_with_the_store(
             assert s.store_resets == 1 and s.opened.store_changed
             assert s.opened.store_id != opened.opened.store_id
             # the new store's first delivery reaches the caller (not swallowed as a replay)
-            assert (got.trajectory.job_id, got.delivery_id) == ("y2", 1)
+            assert got.delivery_id == 1 and got.trajectory.job_id in ("y2", "z1")
+            # z1, accepted by the lost store, is submitted again by the session and runs
+            harness.handler.open("z1", "run")
+            ids = {got.trajectory.job_id}
+            async with asyncio.timeout(15):
+                async for t in s.trajectories():
+                    ids.add(t.trajectory.job_id)
+                    if ids == {"y2", "z1"}:
+                        break
+            assert ids == {"y2", "z1"}
