@@ -431,6 +431,12 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             yield pb.SubmitRolloutResponse(trajectory=convert.trajectory_to_proto(traj))
             yield pb.SubmitRolloutResponse(finished=_finished_to_proto(JobFinished(
                 job_id=spec.job_id, state=rec.state, error=rec.error, reward=rec.reward)))
+            # A delivery an earlier call never acknowledged (it went away first) is answered
+            # now; left open it would be kept forever (retention keeps unacked results).
+            channel = principal.rpc_channel(spec.job_id)
+            pending = await self._scheduler.store.unacked_delivery(channel, spec.job_id)
+            if pending is not None:
+                await self._scheduler.ack(channel, [pending])
             return
         # Each job submitted here gets a private delivery channel, so re-submitting the same
         # job id re-attaches and replays its result (rpc:<owner>#<job> for a bound client).

@@ -13,6 +13,7 @@ import pytest
 
 from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError
+from rollout.client.specs import job_spec
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness, task
@@ -237,3 +238,26 @@ async def test_store_id_is_stable_across_restarts_and_changes_with_the_store(
                     if ids == {"y2", "z1"}:
                         break
             assert ids == {"y2", "z1"}
+
+
+async def test_submit_rollout_retry_after_the_caller_vanished_settles_its_delivery(
+        harness: ServerHarness) -> None:
+    assert harness.server is not None and harness.server.scheduler is not None
+    store = harness.server.scheduler.store
+    async with RolloutClient(harness.address) as client:
+        call = client.stub.SubmitRollout(pb.SubmitRolloutRequest(job=job_spec(
+            {"job_id": "gone", **task(gate=["eval"])})))
+        first = await call.read()
+        assert first.WhichOneof("kind") == "accepted"
+        call.cancel()  # the caller goes away before the result
+        await assert_eventually(lambda: harness.handler.started("gone", "eval"))
+        harness.handler.open("gone", "eval")
+
+        async def finished() -> bool:
+            rec = await client.get_job("gone")
+            return rec.job.state == S.STATE_SUCCEEDED
+        await assert_eventually(finished)
+        assert await store.unacked_delivery("rpc:gone", "gone") is not None
+        retry = [f async for f in client.submit_rollout({"job_id": "gone", **task()})]
+    assert [f.WhichOneof("kind") for f in retry] == ["accepted", "trajectory", "finished"]
+    assert await store.unacked_delivery("rpc:gone", "gone") is None
