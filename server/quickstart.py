@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,23 +23,42 @@ from rollout.client.aio import RolloutClient
 from rollout.client.cli import ClientSettings
 from rollout.client.cli_submit import submit_specs
 from rollout.client.specs import job_spec
-from rollout.runtime.envs.tasks import job_line, load_tasks
+from rollout.runtime.envs.common import DATA_DIR
+from rollout.runtime.envs.tasks import job_line, load_tasks, read_task_file
 from rollout.server.app import Server
 from rollout.server.config import load_config
 from rollout.v1 import job_pb2
 
 MIX = {"math": 8, "code": 4, "swe": 2}
-SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens_per_turn": 256,
-            "total_token_budget": 6144, "seed": 1234}
-LIMITS = {"max_turns": 4, "init_timeout": "120s", "run_timeout": "300s", "eval_timeout": "180s"}
+SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens_per_turn": 128,
+            "total_token_budget": 4096}
+# RUN gets ten minutes: on a 2-core machine shared with other work, the first turns of a batch
+# (prefill of every job's prompt) alone have taken five.
+LIMITS = {"max_turns": 4, "init_timeout": "120s", "run_timeout": "600s", "eval_timeout": "180s"}
+SEED_STRIDE = 1_000_003
+"""Job i samples with ``seed + i * SEED_STRIDE`` (turn k adds k), as ``rollout submit
+--samples`` does, so no two jobs share a random stream and one seed reproduces the batch."""
 
 
-def build_specs(mix: dict[str, int], run_id: str) -> list[job_pb2.JobSpec]:
+def quickstart_tasks(env: str) -> list[dict[str, Any]]:
+    """``data/quickstart-<env>.jsonl`` where it exists, else the shipped set of ``env``.
+
+    The quickstart sets are easy on purpose: a 135M-parameter model fails the shipped math
+    problems (DESIGN.md), and a demo where every job ends the same way shows nothing.
+    """
+    path = DATA_DIR / f"quickstart-{env}.jsonl"
+    return read_task_file(path, env) if path.exists() else load_tasks(env)
+
+
+def build_specs(mix: dict[str, int], run_id: str, seed: int) -> list[job_pb2.JobSpec]:
     specs = []
     for env, n in mix.items():
-        for task in load_tasks(env)[:n]:
+        tasks = quickstart_tasks(env)
+        for k in range(n):  # cycle when asked for more jobs than tasks
+            task = tasks[k % len(tasks)]
             tid = task.get("id") or task.get("instance_id")
-            line = job_line(env, task, job_id=f"qs-{run_id}-{tid}", sampling=SAMPLING,
+            line = job_line(env, task, job_id=f"qs-{run_id}-{tid}-{k}",
+                            sampling={**SAMPLING, "seed": seed + len(specs) * SEED_STRIDE},
                             limits=LIMITS)
             specs.append(job_spec(line))
     return specs
@@ -96,12 +116,14 @@ def _fresh_file(path: Path) -> None:
 
 async def run(args: argparse.Namespace, console: Console) -> int:
     # Fewer RUN workers than jobs, so the plot shows jobs queueing for RUN while INIT and EVAL
-    # of others go on; --set pipeline.run_workers=N overrides it.
+    # of others go on, and so the jobs in RUN share the CPU between fewer prompts (their RUN
+    # deadline runs while they wait on the model, not while they queue); --set
+    # pipeline.run_workers=N overrides it.
     # Its own state directory, inside --out-dir: a `rollout serve` beside it keeps ./.rollout
     # (one server per state directory; the second would refuse to start).
     cfg = load_config(args.config, overrides=[f"server.port={args.port}",
                                               f"server.state_dir={Path(args.out_dir) / 'state'}",
-                                              "pipeline.run_workers=8", *args.set])
+                                              "pipeline.run_workers=4", *args.set])
     console.print("[bold]rollout quickstart[/]: starting an in-process server "
                   "(bubblewrap sandboxes, SmolLM2-135M-Instruct on the CPU)…")
     t0 = time.monotonic()
@@ -112,7 +134,9 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     traj_path = out_dir / "trajectories.jsonl"
     _fresh_file(traj_path)
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    specs = build_specs(args.mix, run_id)
+    seed = args.seed if args.seed is not None else random.randrange(1_000_000)
+    console.print(f"seed {seed} (run again with --seed {seed} for the same sampling streams)")
+    specs = build_specs(args.mix, run_id, seed)
     settings = ClientSettings(address=server.address, token=cfg.server.auth_token or None,
                               client_id=f"quickstart-{run_id}")
     submit_args: Any = SimpleNamespace(out=str(traj_path), progress=True)
@@ -124,7 +148,7 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     finally:
         await server.stop(grace_s=2)
     console.print(f"trajectories: {traj_path}\ntimeline:     {plot}\n"
-                  f"total:        {time.monotonic() - t0:.1f} s")
+                  f"seed:         {seed}\ntotal:        {time.monotonic() - t0:.1f} s")
     return code
 
 
@@ -148,5 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="server port (0: any free port)")
     p.add_argument("--mix", type=_parse_mix, default=MIX, metavar="ENV=N,…",
                    help="jobs per environment (default: math=8,code=4,swe=2)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed of the batch (default: a fresh one, printed)")
     args = p.parse_args(argv)
     return asyncio.run(run(args, Console()))

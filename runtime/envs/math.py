@@ -41,10 +41,25 @@ ENV = "math"
 ALLOWED_TOOLS = ("python", "bash")
 
 INSTRUCTIONS = (
-    "You are a careful mathematician. Solve the problem step by step. You can run Python code "
-    "with the `python` tool to calculate or check your work. When you are sure, call `submit` "
-    "with only the final answer (a number or a simple expression such as 3/4 or \\sqrt{2}), "
-    "or finish your reply with the final answer in \\boxed{}.")
+    "You are a careful mathematician. Use the `python` tool to calculate, then call `submit` "
+    "with only the final answer (a number or a simple expression such as 3/4 or \\sqrt{2}).")
+
+# A worked example as real turns of the conversation, because a small model copies a
+# demonstration far better than it follows a description (SmolLM2-135M-Instruct called no tool
+# in any quickstart job under the description alone). The example's numbers appear in no
+# shipped task, so copying its answer earns nothing.
+EXAMPLE = (
+    {"role": "user", "content": "What is 31 + 45?"},
+    {"role": "assistant",
+     "content": '<tool_call>\n{"name": "python", "arguments": {"code": "print(31 + 45)"}}\n'
+                "</tool_call>"},
+    {"role": "tool", "name": "python", "content": "76"},
+    {"role": "assistant",
+     "content": '<tool_call>\n{"name": "submit", "arguments": {"answer": "76"}}\n</tool_call>'},
+    {"role": "tool", "name": "submit", "content": "Answer submitted."},
+)
+"""Shown before the task when the task has the python tool (a task without it, such as the
+README's ``"tools": []`` example, gets no example of a tool it cannot call)."""
 
 
 class MathHandler(AgentHandler):
@@ -72,7 +87,8 @@ class MathHandler(AgentHandler):
         names = list(ctx.spec.task.get("tools", ["python"]))
         tools: list[Any] = sandbox_tools(sandbox_of(ctx), names) if names else []
         tools.append(SubmitTool(ctx.state, answer_description="The final answer only."))
-        messages = [{"role": "system", "content": INSTRUCTIONS},
+        example = list(EXAMPLE) if "python" in names else []
+        messages = [{"role": "system", "content": INSTRUCTIONS}, *example,
                     {"role": "user", "content": ctx.spec.task["question"]}]
         return await run_agent_loop(ctx, tools, messages)
 

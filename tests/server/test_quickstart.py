@@ -3,31 +3,64 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
+
+from rollout.server.quickstart import SEED_STRIDE, build_specs, quickstart_tasks
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_quickstart_runs_the_embedded_defaults(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = subprocess.run(
-        [sys.executable, "-m", "rollout.client.cli", "quickstart", "--mix", "math=1,code=1,swe=1",
-         "--out-dir", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=400)
+        [sys.executable, "-m", "rollout.client.cli", "quickstart", "--mix", "math=2,code=1,swe=1",
+         "--out-dir", str(out), "--seed", "77"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=580,
+        env={"COLUMNS": "120", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "rollout summary" in res.stdout
+    text = res.stdout
+    assert "seed 77" in text and "--seed 77" in text
+    for heading in ("rollout summary", "how runs ended"):
+        assert heading in text, text[-3000:]
     trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     ids = " ".join(t["job_id"] for t in trajs)
-    assert len(trajs) == 3 and all(env in ids for env in ("math-", "code-", "rollout__"))
+    assert len(trajs) == 4 and all(env in ids for env in ("math-", "code-", "rollout__"))
+    # The seed reaches every job: job i samples from seed + i * stride (the trajectory says so).
+    assert sorted(int(t["seed"]) for t in trajs) == [77 + i * SEED_STRIDE for i in range(4)]
     for t in trajs:
         turn = t["turns"][0]
         assert turn["output_ids"], "SmolLM2 generated tokens"
         assert len(turn["output_logprobs"]) == len(turn["output_ids"])
         assert turn["backend"].startswith("transformers")
+    # The summary's per-environment outcome rows agree with the trajectories themselves.
+    for env, prefix in (("math", "math-"), ("code", "code-"), ("swe", "rollout__")):
+        mine = [t for t in trajs if prefix in t["job_id"]]
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [env])
+        deadline = sum(t["termination_reason"] == "TERMINATION_REASON_DEADLINE" for t in mine)
+        solved = sum(t["reward"] >= 1.0 and t["state"] == "STATE_SUCCEEDED" for t in mine)
+        tools = sum(any(turn.get("tool_calls") for turn in t["turns"]) for t in mine)
+        assert row[1] == str(len(mine)) and row[3] == str(deadline), row
+        assert row[6] == str(solved) and row[9] == str(tools), row
+        if solved < len(mine):
+            assert re.search(rf"^{env}: (no job earned a reward|\d+ of \d+ jobs earned 0)",
+                             text, re.M), text[-3000:]
     png = (out / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG")
-    assert (tmp_path / ".rollout" / "jobs.sqlite3").exists(), "state under ./.rollout"
+    assert (out / "state" / "jobs.sqlite3").exists(), "its own state dir, under --out-dir"
+
+
+def test_quickstart_batch_is_seeded_and_uses_the_easy_sets() -> None:
+    specs = build_specs({"math": 3, "code": 1}, "t", seed=5)
+    assert [s.sampling.seed for s in specs] == [5 + i * SEED_STRIDE for i in range(4)]
+    assert len({s.job_id for s in specs}) == 4
+    shipped = (Path(__file__).resolve().parents[2] / "runtime" / "envs" / "data"
+               / "quickstart-math.jsonl")
+    first = json.loads(shipped.read_text().splitlines()[0])["task"]
+    assert json_format.MessageToDict(specs[0].task) == first
+    assert quickstart_tasks("math")[0] == first
