@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.math import MathHandler
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.answers import answers_equivalent
+from rollout.runtime.envs.common import DATA_DIR
+from rollout.runtime.envs.math import EXAMPLE, MathHandler
+from rollout.runtime.envs.tasks import load_tasks, read_task_file
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 
@@ -62,3 +64,18 @@ async def test_python_tool_runs_in_the_sandbox(rollout: Rollout) -> None:
     result = await rollout(MathHandler(), task, script)
     assert result.reward.value == 1.0
     assert "115" in result.prompt_text()  # the observation came back from the kernel
+
+
+async def test_worked_example_precedes_the_task_only_with_python(rollout: Rollout) -> None:
+    task = {"question": "What is 2 + 3?", "answer": "5"}
+    shown = (await rollout(MathHandler(), task, [call("submit", answer="5")])).prompt_text()
+    assert 0 <= shown.index("print(31 + 45)") < shown.index("What is 2 + 3?")
+    bare = await rollout(MathHandler(), {**task, "tools": []}, [call("submit", answer="5")])
+    assert "31 + 45" not in bare.prompt_text(), "no example of a tool the task does not give"
+
+
+def test_copying_the_example_answer_earns_nothing() -> None:
+    example_answer = '"answer": "76"'
+    assert example_answer in EXAMPLE[3]["content"]
+    for task in [*TASKS, *read_task_file(DATA_DIR / "quickstart-math.jsonl", "math")]:
+        assert not answers_equivalent("76", task["answer"]), task["id"]
