@@ -352,7 +352,8 @@ class GroupBatcher:
         step). Called by ``next_batch`` and by the reader whenever a group completes."""
         async with self._submit_lock:  # one reader of the dataset iterator at a time
             while self._submitted_for_batch < self._budget:
-                target = self.config.in_flight if self._waiting else self.config.prefetch
+                wanted = self._waiting and len(self._ready) < self.config.groups_per_batch
+                target = self.config.in_flight if wanted else self.config.prefetch
                 if self._live() >= min(target, self.config.in_flight):
                     return
                 if self._requeued:

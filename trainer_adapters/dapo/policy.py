@@ -1,0 +1,193 @@
+"""The policy model on the trainer side: tensors from a batch, one DAPO update, checkpoints.
+
+Everything here is synchronous torch; the trainer loop runs it in a worker thread so the gRPC
+session (heartbeats, acknowledgements, the batcher's reader) keeps running meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.client.batcher import Sample
+from rollout.trainer_adapters.dapo.loss import ClipConfig, policy_loss, token_logprobs
+
+
+@dataclass(frozen=True)
+class TrainItem:
+    """One sample with its advantage, ready for the model."""
+
+    sample: Sample
+    advantage: float
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float
+    entropy: float
+    clip_low: float
+    clip_high: float
+    dual_clip: float
+    tis_truncated: float
+    approx_kl: float
+    grad_norm: float
+    tokens: int
+    """Tokens the forward passes processed (prompts included)."""
+    loss_tokens: int
+    seconds: float
+
+
+class Policy:
+    """A causal LM under training, with AdamW, linear warm-up and gradient clipping."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "", lr: float = 1e-5,
+                 warmup_steps: int = 0, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # fp32 master weights everywhere; on CUDA the forward runs under bf16 autocast.
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                          dtype=torch.float32)
+        self.model.to(self.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
+                                           weight_decay=weight_decay)
+        self.base_lr = lr
+        self.warmup_steps = warmup_steps
+        self.updates = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def lr(self) -> float:
+        if self.warmup_steps and self.updates < self.warmup_steps:
+            return self.base_lr * (self.updates + 1) / self.warmup_steps
+        return self.base_lr
+
+    def _tensors(self, items: Sequence[TrainItem]) -> dict[str, torch.Tensor]:
+        """Right-padded, shifted by one: position t of ``targets`` is predicted from
+        ``input_ids[:t+1]``, and masks/logprobs are aligned with the targets."""
+        width = max(len(i.sample.flat.token_ids) for i in items) - 1
+        pad = self.tokenizer.pad_token_id or 0
+
+        def row(values: Sequence[Any], fill: Any) -> list[Any]:
+            return list(values) + [fill] * (width - len(values))
+
+        ids = [i.sample.flat.token_ids for i in items]
+        out = {
+            "input_ids": torch.tensor([row(x[:-1], pad) for x in ids]),
+            "attention": torch.tensor([row([1] * (len(x) - 1), 0) for x in ids]),
+            "targets": torch.tensor([row(x[1:], pad) for x in ids]),
+            "mask": torch.tensor([row(i.sample.flat.loss_mask[1:], 0) for i in items],
+                                 dtype=torch.float32),
+            "rollout_logp": torch.tensor([row(i.sample.flat.logprobs[1:], 0.0) for i in items],
+                                         dtype=torch.float32),
+            "advantages": torch.tensor([[i.advantage] for i in items], dtype=torch.float32),
+        }
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def _logprobs(self, t: dict[str, torch.Tensor], temperature: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            logits = self.model(input_ids=t["input_ids"], attention_mask=t["attention"]).logits
+        return token_logprobs(logits, t["targets"], temperature)
+
+    def _micro_batches(self, items: Sequence[TrainItem], size: int
+                       ) -> Iterator[Sequence[TrainItem]]:
+        # Similar lengths together: less padding per forward.
+        ordered = sorted(items, key=lambda i: len(i.sample.flat.token_ids))
+        for start in range(0, len(ordered), size):
+            yield ordered[start:start + size]
+
+    def update(self, items: Sequence[TrainItem], clip: ClipConfig, *, temperature: float,
+               micro_batch_size: int, grad_clip: float, mini_batches: int = 1) -> UpdateStats:
+        """One DAPO step over ``items`` (``mini_batches`` optimizer steps; gradients of each
+        mini-batch accumulated over micro-batches of ``micro_batch_size`` samples)."""
+        started = time.monotonic()
+        items = [i for i in items if any(i.sample.flat.loss_mask)]
+        if not items:
+            raise ValueError("nothing to train on: no sample has a model token")
+        old: dict[str, torch.Tensor] = {}
+        if mini_batches > 1:
+            # Off-policy within the step: the reference ("old") logprobs must be those of the
+            # weights before the first optimizer step, so compute them all up front.
+            with torch.no_grad():
+                for mb in self._micro_batches(items, micro_batch_size):
+                    lp, _ = self._logprobs(self._tensors(mb), temperature)
+                    for k, item in enumerate(mb):
+                        old[item.sample.job_id] = lp[k].detach()
+        per_mini = max(1, -(-len(items) // mini_batches))
+        totals = dict(loss=0.0, entropy=0.0, clip_low=0.0, clip_high=0.0, dual_clip=0.0,
+                      tis_truncated=0.0, approx_kl=0.0)
+        processed = loss_tokens = 0
+        grad_norms = []
+        for m in range(0, len(items), per_mini):
+            mini = items[m:m + per_mini]
+            n_tokens = float(sum(sum(i.sample.flat.loss_mask[1:]) for i in mini))
+            for group in self._param_groups():
+                group["lr"] = self.lr
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self._micro_batches(mini, micro_batch_size):
+                t = self._tensors(mb)
+                logp, entropy = self._logprobs(t, temperature)
+                if old:
+                    old_lp = torch.stack([_fit(old[i.sample.job_id], logp.shape[1])
+                                          for i in mb])
+                else:
+                    old_lp = logp.detach()  # one optimizer step per batch: on-policy
+                loss, st = policy_loss(logp, old_lp, t["advantages"], t["mask"], clip,
+                                       rollout_logp=t["rollout_logp"], num_tokens=n_tokens)
+                loss.backward()
+                w = st.tokens
+                totals["loss"] += float(loss.detach()) * n_tokens
+                totals["entropy"] += float((entropy.detach() * t["mask"]).sum())
+                for key in ("clip_low", "clip_high", "dual_clip", "tis_truncated", "approx_kl"):
+                    totals[key] += getattr(st, key) * w
+                loss_tokens += w
+                processed += int(t["attention"].sum())
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+            grad_norms.append(float(norm))
+            self.optimizer.step()
+            self.updates += 1
+        denom = max(loss_tokens, 1)
+        return UpdateStats(
+            loss=totals["loss"] / denom, entropy=totals["entropy"] / denom,
+            clip_low=totals["clip_low"] / denom, clip_high=totals["clip_high"] / denom,
+            dual_clip=totals["dual_clip"] / denom, tis_truncated=totals["tis_truncated"] / denom,
+            approx_kl=totals["approx_kl"] / denom, grad_norm=max(grad_norms),
+            tokens=processed, loss_tokens=loss_tokens, seconds=time.monotonic() - started)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        return list(self.optimizer.param_groups)
+
+    def save_weights(self, directory: Path) -> Path:
+        """A safetensors checkpoint the serving engines load (ties handled by transformers)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(directory), safe_serialization=True)
+        return directory
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        """Weights, tokenizer and optimizer state: enough to serve or to resume."""
+        self.save_weights(directory)
+        self.tokenizer.save_pretrained(str(directory))
+        torch.save({"optimizer": self.optimizer.state_dict(), "updates": self.updates},
+                   directory / "trainer_state.pt")
+        return directory
+
+
+def _fit(row: torch.Tensor, width: int) -> torch.Tensor:
+    if row.shape[0] >= width:
+        return row[:width]
+    return torch.cat([row, row.new_zeros(width - row.shape[0])])
