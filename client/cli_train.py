@@ -86,6 +86,8 @@ async def _train(cfg: Any, state_dir: Path) -> Any:
 
 async def start_in_process_server(cfg: Any, model_dir: Path, state: Path) -> Any:
     """The production server on a free loopback port, state under the run directory."""
+    from rollout.runtime.envs.short_answer import ShortAnswerHandler
+    from rollout.runtime.handler import HandlerRegistry
     from rollout.server.app import Server
     from rollout.server.config import load_config as load_server_config
 
@@ -100,4 +102,7 @@ async def start_in_process_server(cfg: Any, model_dir: Path, state: Path) -> Any
                  f"pipeline.init_workers={workers}", f"pipeline.eval_workers={workers}",
                  *cfg.service.server_set]
     server_cfg = load_server_config(None, overrides, environ={})
-    return await Server(server_cfg).start()
+    registry = HandlerRegistry.from_entry_points()
+    if "short" not in registry.names():  # an install older than the entry point (not reinstalled)
+        registry.register("short", ShortAnswerHandler)
+    return await Server(server_cfg, registry=registry).start()
