@@ -295,12 +295,13 @@ class Session:
                     raise RolloutError(grpc.StatusCode.INTERNAL, "PROTOCOL_ERROR",
                                        "the server did not answer `open` with `opened`")
                 failures = 0
+                await self._on_frame(first)
+                await self._resend(call)
+                # start() returns only now, so a submit right after it is written at once.
                 if self._first_open.done():
                     self.reconnects += 1
                 else:
                     self._first_open.set_result(None)
-                await self._on_frame(first)
-                await self._resend(call)
                 while (frame := await call.read()) is not grpc.aio.EOF:
                     await self._on_frame(frame)
                 self._call = None

@@ -250,6 +250,8 @@ async def test_submit_rollout_retry_after_the_caller_vanished_settles_its_delive
         first = await call.read()
         assert first.WhichOneof("kind") == "accepted"
         call.cancel()  # the caller goes away before the result
+        sched = harness.server.scheduler
+        await assert_eventually(lambda: sched.status().sessions == 0)  # server noticed
         await assert_eventually(lambda: harness.handler.started("gone", "eval"))
         harness.handler.open("gone", "eval")
 
