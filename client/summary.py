@@ -25,7 +25,7 @@ from rollout.v1 import trajectory_pb2 as tpb
 _S = job_pb2.Job
 _T = tpb.TerminationReason
 
-SHORT_REASON = {
+SHORT_REASON: dict[int, str] = {
     _T.TERMINATION_REASON_SUBMITTED: "submitted",
     _T.TERMINATION_REASON_NO_TOOL_CALL: "no tool call",
     _T.TERMINATION_REASON_MAX_TURNS: "max turns",
@@ -37,7 +37,7 @@ SHORT_REASON = {
 }
 """How a trajectory ended, in the words the tables use."""
 
-_WHY_ZERO = {
+_WHY_ZERO: dict[int, str] = {
     _T.TERMINATION_REASON_SUBMITTED: "submitted an answer the grader scored 0",
     _T.TERMINATION_REASON_NO_TOOL_CALL: "stopped without calling a tool (no submit; a final "
                                         "text answer, if any, was wrong)",

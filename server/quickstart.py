@@ -51,7 +51,7 @@ def quickstart_tasks(env: str) -> list[dict[str, Any]]:
 
 
 def build_specs(mix: dict[str, int], run_id: str, seed: int) -> list[job_pb2.JobSpec]:
-    specs = []
+    specs: list[job_pb2.JobSpec] = []
     for env, n in mix.items():
         tasks = quickstart_tasks(env)
         for k in range(n):  # cycle when asked for more jobs than tasks
