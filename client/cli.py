@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any dotted setting, e.g. pipeline.run_workers=16 or "
                         "'llm.backends=[]' (repeatable)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run stage work on a Ray cluster (host:port or 'auto'): one node agent "
+                        "per node offering the custom resource rollout_node (cluster.ray)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="run stage work in N local processes (a private local Ray; "
+                        "cluster.workers; default 0: in the server process)")
     p.add_argument("--host", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for "
                                   "every interface)")
     p.add_argument("--port", type=int, help="gRPC port, 0 to 65535 (default 50051; 0 picks a "
@@ -251,7 +257,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     for flag, key in (("host", "server.host"), ("port", "server.port"),
                       ("state_dir", "server.state_dir"), ("token", "server.auth_token"),
-                      ("metrics_port", "server.metrics_port")):
+                      ("metrics_port", "server.metrics_port"), ("ray", "cluster.ray"),
+                      ("workers", "cluster.workers")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")

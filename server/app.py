@@ -77,6 +77,8 @@ class Server:
         self._owns_llm = False
         self._prev_roots: Any = None
         self._lock: StateDirLock | None = None
+        self.cluster: Any = None
+        """``server.cluster.ray_backend.RayCluster`` with ``--ray`` / ``--workers``."""
 
     @property
     def address(self) -> str:
@@ -129,11 +131,22 @@ class Server:
 
             self.llm = await build_pool(cfg)
             self._owns_llm = True
+        nodes = None
+        if cfg.cluster.ray or cfg.cluster.workers:
+            # Only here is Ray imported: a server without --ray/--workers never loads it.
+            from rollout.server.cluster.agent import load_handler
+            from rollout.server.cluster.node import NodeSet
+            from rollout.server.cluster.ray_backend import RayCluster
+
+            for name, path in cfg.cluster.handlers.items():  # validate as the nodes will run
+                self.registry.register(name, load_handler(path))
+            nodes = NodeSet()
+            self.cluster = await RayCluster(nodes, cfg).start()
         self.store = JobStore(state / STORE_FILE)
         await self.store.open()
         self.scheduler = Scheduler(
             self.store, self.registry, llm=self.llm, sandbox_factory=self.sandbox_factory,
-            config=PipelineConfig(
+            nodes=nodes, config=PipelineConfig(
                 init_workers=cfg.pipeline.init_workers, run_workers=cfg.pipeline.run_workers,
                 eval_workers=cfg.pipeline.eval_workers,
                 stage_queue_size=cfg.pipeline.stage_queue_size,
@@ -205,6 +218,10 @@ class Server:
             await self.scheduler.stop(grace)
         if self.store is not None:
             await self.store.close()
+        if self.cluster is not None:  # after the scheduler released what the nodes held
+            with contextlib.suppress(Exception):
+                await self.cluster.stop()
+            self.cluster = None
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
                 self._metrics_server[0].shutdown()

@@ -126,11 +126,32 @@ class LLMSection:
 
 
 @dataclass
+class ClusterSection:
+    ray: str = ""
+    """Run stage work on a Ray cluster: its address (``host:port``) or ``auto``. One node agent
+    (a Ray actor) starts on every node that offers the custom resource ``rollout_node``; the
+    gRPC front, scheduler and job store stay in the server process. Empty = in-process."""
+    workers: int = 0
+    """Run stage work in this many local processes (node agents on a private local Ray
+    instance) instead of the server process; 0 = in-process. Not with ``ray``."""
+    slots_per_node: int = 8
+    """Jobs (sandboxes) one node agent holds at once, unless its node offers the custom
+    resource ``rollout_slots`` (then that many)."""
+    handlers: dict[str, str] = field(default_factory=dict)
+    """Extra environments for the nodes, ``name = "module:attribute"`` (importable there)."""
+    node_state_dir: str = ""
+    """Node-local directory for sandbox workspaces; empty = ``$TMPDIR/rollout-nodes``."""
+    poll_s: float = 1.0
+    """How often the server looks for nodes that joined or left."""
+
+
+@dataclass
 class Config:
     server: ServerSection = field(default_factory=ServerSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     sandbox: SandboxSection = field(default_factory=SandboxSection)
     llm: LLMSection = field(default_factory=LLMSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     @property
     def state_path(self) -> Path:
@@ -186,7 +207,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     section = getattr(cfg, section_name, None)
     if section is None or not dataclasses.is_dataclass(section) or not key:
         raise InvalidArgument(f"unknown config key {dotted!r}; sections are server, pipeline, "
-                              "sandbox, llm", "BAD_CONFIG")
+                              "sandbox, llm, cluster", "BAD_CONFIG")
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
         raise InvalidArgument(

@@ -59,6 +59,7 @@ from typing import Any
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage
+from rollout.server.cluster.node import NodeSet
 from rollout.server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from rollout.server.metrics import SchedulerStatus, StageStatus
 from rollout.server.pipeline.groups import GROUP_FINISHED
@@ -112,14 +113,14 @@ class Scheduler(StageRunner):
     def __init__(self, store: JobStore, registry: HandlerRegistry, *,
                  llm: LLMClient | None = None,
                  sandbox_factory: Callable[..., Awaitable[Any]] | None = None,
-                 config: PipelineConfig | None = None) -> None:
+                 config: PipelineConfig | None = None, nodes: NodeSet | None = None) -> None:
         self._started_at = time.monotonic()
         self._running = False
         self._stopping = False
         self._committing: dict[str, int] = {}
         """Job ids whose submit commit is in flight (how many submits): not orphans yet."""
         super().__init__(store, registry, llm=llm, sandbox_factory=sandbox_factory,
-                         config=config)
+                         config=config, nodes=nodes)
         self._groups.on_reopen = lambda gid: self._spawn(self.store.reopen_group(gid))
         self.retention = Retention(store, retention_s=self.config.retention_s,
                                    job_retention_s=self.config.job_retention_s,
@@ -175,7 +176,8 @@ class Scheduler(StageRunner):
             if s.job_id in self._live:  # adopted by someone else while we awaited
                 continue
             job = LiveJob(spec=s.spec, client_id=s.client_id, seq=s.seq, created_at=s.created_at,
-                          attempts=s.attempts, updated_at=s.updated_at)
+                          attempts=s.attempts, crashes=crashes[s.job_id],
+                          updated_at=s.updated_at)
             self._adopt(job, counts.get(s.group_id, 0))
             if crashes[s.job_id] >= self.config.max_attempts:
                 self._finish(job, JobState.FAILED, JobError(

@@ -31,10 +31,14 @@ class LiveJob:
     """Submission order in the store; FIFO among equal priorities, stable list order."""
     created_at: float
     attempts: int = 0
+    crashes: int = 0
+    """Times a process or node died while the job was inside a stage (``max_attempts``)."""
     state: JobState = JobState.QUEUED
     stage: Stage | None = None
     updated_at: float = 0.0
     ctx: JobContext | None = None
+    node: Any = None
+    """The ``server.cluster`` node holding the job's sandbox from INIT until its release."""
     task: asyncio.Task[Any] | None = None
     pool: StagePool | None = None
     """The pool whose queue (or blocked list) holds the job, if any."""

@@ -24,9 +24,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.runtime.handler import HandlerRegistry, JobContext
+from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import LLMClient
-from rollout.runtime.types import InvalidArgument, JobError, JobState, Stage, TerminationReason
+from rollout.runtime.types import JobError, JobState, Stage, TerminationReason
+from rollout.server.cluster.node import LocalNode, NodeLost, NodeSet
 from rollout.server.metrics import SchedulerMetrics, SchedulerStatus, StageStats
 from rollout.server.pipeline.groups import GROUP_FINISHED, Groups
 from rollout.server.pipeline.pool import LiveJob, StagePool
@@ -37,7 +38,7 @@ from rollout.server.pipeline.session import (
     Subscription,
     TrajectoryReady,
 )
-from rollout.server.pipeline.stages import StageResult, build_trajectory, release, run_stage
+from rollout.server.pipeline.stages import build_trajectory
 from rollout.server.store import FinishRecord, JobStore, now
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,15 @@ class StageRunner:
     def __init__(self, store: JobStore, registry: HandlerRegistry, *,
                  llm: LLMClient | None = None,
                  sandbox_factory: Callable[..., Awaitable[Any]] | None = None,
-                 config: PipelineConfig | None = None) -> None:
+                 config: PipelineConfig | None = None, nodes: NodeSet | None = None) -> None:
         self.store = store
         self.registry = registry
         self.llm = llm
         self.sandbox_factory = sandbox_factory
+        self.nodes = nodes if nodes is not None else NodeSet.single(LocalNode(self))
+        """Where stage work runs (server/cluster/): the server process itself by default."""
+        self.node_losses = 0
+        """Jobs sent back to INIT because the node holding them died."""
         self.config = cfg = config or PipelineConfig()
         self.pools = {
             Stage.INIT: StagePool(Stage.INIT, cfg.init_workers, cfg.max_pending_jobs + 1,
@@ -163,9 +168,9 @@ class StageRunner:
         job.updated_at = now()
         if stage is Stage.INIT:
             job.attempts += 1
-            job.ctx = JobContext(spec=job.spec, llm=self.llm,
-                                 sandbox_factory=self.sandbox_factory,
-                                 progress=lambda ev, d: self._progress(job, ev, d))
+            assert job.node is not None
+            job.ctx = job.node.open_context(job.spec,
+                                            lambda ev, d: self._progress(job, ev, d))
         assert job.ctx is not None
         job.ctx.stage = stage
         self.store.record_stage(job.job_id, stage, job.attempts, job.updated_at)
@@ -199,30 +204,32 @@ class StageRunner:
     async def _one_stage(self, job: LiveJob, pool: StagePool) -> bool:
         """One stage of one job; True when the job goes on to the next stage."""
         stage = pool.stage
+        if stage is Stage.INIT and job.node is None:
+            if not await self._place(job):
+                return False
         try:
             t0 = self._enter_stage(job, stage)
-            assert job.ctx is not None
+            assert job.ctx is not None and job.node is not None
             try:
-                handler = self.registry.get(job.spec.environment)
-            except InvalidArgument as exc:  # e.g. recovered after the environment was removed
-                result = StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage))
-            else:
-                try:
-                    result = await run_stage(handler, job.ctx, stage,
-                                             job.spec.limits.timeout(stage))
-                except asyncio.CancelledError:
-                    if job.cancel_reason is None:  # the scheduler is stopping: run again later
-                        await self._release(job)
-                        job.ctx = None  # released; the next start runs it from INIT
-                        raise
-                    current = asyncio.current_task()
-                    if current is not None:
-                        current.uncancel()
-                    self._observe(job, stage, t0, "cancelled")
-                    job.finishing = True
+                result = await job.node.run_stage(job.ctx, stage,
+                                                  job.spec.limits.timeout(stage))
+            except NodeLost as exc:
+                self._observe(job, stage, t0, "error")
+                self._node_lost(job, exc)
+                return False
+            except asyncio.CancelledError:
+                if job.cancel_reason is None:  # the scheduler is stopping: run again later
                     await self._release(job)
-                    self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
-                    return False
+                    job.ctx = None  # released; the next start runs it from INIT
+                    raise
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                self._observe(job, stage, t0, "cancelled")
+                job.finishing = True
+                await self._release(job)
+                self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+                return False
             ok = result.error is None
             elapsed = self._observe(job, stage, t0, "ok" if ok else "error")
             self._emit_progress(job, stage, "finished", {"ok": ok}, elapsed)
@@ -269,13 +276,65 @@ class StageRunner:
             sub.publish(event)
 
     async def _release(self, job: LiveJob) -> None:
-        if job.ctx is None:
+        node = job.node
+        if job.ctx is None or node is None:
             return
+        job.node = None  # released once, and its slot goes back once
         try:
-            handler = self.registry.get(job.spec.environment)
-        except InvalidArgument:
-            handler = None
-        await release(handler, job.ctx, self.llm, job.job_id, self.config.cleanup_deadline_s)
+            await node.release(job.ctx, self.config.cleanup_deadline_s)
+        except NodeLost:
+            pass  # what the job held went with the node
+        finally:
+            self.nodes.give_back(node)
+
+    async def _place(self, job: LiveJob) -> bool:
+        """Give a job starting INIT a node (waiting while all are full); False if the job was
+        cancelled meanwhile (then it is finished here) or if the scheduler is stopping."""
+        try:
+            job.node = await self.nodes.acquire()
+            return True
+        except asyncio.CancelledError:
+            if job.cancel_reason is None:
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            job.finishing = True
+            self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+            return False
+
+    def _node_lost(self, job: LiveJob, exc: NodeLost) -> None:
+        """The node holding ``job`` died inside a stage: charge a crash and run it again from
+        INIT on another node (nothing of it was announced, so nothing is delivered twice)."""
+        node = job.node
+        job.node = None
+        if node is not None:
+            self.nodes.remove(node.name, str(exc), node)
+            self.nodes.give_back(node)
+        self.node_losses += 1
+        job.crashes += 1
+        job.ctx = None
+        log.warning("job %s: %s; crash %d of %d", job.job_id, exc, job.crashes,
+                    self.config.max_attempts)
+        if job.crashes >= self.config.max_attempts:
+            self._finish(job, JobState.FAILED, JobError(
+                "INTERNAL", "TOO_MANY_ATTEMPTS",
+                f"the node running this job died {job.crashes} times while it was inside a "
+                "stage; it is not run again", job.stage), None)
+            return
+        fut = self.store.recover([(job.job_id, job.crashes)], now())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "could not record the crash of job %s: %s", job.job_id, f.exception()))
+        job.state, job.stage = JobState.QUEUED, None
+        # After this task's own clean-up (which clears job.task and frees its slot) has run.
+        asyncio.get_running_loop().call_soon(self._requeue, job)
+
+    def _requeue(self, job: LiveJob) -> None:
+        if job.cancel_reason is not None and not job.finishing:
+            job.finishing = True
+            self._finish(job, JobState.CANCELLED, self._cancel_error(job), None)
+        elif not job.finishing:
+            self.pools[Stage.INIT].push(job)
 
     # -- ending ------------------------------------------------------------------------------
 

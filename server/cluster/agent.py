@@ -1,0 +1,169 @@
+"""The node agent: what runs a node's share of the stage work, inside one Ray actor per node.
+
+It owns the contexts of the jobs placed on its node (their sandboxes, tool processes, graders)
+from INIT until the server releases them, runs one stage at a time per job, and answers with a
+:class:`~rollout.server.cluster.node.StageReply` (plain data), so the server can build every
+trajectory without reaching into the node. Nothing here imports Ray: the actor class that
+wraps it lives in ``ray_backend.py``, and a test can drive an agent in-process.
+
+The LLM client: each agent builds its own backend pool from the server's ``[llm]`` section.
+vLLM backends are HTTP servers that every node reaches directly, so turns take one hop
+(node -> vLLM) instead of two (node -> server -> vLLM) and the server process stays off the
+token path, which is what lets the cluster scale past one machine's network and CPU. Stickiness
+holds because a trajectory never leaves its node; the price is that least-loaded balancing is
+per node rather than global, and that an in-process ``transformers`` backend is loaded once
+per node (fine for a small CPU model, wasteful for a large one: use vLLM on a cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import importlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
+from rollout.runtime.handler import AgentHandler, HandlerRegistry, JobContext
+from rollout.runtime.types import InvalidArgument, JobError, JobSpec, Stage
+from rollout.server.cluster.node import StageReply
+from rollout.server.pipeline.stages import StageResult, release, run_stage
+
+NODE_KEY = "rollout.node"
+"""Trajectory metadata key naming the node that ran the job (remote nodes only)."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """How to build one node agent (sent to the node, so plain data only)."""
+
+    name: str
+    config: Any
+    """The server's ``Config``: its ``[sandbox]`` and ``[llm]`` sections apply on the node."""
+    state_dir: str
+    """Node-local directory for sandbox workspaces (one per agent: a restarted agent reaps
+    what its dead predecessor left there, and never what a live neighbour holds)."""
+    slots: int
+    handlers: Mapping[str, str] = field(default_factory=dict)
+    """Environments registered in code, as ``name -> "module:attribute"`` (a class or an
+    instance), beside the ``rollout.environments`` entry points."""
+
+
+def load_handler(path: str) -> AgentHandler:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise InvalidArgument(f"handler {path!r} must be 'module:attribute'", "BAD_CONFIG",
+                              "cluster.handlers")
+    obj = getattr(importlib.import_module(module), attr)
+    handler = obj() if isinstance(obj, type) else obj
+    if not isinstance(handler, AgentHandler):
+        raise InvalidArgument(f"{path} is not an AgentHandler", "BAD_CONFIG", "cluster.handlers")
+    return handler
+
+
+@dataclass(eq=False)
+class _Held:
+    ctx: JobContext
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    task: asyncio.Task[StageResult] | None = None
+
+
+class NodeAgent:
+    def __init__(self, spec: AgentSpec) -> None:
+        from rollout.server.app import build_sandbox_factory
+
+        self.spec = spec
+        self.registry = HandlerRegistry.from_entry_points()
+        for name, path in spec.handlers.items():
+            self.registry.register(name, load_handler(path))
+        cfg = copy.deepcopy(spec.config)
+        cfg.server.state_dir = spec.state_dir
+        os.makedirs(spec.state_dir, exist_ok=True)
+        self.sandbox_factory = build_sandbox_factory(cfg)
+        self._cfg = cfg
+        self._llm: Any = None
+        self._llm_lock = asyncio.Lock()
+        self._jobs: dict[str, _Held] = {}
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.spec.name, "pid": os.getpid(), "slots": self.spec.slots,
+                "held": len(self._jobs)}
+
+    async def _get_llm(self) -> Any:
+        if not self._cfg.llm.backends:
+            return None
+        async with self._llm_lock:
+            if self._llm is None:
+                from rollout.server.llm.factory import build_pool
+
+                self._llm = await build_pool(self._cfg)
+            return self._llm
+
+    async def run_stage(self, spec: JobSpec, stage: Stage, timeout_s: float) -> StageReply:
+        job_id = spec.job_id
+        if stage is Stage.INIT:
+            old = self._jobs.pop(job_id, None)
+            if old is not None:  # a second INIT of the same job here: free the first first
+                await self._release(old, 5.0)
+            held = _Held(JobContext(spec=spec, llm=await self._get_llm(),
+                                    sandbox_factory=self.sandbox_factory))
+            held.ctx.progress = lambda ev, d: held.events.append((ev, dict(d)))
+            self._jobs[job_id] = held
+        else:
+            found = self._jobs.get(job_id)
+            if found is None:
+                return StageReply(StageResult(JobError(
+                    "INTERNAL", "NODE_STATE_LOST",
+                    f"node {self.spec.name} holds no context for job {job_id}", stage)))
+            held = found
+        held.ctx.stage = stage
+        try:
+            handler = self.registry.get(spec.environment)
+        except InvalidArgument as exc:
+            return StageReply(StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage)))
+        held.task = asyncio.ensure_future(run_stage(handler, held.ctx, stage, timeout_s))
+        try:
+            result = await held.task
+        finally:
+            held.task = None
+        if stage is Stage.RUN and held.ctx.outcome is not None:
+            held.ctx.outcome.metadata[NODE_KEY] = self.spec.name
+        return self._reply(held, result)
+
+    async def release(self, job_id: str, deadline_s: float) -> StageReply:
+        held = self._jobs.pop(job_id, None)
+        if held is None:
+            return StageReply(StageResult())
+        await self._release(held, deadline_s)
+        return self._reply(held, StageResult())
+
+    async def _release(self, held: _Held, deadline_s: float) -> None:
+        task = held.task
+        if task is not None and not task.done():  # the server cancelled the stage
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        try:
+            handler: AgentHandler | None = self.registry.get(held.ctx.spec.environment)
+        except InvalidArgument:
+            handler = None
+        await release(handler, held.ctx, self._llm, held.ctx.spec.job_id, deadline_s)
+
+    @staticmethod
+    def _reply(held: _Held, result: StageResult) -> StageReply:
+        ctx = held.ctx
+        events, held.events = held.events, []
+        seed = ctx.state.get(SEED_KEY)
+        return StageReply(result, outcome=ctx.outcome,
+                          turns=list(ctx.state.get(TURNS_KEY, ())) if ctx.outcome is None else [],
+                          seed=seed if isinstance(seed, int) else None, progress=events)
+
+    async def close(self) -> None:
+        for job_id in list(self._jobs):
+            await self.release(job_id, 5.0)
+        if self._llm is not None:
+            with contextlib.suppress(Exception):
+                await self._llm.close()
