@@ -299,6 +299,14 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     async def _submit_batch(self, jobs: Any, client_id: str, out: asyncio.Queue[Any],
                             if_finished: int = pb.FINISHED_JOB_POLICY_REPORT,
                             resubmitted: set[int] | None = None) -> None:
+        if if_finished not in pb.FinishedJobPolicy.values():
+            bad = InvalidArgument(f"submit.if_finished {if_finished} is not a "
+                                  "FinishedJobPolicy value", "INVALID_ENUM_VALUE",
+                                  "submit.if_finished")
+            for p in jobs:
+                await out.put(pb.StreamRolloutsResponse(job_id=p.job_id[:128],
+                                                        rejected=_rejected(bad)))
+            return
         specs = []
         for p in jobs:
             try:

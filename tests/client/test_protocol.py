@@ -55,6 +55,15 @@ async def test_owner_resubmit_of_finished_job_report_replay_reject(
         assert again.trajectory.trajectory == orig.trajectory.trajectory
         assert kinds(replay, "finished")[0].finished.reward == 0.5
 
+        # an unknown policy number (the Python client refuses to send one) is refused
+        call = client.stub.StreamRollouts()
+        await call.write(pb.StreamRolloutsRequest(open=pb.OpenSession(client_id="raw")))
+        await call.write(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(
+            jobs=[job_spec({"job_id": "j9", **task()})], if_finished=9)))  # type: ignore[arg-type]
+        frames = [await call.read(), await call.read()]
+        call.cancel()
+        assert frames[1].rejected.reason == "INVALID_ENUM_VALUE"
+        assert frames[1].rejected.field == "submit.if_finished"
         reject = await run_once(client, "owner", [{"job_id": "j1", **task()}],
                                 if_finished="reject")
         (rej,) = kinds(reject, "rejected")
@@ -255,11 +264,9 @@ async def test_submit_rollout_retry_after_the_caller_vanished_settles_its_delive
         await assert_eventually(lambda: harness.handler.started("gone", "eval"))
         harness.handler.open("gone", "eval")
 
-        async def finished() -> bool:
-            rec = await client.get_job("gone")
-            return rec.job.state == S.STATE_SUCCEEDED
-        await assert_eventually(finished)
-        assert await store.unacked_delivery("rpc:gone", "gone") is not None
+        async def delivered_unacked() -> bool:  # committed with the job's end, nobody took it
+            return await store.unacked_delivery("rpc:gone", "gone") is not None
+        await assert_eventually(delivered_unacked)
         retry = [f async for f in client.submit_rollout({"job_id": "gone", **task()})]
     assert [f.WhichOneof("kind") for f in retry] == ["accepted", "trajectory", "finished"]
     assert await store.unacked_delivery("rpc:gone", "gone") is None
