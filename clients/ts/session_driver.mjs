@@ -10,6 +10,7 @@ import { createClient, ConnectError, Code } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { pathToFileURL } from "node:url";
 import path from "node:path";
+import { requestQueue } from "./request_queue.mjs";
 
 const [address, genDir, clientId] = process.argv.slice(2);
 const svc = await import(pathToFileURL(path.join(genDir, "rollout/v1/rollout_service_pb.js")));
@@ -23,31 +24,14 @@ const transport = createGrpcTransport({
 });
 const client = createClient(svc.RolloutService, transport);
 
-/** A request stream the caller pushes frames into; end() half-closes it. */
-function requestQueue() {
-  const items = [];
-  let wake = null;
-  let ended = false;
+/** requestQueue with frames built from (kind, value). */
+function requests() {
+  const q = requestQueue();
   return {
-    push(kind, value) {
-      items.push(create(svc.StreamRolloutsRequestSchema, { kind: { case: kind, value } }));
-      if (wake) wake();
-    },
-    end() {
-      ended = true;
-      if (wake) wake();
-    },
-    async *[Symbol.asyncIterator]() {
-      for (;;) {
-        if (items.length) {
-          yield items.shift();
-          continue;
-        }
-        if (ended) return;
-        await new Promise((r) => (wake = r));
-        wake = null;
-      }
-    },
+    push: (kind, value) =>
+      q.push(create(svc.StreamRolloutsRequestSchema, { kind: { case: kind, value } })),
+    end: () => q.end(),
+    [Symbol.asyncIterator]: () => q[Symbol.asyncIterator](),
   };
 }
 
@@ -69,7 +53,7 @@ function heartbeatSays(hb, { through, unacked }) {
 
 // --- session 1: submit a group of 3, acknowledge 2, then drop the connection abruptly -----
 {
-  const queue = requestQueue();
+  const queue = requests();
   const abort = new AbortController();
   const seen = { accepted: [], trajectories: [], finished: [], acked: [] };
   report.sessions.push(seen);
@@ -114,7 +98,7 @@ function heartbeatSays(hb, { through, unacked }) {
 
 // --- session 2: resume; the unacknowledged third is replayed; ack it, then half-close -------
 {
-  const queue = requestQueue();
+  const queue = requests();
   const seen = { trajectories: [], finished: [] };
   report.sessions.push(seen);
   open(queue);
@@ -141,7 +125,7 @@ function heartbeatSays(hb, { through, unacked }) {
 
 // --- session 3: a plain reconnect replays nothing; a re-submit with REPLAY resends one -----
 {
-  const queue = requestQueue();
+  const queue = requests();
   const seen = { trajectories: [], accepted: [], rejected: [] };
   report.sessions.push(seen);
   open(queue);

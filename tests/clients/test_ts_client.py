@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -112,3 +114,48 @@ async def test_generated_ts_client_runs_a_resumable_session(
             assert s.opened.replaying == 0 and s.opened.acked_through == 4
     assert sorted(e[0] for e in harness.handler.events if e[1:] == ("init", "start")) == [
         f"ts-group/{i}" for i in range(3)]
+
+
+async def _start_child(state: Path, port: int) -> asyncio.subprocess.Process:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.clients.server_child", str(state), str(port), cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), 60)
+    assert line.strip() == b"READY", line
+    return child
+
+
+async def test_generated_ts_client_survives_a_sigkilled_server(
+        tmp_path: Path, generated: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = tmp_path / "state"
+    server = await _start_child(state, port)
+    node = await asyncio.create_subprocess_exec(
+        "node", str(TS / "sigkill_driver.mjs"), f"127.0.0.1:{port}", str(generated), "ts-kill",
+        cwd=TS, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert node.stdout is not None and node.stderr is not None
+    try:
+        line = await asyncio.wait_for(node.stdout.readline(), 60)
+        assert line.strip() == b"KILL-ME", line + await node.stderr.read()
+        server.send_signal(signal.SIGKILL)  # with kill/1 running and kill/0 acknowledged
+        await server.wait()
+        server = await _start_child(state, port)
+        out, err = await asyncio.wait_for(node.communicate(), 90)
+        assert node.returncode == 0, err.decode() + out.decode()
+    finally:
+        if node.returncode is None:
+            node.kill()
+        server.send_signal(signal.SIGKILL)
+        await server.wait()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    # the killed stream ended with a resumable code, then the session resumed and ended OK
+    assert report["endings"][0] in ("Canceled", "Unavailable")
+    assert set(report["endings"][:-1]) <= {"Canceled", "Unavailable"}
+    assert report["endings"][-1] == "OK"
+    # each job delivered once: kill/0 before the kill, kill/1 (run again) after it
+    assert [d[:2] for d in report["deliveries"]] == [["kill/0", 1], ["kill/1", 2]]
+    assert report["deliveries"][0][2] == 1 and report["deliveries"][1][2] > 1
+    assert not report["opened"]["storeChanged"]

@@ -1,0 +1,25 @@
+"""A test server in its own process, so a test can SIGKILL it: the scripted environment on
+127.0.0.1:PORT with state in STATE_DIR. Prints READY once it serves.
+
+Usage: python -m tests.clients.server_child STATE_DIR PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from tests.client.conftest import ServerHarness
+
+
+async def main(state_dir: str, port: int) -> None:
+    harness = ServerHarness(Path(state_dir))
+    harness.port = port
+    await harness.start()
+    print("READY", flush=True)
+    await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
