@@ -495,7 +495,9 @@ class GroupBatcher:
 
 
 def _sample(job_id: str, delivery_id: int, traj: trajectory_pb2.Trajectory) -> Sample:
-    return Sample(job_id=job_id, delivery_id=delivery_id, flat=flatten(traj),
+    # The job state comes from its JobFinished frame (SUCCEEDED checked by the caller), so
+    # keep_failed: a server older than Trajectory.state leaves it unset in the trajectory.
+    return Sample(job_id=job_id, delivery_id=delivery_id, flat=flatten(traj, keep_failed=True),
                   turn_versions=tuple(t.policy_version for t in traj.turns),
                   finish_reasons=tuple(_finish_reason(t) for t in traj.turns))
 

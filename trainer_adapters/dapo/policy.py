@@ -57,7 +57,7 @@ class Policy:
         # fp32 master weights everywhere; on CUDA the forward runs under bf16 autocast.
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir),
                                                           dtype=torch.float32)
-        self.model.to(self.device)
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay)

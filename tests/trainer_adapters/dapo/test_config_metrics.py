@@ -16,7 +16,7 @@ SHIPPED = Path(__file__).resolve().parents[3] / "trainer_adapters" / "dapo" / "s
 
 def test_shipped_config_loads_and_overrides_apply() -> None:
     cfg = load_config(SHIPPED, {"run.steps": 3, "algo.lr": 1})
-    assert cfg.run.steps == 3 and cfg.algo.lr == 1.0 and cfg.batch.group_size == 6
+    assert cfg.run.steps == 3 and cfg.algo.lr == 1.0 and cfg.batch.group_size == 4
 
 
 @pytest.mark.parametrize("overrides,match", [
