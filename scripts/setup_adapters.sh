@@ -13,7 +13,11 @@
 # --no-deps, followed by the gRPC stack at the versions of the main venv (the generated stubs
 # require protobuf >= 7.35.1; a trainer's resolver would pick the same from our metadata).
 #
-# Idempotent: a stamp of this script's contents makes a second run a no-op. Set
+# Caching: each environment's third-party packages (verl or nemo-gym, torch, ray...) are built
+# once into a venv under the cache directory, keyed by this script and the gRPC pins; the
+# checkout's .venv-verl / .venv-nemo-gym is a small venv that adds that cached site-packages with
+# a .pth line and holds only our own package (editable, seconds to install). A fresh clone (CI)
+# therefore reuses minutes of installs. Idempotent: stamps make a second run a no-op. Set
 # ROLLOUT_SKIP_ADAPTERS=1 to skip it (the adapter tests then skip, saying why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,45 +48,64 @@ quiet() {
   return $rc
 }
 
-# What a rebuild depends on: this script, the package list and entry points of pyproject.toml
-# (an editable install must be redone when they change) and the main venv's gRPC versions, not
-# every edit of pyproject.toml (a rebuild with everything cached still takes about 1.5 min).
-stamp_of() {
-  { cat scripts/setup_adapters.sh
+CACHE=${ROLLOUT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
+
+# What the cached third-party venvs depend on: this script and the main venv's gRPC versions.
+heavy_stamp() { { cat scripts/setup_adapters.sh; grpc_pins; } | sha256sum | cut -c1-16; }
+# What the checkout's own small venv depends on besides: the package list and entry points of
+# pyproject.toml (an editable install must be redone when they change), not every edit of it.
+local_stamp() {
+  { heavy_stamp
     sed -n '/^\[project.entry-points/,/^$/p; /^packages = \[/,/^\]/p' pyproject.toml
-    grpc_pins; } | sha256sum | cut -c1-16
+    pwd; } | sha256sum | cut -c1-16
 }
 
-build_verl() {
-  local venv=.venv-verl stamp=.venv-verl/.setup-stamp want
-  want="$(stamp_of)"
-  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
-  local t0=$SECONDS
-  [ -x $venv/bin/python ] || "$PY" -m venv $venv
-  local pip="$venv/bin/python -m pip"
-  $pip install -q --upgrade pip
+# build NAME INSTALL_FUNCTION CHECK_IMPORTS
+build() {
+  local name=$1 install=$2 check=$3
+  local heavy want local_venv=.venv-$1
+  want="$(heavy_stamp)"
+  heavy=$CACHE/venv-$name-$want
+  if [ "$(cat "$heavy/.setup-stamp" 2>/dev/null)" != "$want" ]; then
+    local t0=$SECONDS
+    mkdir -p "$CACHE"
+    rm -rf "$heavy"
+    "$PY" -m venv "$heavy"
+    "$heavy/bin/python" -m pip install -q --upgrade pip
+    "$install" "$heavy/bin/python -m pip"
+    "$heavy/bin/python" -m pip install -q $(grpc_pins)
+    echo "$want" > "$heavy/.setup-stamp"
+    echo "setup_adapters: $heavy built in $((SECONDS - t0)) s"
+  fi
+  local lwant
+  lwant="$(local_stamp)"
+  [ "$(cat "$local_venv/.setup-stamp" 2>/dev/null)" = "$lwant" ] && return 0
+  rm -rf "$local_venv"
+  "$PY" -m venv --without-pip "$local_venv"
+  local site heavy_site
+  site=$("$local_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  heavy_site=$("$heavy/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  # addsitedir (not a bare path line) so the cached venv's own .pth files are processed too.
+  echo "import site; site.addsitedir('$heavy_site')" > "$site/_rollout_cached_venv.pth"
+  quiet "$local_venv/bin/python" -m pip install -q --no-deps -e .
+  "$local_venv/bin/python" -c "$check"
+  echo "$lwant" > "$local_venv/.setup-stamp"
+}
+
+install_verl() {
+  local pip=$1
   # The local CPU wheel; any other torch version downloads a CUDA build of several GB.
-  $venv/bin/python -c "import torch" 2>/dev/null || $pip install -q torch==2.13.0
+  $pip install -q torch==2.13.0
   $pip install -q --no-deps verl==0.9.1
   # What verl.protocol, verl.experimental.agent_loop and verl.utils import at module level on a
   # CPU. ray without [default]: the dashboard and its web stack are not needed in-process.
   $pip install -q "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
     ray omegaconf hydra-core pillow codetiming datasets cachetools fastapi uvicorn pydantic \
     numpy pandas pyarrow dill packaging pytest pytest-asyncio pytest-timeout
-  quiet $pip install -q --no-deps -e . $(grpc_pins)
-  $venv/bin/python -c "import verl.experimental.agent_loop, rollout.trainer_adapters.verl.agent_loop"
-  echo "$want" > "$stamp"
-  echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
 }
 
-build_nemo_gym() {
-  local venv=.venv-nemo-gym stamp=.venv-nemo-gym/.setup-stamp want
-  want="$(stamp_of)"
-  [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
-  local t0=$SECONDS
-  [ -x $venv/bin/python ] || "$PY" -m venv $venv
-  local pip="$venv/bin/python -m pip"
-  $pip install -q --upgrade pip
+install_nemo_gym() {
+  local pip=$1
   # nemo-gym declares Python >= 3.13 but runs on 3.11; its full dependency list also pulls in
   # mlflow, anthropic, mcp and datasets, which its server base classes and pydantic models do
   # not import. The list below is what `import nemo_gym.server_utils` and the agent and
@@ -91,12 +114,12 @@ build_nemo_gym() {
   $pip install -q "openai==2.44.0" pydantic fastapi uvicorn httptools aiohttp omegaconf \
     hydra-core rich itsdangerous orjson psutil requests pyyaml packaging "anyio>=4.15.1" httpx \
     ray yappi pydot pandas scipy wandb pytest pytest-asyncio pytest-timeout
-  quiet $pip install -q --no-deps -e . $(grpc_pins)
-  $venv/bin/python -c "import nemo_gym.server_utils, nemo_gym.base_responses_api_agent"
-  echo "$want" > "$stamp"
-  echo "setup_adapters: $venv built in $((SECONDS - t0)) s"
 }
 
 # pip's "Location ... is ignored" lines (local mirrors without that package) are noise here.
-build_verl 2> >(grep -v "Location .* is ignored" >&2)
-build_nemo_gym 2> >(grep -v "Location .* is ignored" >&2)
+build verl install_verl \
+  "import verl.experimental.agent_loop, rollout.trainer_adapters.verl.agent_loop" \
+  2> >(grep -v "Location .* is ignored" >&2)
+build nemo-gym install_nemo_gym \
+  "import nemo_gym.server_utils, nemo_gym.base_responses_api_agent" \
+  2> >(grep -v "Location .* is ignored" >&2)

