@@ -72,13 +72,14 @@ class NodeAgentActor:
 class RayNode:
     """A node seen from the server: calls into its agent; keeps a shadow context per job."""
 
-    def __init__(self, name: str, actor: Any, slots: int, ray_node_id: str = "") -> None:
+    def __init__(self, name: str, actor: Any, slots: int, pid: int = 0) -> None:
         self.name = name
+        self.pid = pid
+        """The agent's process id on its node."""
         self.actor = actor
         self.slots = slots
         self.held = 0
         self.alive = True
-        self.ray_node_id = ray_node_id
 
     def open_context(self, spec: JobSpec, progress: ProgressFn) -> JobContext:
         return JobContext(spec=spec, progress=progress)
@@ -188,7 +189,7 @@ class RayCluster:
             async with asyncio.timeout(AGENT_START_S):
                 info = await actor.info.remote()
             self._actors[name] = actor
-            self.nodes.add(RayNode(name, actor, slots))
+            self.nodes.add(RayNode(name, actor, slots, int(info["pid"])))
             log.info("node agent %s started (pid %s, %d slots)", name, info["pid"], slots)
         except Exception as exc:
             log.warning("could not start node agent %s: %s; trying again later", name, exc)
