@@ -34,6 +34,9 @@ BENCHES = {
     "llm": "in-process engine: batching, KV reuse across turns, batched prefill, balancing",
     "swe": "swe INIT with a per-task environment: cold cache (builds the venv) vs warm "
            "(reuses it) vs no task environment, and EVAL of the gold patch",
+    "scale": "an I/O-bound environment on a local multi-node Ray cluster: throughput and "
+             "scaling efficiency on 1, 2, 4 nodes beside the single-process server; lost and "
+             "duplicated trajectories with a node killed mid-run",
     "soak": "clients that disconnect at random and a server SIGKILLed mid-run: the books "
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
 }
