@@ -167,7 +167,7 @@ async def _cluster_rows(tmp: Path, counts: list[int], slots: int, waves: int,
             f'cluster.handlers={{"{ENV}": "rollout.server.bench.scale:IoBoundHandler"}}',
             f"cluster.node_state_dir={tmp}/nodes", f"pipeline.init_workers={big}",
             f"pipeline.run_workers={big}", f"pipeline.eval_workers={big}"])
-        procs = []
+        procs: list[Any] = []
         for n in sorted(counts):
             while len(procs) < n:
                 console.print(f"starting Ray node {len(procs) + 1} …")

@@ -185,7 +185,8 @@ class RayCluster:
                     ray.kill(old, no_restart=True)
             spec = AgentSpec(name=name, config=self.cfg, slots=slots, handlers=self.handlers,
                              state_dir=str(self._state_base / name))
-            actor = NodeAgentActor.options(max_concurrency=10_000, **options).remote(spec)
+            actor = NodeAgentActor.options(  # type: ignore[attr-defined]  # ray.remote's class
+                max_concurrency=10_000, **options).remote(spec)
             async with asyncio.timeout(AGENT_START_S):
                 info = await actor.info.remote()
             self._actors[name] = actor

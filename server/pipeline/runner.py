@@ -323,8 +323,13 @@ class StageRunner:
                 "stage; it is not run again", job.stage), None)
             return
         fut = self.store.recover([(job.job_id, job.crashes)], now())
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
-            "could not record the crash of job %s: %s", job.job_id, f.exception()))
+
+        def recorded(f: asyncio.Future[Any]) -> None:
+            # Not recorded: the job still runs again; a later restart just charges one less.
+            if not f.cancelled() and f.exception() is not None:
+                log.error("could not record the crash of job %s: %s", job.job_id, f.exception())
+
+        fut.add_done_callback(recorded)
         job.state, job.stage = JobState.QUEUED, None
         # After this task's own clean-up (which clears job.task and frees its slot) has run.
         asyncio.get_running_loop().call_soon(self._requeue, job)

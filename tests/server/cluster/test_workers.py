@@ -1,0 +1,71 @@
+"""``rollout serve --workers N``: stage work in N local processes (node agents on a private
+local Ray), real bubblewrap sandboxes in them, driven over real gRPC; a worker killed mid-run
+is replaced and its jobs are delivered exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh)")
+
+from rollout.client.aio import RolloutClient
+from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.types import Stage
+from rollout.server.app import Server
+from rollout.server.cluster.local_cluster import LocalRayCluster
+from rollout.server.config import load_config
+from tests.util import assert_eventually
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_workers_run_jobs_in_their_own_processes_and_survive_a_killed_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in LocalRayCluster.DRIVER_ENV.items():
+        monkeypatch.setenv(key, value)
+    # The workers import the test environment from this checkout.
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cfg = load_config(None, [
+        "server.port=0", f"server.state_dir={tmp_path}/state", "llm.backends=[]",
+        "server.grace_s=0.2", "cluster.workers=2", "cluster.slots_per_node=3",
+        "cluster.poll_s=0.5", 'cluster.handlers={"io": "tests.server.cluster.handlers:IoHandler"}',
+        f"cluster.node_state_dir={tmp_path}/nodes"], environ={})
+    server = await Server(cfg, registry=HandlerRegistry()).start()
+    try:
+        sched = server.scheduler
+        assert sched is not None and server.cluster is not None
+        await assert_eventually(lambda: len(sched.nodes) == 2, timeout=120)
+        ids = [f"w{i}" for i in range(9)]
+        seen: dict[str, list[dict[str, str]]] = {}
+        async with RolloutClient(server.address) as client, client.session("t") as s:
+            await s.submit([{"job_id": j, "environment": "io",
+                             "task": {"run_s": 1.5, "sandbox": True}} for j in ids])
+
+            def on(name: str) -> list[Any]:
+                return [j for j in sched._live.values()
+                        if j.node is not None and j.node.name == name and j.stage is Stage.RUN]
+
+            await assert_eventually(lambda: on("worker-1"), timeout=60)
+            server.cluster.kill_agent("worker-1")
+            async with asyncio.timeout(120):
+                async for t in s.trajectories():
+                    seen.setdefault(t.trajectory.job_id, []).append(dict(t.trajectory.metadata))
+                    await s.ack([t.delivery_id])
+                    if set(seen) == set(ids):
+                        break
+        assert {j: len(v) for j, v in seen.items()} == dict.fromkeys(ids, 1)
+        pids = {v[0]["pid"] for v in seen.values()}
+        assert str(os.getpid()) not in pids  # stage work ran outside the server process
+        assert all(v[0]["echo"] == j for j, v in seen.items())  # real sandboxes answered
+        assert sched.node_losses >= 1 and "worker-1" in sched.nodes.lost
+        # The killed worker is replaced by a fresh process.
+        await assert_eventually(lambda: len(sched.nodes) == 2, timeout=120)
+    finally:
+        await server.stop(0.2)
