@@ -136,7 +136,13 @@ class Server:
             # Only here is Ray imported: a server without --ray/--workers never loads it.
             from rollout.server.cluster.agent import load_handler
             from rollout.server.cluster.node import NodeSet
-            from rollout.server.cluster.ray_backend import RayCluster
+
+            try:
+                from rollout.server.cluster.ray_backend import RayCluster
+            except ImportError as exc:
+                raise InvalidArgument(
+                    f"--ray / --workers need Ray ({exc}): pip install 'rollout-service[ray]'",
+                    "BAD_CONFIG", "cluster.ray") from exc
 
             for name, path in cfg.cluster.handlers.items():  # validate as the nodes will run
                 self.registry.register(name, load_handler(path))

@@ -70,7 +70,7 @@ class IoBoundHandler(AgentHandler):
         assert ctx.outcome is not None
         calls = int(ctx.spec.task.get("calls", 2))
         if ctx.outcome.metadata["outputs"] != ",".join(f"call{i}" for i in range(calls)):
-            raise HandlerError("a tool call's output did not come back", "LOST_OUTPUT")
+            raise HandlerError("a tool call's output did not come back")
         return Reward(1.0)
 
 

@@ -34,7 +34,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout.runtime.handler import JobContext, ProgressFn
-from rollout.runtime.types import JobSpec, Stage
+from rollout.runtime.types import InvalidArgument, JobSpec, Stage
 from rollout.server.cluster.agent import AgentSpec, NodeAgent
 from rollout.server.cluster.node import NodeLost, NodeSet, StageReply
 from rollout.server.pipeline.stages import StageResult
@@ -128,7 +128,8 @@ class RayCluster:
     async def start(self, wait_for_nodes: float = 0.0) -> RayCluster:
         sec = self.section
         if sec.workers and sec.ray:
-            raise ValueError("cluster.workers and cluster.ray exclude each other")
+            raise InvalidArgument("--workers (cluster.workers) and --ray (cluster.ray) exclude "
+                                  "each other: give one", "BAD_CONFIG", "cluster.workers")
         if sec.workers:
             await asyncio.to_thread(
                 ray.init, num_cpus=sec.workers, resources={WORKER_RESOURCE: sec.workers},
