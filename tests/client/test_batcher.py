@@ -170,15 +170,21 @@ async def test_no_batch_holds_a_sample_older_than_the_bound(env: Any) -> None:
     seen_versions = set()
     async with RolloutClient(harness.address) as client, client.session("trainer-st") as s, \
             GroupBatcher(s, data, cfg) as batcher:
+        batched = 0
         for step in range(6):
-            batch = await asyncio.wait_for(batcher.next_batch(), 30)
+            batch = await asyncio.wait_for(batcher.next_batch(), 60)
+            batched += len(batch.groups)
             for sample in batch.samples:
                 # The bound, per trajectory, against the trainer's version at batch time.
                 assert batch.policy_version - sample.min_version <= bound
                 seen_versions.update(sample.turn_versions)
             # "Train", then push weights: version + 1 for the backend and the batcher. Every
-            # other step jumps by two, so groups prefetched during the step become too stale.
+            # other step jumps by two once a prefetched group has finished and waits, so that
+            # group is too stale for the next batch.
             jump = 2 if step % 2 else 1
+            if jump == 2:
+                await assert_eventually(lambda n=batched: batcher.totals.groups_kept > n,
+                                        timeout=30)
             handler.version += jump
             batcher.set_policy_version(handler.version)
         assert batcher.totals.stale_samples > 0
