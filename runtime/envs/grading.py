@@ -33,8 +33,9 @@ async def end_agent(ctx: JobContext) -> None:
 async def open_grader(ctx: JobContext, *, skip: frozenset[str] = frozenset(),
                       **options: Any) -> Any:
     """A fresh sandbox holding a copy of the agent's workspace (minus ``skip``, top-level
-    names), opened with ``options`` (the ones the agent's sandbox had, e.g. the task
-    environment's binds). The job's resources destroy it at the latest when the job ends;
+    names), opened with ``options`` (the ones the agent's sandbox had: the task
+    environment's binds, or the task's own Apptainer image, so the tests run in the same
+    environment the agent had). The job's resources destroy it at the latest when the job ends;
     callers destroy it as soon as they have their result."""
     agent = sandbox_of(ctx)
     await end_agent(ctx)

@@ -20,7 +20,8 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "pytest_plugin_autoload": false,           # optional: entry-point plugins (default off)
       "version": "0.3",                          # with "spec": the task's own environment,
       "spec": {"pip_packages": ["pytest==8.3.5"], "install": "..."}   # see runtime.envs.taskenv
-    }
+    }                                            # (or "spec": {"image": "docker://..."} under
+                                                 # Apptainer: one image per instance)
 
 INIT builds or reuses the task's environment (when it has a ``spec``), copies the source into
 the sandbox, checks out ``base_commit`` as branch ``main`` in the workspace and then deletes
@@ -65,8 +66,9 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading import end_agent, open_grader
 from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
-from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, sandbox_options
+from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.sandbox.base import runtime_of
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
 
@@ -179,11 +181,19 @@ class SweHandler(AgentHandler):
 
         options: dict[str, Any] = {}
         spec = EnvSpec.of(task)
-        if spec is not None:
-            factory = ctx.sandbox_factory
-            if factory is None:
-                raise HandlerError("this server has no sandbox runtime configured",
-                                   "NO_SANDBOX")
+        factory = ctx.sandbox_factory
+        if spec is not None and factory is None:
+            raise HandlerError("this server has no sandbox runtime configured", "NO_SANDBOX")
+        if spec is not None and spec.image:
+            # The image carries the environment: no venv; sandbox and grader both start it.
+            runtime = runtime_of(factory)
+            if runtime not in (None, "apptainer"):
+                raise HandlerError(f"the task's image {spec.image} needs the apptainer sandbox "
+                                   f"runtime; this server runs {runtime}",
+                                   "INVALID_SANDBOX_OPTIONS")
+            options = await asyncio.to_thread(image_options, spec)
+            ctx.progress("environment", {"image": spec.image, "start": options["image"]})
+        elif spec is not None and factory is not None:
             env_dir, built = await ensure_env(spec, factory, checkout, timeout=timeout)
             options = sandbox_options(env_dir)
             ctx.progress("environment", {"key": spec.key, "built": built})
@@ -289,11 +299,12 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
 
 
 def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
-    """pytest through :data:`_LAUNCH` (``python`` is the task environment's when it has one),
-    the options of the task's ``spec.test_cmd`` and the grader's: the report plugin, no cache,
-    the task's plugins. The named node ids follow."""
+    """pytest through :data:`_LAUNCH` (``python`` is the task environment's when it has one,
+    the image's own with ``spec.image``), the options of the task's ``spec.test_cmd`` and the
+    grader's: the report plugin, no cache, the task's plugins. The named node ids follow."""
     spec = EnvSpec.of(task)
-    args = ["python", "-c", _LAUNCH, workspace, *(spec.test_cmd if spec else ()),
+    args = [spec.run_python if spec else "python", "-c", _LAUNCH, workspace,
+            *(spec.test_cmd if spec else ()),
             "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]

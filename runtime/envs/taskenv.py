@@ -23,6 +23,20 @@ same repository binds it read-only at :data:`ENV_MOUNT`: INIT pays nothing for i
 can change the environment its own grader (or another job) uses. It is built at the same path
 it is used at, so its scripts and the editable install's paths (``/workspace/src``) hold in
 every sandbox.
+
+Per-instance images, the way the SWE-bench harness runs one image per instance: on a server
+whose sandbox runtime is Apptainer, ``"spec": {"image": "docker://..."}`` (or ``oras://...``,
+or a ``.sif`` file, sandbox directory or ``.def`` recipe under the server's allowed task path
+roots) runs the job's sandbox and its grading sandbox from that image. No venv is built (the
+image carries the environment, so ``pre_install``, ``pip_packages`` and ``install`` are
+refused beside it); ``test_cmd`` runs with the image's ``python`` (``python3.11`` with
+``"python": "3.11"``), and the image's own ``PATH``. ``rollout tasks prepare FILE --runtime
+apptainer`` pulls or builds each distinct image once into ``$ROLLOUT_SIF_CACHE`` (default
+``~/.cache/rollout/sif``); INIT starts the cached SIF when there is one, else hands a registry
+reference to Apptainer as it is. A bwrap server refuses a task image at submit
+(:func:`set_sandbox_runtime`). Without an image, an Apptainer server binds the venv like bwrap
+(``--bind DIR:/.rollout-env:ro``); that venv is made from the server's interpreter path, which
+the server's Apptainer image must then hold at the same path.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.envs.common import DATA_DIR, invalid
+from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
 from rollout.runtime.handler import HandlerError
 
 ENV_MOUNT = "/.rollout-env"
@@ -51,8 +65,22 @@ VENV = f"{ENV_MOUNT}/venv"
 SHIPPED_WHEELHOUSE = DATA_DIR / "wheelhouse"
 _WHEEL_MOUNT = "/.rollout-wheels-{}"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_SPEC_FIELDS = ("python", "pre_install", "pip_packages", "install", "test_cmd")
+_SPEC_FIELDS = ("python", "pre_install", "pip_packages", "install", "test_cmd", "image")
+_BUILD_FIELDS = ("pre_install", "pip_packages", "install")
+_IMAGE_SCHEMES = ("docker", "oras")
+_MAX_IMAGE_REF = 1000
 _LOCKS: dict[str, asyncio.Lock] = {}
+_SANDBOX_RUNTIME: str | None = None
+
+
+def set_sandbox_runtime(runtime: str | None) -> str | None:
+    """Tell task validation which sandbox runtime this server runs (``bwrap`` or
+    ``apptainer``), so a task image is refused at submit on bwrap instead of failing in INIT;
+    returns the previous setting. None (library use, no server) leaves the check to INIT,
+    which asks the sandbox factory."""
+    global _SANDBOX_RUNTIME
+    previous, _SANDBOX_RUNTIME = _SANDBOX_RUNTIME, runtime
+    return previous
 
 _BUILD = r"""
 set -euo pipefail
@@ -85,6 +113,15 @@ class EnvSpec:
     """The pytest options of ``test_cmd`` (the runner itself is always the grader's)."""
     key: str
     """Cache key: repository, version and every spec field."""
+    image: str = ""
+    """The task's own image ('' = none): a ``docker://``/``oras://`` reference, or a local
+    image's real path (inside the allowed roots)."""
+
+    @property
+    def run_python(self) -> str:
+        """The interpreter name the grader's commands use inside the sandbox: the venv's
+        ``python`` (first on PATH), or the image's own (``python3.11`` for "3.11")."""
+        return self.python if self.image else "python"
 
     @classmethod
     def of(cls, task: Mapping[str, Any]) -> EnvSpec | None:
@@ -111,14 +148,87 @@ class EnvSpec:
             if not isinstance(spec.get(name, ""), str):
                 raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
         test_cmd = pytest_options(str(spec.get("test_cmd") or ""))
-        python = find_python(str(spec.get("python", "")))
+        image = image_ref(spec.get("image"))
+        if image:
+            given = [f"spec.{n}" for n in _BUILD_FIELDS if spec.get(n)]
+            if given:
+                raise invalid(f"swe task field 'spec.image' names an image that carries the "
+                              f"environment, so {given} would never run: drop them, or drop "
+                              "'spec.image' to have the server build a venv", "spec.image")
+            python = image_python(str(spec.get("python", "")))
+        else:
+            python = find_python(str(spec.get("python", "")))
         # The build script is part of the key: a changed recipe never reuses an old venv.
         fingerprint = {"repo": task.get("repo", ""), "version": str(task.get("version", "")),
                        "python": python, "recipe": hashlib.sha256(_BUILD.encode()).hexdigest(),
                        **{k: spec.get(k) for k in _SPEC_FIELDS}}
         key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         return cls(python, lists["pre_install"], lists["pip_packages"],
-                   str(spec.get("install", "")), test_cmd, key)
+                   str(spec.get("install", "")), test_cmd, key, image)
+
+
+def image_ref(value: Any) -> str:
+    """A task's ``spec.image``, checked ('' when absent): a registry reference Apptainer
+    resolves, or a local image inside the server's allowed task path roots (permission before
+    existence, as for every host path a task names); refused on a bwrap server."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or len(value) > _MAX_IMAGE_REF or not value.strip() or any(
+            c.isspace() for c in value):
+        raise invalid("swe task field 'spec.image' must be one image reference without "
+                      f"spaces, at most {_MAX_IMAGE_REF} characters", "spec.image")
+    if _SANDBOX_RUNTIME == "bwrap":
+        raise invalid(
+            "swe task field 'spec.image' needs the apptainer sandbox runtime, and this server "
+            "runs bwrap: drop 'spec.image' (give 'spec.pip_packages'/'spec.install' so the "
+            "server builds the task a venv) or submit to a server started with "
+            "sandbox.runtime = 'apptainer'", "spec.image")
+    if "://" in value:
+        scheme, rest = value.split("://", 1)
+        if scheme not in _IMAGE_SCHEMES or not rest:
+            raise invalid(f"swe task field 'spec.image' must be a docker:// or oras:// "
+                          f"reference or a local path, got scheme {scheme!r}", "spec.image")
+        return value
+    path = host_path(value, "spec.image", env="swe")
+    if not path.exists():
+        raise invalid(f"swe task field 'spec.image': {path} does not exist on the server "
+                      "(a .sif file, a sandbox directory or a .def recipe)", "spec.image")
+    return str(path)
+
+
+def image_python(version: str) -> str:
+    """The interpreter inside a task image: ``python`` or ``pythonX.Y`` (looked up on the
+    image's PATH, not the server's)."""
+    if not version:
+        return "python"
+    if not all(part.isdigit() for part in version.split(".")) or version.count(".") != 1:
+        raise invalid(f"swe task field 'spec.python' must look like '3.11', got {version!r}",
+                      "spec.python")
+    return f"python{version}"
+
+
+def image_cache_dir() -> Path:
+    """Where ``rollout tasks prepare`` puts pulled and built SIF files."""
+    return Path(os.environ.get("ROLLOUT_SIF_CACHE")
+                or Path.home() / ".cache" / "rollout" / "sif")
+
+
+def image_options(spec: EnvSpec) -> dict[str, Any]:
+    """``open_sandbox`` options for a job that runs in its task's image: the cached SIF when
+    ``prepare`` made one (a registry pull per job would cost minutes), else the reference
+    itself for Apptainer to resolve. A ``.def`` recipe has to be built by ``prepare``."""
+    from rollout.runtime.sandbox.apptainer import cached_sif, is_remote, needs_cache
+
+    image = spec.image
+    if needs_cache(image):
+        sif = cached_sif(image, image_cache_dir())
+        if sif.is_file():
+            image = str(sif)
+        elif not is_remote(image):
+            raise HandlerError(f"the task's image recipe {spec.image} is not built yet: run "
+                               "`rollout tasks prepare FILE --runtime apptainer` on this "
+                               f"server (cache: {image_cache_dir()})", "ENV_BUILD_FAILED")
+    return {"image": image}
 
 
 def pytest_options(test_cmd: str) -> tuple[str, ...]:

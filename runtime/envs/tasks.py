@@ -16,6 +16,7 @@ A relative ``repo_source`` of a swe task is resolved against the shipped data di
 Two more commands prepare swe tasks on a machine with registry access, ahead of serving::
 
     rollout tasks prepare FILE          # wheelhouse + environments
+    rollout tasks prepare FILE --runtime apptainer   # ... + each task image pulled/built once
     rollout tasks import-swebench INSTANCES --repos DIR --out FILE
 """
 
@@ -135,25 +136,48 @@ def fill_wheelhouse(tasks: Iterable[Mapping[str, Any]], wheelhouse: Path) -> lis
     return fetched
 
 
-async def prepare(path: Path, wheelhouse: Path, state_dir: Path) -> list[dict[str, Any]]:
+async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str = "bwrap",
+                  server_image: str | None = None) -> list[dict[str, Any]]:
     """``prepare FILE``: fill the wheelhouse, then build every environment the file's swe
-    tasks need (one per repository, version and spec), so INIT finds them ready."""
+    tasks need (one per repository, version and spec), so INIT finds them ready. Under
+    ``runtime="apptainer"`` each distinct task image is pulled or built once into the image
+    cache instead (venvs of tasks without an image build in ``server_image``); under bwrap a
+    task image is refused, as the server would refuse it."""
     import functools
     import os
     import time
 
     from rollout.runtime.envs.swe import check_out, read_source, resolve_source
-    from rollout.runtime.envs.taskenv import EnvSpec, ensure_env
+    from rollout.runtime.envs.taskenv import (
+        EnvSpec,
+        ensure_env,
+        image_cache_dir,
+        set_sandbox_runtime,
+    )
     from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+    from rollout.runtime.sandbox.apptainer import ensure_image
 
-    tasks = read_task_file(path, "swe")
+    previous = set_sandbox_runtime(runtime)
+    try:
+        tasks = read_task_file(path, "swe")
+        specs = [EnvSpec.of(task) for task in tasks]  # a refused image stops before any work
+    finally:
+        set_sandbox_runtime(previous)
     fetched = await asyncio.to_thread(fill_wheelhouse, tasks, wheelhouse)
     os.environ["ROLLOUT_WHEELHOUSE"] = str(wheelhouse)
-    factory = functools.partial(create_sandbox, SandboxConfig(state_dir=state_dir))
+    config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image)
+              if runtime == "apptainer" else SandboxConfig(state_dir=state_dir))
+    factory = functools.partial(create_sandbox, config)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for task in tasks:
-        spec = EnvSpec.of(task)
+    for task, spec in zip(tasks, specs, strict=True):
+        if spec is not None and spec.image:
+            if spec.image not in seen:
+                seen.add(spec.image)
+                done = await asyncio.to_thread(ensure_image, spec.image, image_cache_dir())
+                rows.append({"task": task_key(task), "image": done.ref, "action": done.action,
+                             "seconds": done.seconds, "path": done.path})
+            continue
         if spec is None or spec.key in seen:
             continue
         seen.add(spec.key)
@@ -194,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_main(argv: list[str]) -> int:
-    from rollout.runtime.envs.taskenv import cache_dir, user_wheelhouses
+    from rollout.runtime.envs.taskenv import cache_dir, image_cache_dir, user_wheelhouses
+    from rollout.runtime.sandbox.base import SandboxError
+    from rollout.runtime.types import InvalidArgument
 
     parser = argparse.ArgumentParser(
         prog="rollout tasks prepare",
@@ -206,13 +232,27 @@ def _prepare_main(argv: list[str]) -> int:
                              "~/.cache/rollout/wheelhouse)")
     parser.add_argument("--state-dir", type=Path, default=Path(".rollout"),
                         help="state dir for the build sandboxes")
+    parser.add_argument("--runtime", choices=("bwrap", "apptainer"), default="bwrap",
+                        help="the sandbox runtime the server will run: with apptainer, each "
+                             "task image (spec.image) is pulled or built once into "
+                             "$ROLLOUT_SIF_CACHE (default ~/.cache/rollout/sif)")
+    parser.add_argument("--sandbox-image", default=None,
+                        help="apptainer: the server's image, for building the venvs of tasks "
+                             "without an image of their own")
     args = parser.parse_args(argv)
     wheelhouse = args.wheelhouse or user_wheelhouses()[0]
-    rows = asyncio.run(prepare(args.file, wheelhouse, args.state_dir))
+    try:
+        rows = asyncio.run(prepare(args.file, wheelhouse, args.state_dir, runtime=args.runtime,
+                                   server_image=args.sandbox_image))
+    except (InvalidArgument, SandboxError) as e:
+        sys.stderr.write(f"rollout tasks prepare: {e}\n")
+        return 2
     for row in rows:
         sys.stdout.write(json.dumps(row) + "\n")
-    sys.stdout.write(json.dumps({"env_cache": str(cache_dir()),
-                                 "wheelhouse": str(wheelhouse)}) + "\n")
+    summary = {"env_cache": str(cache_dir()), "wheelhouse": str(wheelhouse)}
+    if args.runtime == "apptainer":
+        summary["image_cache"] = str(image_cache_dir())
+    sys.stdout.write(json.dumps(summary) + "\n")
     return 0
 
 

@@ -11,9 +11,21 @@ spython hard-codes the executable name ``singularity``; Apptainer installs that 
 compatibility link. The sandbox's own directory layout is the bwrap runtime's (workspace, tmp,
 ctl), so tools work the same on both runtimes.
 
+Per-job options: ``image=`` (a job's own image, e.g. a swe task's ``spec.image``: the image's
+own ``PATH`` is kept, since it carries the environment) and ``binds=`` ((host dir, sandbox
+path, writable) triples, given as ``--bind host:path:ro`` unless writable, the way the bwrap
+runtime takes a task's prepared venv). :func:`ensure_image` pulls (``docker://``,
+``oras://``) or builds (a ``.def`` recipe) an image once into a cache of SIF files, for
+``rollout tasks prepare``.
+
 Gaps compared with bwrap: Apptainer runs the container as the calling user, so when the server
 runs as root RLIMIT_NPROC does not bind; a timed-out ``exec`` is killed from the host side and
 anything it left inside the instance dies when the instance stops at destroy.
+
+Honesty note: no apptainer or singularity binary exists on the machines this was written on,
+so this module has only ever driven a recording stand-in of the CLI
+(``tests/runtime/fake_singularity``): the command lines are checked, real isolation, image
+pulls and builds are not.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,8 +41,9 @@ import subprocess
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollout.runtime.sandbox import hostfs, procs
 from rollout.runtime.sandbox.base import (
@@ -40,10 +54,14 @@ from rollout.runtime.sandbox.base import (
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
+    check_binds,
     finish_creation,
 )
 
 CTL_IN_SANDBOX = "/.sandbox"
+REMOTE_SCHEMES = ("docker", "oras")
+"""Image references Apptainer resolves from a registry (the rest are local paths)."""
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 INSTALL_HINT = ("the apptainer sandbox runtime needs the `singularity` executable on PATH "
                 "(spython calls that name): install Apptainer "
                 "(https://apptainer.org/docs/admin/main/installation.html; it provides "
@@ -62,7 +80,8 @@ def find_singularity() -> str:
 
 
 def instance_options(sb_path: Path, workspace_in_sandbox: str, network: Network,
-                     extra_ro_binds: Sequence[tuple[str, str]]) -> list[str]:
+                     extra_ro_binds: Sequence[tuple[str, str]],
+                     binds: Sequence[tuple[str, str, bool]] = ()) -> list[str]:
     opts = ["--containall", "--writable-tmpfs", "--no-home", "--cleanenv"]
     if network == "none":
         opts += ["--net", "--network", "none"]
@@ -71,6 +90,8 @@ def instance_options(sb_path: Path, workspace_in_sandbox: str, network: Network,
              "--bind", f"{sb_path / 'ctl'}:{CTL_IN_SANDBOX}"]
     for host, inside in extra_ro_binds:
         opts += ["--bind", f"{host}:{inside}:ro"]
+    for host, inside, writable in binds:
+        opts += ["--bind", f"{host}:{inside}" if writable else f"{host}:{inside}:ro"]
     return opts
 
 
@@ -96,11 +117,18 @@ class ApptainerSandbox(Sandbox):
     @classmethod
     async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
-                     image: str | None = None, **unknown: Any) -> ApptainerSandbox:
+                     image: str | None = None, binds: Sequence[tuple[str, str, bool]] = (),
+                     **unknown: Any) -> ApptainerSandbox:
+        """``image``: this sandbox's own image instead of ``config.image``; ``binds``: (host
+        dir, sandbox path, writable) mounts, read-only unless writable."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
         exe = find_singularity()
+        checked = check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)
+        # A job's own image carries its environment, PATH included (a SWE-bench image puts its
+        # conda env there); the server's image gets the usual PATH.
+        own_image = bool(image)
         image = image or config.image
         if not image:
             raise SandboxError("the apptainer runtime needs an image (a .sif file or a "
@@ -110,12 +138,13 @@ class ApptainerSandbox(Sandbox):
             raise SandboxError(f"image {image} does not exist", "INVALID_SANDBOX_OPTIONS")
         return await finish_creation(asyncio.ensure_future(asyncio.to_thread(
             cls._create_sync, config, exe, image, dict(workspace_files), dict(env), network,
-            limits)))
+            limits, checked, own_image)))
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, exe: str, image: str,
                      files: dict[str, bytes | str], env: dict[str, str], network: Network,
-                     limits: SandboxLimits) -> ApptainerSandbox:
+                     limits: SandboxLimits, binds: tuple[tuple[str, str, bool], ...] = (),
+                     own_image: bool = False) -> ApptainerSandbox:
         from spython.main import Client
         root = config.sandboxes_dir
         root.mkdir(parents=True, exist_ok=True, mode=0o711)
@@ -137,16 +166,16 @@ class ApptainerSandbox(Sandbox):
                 hostfs.write_beneath(path / "workspace", rel,
                                      data.encode() if isinstance(data, str) else data)
             opts = instance_options(path, config.workspace_in_sandbox, network,
-                                    config.extra_ro_binds)
+                                    config.extra_ro_binds, binds)
             instance = Client.instance(image, name=name, options=opts, start=True,
                                        capture=True, quiet=True)
             listed = Client.instances(name=name, return_json=True, quiet=True)
             if not listed:
                 raise SandboxError(f"`singularity instance start` of {image} failed (no "
                                    f"instance {name} is running)", "SANDBOX_START_FAILED")
-            sb_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                      "HOME": "/tmp/home", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                      "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg", "TERM": "dumb", **env}
+            sb_env = {} if own_image else {"PATH": _DEFAULT_PATH}
+            sb_env.update({"HOME": "/tmp/home", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                           "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg", "TERM": "dumb", **env})
             return cls(config, sid, path, lock_fd, exe, instance, sb_env, network, limits)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -208,3 +237,83 @@ class ApptainerSandbox(Sandbox):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+# -- image cache (``rollout tasks prepare``) -------------------------------------------------
+
+ImageAction = Literal["pulled", "built", "cached", "local"]
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """What :func:`ensure_image` did for one image reference."""
+
+    ref: str
+    """The reference as the task names it (``docker://...``, ``oras://...`` or a path)."""
+    path: str
+    """What a sandbox starts: the cached SIF, or the local image itself."""
+    action: ImageAction
+    """``pulled`` / ``built`` now, ``cached`` from an earlier run, ``local`` used in place."""
+    seconds: float = 0.0
+
+
+def is_remote(ref: str) -> bool:
+    return ref.split("://", 1)[0] in REMOTE_SCHEMES and "://" in ref
+
+
+def needs_cache(ref: str) -> bool:
+    """A registry reference is pulled and a ``.def`` recipe is built into the cache; a SIF
+    file or sandbox directory is started where it lies."""
+    return is_remote(ref) or ref.endswith(".def")
+
+
+def cached_sif(ref: str, cache: Path) -> Path:
+    """The cache file of ``ref``. A recipe's key covers its content, so an edited ``.def``
+    is built again instead of reusing the old image."""
+    key = ref
+    if not is_remote(ref):
+        key += "\0" + hashlib.sha256(Path(ref).read_bytes()).hexdigest()
+    return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.sif"
+
+
+def ensure_image(ref: str, cache: Path, *, timeout: float = 3600.0) -> PreparedImage:
+    """Pull or build ``ref`` into ``cache`` unless it is there already (blocking; one pull
+    per image even across processes, under a lock file). Raises :class:`SandboxError` with
+    the CLI's own message when the pull or build fails."""
+    if not needs_cache(ref):
+        return PreparedImage(ref, ref, "local")
+    final = cached_sif(ref, cache)
+    if final.is_file():
+        return PreparedImage(ref, str(final), "cached")
+    exe = find_singularity()
+    cache.mkdir(parents=True, exist_ok=True)
+    lock = os.open(cache / f".{final.stem}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_file():  # another process pulled it while we waited
+            return PreparedImage(ref, str(final), "cached")
+        # Written under a temporary name and renamed: an interrupted pull never looks done.
+        tmp = cache / f".{final.stem}.{uuid.uuid4().hex[:8]}.sif"
+        action: ImageAction
+        if is_remote(ref):
+            argv, action = [exe, "pull", str(tmp), ref], "pulled"
+        else:
+            # Building from a recipe needs root inside the build; unprivileged users get it
+            # from a user namespace.
+            fakeroot = [] if os.geteuid() == 0 else ["--fakeroot"]
+            argv, action = [exe, "build", *fakeroot, str(tmp), ref], "built"
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                  check=False)
+            if proc.returncode != 0 or not tmp.is_file():
+                raise SandboxError(f"`{' '.join(argv[1:2])}` of {ref} failed (exit "
+                                   f"{proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}",
+                                   "ENV_BUILD_FAILED")
+            os.rename(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return PreparedImage(ref, str(final), action, round(time.monotonic() - started, 2))
+    finally:
+        os.close(lock)

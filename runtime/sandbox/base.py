@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -330,6 +331,36 @@ async def finish_creation(fut: asyncio.Future[SandboxT]) -> SandboxT:
         raise
 
 
+def check_binds(binds: Sequence[tuple[str, str, bool]], workspace: str,
+                control: str) -> tuple[tuple[str, str, bool], ...]:
+    """Per-sandbox (host dir, sandbox path, writable) mounts, checked: never over the
+    sandbox's own directories (root, ``/tmp``, ``/proc``, ``/dev``, the control dir, the
+    workspace), and only existing host directories."""
+    checked = []
+    reserved = ("/", "/tmp", "/proc", "/dev", control, workspace)
+    for host, inside, writable in binds:
+        inside_norm = os.path.normpath(inside)
+        if not inside.startswith("/") or inside_norm in reserved or inside_norm.startswith(
+                tuple(r.rstrip("/") + "/" for r in reserved if r != "/")):
+            raise SandboxError(f"cannot bind over {inside!r} in the sandbox",
+                               "INVALID_SANDBOX_OPTIONS")
+        if not os.path.isdir(host):
+            raise SandboxError(f"bind source {host} is not a directory",
+                               "INVALID_SANDBOX_OPTIONS")
+        checked.append((os.path.abspath(host), inside_norm, bool(writable)))
+    return tuple(checked)
+
+
+def runtime_of(factory: Any) -> str | None:
+    """The runtime (``bwrap`` / ``apptainer``) a ``functools.partial(create_sandbox, cfg)``
+    factory starts, or None for any other factory (a test's own), so a handler can refuse an
+    option the runtime cannot honour with a message instead of a failed start."""
+    if isinstance(factory, functools.partial) and factory.func is create_sandbox:
+        config = factory.args[0] if factory.args else factory.keywords.get("config")
+        return str((config or SandboxConfig()).runtime)
+    return None
+
+
 async def create_sandbox(config: SandboxConfig | None = None, *,
                          workspace_files: Mapping[str, bytes | str] | None = None,
                          env: Mapping[str, str] | None = None, network: Network = "none",
@@ -341,7 +372,8 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
     nothing outside the sandbox is reachable. ``"loopback"``: the host's network namespace,
     for jobs that must reach a service on the host's 127.0.0.1 (e.g. a local grader); it
     reaches whatever the host reaches, so use it only for trusted environments.
-    Runtime-specific options: bwrap ``rootfs=``, apptainer ``image=``."""
+    Per-sandbox options: ``binds=`` ((host dir, sandbox path, writable) triples) on both
+    runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image)."""
     config = config or SandboxConfig()
     if network not in ("none", "loopback"):
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
