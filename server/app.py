@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rollout.runtime.envs.common import DATA_DIR, set_host_path_roots
+from rollout.runtime.envs.taskenv import set_sandbox_runtime
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import InvalidArgument
 from rollout.server import reflection as rollout_reflection
@@ -76,6 +77,7 @@ class Server:
         self._metrics_server: Any = None
         self._owns_llm = False
         self._prev_roots: Any = None
+        self._prev_runtime: str | None = None
         self._lock: StateDirLock | None = None
         self.cluster: Any = None
         """``server.cluster.ray_backend.RayCluster`` with ``--ray`` / ``--workers``."""
@@ -124,6 +126,8 @@ class Server:
         # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
         self._prev_roots = set_host_path_roots(
             cfg.server.task_path_roots or [DATA_DIR, state / "tasks"])
+        # A task that names its own image is refused at submit on bwrap, not in INIT.
+        self._prev_runtime = set_sandbox_runtime(cfg.sandbox.runtime)
         if self.sandbox_factory is None:
             self.sandbox_factory = build_sandbox_factory(cfg)
         if self.llm is None and cfg.llm.backends:
@@ -234,6 +238,7 @@ class Server:
         if self._owns_llm and self.llm is not None:
             await self.llm.close()
         set_host_path_roots(self._prev_roots)
+        set_sandbox_runtime(self._prev_runtime)
         if self._lock is not None:  # last: the next server may now recover what we left
             self._lock.release()
             self._lock = None
