@@ -133,6 +133,15 @@ class NodeAgent:
             held.ctx.outcome.metadata[NODE_KEY] = self.spec.name
         return self._reply(held, result)
 
+    def drain_progress(self) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        """The progress events of every job here since the last drain or stage reply (the
+        server polls this while stages run, so a trainer sees turns as they finish)."""
+        out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for job_id, held in self._jobs.items():
+            if held.events:
+                out[job_id], held.events = held.events, []
+        return out
+
     async def release(self, job_id: str, deadline_s: float) -> StageReply:
         held = self._jobs.pop(job_id, None)
         if held is None:

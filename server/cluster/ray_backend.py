@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 NODE_RESOURCE = "rollout_node"
 SLOTS_RESOURCE = "rollout_slots"
 WORKER_RESOURCE = "rollout_worker"
+PROGRESS_POLL_S = 0.25
+"""How often the server collects the progress events (agent turns) of running stages."""
 AGENT_START_S = 120.0
 """Bound on an agent's start (its process imports the server and builds a sandbox runtime)."""
 
@@ -65,6 +67,9 @@ class NodeAgentActor:
     async def release(self, job_id: str, deadline_s: float) -> StageReply:
         return await self.agent.release(job_id, deadline_s)
 
+    async def drain_progress(self) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        return self.agent.drain_progress()
+
     async def close(self) -> None:
         await self.agent.close()
 
@@ -76,24 +81,56 @@ class RayNode:
         self.name = name
         self.pid = pid
         """The agent's process id on its node."""
+        self._contexts: dict[str, JobContext] = {}
+        self._drain: asyncio.Future[Any] | None = None
         self.actor = actor
         self.slots = slots
         self.held = 0
         self.alive = True
 
     def open_context(self, spec: JobSpec, progress: ProgressFn) -> JobContext:
-        return JobContext(spec=spec, progress=progress)
+        ctx = JobContext(spec=spec, progress=progress)
+        self._contexts[spec.job_id] = ctx
+        return ctx
 
     async def run_stage(self, ctx: JobContext, stage: Stage, timeout_s: float) -> StageResult:
         reply = await self._call(self.actor.run_stage.remote(ctx.spec, stage, timeout_s))
+        await self._drained()
         reply.apply(ctx)
         return reply.result
 
     async def release(self, ctx: JobContext, deadline_s: float) -> None:
+        self._contexts.pop(ctx.spec.job_id, None)
         # Handler cleanup, sandbox and LLM session are each bounded by deadline_s on the node.
         async with asyncio.timeout(deadline_s * 3 + 5):
             reply = await self._call(self.actor.release.remote(ctx.spec.job_id, deadline_s))
         reply.apply(ctx)
+
+    async def poll_progress(self) -> None:
+        """Forward the progress events the node's stages reported since the last poll."""
+        if not self.alive or not self._contexts or self._drain is not None:
+            return
+        self._drain = fut = asyncio.ensure_future(self.actor.drain_progress.remote())
+        try:
+            events = await fut
+        except RayActorError:
+            return  # the stage calls in flight report the loss
+        finally:
+            self._drain = None
+        for job_id, items in events.items():
+            ctx = self._contexts.get(job_id)
+            if ctx is not None:
+                for event, detail in items:
+                    ctx.progress(event, detail)
+
+    async def _drained(self) -> None:
+        """Events a drain took off the node before this stage's reply was made must be
+        forwarded before the reply's own (a turn is never reported after its stage ended)."""
+        fut = self._drain
+        if fut is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+            await asyncio.sleep(0)  # let poll_progress forward what it got
 
     async def _call(self, ref: Any) -> StageReply:
         if not self.alive:
@@ -143,8 +180,16 @@ class RayCluster:
         return self
 
     async def _watch_loop(self) -> None:
+        next_refresh = 0.0
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.section.poll_s)
+            await asyncio.sleep(PROGRESS_POLL_S)
+            nodes = [self.nodes.get(name) for name in self.nodes.names()]
+            await asyncio.gather(*(n.poll_progress() for n in nodes if isinstance(n, RayNode)),
+                                 return_exceptions=True)
+            if loop.time() < next_refresh:
+                continue
+            next_refresh = loop.time() + self.section.poll_s
             try:
                 await self.refresh()
             except Exception:  # Ray's GCS busy or restarting: look again next time

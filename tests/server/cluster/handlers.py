@@ -4,7 +4,8 @@
 asks, ``sandbox: true``) and starts its bash; RUN sleeps ``task["run_s"]`` seconds (a stand-in
 for waiting on tools and the model) and runs ``echo`` through the sandbox's bash; EVAL rewards
 1.0 when the echo came back. The outcome names the process that ran RUN (``pid``), so a test
-can tell processes apart without trusting the node's own label.
+can tell processes apart without trusting the node's own label. With ``gate_file``, RUN
+reports a ``turn`` progress event and then waits until that file exists.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class IoHandler(AgentHandler):
             ctx.state["sandbox"] = sandbox
 
     async def run(self, ctx: JobContext) -> RunOutcome:
+        gate = ctx.spec.task.get("gate_file")
+        if gate:  # report a turn, then wait (across processes) until the test opens the gate
+            ctx.progress("turn", {"turn": 1})
+            while not os.path.exists(gate):
+                await asyncio.sleep(0.02)
         await asyncio.sleep(float(ctx.spec.task.get("run_s", 0.0)))
         echoed = ""
         sandbox = ctx.state.get("sandbox")

@@ -19,6 +19,8 @@ from rollout.runtime.types import Stage
 from rollout.server.app import Server
 from rollout.server.cluster.local_cluster import LocalRayCluster
 from rollout.server.config import load_config
+from rollout.v1 import job_pb2
+from rollout.v1 import rollout_service_pb2 as pb
 from tests.util import assert_eventually
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -68,4 +70,47 @@ async def test_workers_run_jobs_in_their_own_processes_and_survive_a_killed_work
         # The killed worker is replaced by a fresh process.
         await assert_eventually(lambda: len(sched.nodes) == 2, timeout=120)
     finally:
+        await server.stop(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_progress_of_a_stage_on_a_worker_arrives_while_the_stage_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn reported on a node reaches the trainer before the stage ends (the server polls
+    the agents), not only with the stage's reply: the stage waits until the turn arrived."""
+    for key, value in LocalRayCluster.DRIVER_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cfg = load_config(None, [
+        "server.port=0", f"server.state_dir={tmp_path}/state", "llm.backends=[]",
+        "server.grace_s=0.2", "cluster.workers=1", "cluster.slots_per_node=2",
+        'cluster.handlers={"io": "tests.server.cluster.handlers:IoHandler"}',
+        f"cluster.node_state_dir={tmp_path}/nodes"], environ={})
+    server = await Server(cfg, registry=HandlerRegistry()).start()
+    gate = tmp_path / "go"
+    try:
+        sched = server.scheduler
+        assert sched is not None
+        await assert_eventually(lambda: len(sched.nodes) == 1, timeout=120)
+        order: list[str] = []
+        async with RolloutClient(server.address) as client, \
+                client.session("t", progress=True) as s:
+            await s.submit([{"job_id": "p", "environment": "io",
+                             "task": {"gate_file": str(gate)}}])
+            async with asyncio.timeout(120):
+                async for frame in s.events():
+                    kind = frame.WhichOneof("kind")
+                    if kind == "progress":
+                        order.append(f"{frame.progress.stage}:{frame.progress.event}")
+                        if frame.progress.event == frame.progress.EVENT_TURN:
+                            gate.touch()  # only now may RUN end
+                    elif kind == "finished":
+                        assert frame.finished.state == job_pb2.Job.STATE_SUCCEEDED
+                        break
+        run, turn = job_pb2.STAGE_RUN, pb.StageProgress.EVENT_TURN
+        fin = pb.StageProgress.EVENT_FINISHED
+        assert order.index(f"{run}:{turn}") < order.index(f"{run}:{fin}")
+    finally:
+        gate.touch()
         await server.stop(0.2)
