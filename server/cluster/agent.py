@@ -116,7 +116,7 @@ class NodeAgent:
             found = self._jobs.get(job_id)
             if found is None:
                 return StageReply(StageResult(JobError(
-                    "INTERNAL", "INTERNAL",
+                    "INTERNAL", "NODE_STATE_LOST",
                     f"node {self.spec.name} holds no context for job {job_id}", stage)))
             held = found
         held.ctx.stage = stage
