@@ -37,20 +37,22 @@ class StreamRolloutsRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., submit: _Optional[_Union[SubmitJobs, _Mapping]] = ..., ack: _Optional[_Union[AckTrajectories, _Mapping]] = ..., cancel: _Optional[_Union[CancelJobs, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress", "store_id")
+    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress", "store_id", "batch_progress")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     MAX_UNACKED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     acked_through: int
     max_unacked: int
     heartbeat_interval: _duration_pb2.Duration
     progress: bool
     store_id: str
-    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ..., store_id: _Optional[str] = ...) -> None: ...
+    batch_progress: bool
+    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ..., store_id: _Optional[str] = ..., batch_progress: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobs(_message.Message):
     __slots__ = ("jobs", "if_finished")
@@ -75,13 +77,14 @@ class CancelJobs(_message.Message):
     def __init__(self, job_ids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
-    __slots__ = ("sequence", "job_id", "opened", "accepted", "rejected", "progress", "trajectory", "finished", "heartbeat")
+    __slots__ = ("sequence", "job_id", "opened", "accepted", "rejected", "progress", "progress_batch", "trajectory", "finished", "heartbeat")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -91,10 +94,11 @@ class StreamRolloutsResponse(_message.Message):
     accepted: JobAccepted
     rejected: JobRejected
     progress: StageProgress
+    progress_batch: ProgressBatch
     trajectory: TrajectoryReady
     finished: JobFinished
     heartbeat: Heartbeat
-    def __init__(self, sequence: _Optional[int] = ..., job_id: _Optional[str] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., trajectory: _Optional[_Union[TrajectoryReady, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., job_id: _Optional[str] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ..., trajectory: _Optional[_Union[TrajectoryReady, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("client_id", "replaying", "server_version", "store_id", "store_changed", "acked_through")
@@ -153,6 +157,20 @@ class StageProgress(_message.Message):
     elapsed: _duration_pb2.Duration
     turns: int
     def __init__(self, stage: _Optional[_Union[_job_pb2.Stage, str]] = ..., event: _Optional[_Union[StageProgress.Event, str]] = ..., elapsed: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., turns: _Optional[int] = ...) -> None: ...
+
+class ProgressBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[JobProgress]
+    def __init__(self, events: _Optional[_Iterable[_Union[JobProgress, _Mapping]]] = ...) -> None: ...
+
+class JobProgress(_message.Message):
+    __slots__ = ("job_id", "progress")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    progress: StageProgress
+    def __init__(self, job_id: _Optional[str] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ...) -> None: ...
 
 class TrajectoryReady(_message.Message):
     __slots__ = ("delivery_id", "trajectory", "resubmitted")
