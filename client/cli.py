@@ -48,9 +48,9 @@ SERVER_EXTRA = {
     "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
     "prometheus_client": "prometheus-client", "transformers": "transformers",
     "tokenizers": "tokenizers", "safetensors": "safetensors", "gguf": "gguf",
-    "accelerate": "accelerate", "ptyprocess": "ptyprocess", "jupyter_client": "jupyter-client",
-    "ipykernel": "ipykernel", "spython": "spython", "aiohttp": "aiohttp", "sympy": "sympy",
-    "matplotlib": "matplotlib", "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp",
+    "accelerate": "accelerate", "jupyter_client": "jupyter-client", "ipykernel": "ipykernel",
+    "spython": "spython", "aiohttp": "aiohttp", "sympy": "sympy", "matplotlib": "matplotlib",
+    "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp",
 }
 SERVER_COMMANDS = ("serve", "quickstart", "llm-serve", "bench")
 

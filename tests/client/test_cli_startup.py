@@ -35,7 +35,7 @@ raise SystemExit(code)
 """
 
 
-def _client_only(*argv: str, blocked: tuple[str, ...] = ("grpc_health", "ptyprocess")
+def _client_only(*argv: str, blocked: tuple[str, ...] = ("grpc_health", "jupyter_client")
                  ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", CLIENT_ONLY.format(blocked=blocked), *argv],
                           capture_output=True, text=True, timeout=scaled(60), cwd=ROOT)
@@ -56,7 +56,7 @@ def test_server_commands_name_the_extra_in_a_client_only_install(argv: list[str]
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("error: FAILED_PRECONDITION MISSING_EXTRA: "), err
     assert f"`rollout {argv[0]}`" in err
-    assert "grpcio-health-checking, ptyprocess" in err  # exactly the missing ones
+    assert "grpcio-health-checking, jupyter-client" in err  # exactly the missing ones
     assert "pip install 'rollout-service[server]'" in err
     assert loaded.strip() == "[]", "nothing of the server was imported"
 
