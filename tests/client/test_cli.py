@@ -14,6 +14,7 @@ from rollout.client.cli_submit import default_client_id
 from rollout.client.sync import RolloutClientSync
 from rollout.client.trajectory import from_json
 from tests.client.conftest import ThreadedServer, task
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,11 +74,24 @@ def test_rerun_after_crash_writes_only_the_missing(threaded_server: ThreadedServ
         out.write_text(json.dumps({"job_id": first.trajectory.job_id}) + "\n")
         s.ack([first.delivery_id])
         next(events)  # the second arrived but the process "died" before writing it
+        # The crash this recreates came after the server had the ack. Leaving the session
+        # right after writing the ack frame could cancel the stream before the server reads
+        # it, and the re-run would then rightly get c-1 again.
+        threaded_server.call(assert_eventually(
+            lambda: _server_unacked(threaded_server, client_id) == 1,
+            message="the server never recorded the ack of the first trajectory"))
     assert main(["submit", str(jobs), "--out", str(out), "--no-progress",
                  "--address", threaded_server.address]) == 0
     lines = [json.loads(line)["job_id"] for line in out.read_text().splitlines()]
     assert sorted(lines) == ["c-1", "c-2"]
     assert "1 trajectories appended" in capsys.readouterr().out
+
+
+def _server_unacked(server: ThreadedServer, client_id: str) -> int:
+    """Deliveries the server holds unacknowledged for ``client_id`` (acks count once
+    committed); read on the server's own loop."""
+    assert server.harness.server is not None and server.harness.server.scheduler is not None
+    return server.harness.server.scheduler.client_stats(client_id)["unacked"]
 
 
 def test_submit_reports_rejections(threaded_server: ThreadedServer, tmp_path, capsys) -> None:
