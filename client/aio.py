@@ -152,12 +152,14 @@ class RolloutClient:
         finally:
             call.cancel()
 
-    def session(self, client_id: str, *, progress: bool = False, max_unacked: int = 0,
-                auto_ack: bool = False, heartbeat_s: float | None = None,
+    def session(self, client_id: str, *, progress: bool = False, batch_progress: bool = True,
+                max_unacked: int = 0, auto_ack: bool = False, heartbeat_s: float | None = None,
                 max_reconnects: int = 10, backoff_s: tuple[float, float] = (0.05, 2.0),
                 on_wire: Any = None) -> Session:
         """A ``StreamRollouts`` session; see :class:`rollout.client.session.Session`. Use it as an
-        async context manager, or ``await session.start()`` and ``await session.aclose()``."""
-        return Session(self, client_id, progress=progress, max_unacked=max_unacked,
-                       auto_ack=auto_ack, heartbeat_s=heartbeat_s,
+        async context manager, or ``await session.start()`` and ``await session.aclose()``.
+        With ``progress``, ``batch_progress`` lets the server send many progress events per
+        frame; ``events()`` unpacks them, so callers see one progress frame per event."""
+        return Session(self, client_id, progress=progress, batch_progress=batch_progress,
+                       max_unacked=max_unacked, auto_ack=auto_ack, heartbeat_s=heartbeat_s,
                        max_reconnects=max_reconnects, backoff_s=backoff_s, on_wire=on_wire)

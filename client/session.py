@@ -23,8 +23,16 @@ row. What does not: ABORTED (``SESSION_TAKEN_OVER``: another process owns this c
 INVALID_ARGUMENT, UNAUTHENTICATED and every other verdict on the request; those end
 ``events()`` with a :class:`RolloutError`.
 
+Progress (``progress=True``) is opted into in batches (``batch_progress``, default on): the
+server may then carry many stage-progress events in one ``progress_batch`` frame, which costs
+far less than a frame per event. ``events()`` still yields one ``progress`` frame per event, in
+the order they arrived, with the job id set; only ``on_wire`` sees the batch frames. Progress
+stays ephemeral and best-effort (docs/PROTOCOL.md).
+
 Sequence numbers restart at 1 on each underlying stream; every re-open shows up as a new
-``opened`` frame. Each re-open sends the ``store_id`` of the previous one: if the server's
+``opened`` frame. The progress frames unpacked from one batch all carry that batch frame's
+sequence number, so within one stream the sequence numbers ``events()`` yields never
+decrease. Each re-open sends the ``store_id`` of the previous one: if the server's
 store changed (its state was lost), the server ignores the old ``acked_through``, the
 ``opened`` frame says ``store_changed`` and the session forgets its delivery bookkeeping
 (the new store numbers deliveries from 1 again) and submits again every job it saw accepted
@@ -69,13 +77,16 @@ _STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 
 class Session:
     def __init__(self, client: Any, client_id: str, *, progress: bool = False,
-                 max_unacked: int = 0, auto_ack: bool = False,
+                 batch_progress: bool = True, max_unacked: int = 0, auto_ack: bool = False,
                  heartbeat_s: float | None = None, max_reconnects: int = 10,
                  on_wire: Callable[[pb.StreamRolloutsResponse], None] | None = None,
                  backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
         self.client = client
         self.client_id = client_id
         self.progress = progress
+        self.batch_progress = batch_progress
+        """Let the server coalesce progress events into ``progress_batch`` frames (unpacked
+        here); False asks for one frame per event, as clients before batching did."""
         self.max_unacked = max_unacked
         self.auto_ack = auto_ack
         self.heartbeat_s = 1.0 if heartbeat_s is None else heartbeat_s
@@ -242,7 +253,8 @@ class Session:
     def _open_request(self) -> pb.StreamRolloutsRequest:
         open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
                                max_unacked=self.max_unacked, progress=self.progress,
-                               store_id=self.opened.store_id)
+                               store_id=self.opened.store_id,
+                               batch_progress=self.progress and self.batch_progress)
         # Always set: an explicit zero turns heartbeats off (unset would mean the default).
         open_.heartbeat_interval.CopyFrom(Duration(
             seconds=int(max(self.heartbeat_s, 0)),
@@ -369,6 +381,13 @@ class Session:
         elif kind == "heartbeat":
             self._confirmed(frame.heartbeat.acked_through)
             await self._maybe_half_close(frame.heartbeat)
+        elif kind == "progress_batch":
+            # Callers keep seeing one progress frame per event, as from a server that does not
+            # batch (the queue is unbounded, so this never waits).
+            for e in frame.progress_batch.events:
+                self._events.put_nowait(pb.StreamRolloutsResponse(
+                    sequence=frame.sequence, job_id=e.job_id, progress=e.progress))
+            return
         await self._events.put(frame)
 
     def _confirmed(self, acked_through: int) -> None:

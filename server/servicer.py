@@ -19,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rollout.runtime.types import InvalidArgument, JobState, Stage
 from rollout.server import auth, convert, errors, typed_tasks
 from rollout.server.scheduler import (
+    JobAccepted,
     JobFinished,
     JobRecord,
     Scheduler,
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 DEFAULT_MAX_UNACKED = 1024
+MAX_PROGRESS_BATCH = 512
+"""Most events in one ``progress_batch`` frame (about 30-160 bytes each, so a frame stays far
+below any client's receive limit); a longer backlog continues in the next frame."""
 MAX_PAGE_BYTES = (7 << 20) // 2
 """ListJobs pages stay under the 4 MiB receive limit that grpc-js, grpc-go and grpc-java
 default to, whatever the server's own (larger) message limit."""
@@ -70,6 +74,45 @@ def _progress_to_proto(ev: StageProgress) -> pb.StageProgress:
         turns=int((ev.detail or {}).get("turn", 0)) if ev.stage is Stage.RUN else 0)
 
 
+class _ProgressBatch:
+    """Progress events of one session waiting for its next write (``OpenSession.batch_progress``).
+
+    The session's writer adds progress events here instead of writing each, and writes them as
+    one ``progress_batch`` frame when nothing else is queued (so it never waits for more to
+    arrive), when ``limit`` events are held, or before a frame about a job whose progress is
+    held (so that job's events keep their order, and its trajectory follows its progress).
+    Frames about other jobs go out ahead of the held progress: a trajectory is never written
+    behind progress queued before it.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._events: list[StageProgress] = []
+        self._jobs: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+    @property
+    def full(self) -> bool:
+        return len(self._events) >= self.limit
+
+    def add(self, ev: StageProgress) -> None:
+        self._events.append(ev)
+        self._jobs.add(ev.job_id)
+
+    def holds(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def take(self) -> pb.ProgressBatch:
+        msg = pb.ProgressBatch(events=[pb.JobProgress(job_id=ev.job_id,
+                                                      progress=_progress_to_proto(ev))
+                                       for ev in self._events])
+        self._events.clear()
+        self._jobs.clear()
+        return msg
+
+
 def _finished_to_proto(ev: JobFinished) -> pb.JobFinished:
     msg = pb.JobFinished(state=convert.state_to_proto(ev.state), reward=ev.reward or 0.0)
     err = convert.job_error_to_proto(ev.error)
@@ -106,8 +149,10 @@ def _rejected(exc: BaseException) -> pb.JobRejected:
 
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0,
-                 min_heartbeat_s: float = 0.1, max_page_bytes: int = 4 << 20) -> None:
+                 min_heartbeat_s: float = 0.1, max_page_bytes: int = 4 << 20,
+                 max_progress_batch: int = MAX_PROGRESS_BATCH) -> None:
         self._scheduler = scheduler
+        self._max_progress_batch = max(1, max_progress_batch)
         self._heartbeat_s = heartbeat_s
         self._min_heartbeat_s = min_heartbeat_s
         self._max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
@@ -163,6 +208,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         acked_through = await self._scheduler.store.acked_through(client_id)
         resubmitted: set[int] = set()
         out: asyncio.Queue[Any] = asyncio.Queue(maxsize=4096)
+        batch = (_ProgressBatch(self._max_progress_batch)
+                 if opened.progress and opened.batch_progress else None)
         seq = 0
 
         def frame(job_id: str = "", **kind: Any) -> pb.StreamRolloutsResponse:
@@ -204,7 +251,23 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 client_id=client_id, replaying=sub.replaying, server_version=VERSION,
                 store_id=store_id, store_changed=store_changed, acked_through=acked_through))
             while True:
+                # The previous write has completed: what queued meanwhile is taken now without
+                # waiting (get() on a non-empty queue does not suspend), so held progress goes
+                # out as one frame once nothing else is queued or the batch is full.
+                if batch and (out.empty() or batch.full):
+                    yield frame(progress_batch=batch.take())
+                    continue
                 item = await out.get()
+                if batch is not None:
+                    if isinstance(item, StageProgress):
+                        batch.add(item)
+                        continue
+                    if isinstance(item, JobAccepted):
+                        continue  # no frame (the reader answered the submit)
+                    if batch and (item is _END or batch.holds(getattr(item, "job_id", ""))):
+                        # That job's earlier progress goes first, and a closing stream
+                        # sends what it holds.
+                        yield frame(progress_batch=batch.take())
                 if item is _END:
                     # Client half-closed: keep sending until its jobs are done and their
                     # deliveries are on the wire, then end. Deliveries it can no longer ack

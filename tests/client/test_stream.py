@@ -33,8 +33,9 @@ def kinds(frames, kind: str) -> list:
 
 
 async def test_round_trip(harness: ServerHarness) -> None:
+    wire: list[pb.StreamRolloutsResponse] = []
     async with RolloutClient(harness.address) as client, \
-            client.session("trainer", progress=True, heartbeat_s=0.1) as s:
+            client.session("trainer", progress=True, heartbeat_s=0.1, on_wire=wire.append) as s:
         assert s.opened.client_id == "trainer"
         await s.submit([{"job_id": "a", **task(reward=0.25, turns=2)},
                         {"job_id": "b", **task(reward=1.0)}])
@@ -60,8 +61,10 @@ async def test_round_trip(harness: ServerHarness) -> None:
     assert flat.token_ids == [1, 2, 3, 1, 2, 4] and flat.loss_mask == [0, 0, 1, 0, 0, 1]
     finished = {f.job_id: f.finished for f in kinds(frames, "finished")}
     assert finished["a"].state == S.STATE_SUCCEEDED and finished["a"].reward == 0.25
-    # sequence numbers are 1, 2, 3, ... without gaps on one stream
-    assert [f.sequence for f in frames] == list(range(1, len(frames) + 1))
+    # sequence numbers are 1, 2, 3, ... without gaps on one stream; the progress frames
+    # unpacked from one progress_batch frame share its number
+    assert [f.sequence for f in wire] == list(range(1, len(wire) + 1))
+    assert [f.sequence for f in frames] == sorted(f.sequence for f in frames)
     # acknowledged: nothing left to replay for this client
     async with RolloutClient(harness.address) as client, client.session("trainer") as s:
         assert s.opened.replaying == 0
