@@ -104,7 +104,9 @@ git for-each-ref --format='%(refname)' | grep -v '^refs/heads/main$' \
 git reflog expire --expire=now --all
 git gc -q --prune=now
 git config user.name agent && git config user.email agent@localhost
-rm -f "$src"
+# The source came through the EVAL-only directory: remove that directory whole, not just the
+# file, so RUN never sees it (a background process can wait for it to mean "EVAL started").
+rm -rf -- "$(dirname -- "$src")"
 git rev-parse HEAD
 """
 
