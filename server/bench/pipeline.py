@@ -234,11 +234,12 @@ async def _grpc_run(n: int, queued: int) -> dict[str, float]:
                 # ids) of the same server, so the three rows share everything else.
                 for key, progress, batched in (("off", False, True), ("batched", True, True),
                                                ("single", True, False)):
-                    cpu0 = _cpu_s(proc.pid)
+                    cpu0, client0 = _cpu_s(proc.pid), time.process_time()
                     secs, frames, events = await _stream_jobs(
                         client, n, key[0], progress=progress, batch_progress=batched)
                     out[f"{key}_s"] = secs
                     out[f"{key}_cpu_ms"] = (_cpu_s(proc.pid) - cpu0) / n * 1e3
+                    out[f"{key}_client_ms"] = (time.process_time() - client0) / n * 1e3
                     out[f"{key}_frames"] = frames / n
                     out[f"{key}_events"] = events / n
                 out["rss_after_mb"] = _rss_mb(proc.pid)
@@ -289,8 +290,9 @@ async def _bench(args: argparse.Namespace) -> int:
         ok &= rate >= 1000 and g["rss_queued_mb"] < 300 and rate / batched <= 1.5
 
         def notes(key: str) -> str:
-            return (f"server CPU {g[f'{key}_cpu_ms']:.2f} ms/job; {g[f'{key}_frames']:.2f} "
-                    f"frames/job on the wire, {g[f'{key}_events']:.1f} progress events/job")
+            return (f"CPU ms/job: server {g[f'{key}_cpu_ms']:.2f}, client "
+                    f"{g[f'{key}_client_ms']:.2f}; {g[f'{key}_frames']:.2f} frames/job "
+                    f"({g[f'{key}_events']:.0f} progress events)")
 
         t.add_row("gRPC loopback + SQLite (server process)", f"{rate:,.0f}", ">= 1,000",
                   notes("off"))

@@ -11,8 +11,8 @@ Why it works this way:
   delivery at or below the cursor is one a page already carried (nothing arrives twice).
 - Progress events are ephemeral: a detached client misses them, and a consumer that falls far
   behind loses the progress events that arrive while its backlog is full rather than growing
-  memory without bound (what is dropped is a job's later events, so the events a client does
-  get are still in order per job). The servicer may write many of them in one frame.
+  memory without bound (the events it does get are still in order per job, with gaps). The
+  servicer may write many of them in one frame.
 - Flow control (``max_unacked``): once that many deliveries are outstanding, further deliveries
   wait in the store (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
   max-outstanding-messages.
