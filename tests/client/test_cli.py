@@ -131,6 +131,11 @@ def test_jobs_and_status(threaded_server: ThreadedServer, tmp_path, capsys) -> N
             pass
         with client.session("holder") as s:
             s.submit({"job_id": "held", **task(gate=["run"])})
+            # submit() returns once the frame is written; the listing below goes over another
+            # connection, so wait for the server's answer (sent after the job is stored).
+            answer = next(f for f in s.events() if f.job_id == "held"
+                          and f.WhichOneof("kind") in ("accepted", "rejected"))
+            assert answer.WhichOneof("kind") == "accepted", answer
             capsys.readouterr()
             assert main(["jobs", "list", *addr]) == 0
             listing = capsys.readouterr().out
