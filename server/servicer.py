@@ -81,8 +81,8 @@ class _ProgressBatch:
     one ``progress_batch`` frame when nothing else is queued (so it never waits for more to
     arrive), when ``limit`` events are held, or before a frame about a job whose progress is
     held (so that job's events keep their order, and its trajectory follows its progress).
-    Frames about other jobs go out ahead of the held progress: a trajectory is never written
-    behind progress queued before it.
+    Frames about other jobs go out ahead of the held progress: a trajectory waits for no
+    progress but its own job's.
     """
 
     def __init__(self, limit: int) -> None:
