@@ -57,6 +57,7 @@ from rollout.runtime.sandbox.base import (
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
+    check_binds,
     finish_creation,
 )
 
@@ -232,7 +233,7 @@ class BwrapSandbox(Sandbox):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
         return await finish_creation(asyncio.ensure_future(asyncio.to_thread(
             cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
-            rootfs, _check_binds(binds, config.workspace_in_sandbox))))
+            rootfs, check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX))))
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, files: dict[str, bytes | str],
@@ -351,23 +352,6 @@ class BwrapSandbox(Sandbox):
             os.close(self._lock_fd)
             self._lock_fd = -1
         _LIVE.pop(self.id, None)
-
-
-def _check_binds(binds: Sequence[tuple[str, str, bool]],
-                 workspace: str) -> tuple[tuple[str, str, bool], ...]:
-    checked = []
-    reserved = ("/", "/tmp", "/proc", "/dev", CTL_IN_SANDBOX, workspace)
-    for host, inside, writable in binds:
-        inside_norm = os.path.normpath(inside)
-        if not inside.startswith("/") or inside_norm in reserved or inside_norm.startswith(
-                tuple(r.rstrip("/") + "/" for r in reserved if r != "/")):
-            raise SandboxError(f"cannot bind over {inside!r} in the sandbox",
-                               "INVALID_SANDBOX_OPTIONS")
-        if not os.path.isdir(host):
-            raise SandboxError(f"bind source {host} is not a directory",
-                               "INVALID_SANDBOX_OPTIONS")
-        checked.append((os.path.abspath(host), inside_norm, bool(writable)))
-    return tuple(checked)
 
 
 @atexit.register
