@@ -11,9 +11,20 @@ user who wants to measure overhead) registers them explicitly:
 from __future__ import annotations
 
 import asyncio
+import signal
+from typing import TYPE_CHECKING, Any
 
-from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
+from rollout.runtime.handler import (
+    AgentHandler,
+    HandlerError,
+    HandlerRegistry,
+    JobContext,
+    RunOutcome,
+)
 from rollout.runtime.types import Reward, TerminationReason, Turn
+
+if TYPE_CHECKING:
+    from rollout.server.config import Config
 
 _TURN = Turn(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.5, -0.25])
 
@@ -50,3 +61,29 @@ def register_bench_handlers(registry: object) -> None:
     """Add ``noop`` and ``sleep`` to a ``HandlerRegistry``."""
     registry.register("noop", NoopHandler())  # type: ignore[attr-defined]
     registry.register("sleep", SleepHandler())  # type: ignore[attr-defined]
+
+
+async def no_sandbox(**options: Any) -> Any:
+    """The bench servers' sandbox factory: the bench environments never ask for one."""
+    raise HandlerError("the bench server has no sandbox runtime", "NO_SANDBOX")
+
+
+def serve_until_signalled(cfg: Config, grace_s: float) -> int:
+    """Child process of a benchmark: a real server on ``cfg`` with the bench environments and no
+    sandbox runtime. Prints ``PORT <n>`` once it listens; stops on SIGINT or SIGTERM."""
+    from rollout.server.app import Server
+
+    async def run() -> None:
+        registry = HandlerRegistry()
+        register_bench_handlers(registry)
+        server = await Server(cfg, registry=registry, sandbox_factory=no_sandbox).start()
+        print(f"PORT {server.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(grace_s)
+
+    asyncio.run(run())
+    return 0

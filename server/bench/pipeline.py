@@ -37,9 +37,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rollout.runtime.handler import HandlerError, HandlerRegistry, JobContext
+from rollout.runtime.handler import HandlerRegistry, JobContext
 from rollout.runtime.types import JobSpec
-from rollout.server.bench.handlers import SleepHandler, register_bench_handlers
+from rollout.server.bench.handlers import (
+    SleepHandler,
+    register_bench_handlers,
+    serve_until_signalled,
+)
 from rollout.server.scheduler import JobFinished, PipelineConfig, Scheduler, TrajectoryReady
 from rollout.server.store import JobStore
 
@@ -127,33 +131,15 @@ async def _coupled_run(n: int, workers: int, task: dict[str, Any]) -> float:
 
 def _serve(state_dir: str) -> int:
     """Child process: a real server with the bench environments and no LLM backend."""
-    from rollout.server.app import Server
     from rollout.server.config import Config
 
-    async def run() -> None:
-        cfg = Config()
-        cfg.server.port = 0
-        cfg.server.state_dir = state_dir
-        cfg.server.heartbeat_s = 0
-        cfg.llm.backends = []
-        cfg.pipeline.init_workers = cfg.pipeline.run_workers = cfg.pipeline.eval_workers = 8
-        registry = HandlerRegistry()
-        register_bench_handlers(registry)
-        server = await Server(cfg, registry=registry, sandbox_factory=_no_sandbox).start()
-        print(f"PORT {server.port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.stop(0)
-
-    asyncio.run(run())
-    return 0
-
-
-async def _no_sandbox(**options: Any) -> Any:
-    raise HandlerError("the bench server has no sandbox runtime", "NO_SANDBOX")
+    cfg = Config()
+    cfg.server.port = 0
+    cfg.server.state_dir = state_dir
+    cfg.server.heartbeat_s = 0
+    cfg.llm.backends = []
+    cfg.pipeline.init_workers = cfg.pipeline.run_workers = cfg.pipeline.eval_workers = 8
+    return serve_until_signalled(cfg, grace_s=0)
 
 
 def _rss_mb(pid: int) -> float:

@@ -51,30 +51,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _serve(state_dir: str, port: int) -> int:
     """Child process: a real server on ``port`` with the bench environments, no LLM."""
-    from rollout.runtime.handler import HandlerRegistry
-    from rollout.server.app import Server
-    from rollout.server.bench.handlers import register_bench_handlers
-    from rollout.server.bench.pipeline import _no_sandbox
+    from rollout.server.bench.handlers import serve_until_signalled
     from rollout.server.config import load_config
 
-    async def run() -> None:
-        cfg = load_config(None, [f"server.port={port}", f"server.state_dir={state_dir}",
-                                 "server.heartbeat_s=1", "llm.backends=[]",
-                                 "pipeline.init_workers=8", "pipeline.run_workers=8",
-                                 "pipeline.eval_workers=8"], environ={})
-        registry = HandlerRegistry()
-        register_bench_handlers(registry)
-        server = await Server(cfg, registry=registry, sandbox_factory=_no_sandbox).start()
-        print(f"PORT {server.port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.stop(0.5)
-
-    asyncio.run(run())
-    return 0
+    cfg = load_config(None, [f"server.port={port}", f"server.state_dir={state_dir}",
+                             "server.heartbeat_s=1", "llm.backends=[]",
+                             "pipeline.init_workers=8", "pipeline.run_workers=8",
+                             "pipeline.eval_workers=8"], environ={})
+    return serve_until_signalled(cfg, grace_s=0.5)
 
 
 class ServerProcess:
