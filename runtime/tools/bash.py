@@ -302,8 +302,12 @@ def spawn_pty(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = Non
         attrs = termios.tcgetattr(slave)
         attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo from the first byte on
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
-        popen = subprocess.Popen(["setsid", "--ctty", *argv], stdin=slave, stdout=slave,
-                                 stderr=slave, env=dict(env), cwd=cwd, close_fds=True)
+        # `env --default-signal`: a server started in the background of a script (`rollout
+        # serve &`, nohup) ignores SIGINT, children inherit that, and Ctrl-C on a timed-out
+        # command would do nothing; resetting it here keeps Popen free of a preexec_fn.
+        popen = subprocess.Popen(["env", "--default-signal=INT,QUIT", "setsid", "--ctty", *argv],
+                                 stdin=slave, stdout=slave, stderr=slave, env=dict(env),
+                                 cwd=cwd, close_fds=True)
     except BaseException:
         os.close(master)
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -83,6 +84,18 @@ async def test_timeout_interrupts_then_session_continues(sb: Sandbox) -> None:
     assert res.timed_out and res.exit_code == 130 and not res.restarted
     assert "started" in res.output and "interrupted" in res.output
     assert (await bash.run("pwd; echo $KEEP")).output == "/tmp\n1\n"
+
+
+async def test_ctrl_c_works_when_the_server_itself_ignores_sigint(sb: Sandbox) -> None:
+    """A server started in the background of a script (`rollout serve &`) ignores SIGINT, and
+    children inherit that: the shell must still be interruptible."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        bash = await sb.bash()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    res = await bash.run("echo started; sleep 30", timeout=0.5)
+    assert res.timed_out and res.exit_code == 130 and not res.restarted, res.output
 
 
 async def test_sigint_ignoring_command_kills_and_restarts_shell(sb: Sandbox) -> None:
