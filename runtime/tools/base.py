@@ -47,3 +47,10 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
     """The OpenAI/Hermes function schema that goes into the system prompt."""
     return {"type": "function", "function": {
         "name": tool.name, "description": tool.description, "parameters": dict(tool.parameters)}}
+
+
+DEFAULT_SIGNALS = ("env", "--default-signal=INT,QUIT")
+"""Prefix of every tool process's command line. A server started in a script's background
+(`rollout serve &`, nohup) ignores SIGINT, and children inherit that: without the reset, Ctrl-C
+(bash) and kernel interrupts (IPython) on a timed-out command would do nothing. A prefix instead of
+a preexec_fn keeps Popen on vfork (no Python-level fork in the server)."""

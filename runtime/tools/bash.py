@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.runtime.sandbox.output import CappedOutput
-from rollout.runtime.tools.base import ToolResult
+from rollout.runtime.tools.base import DEFAULT_SIGNALS, ToolResult
 
 DEFAULT_MAX_OUTPUT = 16 * 1024
 TRUNCATION_NOTICE = ("[... {dropped} bytes of output truncated; redirect to a file and view "
@@ -302,10 +302,7 @@ def spawn_pty(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = Non
         attrs = termios.tcgetattr(slave)
         attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo from the first byte on
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
-        # `env --default-signal`: a server started in the background of a script (`rollout
-        # serve &`, nohup) ignores SIGINT, children inherit that, and Ctrl-C on a timed-out
-        # command would do nothing; resetting it here keeps Popen free of a preexec_fn.
-        popen = subprocess.Popen(["env", "--default-signal=INT,QUIT", "setsid", "--ctty", *argv],
+        popen = subprocess.Popen([*DEFAULT_SIGNALS, "setsid", "--ctty", *argv],
                                  stdin=slave, stdout=slave, stderr=slave, env=dict(env),
                                  cwd=cwd, close_fds=True)
     except BaseException:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout.runtime.timeouts import scaled
-from rollout.runtime.tools.base import ToolResult
+from rollout.runtime.tools.base import DEFAULT_SIGNALS, ToolResult
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -137,12 +137,13 @@ class IPythonKernel:
         try:
             if self.sandbox is not None:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *self.sandbox.command_argv(argv), env=self.sandbox.spawn_env(),
+                    *DEFAULT_SIGNALS, *self.sandbox.command_argv(argv),
+                    env=self.sandbox.spawn_env(),
                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
                 self.sandbox.track(self._proc.pid)
             else:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    *DEFAULT_SIGNALS, *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     start_new_session=True, env={**os.environ, "MPLBACKEND": "Agg"})
         finally:
             log.close()
