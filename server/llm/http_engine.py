@@ -259,7 +259,22 @@ class HttpEngine(Engine):
 
     async def _call(self, path: str, body: dict[str, Any], headers: dict[str, str],
                     turn: _Turn) -> None:
-        """POST one turn; fill ``turn`` from the JSON reply or, as they arrive, the SSE chunks."""
+        """POST one turn, re-sent once when a pooled keep-alive connection turns out to be closed
+        before any token arrived (the server never ran it, so nothing is duplicated)."""
+        try:
+            await self._call_once(path, body, headers, turn)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if turn.ids:
+                raise EngineError(f"{self.name}: {path} failed: {exc!r}") from exc
+            log.info("%s: %s on a pooled connection; sending the turn again", self.name, exc)
+            try:
+                await self._call_once(path, body, headers, turn)
+            except (aiohttp.ClientError, OSError) as again:
+                raise EngineError(f"{self.name}: {path} failed: {again!r}") from again
+
+    async def _call_once(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                         turn: _Turn) -> None:
+        """Fill ``turn`` from the JSON reply or, as they arrive, the SSE chunks."""
         try:
             async with self._http().post(self.url + path, json=body, headers=headers,
                                          timeout=self._timeout) as response:
@@ -280,6 +295,8 @@ class HttpEngine(Engine):
                     self._absorb(json.loads(payload), turn)
         except InvalidArgument:
             raise  # a ValueError too, but the request's fault, not the backend's
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            raise  # _call decides whether the turn can be sent again
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             raise EngineError(f"{self.name}: {path} failed: {exc!r}") from exc
 
