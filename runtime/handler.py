@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from rollout.runtime.gateway import ModelGateway
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import InvalidArgument, JobSpec, Reward, Stage, TerminationReason, Turn
 
@@ -62,6 +63,9 @@ class JobContext:
     """Set by the scheduler after RUN so EVAL can read the trajectory."""
     progress: ProgressFn = lambda event, details: None
     stage: Stage | None = None
+    gateway: ModelGateway | None = None
+    """The server's model gateway, for environments whose agent is an external harness that
+    calls an OpenAI/Anthropic-compatible endpoint (None where the server runs none)."""
     resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     """Closed by the scheduler when the job ends for any reason (success, failure, timeout,
     cancel), so whatever a handler registers here is always released."""
