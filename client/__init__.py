@@ -1,6 +1,7 @@
 """Python client of the Rollout Service: ``RolloutClient`` (async), ``RolloutClientSync``,
 resuming sessions, typed errors, trajectory helpers. Depends only on grpcio, protobuf,
-googleapis-common-protos, grpcio-status and rich (for the command line)."""
+googleapis-common-protos and grpcio-status; the ``rollout`` command (``rollout.entrypoints``)
+adds rich for its tables."""
 
 from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError

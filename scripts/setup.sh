@@ -54,13 +54,13 @@ bash scripts/setup_vllm.sh
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
 bash scripts/setup_adapters.sh
 
-# The generated TypeScript client's test (tests/clients/test_ts_client.py): protoc-gen-es and
-# Connect from npm into clients/ts/node_modules, pinned by clients/ts/package-lock.json (own
+# The generated TypeScript client's test (tests/interop/test_ts_client.py): protoc-gen-es and
+# Connect from npm into interop/ts/node_modules, pinned by interop/ts/package-lock.json (own
 # stamp: re-installed only when the lock file changes). ROLLOUT_SKIP_NODE=1 skips it.
 if [ -z "${ROLLOUT_SKIP_NODE:-}" ]; then
-  ts_want="$(sha256sum clients/ts/package-lock.json | cut -c1-16)"
-  if [ "$(cat clients/ts/node_modules/.setup-stamp 2>/dev/null)" != "$ts_want" ]; then
-    npm ci --prefix clients/ts --no-audit --no-fund --loglevel=error
-    echo "$ts_want" > clients/ts/node_modules/.setup-stamp
+  ts_want="$(sha256sum interop/ts/package-lock.json | cut -c1-16)"
+  if [ "$(cat interop/ts/node_modules/.setup-stamp 2>/dev/null)" != "$ts_want" ]; then
+    npm ci --prefix interop/ts --no-audit --no-fund --loglevel=error
+    echo "$ts_want" > interop/ts/node_modules/.setup-stamp
   fi
 fi

@@ -8,7 +8,7 @@ echo "== ruff";  ruff check .
 # on: give it a tree of links with the installed layout instead.
 tree=build/typecheck
 mkdir -p "$tree/rollout"
-for pkg in client server runtime trainer_adapters; do ln -sfn "../../../$pkg" "$tree/rollout/$pkg"; done
+for pkg in client entrypoints benchmarks server runtime trainer_adapters; do ln -sfn "../../../$pkg" "$tree/rollout/$pkg"; done
 ln -sfn ../../../proto/rollout/v1 "$tree/rollout/v1"
 ln -sf ../../../proto/rollout/__init__.py "$tree/rollout/__init__.py"
 echo "== mypy";  MYPYPATH="$tree" mypy -p rollout

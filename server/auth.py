@@ -37,7 +37,7 @@ import grpc
 
 from rollout.runtime.types import InvalidArgument
 from rollout.server import errors
-from rollout.server.convert import ID_RE
+from rollout.server.proto_convert import ID_RE
 
 ADMIN = "admin"
 _ROLES = {ADMIN}

@@ -19,9 +19,9 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from rollout.runtime.types import InvalidArgument
 from rollout.server import errors
+from rollout.server.llm.backend_pool import BackendInfo, BackendPool
 from rollout.server.llm.engine import Engine, EngineError
 from rollout.server.llm.http_engine import HttpEngine
-from rollout.server.llm.pool import BackendInfo, BackendPool
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
 

@@ -195,7 +195,7 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise InvalidArgument(f"cannot read config file {path}: {exc}",
                                   "BAD_CONFIG") from exc
         for section, values in data.items():
-            if section == "client":  # the `rollout` command line's own table (client/cli.py)
+            if section == "client":  # the `rollout` command line's own table (entrypoints/cli.py)
                 continue
             if not isinstance(values, dict):
                 raise InvalidArgument(f"config: [{section}] must be a table", "BAD_CONFIG")

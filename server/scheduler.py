@@ -14,7 +14,7 @@ Public API (what the servicer calls)::
                                    owner=)
     sub = await sched.attach(client_id, acked_through=0, max_unacked=0, progress=True)
     async for event in sub: ...              # JobAccepted | StageProgress | TrajectoryReady
-                                             # | JobFinished (server/pipeline/session.py)
+                                             # | JobFinished (server/pipeline/subscription.py)
     await sched.ack(client_id, [delivery_id, ...], through=0); await sub.close()
     sched.client_stats(client_id)            # {"in_flight": n, "unacked": m}
     sched.status() -> SchedulerStatus        # server/metrics.py
@@ -65,8 +65,7 @@ from rollout.server.errors import FailedPrecondition, NotFound, ResourceExhauste
 from rollout.server.metrics import SchedulerMetrics, SchedulerStatus
 from rollout.server.pipeline.delivery import Delivery
 from rollout.server.pipeline.groups import GROUP_FINISHED
-from rollout.server.pipeline.jobs import JobRegistry
-from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.job_registry import JobRegistry
 from rollout.server.pipeline.records import (
     JobRecord,
     SubmitResult,
@@ -75,7 +74,8 @@ from rollout.server.pipeline.records import (
 )
 from rollout.server.pipeline.retention import Retention
 from rollout.server.pipeline.runner import PipelineConfig, StageRunner
-from rollout.server.pipeline.session import (
+from rollout.server.pipeline.stage_pool import LiveJob
+from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
     Subscription,
@@ -83,9 +83,9 @@ from rollout.server.pipeline.session import (
 )
 from rollout.server.store import JobStore, PruneStats, StoredJob, now
 
-# The session's event types live in server/pipeline/session.py (the servicer and
+# The session's event types live in server/pipeline/subscription.py (the servicer and
 # server/stream_events.py import them there). JobFinished and TrajectoryReady stay listed
-# because server/bench/pipeline.py still imports them from here.
+# because benchmarks/pipeline.py still imports them from here.
 __all__ = [
     "GROUP_FINISHED", "JobFinished", "JobNotFound", "JobRecord", "NotCancellable",
     "Overloaded", "PipelineConfig", "Scheduler", "SubmitResult", "Subscription",
@@ -114,8 +114,9 @@ class NotCancellable(FailedPrecondition):
 class Scheduler:
     """The public API of the pipeline: a thin facade over three parts that each own their state.
 
-    - :class:`~rollout.server.pipeline.jobs.JobRegistry` (``jobs``): which jobs are live, the
-      caps' counts, groups. Admission, cancellation, queries and status all read the same one.
+    - :class:`~rollout.server.pipeline.job_registry.JobRegistry` (``jobs``): which jobs are
+      live, the caps' counts, groups. Admission, cancellation, queries and status all read the
+      same one.
     - :class:`~rollout.server.pipeline.runner.StageRunner` (``pipeline``): pools, nodes, stage
       tasks, terminal writes; it retires jobs in the registry and emits events into delivery.
     - :class:`~rollout.server.pipeline.delivery.Delivery` (``delivery``): sessions, acks,

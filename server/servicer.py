@@ -1,6 +1,6 @@
 """RolloutService: translates frames and requests to scheduler calls and events back to frames.
 
-Thin on purpose: validation lives in ``server/convert.py``, policy in the scheduler, and the
+Thin on purpose: validation lives in ``server/proto_convert.py``, policy in the scheduler, and the
 exception -> status mapping in ``server/errors.py`` (applied by the interceptor).
 """
 
@@ -17,10 +17,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rollout.runtime.types import InvalidArgument, JobState
-from rollout.server import auth, convert, errors, tenant_jobs, typed_tasks
+from rollout.server import auth, errors, proto_convert, tenant_status, typed_tasks
 from rollout.server.cluster.node import NodeStatus
 from rollout.server.pipeline.records import JobRecord
-from rollout.server.pipeline.session import (
+from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
     StageProgress,
@@ -58,18 +58,19 @@ def _client_id_ok(client_id: str) -> None:
     if not client_id:
         raise InvalidArgument("open.client_id is required: a durable id for this trainer, "
                               "reused on reconnect to resume", "MISSING_FIELD", "open.client_id")
-    convert.check_id(client_id, "open.client_id")
+    proto_convert.check_id(client_id, "open.client_id")
     auth.check_not_reserved(client_id, "open.client_id")
     auth.current.get().check_client_id(client_id, "open.client_id")
 
 
 def job_to_proto(rec: JobRecord) -> job_pb2.Job:
     job = job_pb2.Job(
-        job_id=rec.job_id, spec=convert.spec_to_proto(rec.spec),
-        state=convert.state_to_proto(rec.state), stage=convert.stage_to_proto(rec.stage),
+        job_id=rec.job_id, spec=proto_convert.spec_to_proto(rec.spec),
+        state=proto_convert.state_to_proto(rec.state),
+        stage=proto_convert.stage_to_proto(rec.stage),
         attempts=rec.attempts, reward=rec.reward or 0.0,
         client_id=auth.owner_of(rec.client_id))
-    err = convert.job_error_to_proto(rec.error)
+    err = proto_convert.job_error_to_proto(rec.error)
     if err is not None:
         job.error.CopyFrom(err)
     job.create_time.FromNanoseconds(int(rec.created_at * 1e9))
@@ -81,7 +82,7 @@ def _nodes_to_proto(nodes: list[NodeStatus]) -> list[pb.NodeStatus]:
     """The node agents stage work runs on (the server process itself is not listed)."""
     return [pb.NodeStatus(
         name=n.name, address=n.address, pid=n.pid, alive=n.alive, slots=n.slots, held=n.held,
-        stages=[pb.NodeStageStatus(stage=convert.stage_to_proto(s.stage), capacity=s.capacity,
+        stages=[pb.NodeStageStatus(stage=proto_convert.stage_to_proto(s.stage), capacity=s.capacity,
                                    busy=s.busy) for s in n.stages],
         jobs_assigned=n.jobs_assigned, jobs_done=n.jobs_done) for n in nodes if not n.in_server]
 
@@ -128,7 +129,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         self.sessions = 0
         self._client_sessions: dict[str, int] = {}
         """Open StreamRollouts sessions per client id (GetServerStatus for a tenant)."""
-        self._owner_counts = tenant_jobs.OwnerCounts(scheduler.store, self._live_state)
+        self._owner_counts = tenant_status.OwnerCounts(scheduler.store, self._live_state)
 
     def _live_state(self, job_id: str) -> JobState | None:
         job = self._scheduler.jobs.get(job_id)
@@ -302,7 +303,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             case TrajectoryReady():
                 return frame(item.job_id, trajectory=pb.TrajectoryReady(
                     delivery_id=item.delivery_id,
-                    trajectory=convert.trajectory_to_proto(item.trajectory),
+                    trajectory=proto_convert.trajectory_to_proto(item.trajectory),
                     resubmitted=item.delivery_id in resubmitted))
             case JobFinished():
                 return frame(item.job_id, finished=finished_to_proto(item))
@@ -337,7 +338,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             targets += [("group_id", g) for g in req.cancel.group_ids]
             for key, value in targets:
                 try:
-                    convert.check_id(value, f"cancel.{key}")
+                    proto_convert.check_id(value, f"cancel.{key}")
                     await self._check_owner(**{key: value})
                     await self._scheduler.cancel(**{key: value}, wait=False)
                 except Exception as exc:
@@ -362,7 +363,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         specs = []
         for p in jobs:
             try:
-                specs.append(convert.spec_from_proto(p))
+                specs.append(proto_convert.spec_from_proto(p))
             except InvalidArgument as exc:  # the id is echoed so the client can match it
                 await self._answer(out, p.job_id, exc)
         foreign = await self._foreign_groups(specs)
@@ -404,7 +405,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             if error is not None:
                 await self._answer(out, r.job_id, error)
                 continue
-            state = (convert.state_to_proto(rec.state) if rec is not None
+            state = (proto_convert.state_to_proto(rec.state) if rec is not None
                      else await self._accepted_state(r))
             await out.put(Answer(r.job_id, pb.JobAccepted(duplicate=r.duplicate, state=state)))
             if announce is not None:
@@ -460,7 +461,9 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         if not r.duplicate:
             return job_pb2.Job.STATE_QUEUED
         rec = await self._scheduler.get(r.job_id)
-        return convert.state_to_proto(rec.state) if rec is not None else job_pb2.Job.STATE_QUEUED
+        if rec is None:
+            return job_pb2.Job.STATE_QUEUED
+        return proto_convert.state_to_proto(rec.state)
 
     # ------------------------------------------------------------------ unary-ish RPCs
 
@@ -469,7 +472,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                             ) -> AsyncIterator[pb.SubmitRolloutResponse]:
         if not request.HasField("job"):
             raise InvalidArgument("job is required", "MISSING_FIELD", "job")
-        spec = convert.spec_from_proto(request.job)
+        spec = proto_convert.spec_from_proto(request.job)
         principal = auth.current.get()
         for exc in (await self._foreign_groups([spec])).values():
             raise exc
@@ -483,8 +486,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             if traj is None:
                 raise _result_pruned(spec.job_id)
             yield pb.SubmitRolloutResponse(accepted=pb.JobAccepted(
-                duplicate=True, state=convert.state_to_proto(rec.state)))
-            yield pb.SubmitRolloutResponse(trajectory=convert.trajectory_to_proto(traj))
+                duplicate=True, state=proto_convert.state_to_proto(rec.state)))
+            yield pb.SubmitRolloutResponse(trajectory=proto_convert.trajectory_to_proto(traj))
             yield pb.SubmitRolloutResponse(finished=finished_to_proto(JobFinished(
                 job_id=spec.job_id, state=rec.state, error=rec.error, reward=rec.reward)))
             # A delivery an earlier call never acknowledged (it went away first) is answered
@@ -528,7 +531,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                             while batch:  # the job's progress goes before its trajectory
                                 yield pb.SubmitRolloutResponse(progress_batch=batch.take())
                             yield pb.SubmitRolloutResponse(
-                                trajectory=convert.trajectory_to_proto(ev.trajectory))
+                                trajectory=proto_convert.trajectory_to_proto(ev.trajectory))
                             # Acknowledged once handed to gRPC: a retry after this replays
                             # from the store (above), so nothing is lost if the caller
                             # vanished meanwhile.
@@ -550,7 +553,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             if rec is not None and rec.state.terminal:
                 traj = await self._scheduler.get_trajectory(job_id)
                 if traj is not None:
-                    yield pb.SubmitRolloutResponse(trajectory=convert.trajectory_to_proto(traj))
+                    yield pb.SubmitRolloutResponse(
+                        trajectory=proto_convert.trajectory_to_proto(traj))
                 yield pb.SubmitRolloutResponse(finished=finished_to_proto(JobFinished(
                     job_id=job_id, state=rec.state, error=rec.error, reward=rec.reward)))
                 return
@@ -558,7 +562,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
 
     async def GetJob(self, request: pb.GetJobRequest,
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
-        convert.check_id(request.job_id, "job_id")
+        proto_convert.check_id(request.job_id, "job_id")
         await self._check_owner(job_id=request.job_id)
         rec = await self._scheduler.get(request.job_id)
         if rec is None:
@@ -566,11 +570,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                                   "job_id")
         resp = pb.GetJobResponse(job=job_to_proto(rec))
         if rec.timings is not None:
-            resp.timings.CopyFrom(convert.timings_to_proto(rec.timings))
+            resp.timings.CopyFrom(proto_convert.timings_to_proto(rec.timings))
         if request.include_trajectory:
             traj = await self._scheduler.get_trajectory(request.job_id)
             if traj is not None:
-                resp.trajectory.CopyFrom(convert.trajectory_to_proto(traj))
+                resp.trajectory.CopyFrom(proto_convert.trajectory_to_proto(traj))
         return resp
 
     async def ListJobs(self, request: pb.ListJobsRequest,
@@ -579,8 +583,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("page_size must not be negative", "INVALID_PAGE_SIZE",
                                   "page_size")
         page_size = min(request.page_size or 100, 1000)
-        convert.check_id(request.group_id, "group_id", required=False)
-        convert.check_id(request.client_id, "client_id", required=False)
+        proto_convert.check_id(request.group_id, "group_id", required=False)
+        proto_convert.check_id(request.client_id, "client_id", required=False)
         if len(request.page_token) > 64:
             raise InvalidArgument("page_token is not one this server issued",
                                   "INVALID_PAGE_TOKEN", "page_token")
@@ -591,7 +595,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         if principal.bound:
             principal.check_client_id(client_id or principal.client_id or "", "client_id")
             client_id = principal.client_id
-        state = convert.state_from_proto(request.state)
+        state = proto_convert.state_from_proto(request.state)
 
         async def page(size: int) -> tuple[list[JobRecord], str]:
             # A client id selects its owner's jobs: those of its sessions and the ones it
@@ -619,7 +623,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         target = request.WhichOneof("target")
         if target is None or not getattr(request, target):
             raise InvalidArgument("set job_id or group_id", "MISSING_FIELD", "target")
-        convert.check_id(getattr(request, target), target)
+        proto_convert.check_id(getattr(request, target), target)
         await self._check_owner(**{target: getattr(request, target)})
         ids = await self._scheduler.cancel(**{target: getattr(request, target)})
         return pb.CancelJobResponse(cancelled_job_ids=ids)
@@ -631,15 +635,16 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         # A tenant sees its own jobs; how many other tenants run what is an admin's business.
         tenant = principal.client_id if principal.bound and not principal.admin else None
         resp = pb.GetServerStatusResponse(
-            version=VERSION, uptime=convert.seconds_to_duration(time.monotonic() - self._started),
+            version=VERSION,
+            uptime=proto_convert.seconds_to_duration(time.monotonic() - self._started),
             environments=self._scheduler.registry.names(),
             sessions=self.sessions if tenant is None else self._client_sessions.get(tenant, 0))
         for s in st.stages:
             resp.stages.append(pb.StageStatus(
-                stage=convert.stage_to_proto(s.stage), queue_depth=s.queue_depth,
+                stage=proto_convert.stage_to_proto(s.stage), queue_depth=s.queue_depth,
                 in_flight=s.in_flight, workers=s.workers, completed=s.completed,
-                failed=s.failed, latency_p50=convert.seconds_to_duration(s.latency_p50_s),
-                latency_p95=convert.seconds_to_duration(s.latency_p95_s),
+                failed=s.failed, latency_p50=proto_convert.seconds_to_duration(s.latency_p50_s),
+                latency_p95=proto_convert.seconds_to_duration(s.latency_p95_s),
                 throughput_per_second=s.throughput_per_s))
         if tenant is not None:
             for state, n in (await self._owner_counts.get(tenant)).items():

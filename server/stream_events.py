@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.runtime.types import Stage
-from rollout.server import convert
-from rollout.server.pipeline.session import (
+from rollout.server import proto_convert
+from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
     StageProgress,
@@ -55,7 +55,7 @@ class Failed:
 
 
 SessionEvent = JobAccepted | StageProgress | TrajectoryReady | JobFinished
-"""What the scheduler's subscription yields (``server/pipeline/session.py``)."""
+"""What the scheduler's subscription yields (``server/pipeline/subscription.py``)."""
 StreamEvent = Answer | Beat | HalfClosed | Failed | SessionEvent
 
 
@@ -73,9 +73,9 @@ def job_of(event: StreamEvent) -> str:
 
 def progress_to_proto(ev: StageProgress) -> pb.StageProgress:
     msg = pb.StageProgress(
-        stage=convert.stage_to_proto(ev.stage),
+        stage=proto_convert.stage_to_proto(ev.stage),
         event=_PROGRESS_EVENTS.get(ev.event, pb.StageProgress.EVENT_UNSPECIFIED),
-        elapsed=convert.seconds_to_duration(ev.elapsed_s))
+        elapsed=proto_convert.seconds_to_duration(ev.elapsed_s))
     if ev.stage is Stage.RUN and ev.event == "turn":
         # Running totals from the agent loop; a handler with its own loop may report only
         # "turn" (0-based), so the count falls back to it.
@@ -87,8 +87,8 @@ def progress_to_proto(ev: StageProgress) -> pb.StageProgress:
 
 
 def finished_to_proto(ev: JobFinished) -> pb.JobFinished:
-    msg = pb.JobFinished(state=convert.state_to_proto(ev.state), reward=ev.reward or 0.0)
-    err = convert.job_error_to_proto(ev.error)
+    msg = pb.JobFinished(state=proto_convert.state_to_proto(ev.state), reward=ev.reward or 0.0)
+    err = proto_convert.job_error_to_proto(ev.error)
     if err is not None:
         msg.error.CopyFrom(err)
     return msg

@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"client": "rollout.client", "server": "rollout.server", "runtime": "rollout.runtime",
-           "trainer_adapters": "rollout.trainer_adapters", "proto/rollout": "rollout"}
+           "trainer_adapters": "rollout.trainer_adapters", "proto/rollout": "rollout",
+           "entrypoints": "rollout.entrypoints", "benchmarks": "rollout.benchmarks"}
 
 
 def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -23,7 +24,7 @@ def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_user_modules_named_like_our_folders_do_not_shadow_the_client(tmp_path: Path) -> None:
-    for name in ("client", "server", "runtime", "trainer_adapters"):
+    for name in ("client", "server", "runtime", "trainer_adapters", "entrypoints", "benchmarks"):
         (tmp_path / f"{name}.py").write_text("raise ImportError('the user module was imported')\n")
     proc = _run("from rollout.client.aio import RolloutClient\n"
                 "from rollout.client.sync import RolloutClientSync\n"
@@ -33,11 +34,11 @@ def test_user_modules_named_like_our_folders_do_not_shadow_the_client(tmp_path: 
     assert proc.stdout.strip() == "rollout.client.aio"
 
 
-def test_the_client_library_imports_no_server_code(tmp_path: Path) -> None:
+def test_the_client_library_and_the_command_line_import_no_server_code(tmp_path: Path) -> None:
     proc = _run("import sys\n"
                 "import rollout.client, rollout.client.aio, rollout.client.sync, "
                 "rollout.client.session, rollout.client.trajectory, rollout.client.specs, "
-                "rollout.client.cli\n"
+                "rollout.entrypoints.cli\n"
                 "heavy = [m for m in sys.modules if m.startswith(('rollout.server', "
                 "'rollout.runtime', 'torch', 'transformers'))]\n"
                 "print(heavy)", tmp_path)

@@ -18,7 +18,7 @@ import pytest
 from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
 from rollout.server.config import Config
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.server.llm.smollm2 import smollm2_dir
 

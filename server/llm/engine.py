@@ -1,6 +1,6 @@
 """The engine interface every inference backend implements (in-process, vLLM HTTP, scripted).
 
-The backend pool (``server/llm/pool.py``) owns a set of engines and implements
+The backend pool (``server/llm/backend_pool.py``) owns a set of engines and implements
 ``runtime.llm.LLMClient`` on top of them.
 """
 

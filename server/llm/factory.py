@@ -11,8 +11,8 @@ from typing import Any
 
 from rollout.runtime.types import InvalidArgument
 from rollout.server.config import Config
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.engine import Engine
-from rollout.server.llm.pool import BackendPool
 
 KINDS = ("transformers", "vllm", "vllm-launch", "scripted")
 

@@ -7,7 +7,7 @@ subscriptions by client id — and its own store calls (acks, replay pages, re-d
 Keeping them here means the pipeline never touches a session, and a session never touches a
 pool.
 
-Rules it keeps (server/pipeline/session.py has the flow-control side):
+Rules it keeps (server/pipeline/subscription.py has the flow-control side):
 - One subscription per client id: a new attach closes the old one.
 - A delivery is published only by :meth:`deliver`, which the pipeline calls after the store
   committed it, or by the function :meth:`redeliver` returns, after the delivery committed.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout.runtime.types import Stage
-from rollout.server.pipeline.session import (
+from rollout.server.pipeline.subscription import (
     Event,
     JobFinished,
     StageProgress,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.stage_pool import LiveJob
 
 GROUP_FINISHED = "GROUP_FINISHED"
 """Cancellation reason of jobs stopped because their group reached ``finish_after``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState, Stage, StageTimings
-from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.stage_pool import LiveJob
 from rollout.server.store import StoredJob, Transition
 
 

@@ -4,8 +4,8 @@
 worker slots), the nodes stage work runs on, the per-stage statistics, the tasks it spawned,
 and the retry of terminal writes. It launches a stage task, hands a job to the next stage,
 decides its terminal state, persists it, and reports it once durable. It does not own the live
-jobs (:class:`~rollout.server.pipeline.jobs.JobRegistry`: it asks it, and retires a job there
-once its end is durable) nor the sessions
+jobs (:class:`~rollout.server.pipeline.job_registry.JobRegistry`: it asks it, and retires a job
+there once its end is durable) nor the sessions
 (:class:`~rollout.server.pipeline.delivery.Delivery`: it emits progress and deliveries into
 it). ``server.scheduler.Scheduler`` composes the three behind the public API.
 
@@ -33,10 +33,10 @@ from rollout.server.cluster.node import NodeLost, NodeSet
 from rollout.server.metrics import SchedulerMetrics, StageStats, StageStatus
 from rollout.server.pipeline.delivery import Delivery
 from rollout.server.pipeline.groups import GROUP_FINISHED
-from rollout.server.pipeline.jobs import JobRegistry
-from rollout.server.pipeline.pool import LiveJob, StagePool
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.job_registry import JobRegistry
+from rollout.server.pipeline.stage_pool import LiveJob, StagePool
 from rollout.server.pipeline.stages import build_trajectory
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.store import FinishRecord, JobStore, now
 
 log = logging.getLogger(__name__)

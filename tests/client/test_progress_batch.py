@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rollout.client.aio import RolloutClient
-from rollout.client.cli import main
+from rollout.entrypoints.cli import main
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness, ThreadedServer, task

@@ -318,7 +318,7 @@ async def test_submit_tool_requires_an_answer_and_stringifies_values() -> None:
 async def test_through_the_backend_pool_with_failover(tok: Any) -> None:
     """The real pool between loop and engines: the backend of turn 0 dies, the turn is retried
     on the other one, and the trajectory carries on (the engines share the script position)."""
-    from rollout.server.llm.pool import BackendPool
+    from rollout.server.llm.backend_pool import BackendPool
 
     turns: dict[str, int] = {}
     script = {"job-1": [call("echo", text="a"), call("echo", text="b"), "done"]}

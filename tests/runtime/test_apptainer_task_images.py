@@ -27,9 +27,9 @@ import pytest
 
 from rollout.runtime.envs.common import DATA_DIR, PRIVATE_DIR, set_host_path_roots
 from rollout.runtime.envs.swe import SweHandler, named_tests
+from rollout.runtime.envs.task_files import load_tasks, prepare
+from rollout.runtime.envs.task_files import main as tasks_main
 from rollout.runtime.envs.taskenv import ENV_MOUNT, EnvSpec, set_sandbox_runtime
-from rollout.runtime.envs.tasks import load_tasks, prepare
-from rollout.runtime.envs.tasks import main as tasks_main
 from rollout.runtime.handler import HandlerError, JobContext
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.apptainer import cached_sif

@@ -142,7 +142,7 @@ async def running_scheduler(db_path: Any, handler: ScriptedHandler | None = None
 async def collect_finished(sub: Any, job_ids: Any,
                            timeout: float = 20.0) -> dict[str, Any]:
     """Read ``sub`` until a JobFinished arrived for every id; returns them by job id."""
-    from rollout.server.pipeline.session import JobFinished
+    from rollout.server.pipeline.subscription import JobFinished
 
     want, got = set(job_ids), {}
     async with asyncio.timeout(timeout):

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from rollout.runtime.types import JobState
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.store import JobStore, StoreWriteFailed, now
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.store import StoreWriteFailed
 from tests.server.handlers import running_scheduler, spec
 from tests.util import assert_eventually

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from tests.server.handlers import ScriptedHandler, running_scheduler, spec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.server.bench.soak import Books, _run
+from rollout.benchmarks.soak import Books, _run
 
 
 def test_books_see_duplicates_and_reissued_ids():

@@ -6,7 +6,7 @@ import pytest
 
 from rollout.runtime.types import GroupSpec, JobState
 from rollout.server.pipeline.groups import Groups
-from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.stage_pool import LiveJob
 from rollout.server.scheduler import GROUP_FINISHED
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually

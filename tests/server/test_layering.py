@@ -1,16 +1,19 @@
-"""Who may import whom (DESIGN.md "Who may import whom"), read from the source with ``ast``.
+"""Who may import whom (docs/architecture.md "Who may import whom"), read from the source with
+``ast``.
 
 Import cycles and upward imports creep in one convenient line at a time and keep working (Python
 resolves most cycles lazily), so nothing else would notice. These tests read every ``import``
-statement, at module level and inside functions, and check the layers:
+statement, at module level and inside functions alike (a lazy import is still a dependency), and
+check the layers:
 
 - the job store (``server/store/``) sits below the stage pipeline: nothing it imports, directly
   or through other server modules, is ``server.pipeline``, the scheduler or a servicer;
 - ``runtime`` imports neither ``server`` nor ``client``;
-- the ``client`` library imports only ``rollout.v1`` and itself; only the ``rollout`` launcher
-  (``client/cli*.py``) may reach the server, and only inside the functions that need it, so
-  importing the launcher stays light (tests/test_packaging.py checks what it pulls in);
-- ``trainer_adapters`` import only the client (and the generated ``rollout.v1``).
+- the ``client`` library imports only ``rollout.v1`` and itself, and the ``server`` only
+  ``runtime``, ``rollout.v1`` and itself: neither reaches the other, nor a composition root;
+- ``trainer_adapters`` import only the client (and the generated ``rollout.v1``);
+- the composition roots (``entrypoints``: the ``rollout`` command, the quickstart;
+  ``benchmarks``) are the only modules that import both sides, and no library imports them.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"rollout.client": "client", "rollout.server": "server", "rollout.runtime": "runtime",
-           "rollout.trainer_adapters": "trainer_adapters", "rollout.v1": "proto/rollout/v1"}
+           "rollout.trainer_adapters": "trainer_adapters", "rollout.v1": "proto/rollout/v1",
+           "rollout.entrypoints": "entrypoints", "rollout.benchmarks": "benchmarks"}
 ABOVE_THE_STORE = ("rollout.server.pipeline", "rollout.server.scheduler",
                    "rollout.server.servicer", "rollout.server.backends_servicer",
                    "rollout.server.app")
-LAUNCHERS = {"rollout.client.cli", "rollout.client.cli_train"}
+COMPOSITION_ROOTS = ("rollout.entrypoints", "rollout.benchmarks")
 
 
 def _modules() -> dict[str, Path]:
@@ -114,11 +118,12 @@ def test_the_walker_sees_each_kind_of_import() -> None:
     src = ("import rollout.server.scheduler\n"
            "from rollout.server import scheduler\n"
            "from ..pipeline import runner\n"
-           "from . import jobs\n"
+           "from . import job_store\n"
            "def later():\n    from rollout.client import aio\n")
-    got = imports(src, "rollout.server.store.jobs")
+    got = imports(src, "rollout.server.store.job_store")
     assert got == [("rollout.server.scheduler", True), ("rollout.server.scheduler", True),
-                   ("rollout.server.pipeline.runner", True), ("rollout.server.store.jobs", True),
+                   ("rollout.server.pipeline.runner", True),
+                   ("rollout.server.store.job_store", True),
                    ("rollout.client.aio", False)]
     assert len([m for m in MODULES if m.startswith("rollout.server.store.")]) >= 3
 
@@ -142,31 +147,45 @@ def test_the_pipeline_uses_the_store_only_through_its_package() -> None:
 
 
 def test_runtime_imports_neither_server_nor_client() -> None:
-    bad = [(m, n) for m in MODULES if _under(m, "rollout.runtime")
-           for n, _ in _imports_of(m) if _under(n, "rollout.server", "rollout.client")]
+    bad = _reaches_beyond("rollout.runtime", ("rollout.v1", "rollout.runtime"))
     assert not bad, bad
 
 
+def _reaches_beyond(package: str, allowed: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(module, imported)`` for every import of ours by ``package`` outside ``allowed``."""
+    return [(m, n) for m in MODULES if _under(m, package)
+            for n, _ in _imports_of(m) if _under(n, "rollout") and not _under(n, *allowed)]
+
+
 def test_the_client_library_imports_only_the_contract_and_itself() -> None:
-    allowed = ("rollout.v1", "rollout.client")
-    bad, lazy_in_launcher = [], []
-    for m in MODULES:
-        if not _under(m, "rollout.client"):
-            continue
-        for name, at_top in _imports_of(m):
-            if not _under(name, "rollout") or _under(name, *allowed):
-                continue
-            if m in LAUNCHERS and not at_top:
-                lazy_in_launcher.append(name)
-            else:
-                bad.append((m, name))
+    bad = _reaches_beyond("rollout.client", ("rollout.v1", "rollout.client"))
     assert not bad, f"client modules importing beyond rollout.v1 / rollout.client: {bad}"
-    # The launcher does start a server (``rollout serve``): the exemption is real, not dead.
-    assert any(_under(n, "rollout.server") for n in lazy_in_launcher)
+
+
+def test_the_server_imports_neither_the_client_nor_a_composition_root() -> None:
+    bad = _reaches_beyond("rollout.server", ("rollout.v1", "rollout.server", "rollout.runtime"))
+    assert not bad, f"server modules importing beyond rollout.v1 / runtime / server: {bad}"
+
+
+def test_no_library_imports_a_composition_root() -> None:
+    bad = [(m, n) for m in MODULES if not _under(m, *COMPOSITION_ROOTS)
+           for n, _ in _imports_of(m) if _under(n, *COMPOSITION_ROOTS)]
+    assert not bad, bad
+
+
+def test_the_layering_checks_see_a_violation_in_each_direction() -> None:
+    """Each direction's check is only as good as the walker's view of these very files."""
+    assert any(_under(n, "rollout.server") for n, _ in _imports_of("rollout.entrypoints.cli"))
+    assert any(_under(n, "rollout.client")
+               for n, _ in _imports_of("rollout.entrypoints.quickstart"))
+    client_side = imports("from rollout.server.app import serve\n", "rollout.client.aio")
+    server_side = imports("def f():\n    from rollout.client.aio import RolloutClient\n",
+                          "rollout.server.app")
+    assert _under(client_side[0][0], "rollout.server")
+    assert _under(server_side[0][0], "rollout.client")
 
 
 def test_trainer_adapters_import_only_the_client() -> None:
-    allowed = ("rollout.v1", "rollout.client", "rollout.trainer_adapters")
-    bad = [(m, n) for m in MODULES if _under(m, "rollout.trainer_adapters")
-           for n, _ in _imports_of(m) if _under(n, "rollout") and not _under(n, *allowed)]
+    bad = _reaches_beyond("rollout.trainer_adapters",
+                          ("rollout.v1", "rollout.client", "rollout.trainer_adapters"))
     assert not bad, bad

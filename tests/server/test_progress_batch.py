@@ -301,7 +301,7 @@ def test_turn_frames_carry_the_attempts_running_totals() -> None:
     """A RUN ``turn`` event becomes a frame with turns completed, tokens and tool calls so far;
     a handler that reports only its 0-based ``turn`` still gets a completed-turns count."""
     from rollout.runtime.types import Stage
-    from rollout.server.pipeline.session import StageProgress
+    from rollout.server.pipeline.subscription import StageProgress
     from rollout.server.servicer import _progress_to_proto
 
     loop_event = StageProgress("j", Stage.RUN, "turn", {

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollout.runtime.types import JobState, Stage
-from rollout.server.pipeline.session import TrajectoryReady
+from rollout.server.pipeline.subscription import TrajectoryReady
 from rollout.server.store import JobStore
 from tests.server.handlers import (
     ScriptedHandler,

@@ -11,7 +11,12 @@ import os
 import pytest
 
 from rollout.runtime.types import JobState, Limits, SamplingParams, Stage, TerminationReason
-from rollout.server.pipeline.session import JobAccepted, JobFinished, StageProgress, TrajectoryReady
+from rollout.server.pipeline.subscription import (
+    JobAccepted,
+    JobFinished,
+    StageProgress,
+    TrajectoryReady,
+)
 from rollout.server.scheduler import JobNotFound, NotCancellable, Overloaded
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually

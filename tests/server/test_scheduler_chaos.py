@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from rollout.runtime.types import GroupSpec, JobState
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.scheduler import NotCancellable
 from tests.server.handlers import running_scheduler, spec
 from tests.util import assert_eventually

@@ -12,10 +12,10 @@ from rollout.runtime.types import JobState, Stage
 from rollout.server.cluster.node import LocalNode, NodeSet
 from rollout.server.metrics import SchedulerMetrics
 from rollout.server.pipeline.delivery import Delivery
-from rollout.server.pipeline.jobs import JobRegistry
-from rollout.server.pipeline.pool import LiveJob
+from rollout.server.pipeline.job_registry import JobRegistry
 from rollout.server.pipeline.runner import PipelineConfig, StageRunner
-from rollout.server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
+from rollout.server.pipeline.stage_pool import LiveJob
+from rollout.server.pipeline.subscription import JobFinished, StageProgress, TrajectoryReady
 from rollout.server.scheduler import Scheduler
 from rollout.server.store import JobStore, now
 from tests.server.handlers import ScriptedHandler, spec

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rollout.runtime.types import JobSpec, Stage
-from rollout.server.pipeline.pool import LiveJob, StagePool
+from rollout.server.pipeline.stage_pool import LiveJob, StagePool
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("submit"), st.integers(-2, 2)),

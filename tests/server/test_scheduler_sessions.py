@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from rollout.runtime.types import JobState
-from rollout.server.pipeline.session import JobFinished, StageProgress, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, StageProgress, TrajectoryReady
 from tests.server.handlers import collect_finished, running_scheduler, spec
 from tests.util import assert_eventually
 

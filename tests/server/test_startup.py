@@ -171,14 +171,14 @@ async def test_unwritable_state_dir_names_the_path(tmp_path: Path) -> None:
 
 def _serve(state: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "rollout.client.cli", "serve", "--state-dir", str(state),
+        [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir", str(state),
          "--set", "llm.backends=[]", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _run_serve(state: Path, *flags: str, wrap: tuple[str, ...] = ()) -> tuple[int, str]:
     res = subprocess.run(
-        [*wrap, sys.executable, "-m", "rollout.client.cli", "serve", "--state-dir", str(state),
+        [*wrap, sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir", str(state),
          "--set", "llm.backends=[]", *flags],
         capture_output=True, text=True, timeout=scaled(60))
     return res.returncode, res.stderr

@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 
 from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc, job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

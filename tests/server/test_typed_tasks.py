@@ -17,7 +17,7 @@ from rollout.runtime.envs.code import CodeHandler
 from rollout.runtime.envs.math import MathHandler
 from rollout.runtime.envs.swe import SweHandler
 from rollout.runtime.types import InvalidArgument
-from rollout.server import convert, typed_tasks
+from rollout.server import proto_convert, typed_tasks
 from rollout.v1 import job_pb2, tasks_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
@@ -58,20 +58,20 @@ def test_every_shipped_task_round_trips_through_its_typed_message(env: str) -> N
     handler = HANDLERS[env]()
     for task in tasks:
         spec = job_pb2.JobSpec(job_id="t", **{env: as_typed(env, task)})
-        got = convert.spec_from_proto(spec)
+        got = proto_convert.spec_from_proto(spec)
         assert got.environment == env
         assert got.task == task, task.get("id") or task.get("instance_id")
         handler.validate_task(got.task)
 
 
 def test_optional_fields_are_left_out_and_presence_is_kept() -> None:
-    bare = convert.spec_from_proto(job_pb2.JobSpec(
+    bare = proto_convert.spec_from_proto(job_pb2.JobSpec(
         job_id="m", math=tasks_pb2.MathTask(question="1+1?", answer="2")))
     assert bare.task == {"question": "1+1?", "answer": "2"}  # the environment's defaults apply
-    full = convert.spec_from_proto(job_pb2.JobSpec(job_id="m", math=tasks_pb2.MathTask(
+    full = proto_convert.spec_from_proto(job_pb2.JobSpec(job_id="m", math=tasks_pb2.MathTask(
         question="q", answer="0", no_tools=True, rel_tol=0.0)))
     assert full.task == {"question": "q", "answer": "0", "tools": [], "rel_tol": 0.0}
-    fn = convert.spec_from_proto(job_pb2.JobSpec(job_id="c", code=tasks_pb2.CodeTask(
+    fn = proto_convert.spec_from_proto(job_pb2.JobSpec(job_id="c", code=tasks_pb2.CodeTask(
         prompt="p", mode=tasks_pb2.CodeTask.MODE_FUNCTION, entry_point="f",
         tests=[tasks_pb2.CodeTest(code="assert f() == 1", input="ignored")],
         memory_limit_mb=64)))
@@ -90,7 +90,7 @@ def test_bad_combinations_are_refused_with_the_field_to_fix() -> None:
     ]
     for spec, field in cases:
         with pytest.raises(InvalidArgument) as info:
-            convert.spec_from_proto(spec)
+            proto_convert.spec_from_proto(spec)
         assert info.value.field == field
     # an environment's refusal names the typed field to fix
     refused = InvalidArgument("needs a test", "INVALID_TASK", "task.FAIL_TO_PASS")

@@ -26,13 +26,13 @@ from rich.console import Console
 
 from rollout.client.aio import RolloutClient
 from rollout.client.batcher import Batch, BatcherConfig, GroupBatcher
-from rollout.trainer_adapters.dapo import tasks as shipped
+from rollout.trainer_adapters.dapo import task_set as shipped
 from rollout.trainer_adapters.dapo.advantages import group_advantages, overlong_penalty
-from rollout.trainer_adapters.dapo.config import DapoConfig
 from rollout.trainer_adapters.dapo.evaluate import EvalResult, evaluate
 from rollout.trainer_adapters.dapo.loss import ClipConfig
 from rollout.trainer_adapters.dapo.metrics import MetricsLog, paired_bootstrap
 from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
+from rollout.trainer_adapters.dapo.run_config import DapoConfig
 from rollout.trainer_adapters.dapo.weights import WeightPusher
 
 StepHook = Callable[[int, int], Awaitable[None]]

@@ -35,7 +35,7 @@ from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNo
 from pydantic import ConfigDict
 
 from rollout.client.specs import job_spec
-from rollout.trainer_adapters.jobs import JobOutcome, shared_runner
+from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
 from rollout.trainer_adapters.nemo_rl.message_log import gym_output_items
 from rollout.v1 import job_pb2
 

@@ -6,9 +6,9 @@ entry-point group, which ``import verl`` loads in every process, so verl's agent
 find the registration without any import in the user's code.
 
 verl builds one loop object per sample; all of them in a process share one gRPC session
-(:func:`rollout.trainer_adapters.jobs.shared_runner`). The service renders the prompt, runs the
-multi-turn episode in its sandbox, scores it and returns exact token ids, loss mask and sampling
-logprobs; :func:`rollout.trainer_adapters.verl.convert.to_verl_sample` maps that onto verl's
+(:func:`rollout.trainer_adapters.job_runner.shared_runner`). The service renders the prompt, runs
+the multi-turn episode in its sandbox, scores it and returns exact token ids, loss mask and sampling
+logprobs; :func:`rollout.trainer_adapters.verl.job_mapping.to_verl_sample` maps that onto verl's
 fields. verl's ``server_manager`` (its own inference servers) is not used: the service's
 backends generate, and the trainer pushes weights to them (see ``async_manager``).
 
@@ -32,8 +32,8 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from rollout.trainer_adapters.jobs import shared_runner
-from rollout.trainer_adapters.verl.convert import job_for_sample, to_verl_sample
+from rollout.trainer_adapters.job_runner import shared_runner
+from rollout.trainer_adapters.verl.job_mapping import job_for_sample, to_verl_sample
 
 AGENT_NAME = "rollout_service"
 

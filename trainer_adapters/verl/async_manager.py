@@ -38,7 +38,7 @@ from verl.utils.model import compute_position_id_with_mask
 from rollout.client.aio import RolloutClient
 from rollout.client.batcher import Batch, BatcherConfig, GroupBatcher
 from rollout.trainer_adapters.verl.agent_loop import ServiceSettings
-from rollout.trainer_adapters.verl.convert import _scalar, from_flat, job_for_sample, pad_batch
+from rollout.trainer_adapters.verl.job_mapping import _scalar, from_flat, job_for_sample, pad_batch
 
 _SOURCE_KEYS = ("uid", "raw_prompt", "extra_info", "index", "data_source", "reward_model",
                 "agent_name")

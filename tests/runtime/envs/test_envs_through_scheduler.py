@@ -12,11 +12,11 @@ import pytest
 from rollout.runtime.envs.code import CodeHandler
 from rollout.runtime.envs.math import MathHandler
 from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.task_files import load_tasks
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import JobSpec, JobState, Limits, SamplingParams
 from rollout.server.llm.scripted import ScriptedEngine
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.store import JobStore
 from tests.runtime.doubles import EngineClient

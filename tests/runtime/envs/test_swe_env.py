@@ -12,8 +12,8 @@ import pytest
 
 from rollout.runtime.envs.common import DATA_DIR
 from rollout.runtime.envs.swe import SweHandler
+from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
 from rollout.runtime.envs.taskenv import user_wheelhouses
-from rollout.runtime.envs.tasks import fill_wheelhouse, load_tasks
 from rollout.runtime.handler import HandlerError, JobContext
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from rollout.runtime.envs.swe import SweHandler
+from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
 from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec, user_wheelhouses
-from rollout.runtime.envs.tasks import fill_wheelhouse, load_tasks
 from rollout.runtime.handler import JobContext
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call

@@ -15,7 +15,7 @@ from rollout.runtime.envs.common import DATA_DIR
 from rollout.runtime.envs.math import MathHandler
 from rollout.runtime.envs.pytest_log import judge, parse_pytest_report
 from rollout.runtime.envs.swe import SweHandler, patched_files
-from rollout.runtime.envs.tasks import job_lines, load_tasks, main, read_task_file
+from rollout.runtime.envs.task_files import job_lines, load_tasks, main, read_task_file
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import InvalidArgument
 

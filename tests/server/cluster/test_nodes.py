@@ -20,8 +20,8 @@ import pytest
 from rollout.runtime.handler import HandlerRegistry, JobContext, ProgressFn
 from rollout.runtime.types import JobSpec, JobState, Stage
 from rollout.server.cluster.node import LocalNode, NodeLost, NodeSet
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
 from rollout.server.pipeline.stages import StageResult
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.store import JobStore
 from tests.server.handlers import ScriptedHandler, spec

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
-from rollout.client import cli
 from rollout.client.errors import RolloutError
+from rollout.entrypoints import cli
 from rollout.server.backends_servicer import BackendServicer
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.http_server import serve
-from rollout.server.llm.pool import BackendPool
 from rollout.server.llm.transformers_engine import TransformersEngine
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc

@@ -10,7 +10,7 @@ import pytest
 
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import SamplingParams
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.util import assert_eventually

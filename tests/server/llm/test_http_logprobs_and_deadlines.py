@@ -17,10 +17,10 @@ from aiohttp import web
 
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import InvalidArgument, SamplingParams
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.engine import EngineError
 from rollout.server.llm.http_engine import HttpEngine
 from rollout.server.llm.http_server import serve
-from rollout.server.llm.pool import BackendPool
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
 from tests.server.llm.conftest import FakeEngine

@@ -11,7 +11,7 @@ import pytest
 
 from rollout.runtime.llm import GenerateRequest, LLMClient, LLMUnavailable
 from rollout.runtime.types import SamplingParams
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from tests.server.llm.conftest import FakeEngine
 from tests.util import assert_eventually
 

@@ -10,8 +10,8 @@ from aiohttp import web
 
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import SamplingParams
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.http_engine import RELEASE_PATH, HttpEngine
-from rollout.server.llm.pool import BackendPool
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.server.llm.test_http_vllm_path import start_server
 from tests.util import assert_eventually

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rollout.server.bench import llm as bench_llm
+from rollout.benchmarks import llm as bench_llm
 from rollout.server.llm import smollm2
 
 

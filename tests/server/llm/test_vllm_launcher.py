@@ -13,7 +13,7 @@ import pytest
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import SamplingParams
 from rollout.server.llm import vllm_launcher
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.vllm_launcher import VllmNotInstalled, build_command, launch_vllm
 from tests.util import assert_eventually
 

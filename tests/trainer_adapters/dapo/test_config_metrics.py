@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollout.trainer_adapters.dapo.config import load_config
 from rollout.trainer_adapters.dapo.metrics import COLUMNS, MetricsLog, paired_bootstrap
+from rollout.trainer_adapters.dapo.run_config import load_config
 
 SHIPPED = Path(__file__).resolve().parents[3] / "trainer_adapters" / "dapo" / "smollm2_cpu.toml"
 

@@ -24,9 +24,9 @@ from rollout.runtime.handler import AgentHandler, HandlerRegistry, JobContext, R
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import Reward, TerminationReason, Turn
 from rollout.server.app import Server
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.transformers_engine import TransformersEngine
-from rollout.trainer_adapters.dapo.config import load_config
+from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import DapoTrainer
 from tests.client.conftest import make_config
 from tests.fixtures.tiny_model import tiny_model_dir

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout.trainer_adapters.verl.convert import job_for_sample, to_verl_sample
+from rollout.trainer_adapters.verl.job_mapping import job_for_sample, to_verl_sample
 from rollout.v1 import job_pb2, trajectory_pb2
 
 SUCCEEDED, FAILED = job_pb2.Job.State.STATE_SUCCEEDED, job_pb2.Job.State.STATE_FAILED

@@ -12,7 +12,7 @@ import pytest
 
 from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError
-from rollout.trainer_adapters.jobs import JobRejectedError, JobRunner, shared_runner
+from rollout.trainer_adapters.job_runner import JobRejectedError, JobRunner, shared_runner
 from rollout.v1 import job_pb2
 from tests.client.conftest import ServerHarness
 from tests.trainer_adapters.verl.episodes import episode_harness, two_turn_tool_episode

@@ -14,7 +14,7 @@ from rollout.client.aio import RolloutClient
 from rollout.runtime.envs.math import MathHandler
 from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from tests.client.conftest import make_config
 from tests.fixtures.tiny_model import tiny_model_dir
