@@ -96,9 +96,9 @@ def lcg_jump(seed: int, steps: int) -> int:
 async def _cpu_work(seed: int, steps: int) -> int:
     # Inline, in slices that yield between them: a thread would not run beside the event loop
     # anyway (the GIL), and while it held the GIL the loop would wait up to a switch interval
-    # (5 ms) at every wake-up, slowing the gRPC front more than the work itself does. Slices
-    # keep the loop (the front, other jobs, Ray's calls into an agent) answering within one
-    # slice, and the total work is exactly ``steps``.
+    # (``sys.getswitchinterval()``) at every wake-up, slowing the gRPC front more than the work
+    # itself does. Slices keep the loop (the front, other jobs, Ray's calls into an agent)
+    # answering within one slice, and the total work is exactly ``steps``.
     x = seed
     while steps > 0:
         n = min(steps, CPU_SLICE)

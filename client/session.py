@@ -212,10 +212,6 @@ class Session:
     def acked_through(self) -> int:
         return self._acked_through
 
-    @property
-    def pending_job_ids(self) -> list[str]:
-        return list(self._pending)
-
     # ------------------------------------------------------------------ responses
 
     async def events(self) -> AsyncIterator[pb.StreamRolloutsResponse]:

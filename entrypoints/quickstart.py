@@ -44,7 +44,7 @@ def quickstart_tasks(env: str) -> list[dict[str, Any]]:
     """``data/quickstart-<env>.jsonl`` where it exists, else the shipped set of ``env``.
 
     The quickstart sets are easy on purpose: a 135M-parameter model fails the shipped math
-    problems (DESIGN.md), and a demo where every job ends the same way shows nothing.
+    problems (docs/architecture.md), and a demo where every job ends the same way shows nothing.
     """
     path = DATA_DIR / f"quickstart-{env}.jsonl"
     return read_task_file(path, env) if path.exists() else load_tasks(env)

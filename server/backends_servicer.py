@@ -32,8 +32,7 @@ _PROTOCOLS = {pb.HTTP_PROTOCOL_UNSPECIFIED: "generate", pb.HTTP_PROTOCOL_GENERAT
               pb.HTTP_PROTOCOL_COMPLETIONS: "completions"}
 
 
-class AlreadyExists(errors.ServiceError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+class AlreadyExists(errors.AlreadyExists):
     default_reason = "BACKEND_ALREADY_EXISTS"
 
 

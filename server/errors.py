@@ -73,6 +73,13 @@ class PermissionDenied(ServiceError):
     default_reason = "PERMISSION_DENIED"
 
 
+class AlreadyExists(ServiceError):
+    """A job id that another client owns, or a finished job re-submitted with REJECT."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
 class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
     default_reason = "ABORTED"

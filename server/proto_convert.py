@@ -107,13 +107,6 @@ def stage_to_proto(stage: Stage | None) -> job_pb2.Stage:
     return _STAGE_TO_PROTO[stage] if stage else job_pb2.STAGE_UNSPECIFIED
 
 
-def stage_from_proto(value: int) -> Stage:
-    if value not in _STAGE_FROM_PROTO.keys():
-        raise InvalidArgument("stage must be STAGE_INIT, STAGE_RUN or STAGE_EVAL",
-                              "INVALID_ENUM_VALUE", "stage")
-    return _STAGE_FROM_PROTO[cast(job_pb2.Stage, value)]
-
-
 def state_to_proto(state: JobState) -> job_pb2.Job.State:
     return _STATE_TO_PROTO[state]
 

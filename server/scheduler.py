@@ -66,12 +66,7 @@ from rollout.server.metrics import SchedulerMetrics, SchedulerStatus
 from rollout.server.pipeline.delivery import Delivery
 from rollout.server.pipeline.groups import GROUP_FINISHED
 from rollout.server.pipeline.job_registry import JobRegistry
-from rollout.server.pipeline.records import (
-    JobRecord,
-    SubmitResult,
-    record_from_live,
-    record_from_stored,
-)
+from rollout.server.pipeline.records import SubmitResult, record_from_live
 from rollout.server.pipeline.retention import Retention
 from rollout.server.pipeline.runner import PipelineConfig, StageRunner
 from rollout.server.pipeline.stage_pool import LiveJob
@@ -81,7 +76,7 @@ from rollout.server.pipeline.subscription import (
     Subscription,
     TrajectoryReady,
 )
-from rollout.server.store import JobStore, PruneStats, StoredJob, now
+from rollout.server.store import JobRecord, JobStore, PruneStats, now
 
 # The session's event types live in server/pipeline/subscription.py (the servicer and
 # server/stream_events.py import them there). JobFinished and TrajectoryReady stay listed
@@ -212,7 +207,7 @@ class Scheduler:
                      crashed)
         self.retention.start()
 
-    async def _adopt_stored(self, stored: Sequence[StoredJob]) -> int:
+    async def _adopt_stored(self, stored: Sequence[JobRecord]) -> int:
         """Make stored QUEUED/RUNNING jobs live: charge a crash to those that were inside a
         stage, fail those at ``max_attempts`` crashes, queue the rest. Returns the crashes."""
         stored = [s for s in stored
@@ -423,7 +418,7 @@ class Scheduler:
         if job is not None:
             return replace(record_from_live(job), history=hist)
         stored = await self.store.get(job_id)
-        return replace(record_from_stored(stored), history=hist) if stored else None
+        return replace(stored, history=hist) if stored else None
 
     async def get_trajectory(self, job_id: str) -> Any:
         if job_id in self.jobs:
@@ -450,7 +445,7 @@ class Scheduler:
         out = []
         for r in rows:
             live = self.jobs.get(r.job_id)
-            rec = record_from_live(live) if live is not None else record_from_stored(r)
+            rec = record_from_live(live) if live is not None else r
             if state is None or rec.state is state:  # the row may lag the live state
                 out.append(rec)
         return out, (str(rows[-1].seq) if more else "")

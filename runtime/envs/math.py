@@ -55,13 +55,11 @@ INSTRUCTIONS = (
 # Worked examples as real turns of the conversation, because a small model copies a
 # demonstration far better than it follows a description. They use the tool-integrated-reasoning
 # style of math agents (ToRA, Qwen-Math TIR): a ```python block that the loop runs with the
-# `python` tool (runtime/toolcalls.py: fenced blocks), then a boxed answer. Measured on
-# SmolLM2-135M-Instruct at T=0.7, 2 samples of each of 8 quickstart questions: with one example
-# of a tagged <tool_call>, 2 of 16 called a tool and 0 solved; with these, 16 of 16 ran code and
-# solved on questions phrased like the examples ("What is 9 * 8?"), and 14 ran code and 12
-# solved on the shipped quickstart set, which has harder ones. Models trained on
-# tagged calls still make them (the tagged format is parsed first). The examples' numbers
-# appear in no shipped task, so copying an answer earns nothing.
+# `python` tool (runtime/toolcalls.py: fenced blocks), then a boxed answer. A 135M model given
+# only a description of a tagged <tool_call> almost never calls a tool; given these turns it runs
+# code on most questions (docs/writing-an-environment.md, "Small models need a worked example").
+# Models trained on tagged calls still make them (the tagged format is parsed first). The
+# examples' numbers appear in no shipped task, so copying an answer earns nothing.
 EXAMPLE = (
     {"role": "user", "content": "What is 31 + 45?"},
     {"role": "assistant", "content": "```python\nprint(31 + 45)\n```"},

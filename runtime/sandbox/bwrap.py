@@ -300,11 +300,6 @@ class BwrapSandbox(Sandbox):
             return None
         return b"\0" + LAUNCH_VAR.encode() + b"\0" + tag.encode() + b"\0"
 
-    def kill_launch(self, argv: Sequence[str]) -> None:
-        """Kill everything started by one launch line (see :func:`procs.sweep`)."""
-        if (needle := self._needle(argv)) is not None:
-            procs.sweep(needle)
-
     def spawn_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         merged = dict(self.env)
         if env:

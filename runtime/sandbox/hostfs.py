@@ -171,14 +171,6 @@ def unlink_beneath(root: Path, rel_path: str) -> None:
         os.close(dfd)
 
 
-def exists_beneath(root: Path, rel_path: str) -> bool:
-    try:
-        read_beneath(root, rel_path)
-        return True
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return False
-
-
 def rmtree(path: Path) -> None:
     """Remove a sandbox directory even if the sandbox chmod-ed parts of it to 000, after
     detaching the quota tmpfs mounted on it (else only its contents would go)."""

@@ -216,7 +216,7 @@ def kill_uid(uid: int) -> None:
     """
     # setpriv drops to the uid in the child after exec, not subprocess's user=/group=: with
     # those CPython cannot vfork and falls back to fork(), which runs gRPC's at-fork handlers
-    # in a server process (DESIGN: never fork from the server).
+    # in a server process (docs/architecture.md: never fork from the server).
     for _ in range(3):
         with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",

@@ -1,9 +1,9 @@
-"""A persistent bash session over a pty, driven by a sentinel protocol (~0.2 ms per command).
+"""A persistent bash session over a pty, driven by a sentinel protocol.
 
 Why a pty and a sentinel instead of tmux or one process per command: one long-lived shell
 keeps ``cd`` and ``export`` between calls, and reading the pty directly with the event loop's
-reader costs microseconds, whereas tmux send-keys/capture-pane polls a screen (milliseconds,
-and the reference system's 420-780 ms).
+reader is cheap, whereas tmux send-keys/capture-pane polls a screen (``rollout bench tools``
+compares the two).
 
 Protocol: each command is sent as one line, ``eval $'<command, ANSI-C quoted>'; printf
 '\\x1e…<nonce>_<seq>__<status>\\x1e\\n' "$?"``. Quoting the command as a single ``eval``

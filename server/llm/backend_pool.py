@@ -252,9 +252,6 @@ class BackendPool:
             with contextlib.suppress(Exception):
                 await backend.engine.abort(session_id)
 
-    def end_group(self, group_id: str) -> None:
-        self._groups.pop(group_id, None)
-
     # ----------------------------------------------------------------- weights
     async def update_weights(self, source: Any, version: int,
                              names: Sequence[str] | None = None) -> list[str]:

@@ -15,9 +15,9 @@ each row's position ids continue from its own prefix, so a row computes exactly 
 alone. Afterwards :meth:`PrefillBatch.row_kv` cuts the two real spans out and joins them.
 
 Padding is not free: a row with 60 new tokens next to one with 170 computes 110 wasted
-positions, and prefill is compute-bound (measured with SmolLM2 on 1 CPU thread, 8 sessions'
-turn 2: one padded forward over 58..170 new tokens took 3.2 s vs 2.4 s one at a time, while
-equal-length rows took 0.7 s vs 1.4 s). :func:`plan_prefill` therefore splits the joining
+positions, and prefill is compute-bound, so one padded forward over very unequal rows can cost
+more than the rows one at a time, while equal-length rows batch well (``rollout bench llm``,
+batched prefill). :func:`plan_prefill` therefore splits the joining
 sequences into groups of similar length, trading padding against the fixed cost of a forward.
 """
 

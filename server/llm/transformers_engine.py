@@ -115,13 +115,13 @@ class TransformersEngine(Engine):
         ``prefill_overhead_tokens`` is a prefill forward's fixed cost in tokens of compute, which
         :func:`~rollout.server.llm.decode_batch.plan_prefill` weighs against padding when it groups
         the
-        joining turns. 32 was measured for SmolLM2 on one CPU thread (a lone turn-2 forward
-        cost about as much as 30 more tokens in a batch); on a GPU the fixed cost is far larger
-        relative to a token, so set it higher there (e.g. 512) to batch more eagerly.
+        joining turns. The default suits a small model on one CPU thread; on a GPU the fixed
+        cost is far larger relative to a token, so set it higher there (e.g. 512) to batch more
+        eagerly.
 
         ``num_threads`` sets torch's (process-wide) intra-op threads. On a busy shared CPU,
-        OpenMP spin-waiting makes 2 threads far slower than 1 (measured: 1.2 s vs 90 ms per
-        SmolLM2 decode step on 2 cores with other processes running).
+        OpenMP spin-waiting makes more threads slower than fewer when other processes hold the
+        cores.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -102,5 +102,3 @@ class Groups:
             g.closed_reason = reason
         return [j for j in g.live if not j.finishing]
 
-    def live_count(self) -> int:
-        return sum(len(g.live) for g in self._groups.values())

@@ -2,8 +2,7 @@
 
 Why it is its own object: admission (the pending and per-client caps), adoption of stored jobs,
 cancellation by id or group, status and the stage pipeline all ask "which jobs are live, how
-many, whose" — and they must get one answer. Before, those fields lived on a base class and
-were written from both it and its subclass; here only the registry writes them, through a few
+many, whose" — and they must get one answer. Only the registry writes them, through a few
 methods that keep the counts consistent:
 
 - ``pending`` and the per-client counts cover jobs that are live *and* jobs whose submit

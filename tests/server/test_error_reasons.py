@@ -30,7 +30,7 @@ NOT_REASONS = {
     "SC_PHYS_PAGES", "STATE_DIR", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE",
     # the generic defaults of server/errors.py's classes, always overridden where raised
     "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
-    "PERMISSION_DENIED", "INVALID_ID",
+    "PERMISSION_DENIED", "ALREADY_EXISTS", "INVALID_ID",
 }
 STRING = re.compile(r'"([A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+)"')
 

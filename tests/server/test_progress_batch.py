@@ -302,7 +302,7 @@ def test_turn_frames_carry_the_attempts_running_totals() -> None:
     a handler that reports only its 0-based ``turn`` still gets a completed-turns count."""
     from rollout.runtime.types import Stage
     from rollout.server.pipeline.subscription import StageProgress
-    from rollout.server.servicer import _progress_to_proto
+    from rollout.server.stream_events import progress_to_proto as _progress_to_proto
 
     loop_event = StageProgress("j", Stage.RUN, "turn", {
         "turn": 2, "turns_done": 3, "generated_tokens": 417, "tool_calls_total": 4})

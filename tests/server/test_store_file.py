@@ -140,7 +140,7 @@ async def test_rollout_serve_refuses_before_loading_a_model(tmp_path: Path, cont
     state.mkdir()
     (state / "jobs.sqlite3").write_bytes(content)
     proc = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "rollout"), "serve", "--state-dir", str(state),
+        sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir", str(state),
         "--port", "0", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 25)
     text = (out + err).decode()

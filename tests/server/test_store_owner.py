@@ -16,7 +16,7 @@ from rollout.runtime.types import JobSpec, JobState, Stage, StageTimings
 from rollout.server.auth import owner_of
 from rollout.server.store import FinishRecord, JobStore
 from rollout.server.store.file import APPLICATION_ID
-from rollout.server.store.job_store import OWNER_COUNTS_SQL, OWNER_LIVE_SQL, list_sql
+from rollout.server.store.job_reads import OWNER_COUNTS_SQL, OWNER_LIVE_SQL, list_sql
 from rollout.server.store.sqlite import owner_sql
 from rollout.server.tenant_status import OwnerCounts
 

@@ -1,0 +1,71 @@
+"""Whose job or group this is: the tenancy checks the RPCs and the stream session share.
+
+A client bound to a credential (``server/auth.py``) sees, cancels and joins only what it owns.
+Permission is checked before existence, so a bound client gets the same PERMISSION_DENIED for a
+job or group that does not exist as for another client's: it cannot probe for other tenants'
+ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rollout.runtime.types import JobSpec
+from rollout.server import auth, errors
+from rollout.server.scheduler import Scheduler
+
+
+def job_id_taken(job_id: str) -> errors.AlreadyExists:
+    return errors.AlreadyExists(
+        f"job_id {job_id!r} belongs to another client; job ids are owned by the client that "
+        "first submitted them: choose another id (e.g. prefix your client id)", "JOB_ID_TAKEN",
+        "job_id")
+
+
+class Ownership:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def check(self, job_id: str | None = None, group_id: str | None = None) -> None:
+        """Raise PERMISSION_DENIED unless the calling principal owns the job / every job of the
+        group (an unbound principal owns everything)."""
+        principal = auth.current.get()
+        if not principal.bound:
+            return
+        if job_id is not None:
+            rec = await self._scheduler.get(job_id)
+            if rec is None or not principal.owns(rec.client_id):
+                raise principal.denied_job(job_id)
+        if group_id is not None:
+            owners = await self.group_owners(group_id)
+            if not owners or not all(principal.owns(o) for o in owners):
+                raise errors.PermissionDenied(
+                    f"no group {group_id!r} is visible to client {principal.client_id!r} (it "
+                    "does not exist, or holds another client's jobs)", "GROUP_NOT_ACCESSIBLE",
+                    "group_id")
+
+    async def group_owners(self, group_id: str, limit: int = 0) -> set[str]:
+        """The stored client ids of the group's jobs (stop after a page of ``limit`` jobs)."""
+        owners: set[str] = set()
+        token = ""
+        while True:
+            recs, token = await self._scheduler.list(page_size=1000, page_token=token,
+                                                     group_id=group_id)
+            owners.update(r.client_id for r in recs)
+            if not token or (limit and len(recs) >= limit):
+                return owners
+
+    async def foreign_groups(self, specs: Iterable[JobSpec]) -> dict[str, Exception]:
+        """Groups of ``specs`` that already hold another client's jobs: joining one would let
+        a tenant end someone else's group early (finish_after)."""
+        principal = auth.current.get()
+        if not principal.bound:
+            return {}
+        out: dict[str, Exception] = {}
+        for gid in {s.group.group_id for s in specs if s.group is not None}:
+            owners = await self.group_owners(gid, limit=1)
+            if any(not principal.owns(o) for o in owners):
+                out[gid] = errors.PermissionDenied(
+                    f"group_id {gid!r} is used by another client; choose another id",
+                    "GROUP_ID_TAKEN", "group.group_id")
+        return out
