@@ -13,31 +13,18 @@ arrives later (a harness process that outlived RUN) is refused.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rollout.runtime.llm import LLMClient
-from rollout.runtime.types import JobSpec, Turn
+from rollout.runtime.types import JobSpec, Segment, SegmentReason, Turn
 
+__all__ = ["SEGMENTS_KEY", "GatewayLease", "HarnessCapture", "ModelGateway", "Segment",
+           "SegmentReason"]
 
-class SegmentReason(enum.Enum):
-    """Why a trajectory segment began."""
-
-    FIRST = "first"
-    """The job's first request."""
-    HISTORY_REWRITTEN = "history_rewritten"
-    """The request's prompt does not extend what the job already sent and generated (the
-    harness summarised, dropped or edited a message), so its tokens start a new sequence."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One run of turns whose prompts each extend the previous turn's prompt and output."""
-
-    first_turn: int
-    """Index into :attr:`HarnessCapture.turns` of the segment's first turn."""
-    reason: SegmentReason
+SEGMENTS_KEY = "gateway.segments"
+"""``ctx.state`` key of the live segment list (beside ``agent_loop.TURNS_KEY``'s turns), so a
+RUN cut by its timeout or a cancel still delivers the captured turns split as captured."""
 
 
 @dataclass
@@ -48,6 +35,8 @@ class HarnessCapture:
     segments: list[Segment] = field(default_factory=list)
     requests: int = 0
     """Model requests served (a refused or failed request is not a turn)."""
+    seed: int | None = None
+    """The seed the job's first request was sampled with (request k: seed + k)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +57,11 @@ class ModelGateway(Protocol):
 
     async def open(self, spec: JobSpec, llm: LLMClient) -> GatewayLease:
         """Start serving ``spec``'s job; its requests generate through ``llm``."""
+        ...
+
+    def capture(self, lease: GatewayLease) -> HarnessCapture:
+        """The lease's live capture: its lists grow as requests are served (put ``turns`` and
+        ``segments`` into ``ctx.state`` so a RUN that is cut off keeps them)."""
         ...
 
     async def close(self, lease: GatewayLease) -> HarnessCapture:

@@ -22,7 +22,15 @@ from typing import Any
 
 from rollout.runtime.gateway import ModelGateway
 from rollout.runtime.llm import LLMClient
-from rollout.runtime.types import InvalidArgument, JobSpec, Reward, Stage, TerminationReason, Turn
+from rollout.runtime.types import (
+    InvalidArgument,
+    JobSpec,
+    Reward,
+    Segment,
+    Stage,
+    TerminationReason,
+    Turn,
+)
 
 ENTRY_POINT_GROUP = "rollout.environments"
 
@@ -42,6 +50,9 @@ class RunOutcome:
     turns: list[Turn]
     termination: TerminationReason
     metadata: dict[str, str] = field(default_factory=dict)
+    segments: list[Segment] = field(default_factory=list)
+    """Where each separate token sequence of ``turns`` begins (a harness that rewrote its
+    history); empty for one merged sequence."""
 
 
 ProgressFn = Callable[[str, Mapping[str, Any]], None]

@@ -324,3 +324,20 @@ def detect_format(template_source: str) -> str:
         if any(marker in template_source for marker in fmt.markers):
             return fmt.name
     return DEFAULT_FORMAT
+
+
+def write_tool_calls(calls: Sequence[tuple[str, Mapping[str, Any]]],
+                     fmt: str = DEFAULT_FORMAT) -> str:
+    """``(name, arguments)`` calls written as a model of family ``fmt`` writes them (what
+    :func:`parse_tool_calls` reads back), for rendering an earlier assistant message whose
+    calls arrive structured (an OpenAI ``tool_calls`` list) to a template that cannot."""
+    if not calls:
+        return ""
+    if fmt == "mistral":
+        listed = [{"name": n, "arguments": dict(a)} for n, a in calls]
+        return MISTRAL_TAG + json.dumps(listed, ensure_ascii=False)
+    if fmt == "llama3":
+        return "; ".join(json.dumps({"name": n, "parameters": dict(a)}, ensure_ascii=False)
+                         for n, a in calls)
+    return "\n".join(f"{OPEN}\n{json.dumps({'name': n, 'arguments': dict(a)}, ensure_ascii=False)}"
+                     f"\n{CLOSE}" for n, a in calls)

@@ -7,6 +7,7 @@ These are plain frozen dataclasses; proto conversion happens only at the gRPC ed
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,6 +243,29 @@ class Turn:
                 + [0] * len(self.observation_ids))
 
 
+class SegmentReason(enum.Enum):
+    """Why a trajectory segment began."""
+
+    FIRST = "first"
+    """The job's first request."""
+    HISTORY_REWRITTEN = "history_rewritten"
+    """The request's prompt does not extend what the job already sent and generated (the
+    harness summarised, dropped or edited a message), so its tokens start a new sequence."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of turns whose prompts each extend the previous turn's prompt and output.
+
+    A segment's token sequence is the concatenation of its turns' ``prompt_ids + output_ids +
+    observation_ids``; its first turn's ``prompt_ids`` is the segment's whole first prompt.
+    """
+
+    first_turn: int
+    """Index into the trajectory's turns of the segment's first turn."""
+    reason: SegmentReason
+
+
 @dataclass
 class StageTimings:
     """Seconds spent waiting for and inside each stage."""
@@ -286,6 +310,15 @@ class Trajectory:
     """The seed turn 0 was sampled with (turn k: seed + k); None when no turn was sampled."""
     logprobs_kind: str = ""
     """``processed`` / ``raw`` when every turn agrees; empty when there are no turns."""
+    segments: list[Segment] = field(default_factory=list)
+    """Where each separate token sequence begins, in turn order. Empty (or one segment at
+    turn 0) means one merged sequence, as the built-in agent loop always produces; a harness
+    that rewrites its history produces several (see :meth:`segment_turns`)."""
+
+    def segment_turns(self) -> list[list[Turn]]:
+        """The turns of each segment; one list holding every turn when there are no
+        segments. Each list is one training sequence whose ids and mask are exact."""
+        return split_segments(self.turns, self.segments)
 
     @property
     def token_ids(self) -> list[int]:
@@ -313,3 +346,10 @@ class JobError:
     """UPPER_SNAKE machine-readable reason, e.g. ``INIT_TIMEOUT``."""
     message: str
     stage: Stage | None = None
+
+
+def split_segments(turns: list[Turn], segments: list[Segment]) -> list[list[Turn]]:
+    """``turns`` cut where each of ``segments`` begins (one list when there are none)."""
+    starts = sorted({s.first_turn for s in segments if 0 < s.first_turn < len(turns)})
+    bounds = [0, *starts, len(turns)]
+    return [turns[a:b] for a, b in itertools.pairwise(bounds) if b > a] or [[]]

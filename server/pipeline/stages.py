@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
+from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.llm import LLMUnavailable
 from rollout.runtime.types import (
@@ -143,6 +144,8 @@ def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings
     outcome = ctx.outcome if ctx is not None else None
     partial = list(ctx.state.get(TURNS_KEY, ())) if ctx is not None and not outcome else []
     turns = list(outcome.turns) if outcome else partial
+    segments = list(outcome.segments) if outcome else (
+        list(ctx.state.get(SEGMENTS_KEY, ())) if ctx is not None else [])
     metadata = dict(outcome.metadata) if outcome else {}
     if reward is not None:
         metadata.update({f"reward.{k}": v for k, v in reward.info.items()})
@@ -156,4 +159,4 @@ def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings
                                     else TerminationReason.ERROR),
         timings=timings, metadata=metadata, state=state, error=error,
         labels=dict(labels or {}), seed=seed if isinstance(seed, int) else None,
-        logprobs_kind=kinds.pop() if len(kinds) == 1 else "")
+        logprobs_kind=kinds.pop() if len(kinds) == 1 else "", segments=segments)

@@ -1,0 +1,171 @@
+"""Anthropic Messages (``POST /v1/messages``): ``tool_use`` / ``tool_result`` blocks.
+
+A user message's ``tool_result`` blocks become tool results (in order, before its text), an
+assistant message's ``tool_use`` blocks its tool calls; ``thinking`` blocks are dropped.
+Streaming sends ``message_start``, per block ``content_block_start`` / ``_delta`` (``text_delta``
+or ``input_json_delta``) / ``_stop``, ``message_delta`` with the stop reason and usage, then
+``message_stop``, each as a named server-sent event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rollout.server.gateway.conversation import Answer
+from rollout.server.gateway.messages import (
+    BadRequest,
+    CallItem,
+    ChatRequest,
+    Message,
+    RequestLimits,
+    check_counts,
+    check_sampling,
+    function_schema,
+    opt_int,
+    read_stop,
+    text_of,
+)
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        raise BadRequest("messages must be a list", param="messages")
+    tools = _tools(body.get("tools"))
+    check_counts([Message("user")] * len(raw), tools, limits)
+    messages: list[Message] = []
+    system = body.get("system")
+    if system is not None:
+        messages.append(Message("system", text_of(system, "system")))
+    for i, m in enumerate(raw):
+        _add(messages, m, f"messages[{i}]")
+    check_sampling(body)
+    max_tokens = opt_int(body, "max_tokens", 1, 1 << 24)
+    if max_tokens is None:
+        raise BadRequest("max_tokens is required", param="max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", param="stream")
+    return ChatRequest(messages=messages, tools=tools, tool_choice=_tool_choice(
+        body.get("tool_choice")), max_tokens=max_tokens,
+        stop=read_stop(body.get("stop_sequences"), limits, "stop_sequences"),
+        model=str(body.get("model") or ""), stream=stream)
+
+
+def _add(messages: list[Message], m: Any, param: str) -> None:
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
+        raise BadRequest(f"{param} must be an object with role user or assistant", param=param)
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        messages.append(Message(role, content))
+        return
+    if not isinstance(content, list):
+        raise BadRequest(f"{param}.content must be a string or a list of blocks",
+                         param=f"{param}.content")
+    texts: list[str] = []
+    calls: list[CallItem] = []
+    for j, block in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            name, call_id = block.get("name"), block.get("id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise BadRequest(f"{where} needs id and name strings", param=where)
+            arguments = block.get("input") if block.get("input") is not None else {}
+            if not isinstance(arguments, Mapping):
+                raise BadRequest(f"{where}.input must be an object", param=f"{where}.input")
+            calls.append(CallItem(call_id, name, json.dumps(arguments, ensure_ascii=False)))
+        elif kind == "tool_result" and role == "user":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"{where}.tool_use_id must be a string", param=where)
+            text = text_of(block.get("content"), f"{where}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            messages.append(Message("tool", text, tool_call_id=call_id))
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise BadRequest(f"{where} has type {kind!r}; this gateway takes text, tool_use "
+                             "and tool_result blocks", param=where, code="unsupported_content")
+    if texts or calls or role == "assistant":
+        messages.append(Message(role, "".join(texts), tuple(calls)))
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest("tools must be a list", param="tools")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, Mapping):
+            raise BadRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
+        if t.get("type") not in (None, "custom"):
+            continue  # server tools (web search, ...) cannot run here
+        out.append(function_schema(t.get("name"), t.get("description"), t.get("input_schema"),
+                                   f"tools[{i}]"))
+    return out
+
+
+def _tool_choice(raw: Any) -> str:
+    if not isinstance(raw, Mapping):
+        return "auto"
+    kind = raw.get("type")
+    if kind == "tool" and isinstance(raw.get("name"), str):
+        return str(raw["name"])
+    return {"any": "required", "none": "none"}.get(str(kind), "auto")
+
+
+def _blocks(answer: Answer) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if answer.content:
+        out.append({"type": "text", "text": answer.content})
+    for c in answer.tool_calls:
+        out.append({"type": "tool_use", "id": c.id, "name": c.name,
+                    "input": c.parsed_arguments()})
+    return out
+
+
+def respond(answer: Answer, model: str) -> dict[str, Any]:
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+            "model": model, "content": _blocks(answer),
+            "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None,
+            "usage": {"input_tokens": answer.prompt_tokens,
+                      "output_tokens": answer.completion_tokens}}
+
+
+def events(answer: Answer, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    message = {**respond(answer, model), "content": [], "stop_reason": None,
+               "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 0}}
+    yield "message_start", {"type": "message_start", "message": message}
+    for index, block in enumerate(_blocks(answer)):
+        if block["type"] == "text":
+            start = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            start = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield "content_block_start", {"type": "content_block_start", "index": index,
+                                      "content_block": start}
+        yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                      "delta": delta}
+        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+    yield "message_delta", {"type": "message_delta", "delta": {
+        "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None},
+        "usage": {"output_tokens": answer.completion_tokens}}
+    yield "message_stop", {"type": "message_stop"}
+
+
+def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+            503: "overloaded_error"}.get(status, "invalid_request_error" if status < 500
+                                          else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
