@@ -80,6 +80,8 @@ class Server:
         self._prev_roots: Any = None
         self._prev_runtime: str | None = None
         self._lock: StateDirLock | None = None
+        self.gateway: Any = None
+        """``server.gateway.Gateway``: harness environments' model endpoint."""
         self.cluster: Any = None
         """``server.cluster.ray_backend.RayCluster`` with ``--ray`` / ``--workers``."""
 
@@ -94,6 +96,7 @@ class Server:
         cfg = self.cfg
         check_port_range(cfg.server.port)
         check_port_range(cfg.server.metrics_port, "server.metrics_port", "--metrics-port")
+        check_port_range(cfg.server.gateway_port, "server.gateway_port", "--gateway-port")
         # The lock comes before anything reads or reaps the state directory: a second server
         # must not "recover" (and so run again) the jobs the first one is running.
         self._lock = StateDirLock.acquire(cfg.state_path)
@@ -167,6 +170,16 @@ class Server:
                 retention_s=cfg.pipeline.retention_s,
                 job_retention_s=cfg.pipeline.job_retention_s,
                 prune_interval_s=cfg.pipeline.prune_interval_s))
+        from rollout.server.gateway import Gateway
+
+        try:
+            self.gateway = await Gateway(
+                state, tcp_host=cfg.server.gateway_host,
+                tcp_port=cfg.server.gateway_port or None).start()
+        except OSError:
+            raise port_in_use(cfg.server.gateway_host, cfg.server.gateway_port,
+                              "the model gateway", "--gateway-port") from None
+        self.scheduler.gateway = self.gateway
         await self.scheduler.start()
 
         # Credentials first: a bad certificate path or client entry fails before we listen.
@@ -227,6 +240,10 @@ class Server:
             await self._grpc.stop(grace)
         if self.scheduler is not None:
             await self.scheduler.stop(grace)
+        if self.gateway is not None:
+            with contextlib.suppress(Exception):
+                await self.gateway.stop()
+            self.gateway = None
         if self.sandbox_factory is not None:
             from rollout.runtime.sandbox import settle_abandoned
 

@@ -65,6 +65,11 @@ class ServerSection:
     metrics_port: int = 0
     """Prometheus metrics over HTTP on this port; 0 disables."""
     metrics_host: str = "127.0.0.1"
+    gateway_port: int = 0
+    """Also serve the model gateway (docs/model-gateway.md) over TCP on this port, for
+    harnesses outside sandboxes; 0 disables (sandboxed harnesses use their job's Unix
+    socket). Every request still needs its job's key."""
+    gateway_host: str = "127.0.0.1"
     grace_s: float = 10.0
     """On shutdown: health flips to NOT_SERVING, then RPCs get this long to finish."""
     max_message_bytes: int = 64 << 20

@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from rollout.runtime.gateway import ModelGateway
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState
@@ -132,6 +133,9 @@ class Scheduler:
         self.registry = registry
         self.llm = llm
         self.sandbox_factory = sandbox_factory
+        self.gateway: ModelGateway | None = None
+        """The model gateway harness environments reach their model through (set by the
+        server; None in schedulers built without one)."""
         self.config = cfg = config or PipelineConfig()
         self._started_at = time.monotonic()
         self._running = False

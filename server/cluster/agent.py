@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
+from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerRegistry, JobContext
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, Stage
 from rollout.server.cluster.node import StageReply
@@ -87,6 +88,7 @@ class NodeAgent:
         self.sandbox_factory = build_sandbox_factory(cfg)
         self._cfg = cfg
         self._llm: Any = None
+        self._gateway: Any = None
         self._llm_lock = asyncio.Lock()
         self._jobs: dict[str, _Held] = {}
 
@@ -104,14 +106,23 @@ class NodeAgent:
                 self._llm = await build_pool(self._cfg)
             return self._llm
 
+    async def _get_gateway(self) -> Any:
+        # The node's own gateway: a job's sandbox is on this node, so its socket must be too.
+        if self._gateway is None:
+            from rollout.server.gateway import Gateway
+
+            self._gateway = await Gateway(self._cfg.state_path).start()
+        return self._gateway
+
     async def run_stage(self, spec: JobSpec, stage: Stage, timeout_s: float) -> StageReply:
         job_id = spec.job_id
         if stage is Stage.INIT:
             old = self._jobs.pop(job_id, None)
             if old is not None:  # a second INIT of the same job here: free the first first
                 await self._release(old, 5.0)
-            held = _Held(JobContext(spec=spec, llm=await self._get_llm(),
-                                    sandbox_factory=self.sandbox_factory))
+            llm = await self._get_llm()
+            held = _Held(JobContext(spec=spec, llm=llm, sandbox_factory=self.sandbox_factory,
+                                    gateway=await self._get_gateway() if llm else None))
             held.ctx.progress = lambda ev, d: held.events.append((ev, dict(d)))
             self._jobs[job_id] = held
         else:
@@ -168,8 +179,10 @@ class NodeAgent:
         ctx = held.ctx
         events, held.events = held.events, []
         seed = ctx.state.get(SEED_KEY)
+        live = ctx.outcome is None
         return StageReply(result, outcome=ctx.outcome,
-                          turns=list(ctx.state.get(TURNS_KEY, ())) if ctx.outcome is None else [],
+                          turns=list(ctx.state.get(TURNS_KEY, ())) if live else [],
+                          segments=list(ctx.state.get(SEGMENTS_KEY, ())) if live else [],
                           seed=seed if isinstance(seed, int) else None, progress=events)
 
     @property
@@ -191,6 +204,9 @@ class NodeAgent:
         # INITs cancelled while their sandbox was being made tear it down in a thread: wait
         # for that first, or the sweep sees those sandboxes as live (locked) and skips them.
         await settle_abandoned(10.0)
+        if self._gateway is not None:
+            with contextlib.suppress(Exception):
+                await self._gateway.stop()
         if self._llm is not None:
             with contextlib.suppress(Exception):
                 await self._llm.close()

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
+from rollout.runtime.gateway import SEGMENTS_KEY, ModelGateway
 from rollout.runtime.handler import HandlerRegistry, JobContext, ProgressFn, RunOutcome
 from rollout.runtime.llm import LLMClient
-from rollout.runtime.types import InvalidArgument, JobError, JobSpec, Stage, Turn
+from rollout.runtime.types import InvalidArgument, JobError, JobSpec, Segment, Stage, Turn
 from rollout.server.pipeline.stages import StageResult, release, run_stage
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class StageReply:
     turns: list[Turn] = field(default_factory=list)
     """Turns the agent loop finished so far (a RUN cut by a timeout or cancel keeps them)."""
     seed: int | None = None
+    segments: list[Segment] = field(default_factory=list)
+    """Where each token sequence of ``turns`` begins (a harness job's live capture)."""
     progress: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """The handler's own progress events during the stage, in order."""
 
@@ -62,6 +65,8 @@ class StageReply:
             ctx.outcome = self.outcome
         if self.turns:
             ctx.state[TURNS_KEY] = list(self.turns)
+        if self.segments:
+            ctx.state[SEGMENTS_KEY] = list(self.segments)
         if self.seed is not None:
             ctx.state[SEED_KEY] = self.seed
         for event, detail in self.progress:
@@ -142,6 +147,7 @@ class LocalResources(Protocol):
     registry: HandlerRegistry
     llm: LLMClient | None
     sandbox_factory: Callable[..., Awaitable[Any]] | None
+    gateway: ModelGateway | None
 
 
 class LocalNode:
@@ -156,8 +162,10 @@ class LocalNode:
         self.load = StageLoad()
 
     def open_context(self, spec: JobSpec, progress: ProgressFn) -> JobContext:
-        return JobContext(spec=spec, llm=self._res.llm,
-                          sandbox_factory=self._res.sandbox_factory, progress=progress)
+        llm = self._res.llm
+        return JobContext(spec=spec, llm=llm, sandbox_factory=self._res.sandbox_factory,
+                          progress=progress,
+                          gateway=getattr(self._res, "gateway", None) if llm else None)
 
     async def run_stage(self, ctx: JobContext, stage: Stage, timeout_s: float) -> StageResult:
         try:

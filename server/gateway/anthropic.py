@@ -147,6 +147,7 @@ def events(answer: Answer, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
                "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": message}
     for index, block in enumerate(_blocks(answer)):
+        start: dict[str, Any]
         if block["type"] == "text":
             start = {"type": "text", "text": ""}
             delta = {"type": "text_delta", "text": block["text"]}

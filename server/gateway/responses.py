@@ -38,7 +38,7 @@ def parse(body: Mapping[str, Any], limits: RequestLimits,
           previous: list[Message] | None) -> ChatRequest:
     """``previous``: the conversation of the job's last response when the request names it."""
     raw = body.get("input")
-    items: list[Any] = [{"type": "message", "role": "user", "content": raw}] \
+    items: Any = [{"type": "message", "role": "user", "content": raw}] \
         if isinstance(raw, str) else raw
     if not isinstance(items, list):
         raise BadRequest("input must be a string or a list of items", param="input")

@@ -127,6 +127,12 @@ class Gateway:
         self._leases[key] = lease
         return GatewayLease(api_key=key, socket_path=path)
 
+    async def release_job(self, job_id: str) -> None:
+        """Close every lease of ``job_id`` still open (the job ended; its handler did not)."""
+        for lease in [x for x in self._leases.values()
+                      if x.conversation.spec.job_id == job_id]:
+            await self._close(lease)
+
     def capture(self, lease: GatewayLease) -> HarnessCapture:
         found = self._leases.get(lease.api_key)
         if found is None:

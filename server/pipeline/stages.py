@@ -122,6 +122,11 @@ async def release(handler: AgentHandler | None, ctx: JobContext, llm_end: object
         with contextlib.suppress(Exception, TimeoutError):
             async with asyncio.timeout(deadline_s):
                 await ctx.resources.aclose()
+    release_job = getattr(ctx.gateway, "release_job", None)
+    if release_job is not None:  # a lease the handler left open: revoke it, abort its turns
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(deadline_s):
+                await release_job(job_id)
     end = getattr(llm_end, "end_session", None)
     if end is not None:
         with contextlib.suppress(Exception, TimeoutError):
