@@ -25,6 +25,8 @@ from rollout.runtime.types import (
     JobState,
     Limits,
     SamplingParams,
+    Segment,
+    SegmentReason,
     Stage,
     StageTimings,
     TerminationReason,
@@ -418,7 +420,10 @@ def trajectory_to_proto(t: Trajectory) -> trajectory_pb2.Trajectory:
         termination_reason=_TERM_TO_PROTO[t.termination], timings=timings_to_proto(t.timings),
         metadata=t.metadata, labels=t.labels,
         state=state_to_proto(t.state) if t.state else job_pb2.Job.STATE_UNSPECIFIED,
-        logprobs_kind=logprobs_kind_to_proto(t.logprobs_kind))
+        logprobs_kind=logprobs_kind_to_proto(t.logprobs_kind),
+        segments=[trajectory_pb2.Segment(first_turn=s.first_turn,
+                                         reason=_SEGMENT_TO_PROTO[s.reason])
+                  for s in t.segments])
     err = job_error_to_proto(t.error)
     if err is not None:
         p.error.CopyFrom(err)
@@ -436,7 +441,15 @@ def trajectory_from_proto(p: trajectory_pb2.Trajectory) -> Trajectory:
         state=_STATE_FROM_PROTO.get(p.state), labels=dict(p.labels),
         error=job_error_from_proto(p.error) if p.HasField("error") else None,
         seed=p.seed if p.HasField("seed") else None,
-        logprobs_kind=logprobs_kind_from_proto(p.logprobs_kind))
+        logprobs_kind=logprobs_kind_from_proto(p.logprobs_kind),
+        segments=[Segment(s.first_turn, _SEGMENT_FROM_PROTO.get(
+            s.reason, SegmentReason.HISTORY_REWRITTEN)) for s in p.segments])
+
+
+_SEGMENT_TO_PROTO = {SegmentReason.FIRST: trajectory_pb2.Segment.REASON_FIRST,
+                     SegmentReason.HISTORY_REWRITTEN:
+                         trajectory_pb2.Segment.REASON_HISTORY_REWRITTEN}
+_SEGMENT_FROM_PROTO = {v: k for k, v in _SEGMENT_TO_PROTO.items()}
 
 
 def trajectory_to_bytes(t: Trajectory) -> bytes:

@@ -90,7 +90,7 @@ class StageTimings(_message.Message):
     def __init__(self, init_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., init: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval_queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("job_id", "group_id", "turns", "reward", "reward_components", "termination_reason", "timings", "metadata", "state", "error", "labels", "seed", "logprobs_kind")
+    __slots__ = ("job_id", "group_id", "turns", "reward", "reward_components", "termination_reason", "timings", "metadata", "state", "error", "labels", "seed", "logprobs_kind", "segments")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class Trajectory(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_KIND_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     turns: _containers.RepeatedCompositeFieldContainer[Turn]
@@ -138,4 +139,21 @@ class Trajectory(_message.Message):
     labels: _containers.ScalarMap[str, str]
     seed: int
     logprobs_kind: _job_pb2.LogprobsKind
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., termination_reason: _Optional[_Union[TerminationReason, str]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[_job_pb2.Job.State, str]] = ..., error: _Optional[_Union[_job_pb2.JobError, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., logprobs_kind: _Optional[_Union[_job_pb2.LogprobsKind, str]] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., termination_reason: _Optional[_Union[TerminationReason, str]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[_job_pb2.Job.State, str]] = ..., error: _Optional[_Union[_job_pb2.JobError, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., logprobs_kind: _Optional[_Union[_job_pb2.LogprobsKind, str]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("first_turn", "reason")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Segment.Reason]
+        REASON_FIRST: _ClassVar[Segment.Reason]
+        REASON_HISTORY_REWRITTEN: _ClassVar[Segment.Reason]
+    REASON_UNSPECIFIED: Segment.Reason
+    REASON_FIRST: Segment.Reason
+    REASON_HISTORY_REWRITTEN: Segment.Reason
+    FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    first_turn: int
+    reason: Segment.Reason
+    def __init__(self, first_turn: _Optional[int] = ..., reason: _Optional[_Union[Segment.Reason, str]] = ...) -> None: ...
