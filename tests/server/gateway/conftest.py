@@ -13,7 +13,7 @@ import pytest
 from rollout.runtime.gateway import GatewayLease
 from rollout.runtime.types import JobSpec, Limits, SamplingParams
 from rollout.server.gateway import Gateway
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from tests.runtime.doubles import smollm2_tokenizer
 
