@@ -49,7 +49,7 @@ from typing import Any
 
 from rollout.client.session import Session
 from rollout.client.specs import SpecLike, group_specs, job_spec
-from rollout.client.trajectory import Flat, flatten
+from rollout.client.trajectory import Flat, flatten_segments
 from rollout.v1 import job_pb2, trajectory_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -108,11 +108,21 @@ class Sample:
     job_id: str
     delivery_id: int
     flat: Flat
-    """Aligned per-token lists: ``token_ids``, ``loss_mask``, ``logprobs``, ``policy_versions``."""
+    """Aligned per-token lists: ``token_ids``, ``loss_mask``, ``logprobs``, ``policy_versions``.
+    For a trajectory of several token sequences (a harness that rewrote its history), the
+    last one: the sequence that ends the episode."""
     turn_versions: tuple[int, ...]
     """Policy version of each turn, in order."""
     finish_reasons: tuple[str, ...]
     """Per turn: ``stop``, ``length``, ..."""
+    segments: tuple[Flat, ...] = ()
+    """Every token sequence of the trajectory, in order (``flat`` is the last); empty means
+    ``flat`` is the whole trajectory. Each is one training sequence with the sample's reward."""
+
+    @property
+    def flats(self) -> tuple[Flat, ...]:
+        """The training sequences of this sample: ``segments``, or ``(flat,)``."""
+        return self.segments or (self.flat,)
 
     @property
     def reward(self) -> float:
@@ -129,7 +139,7 @@ class Sample:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(self.flat.loss_mask)
+        return sum(sum(f.loss_mask) for f in self.flats)
 
 
 @dataclass(frozen=True)
@@ -500,9 +510,11 @@ class GroupBatcher:
 def _sample(job_id: str, delivery_id: int, traj: trajectory_pb2.Trajectory) -> Sample:
     # The job state comes from its JobFinished frame (SUCCEEDED checked by the caller), so
     # keep_failed: a server older than Trajectory.state leaves it unset in the trajectory.
-    return Sample(job_id=job_id, delivery_id=delivery_id, flat=flatten(traj, keep_failed=True),
+    flats = flatten_segments(traj, keep_failed=True)
+    return Sample(job_id=job_id, delivery_id=delivery_id, flat=flats[-1],
                   turn_versions=tuple(t.policy_version for t in traj.turns),
-                  finish_reasons=tuple(_finish_reason(t) for t in traj.turns))
+                  finish_reasons=tuple(_finish_reason(t) for t in traj.turns),
+                  segments=tuple(flats) if len(flats) > 1 else ())
 
 
 def _finish_reason(turn: trajectory_pb2.Turn) -> str:

@@ -6,6 +6,13 @@ flat view is the concatenation, turn by turn, of ``prompt_ids + output_ids + obs
 exist only for model tokens; other positions hold 0.0 and carry loss mask 0, so a PPO ratio
 computed over masked positions never reads a made-up value.
 
+A trajectory of a harness job (an external agent calling the model gateway) may hold several
+token sequences (``Trajectory.segments``): when the harness rewrote its history, the next
+request's prompt did not extend the previous sequence. Each segment is then its own training
+sequence with the trajectory's reward (:func:`flatten_segments`, :func:`segment_views`);
+concatenating them would score the later tokens under a context the model never saw, so
+:func:`flatten` refuses a trajectory with more than one.
+
 Only SUCCEEDED trajectories are training data by default: a FAILED or CANCELLED one carries
 the turns produced before the job ended and reward 0 (a zero that EVAL never computed), so
 :func:`flatten` skips it (returns None) unless asked to keep it with ``keep_failed=True`` (for
@@ -15,6 +22,8 @@ older than the v1 revision that added ``Trajectory.state``) counts as not succee
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
@@ -55,6 +64,9 @@ class Flat:
     """The seed that reproduces the trajectory (turn k: seed + k)."""
     logprobs_kind: str = ""
     """``PROCESSED`` (the behaviour policy) or ``RAW``; empty when unknown."""
+    segment: int = 0
+    """Which token sequence of the trajectory this is (see :func:`flatten_segments`)."""
+    num_segments: int = 1
 
     @property
     def response_ids(self) -> list[int]:
@@ -81,10 +93,15 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
 def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Flat | None:
     """Concatenate the turns; checks the invariants a trainer silently depends on.
 
-    Returns None for a trajectory whose job did not succeed, unless ``keep_failed``.
+    Returns None for a trajectory whose job did not succeed, unless ``keep_failed``. Raises
+    ValueError for a trajectory of several segments: use :func:`flatten_segments`.
     """
     if not keep_failed and not succeeded(traj):
         return None
+    if len(_segment_bounds(traj)) > 1:
+        raise ValueError(f"trajectory {traj.job_id} holds {len(traj.segments)} token sequences "
+                         "(its harness rewrote its history); flatten_segments() gives one "
+                         "Flat per sequence")
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -121,14 +138,58 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         .removeprefix("LOGPROBS_KIND_") if traj.logprobs_kind else "")
 
 
+def flatten_segments(traj: trajectory_pb2.Trajectory, *,
+                     keep_failed: bool = False) -> list[Flat]:
+    """One :class:`Flat` per token sequence (segment), in order, each carrying the
+    trajectory's reward; ``[flatten(traj)]`` for a trajectory of one sequence, and ``[]`` for
+    one whose job did not succeed unless ``keep_failed``."""
+    if not keep_failed and not succeeded(traj):
+        return []
+    views = segment_views(traj)
+    out = []
+    for n, view in enumerate(views):
+        flat = flatten(view, keep_failed=True)
+        out.append(dataclasses.replace(flat, segment=n, num_segments=len(views)))
+    return out
+
+
+def segment_views(traj: trajectory_pb2.Trajectory) -> list[trajectory_pb2.Trajectory]:
+    """The trajectory once per token sequence: copies holding one segment's turns each (and no
+    segments), so code written for one merged sequence handles every segment. A trajectory of
+    one sequence comes back as itself."""
+    bounds = _segment_bounds(traj)
+    if len(bounds) <= 1:
+        return [traj]
+    views = []
+    for a, b in bounds:
+        view = trajectory_pb2.Trajectory()
+        view.CopyFrom(traj)
+        del view.turns[:]
+        del view.segments[:]
+        view.turns.extend(traj.turns[a:b])
+        views.append(view)
+    return views
+
+
+def _segment_bounds(traj: trajectory_pb2.Trajectory) -> list[tuple[int, int]]:
+    """Turn ranges of the segments; checks that they start at turn 0 and move forward."""
+    starts = [s.first_turn for s in traj.segments]
+    if not starts:
+        return [(0, len(traj.turns))]
+    if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or (
+            starts[-1] >= max(len(traj.turns), 1)):
+        raise ValueError(f"trajectory {traj.job_id}: segments must start at turn 0 and at "
+                         f"increasing turns below {len(traj.turns)}, got {starts}")
+    return list(itertools.pairwise([*starts, len(traj.turns)]))
+
+
 def flatten_all(trajs: Iterable[trajectory_pb2.Trajectory], *,
                 keep_failed: bool = False) -> list[Flat]:
-    """:func:`flatten` over many trajectories, leaving out the skipped ones."""
+    """:func:`flatten_segments` over many trajectories (one Flat per token sequence),
+    leaving out the skipped ones."""
     out = []
     for traj in trajs:
-        flat = flatten(traj, keep_failed=keep_failed)
-        if flat is not None:
-            out.append(flat)
+        out += flatten_segments(traj, keep_failed=keep_failed)
     return out
 
 

@@ -18,7 +18,7 @@ import random
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,9 @@ def shape_and_normalise(batch: Batch, cfg: DapoConfig) -> tuple[list[TrainItem],
         shaped_all += shaped
         for sample, adv in zip(group.samples, group_advantages(shaped, cfg.algo.adv_eps),
                                strict=True):
-            items.append(TrainItem(sample, adv))
+            # Each token sequence of a harness trajectory trains with the trajectory's advantage.
+            items += [TrainItem(replace(sample, flat=flat, segments=()), adv)
+                      for flat in sample.flats]
     return items, (sum(shaped_all) / len(shaped_all) if shaped_all else 0.0)
 
 

@@ -11,12 +11,18 @@ A trajectory of this service is contiguous by construction (turn ``k``'s prompt 
 before its output: earlier turns, their observations, and its own prompt delta), so both shapes
 follow from the turns without any re-tokenization. Tool observations after the last generation
 are in no model call's prompt, so, as in NeMo RL's own flattening, they appear in neither.
+
+A harness trajectory whose harness rewrote its history holds several token sequences
+(``Trajectory.segments``) and is not contiguous across them. NeMo RL takes one contiguous
+sequence per sample, so both shapes hold the last segment (the one that ends the episode and
+was graded); the others are not sent.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rollout.client.trajectory import segment_views
 from rollout.v1 import trajectory_pb2
 
 
@@ -27,7 +33,7 @@ def gym_output_items(traj: trajectory_pb2.Trajectory) -> list[dict[str, Any]]:
     not return per-turn text."""
     items: list[dict[str, Any]] = []
     seen: list[int] = []
-    for k, turn in enumerate(traj.turns):
+    for k, turn in enumerate(segment_views(traj)[-1].turns):
         prompt = seen + list(turn.prompt_ids)
         tokens = {"prompt_token_ids": prompt, "generation_token_ids": list(turn.output_ids),
                   "generation_log_probs": [float(x) for x in turn.output_logprobs]}
@@ -55,7 +61,7 @@ def to_message_log(traj: trajectory_pb2.Trajectory, *, as_tensors: bool = False
     ``token_loss_mask``. ``as_tensors`` gives torch tensors, as NeMo RL's own messages hold."""
     log: list[dict[str, Any]] = []
     pending: list[int] = []  # the previous turn's observation, not yet in any message
-    for turn in traj.turns:
+    for turn in segment_views(traj)[-1].turns:
         new_prompt = pending + list(turn.prompt_ids)
         log.append({"role": "user", "content": "", "token_ids": new_prompt,
                     "token_loss_mask": [0] * len(new_prompt)})

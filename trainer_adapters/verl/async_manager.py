@@ -204,12 +204,13 @@ class StreamingRolloutManager:
             uid = str(dict(group.prompt.get("metadata", {})).get("uid", group.group_id))
             source = self._sources.get(uid, {"uid": uid})
             for s in group.samples:
-                samples.append(from_flat(
-                    s.flat, succeeded=True, turn_versions=s.turn_versions,
-                    prompt_length=self.prompt_length, response_length=self.response_length,
-                    reward_components=self.settings.reward_components,
-                    overlong=self.settings.overlong))
-                sources.append(source)
+                for flat in s.flats:  # one row per token sequence of a harness trajectory
+                    samples.append(from_flat(
+                        flat, succeeded=True, turn_versions=s.turn_versions,
+                        prompt_length=self.prompt_length, response_length=self.response_length,
+                        reward_components=self.settings.reward_components,
+                        overlong=self.settings.overlong))
+                    sources.append(source)
         padded = pad_batch(samples, prompt_length=self.prompt_length,
                            response_length=self.response_length,
                            pad_token_id=self.pad_token_id)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.client.specs import job_spec
-from rollout.client.trajectory import Flat, flatten
+from rollout.client.trajectory import Flat, flatten, segment_views
 from rollout.v1 import job_pb2, trajectory_pb2
 
 REWARD_INFO_KEYS = ("reward", "rollout_valid", "truncated")
@@ -76,7 +76,11 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
     traj: trajectory_pb2.Trajectory = job.trajectory
     succeeded = job.state == job_pb2.Job.State.STATE_SUCCEEDED
     # keep_failed: a failed job still yields its row (masked out below), never a missing one.
-    flat = flatten(traj, keep_failed=True)
+    # verl takes one sequence per sample: of a harness trajectory with several (its harness
+    # rewrote its history) the last one, which ends the episode; the streaming manager
+    # (async_manager) trains every one as its own row.
+    views = segment_views(traj)
+    flat = flatten(views[-1], keep_failed=True)
     error = getattr(job, "error", None)
     llm_s = sum(t.latency.ToTimedelta().total_seconds() for t in traj.turns)
     run_s = traj.timings.run.ToTimedelta().total_seconds()
@@ -93,12 +97,13 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
         prompt_length=prompt_length, response_length=response_length,
         reward_components=reward_components, overlong=overlong,
         fallback_prompt_ids=fallback_prompt_ids, metrics=metrics,
-        observations=sum(1 for t in traj.turns if len(t.observation_ids)))
+        observations=sum(1 for t in views[-1].turns if len(t.observation_ids)))
     sample.extra_fields.update({
         "rollout_job_id": traj.job_id,
         "rollout_state": job_pb2.Job.State.Name(job.state).removeprefix("STATE_"),  # type: ignore[arg-type]
         "rollout_termination": trajectory_pb2.TerminationReason.Name(
             traj.termination_reason).removeprefix("TERMINATION_REASON_"),
+        "rollout_segments": len(views),
     })
     if error is not None:
         sample.extra_fields["rollout_error"] = f"{error.reason}: {error.message}"
