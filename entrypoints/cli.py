@@ -37,6 +37,9 @@ BENCHES = {
     "scale": "an I/O-bound environment on a local multi-node Ray cluster: throughput and "
              "scaling efficiency on 1, 2, 4 nodes beside the single-process server; lost and "
              "duplicated trajectories with a node killed mid-run",
+    "gateway": "model gateway: per-request overhead (first / last token) against the backend "
+               "pool directly, and trainer tokens of a merged trajectory against one sequence "
+               "per request",
     "soak": "clients that disconnect at random and a server SIGKILLed mid-run: the books "
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
 }

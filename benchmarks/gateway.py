@@ -1,0 +1,248 @@
+"""``rollout bench gateway``: what the model gateway costs a harness, and what it saves a trainer.
+
+(a) overhead — the same generations (a scripted policy: exact token scripts, a fixed
+    ``--latency-ms`` per turn) asked for twice in one run: through the gateway (an HTTP
+    ``POST /v1/chat/completions`` over the job's Unix socket, with the conversation rendered,
+    the previous ids reused and the answer's tool calls parsed) and on the backend pool directly
+    (a ``GenerateRequest`` with prompt ids of the same length). Per request: request in to the
+    first content token out (``stream: true``) and to the last byte; p50 / p99 of each and the
+    gateway's added time. The pool has no streaming interface, so a gateway answer streams once
+    the turn is generated: its first token and last token are close together.
+(b) trainer tokens — multi-turn episodes (each turn a tool call and its observation) through the
+    gateway: the tokens a trainer receives from the merged trajectory (one sequence per segment)
+    against one sequence per request (what a proxy that records each request on its own hands
+    over: every prompt again), for a harness that only appends and one that compacts its
+    history every ``--compact-every`` turns (a new segment each time).
+
+The model is the scripted policy over the SmolLM2 tokenizer (no weights run), so the numbers are
+the gateway's own cost; ``--latency-ms`` adds a fixed generation time to both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from rollout.runtime.gateway import GatewayLease, HarnessCapture
+from rollout.runtime.llm import GenerateRequest
+from rollout.runtime.types import JobSpec, Limits, SamplingParams
+from rollout.server.gateway import Gateway
+from rollout.server.llm.backend_pool import BackendPool
+from rollout.server.llm.scripted import ScriptedEngine
+
+TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+SYSTEM = {"role": "system", "content": "You are a software engineering agent. " * 8}
+TASK = {"role": "user", "content": "Fix the failing test in the repository. " * 4}
+
+
+def reply(turn: int) -> str:
+    command = f"grep -rn 'def test_{turn}' tests/ && python -m pytest -q tests/test_{turn}.py"
+    return (f"Step {turn}: I will look at the tests next.\n<tool_call>\n"
+            + json.dumps({"name": "bash", "arguments": {"command": command}})
+            + "\n</tool_call>")
+
+
+def observation(turn: int) -> str:
+    return "\n".join(f"tests/test_{turn}.py:{i}: assert add({i}, {i}) == {2 * i}"
+                     for i in range(12))
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Episode:
+    """One harness conversation over a lease, speaking raw HTTP (no client library cost)."""
+
+    def __init__(self, lease: GatewayLease) -> None:
+        self.lease = lease
+        self.messages: list[dict[str, Any]] = [SYSTEM, TASK]
+
+    async def turn(self, session: aiohttp.ClientSession, index: int, *, stream: bool
+                   ) -> tuple[float, float]:
+        started = time.perf_counter()
+        first = 0.0
+        body = {"model": "m", "messages": self.messages, "tools": TOOLS, "stream": stream}
+        async with session.post("http://gateway/v1/chat/completions", json=body, headers={
+                "Authorization": f"Bearer {self.lease.api_key}"}) as response:
+            if response.status != 200:
+                raise RuntimeError(f"gateway answered {response.status}: "
+                                   f"{await response.text()}")
+            if stream:
+                content, calls = "", []
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    if delta.get("content") and not first:
+                        first = time.perf_counter() - started
+                    content += delta.get("content") or ""
+                    for c in delta.get("tool_calls") or []:
+                        if c.get("id"):
+                            calls.append({"id": c["id"], "type": "function", "function": {
+                                "name": c["function"]["name"], "arguments": ""}})
+                        calls[c["index"]]["function"]["arguments"] += c["function"].get(
+                            "arguments") or ""
+                message: dict[str, Any] = {"role": "assistant", "content": content,
+                                           "tool_calls": calls}
+            else:
+                message = (await response.json())["choices"][0]["message"]
+        done = time.perf_counter() - started
+        self.messages.append(message)
+        for call in message.get("tool_calls") or []:
+            self.messages.append({"role": "tool", "tool_call_id": call["id"],
+                                  "content": observation(index)})
+        return first or done, done
+
+    def compact(self) -> None:
+        """What a context-managing harness does: keep the task and the last exchange only."""
+        self.messages = [SYSTEM, TASK, *self.messages[-2:]]
+
+
+async def bench_overhead(gateway: Gateway, pool: BackendPool, engine: ScriptedEngine,
+                         episodes: int, turns: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"gw_first": [], "gw_last": [], "gw_plain": [],
+                                   "direct": []}
+    for e in range(episodes):
+        for stream in (True, False):
+            job = f"gw-{e}-{int(stream)}"
+            lease = await gateway.open(JobSpec(job, "bench", {}, sampling=SamplingParams(
+                seed=e), limits=Limits(max_turns=turns + 1)), pool)
+            episode = Episode(lease)
+            connector = aiohttp.UnixConnector(path=lease.socket_path)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                for t in range(turns):
+                    first, last = await episode.turn(session, t, stream=stream)
+                    if stream:
+                        out["gw_first"].append(first)
+                        out["gw_last"].append(last)
+                    else:
+                        out["gw_plain"].append(last)
+            capture = await gateway.close(lease)
+            await pool.end_session(job)
+            if stream:  # the same prompts and generations, on the pool directly
+                prompt: list[int] = []
+                for t, turn in enumerate(capture.turns):
+                    prompt += turn.prompt_ids
+                    request = GenerateRequest(prompt_ids=list(prompt),
+                                              sampling=SamplingParams(seed=e), max_tokens=512,
+                                              session_id=f"direct-{e}", seed=e + t)
+                    started = time.perf_counter()
+                    result = await pool.generate(request)
+                    out["direct"].append(time.perf_counter() - started)
+                    if result.output_ids != turn.output_ids:
+                        raise RuntimeError("the direct generation differs from the gateway's")
+                    prompt += turn.output_ids + turn.observation_ids
+                await pool.end_session(f"direct-{e}")
+    return out
+
+
+def trainer_tokens(capture: HarnessCapture) -> tuple[int, int, int, int]:
+    """(merged tokens, sequences) and (per-request tokens, sequences)."""
+    merged = sum(len(t.prompt_ids) + len(t.output_ids) + len(t.observation_ids)
+                 for t in capture.turns)
+    per_request, prompt = 0, 0
+    starts = {s.first_turn for s in capture.segments}
+    for i, t in enumerate(capture.turns):
+        prompt = len(t.prompt_ids) if i in starts else prompt + len(t.prompt_ids)
+        per_request += prompt + len(t.output_ids)
+        prompt += len(t.output_ids) + len(t.observation_ids)
+    return merged, len(capture.segments), per_request, len(capture.turns)
+
+
+async def bench_tokens(gateway: Gateway, pool: BackendPool, turns: int,
+                       compact_every: int) -> dict[str, tuple[int, int, int, int]]:
+    out = {}
+    for name, every in (("appending harness", 0), ("compacting harness", compact_every)):
+        job = f"tokens-{every}"
+        lease = await gateway.open(JobSpec(job, "bench", {}, sampling=SamplingParams(
+            seed=1, total_token_budget=1 << 20), limits=Limits(max_turns=turns + 1)), pool)
+        episode = Episode(lease)
+        async with aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=lease.socket_path)) as session:
+            for t in range(turns):
+                if every and t and t % every == 0:
+                    episode.compact()
+                await episode.turn(session, t, stream=False)
+        out[name] = trainer_tokens(await gateway.close(lease))
+        await pool.end_session(job)
+    return out
+
+
+async def _main(args: argparse.Namespace, console: Console) -> None:
+    from transformers import AutoTokenizer
+
+    from rollout.server.llm.smollm2 import smollm2_dir
+
+    tok: Any = AutoTokenizer.from_pretrained(str(await asyncio.to_thread(smollm2_dir)))
+    engine = ScriptedEngine(tok, lambda _sid, turn: reply(turn),
+                            end_of_turn_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                            latency_s=args.latency_ms / 1000)
+    pool = BackendPool([engine], health_interval_s=0)
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-gw-") as state:
+        gateway = await Gateway(Path(state)).start()
+        try:
+            await bench_overhead(gateway, pool, engine, 1, 2)  # warm-up: template, imports
+            o = await bench_overhead(gateway, pool, engine, args.episodes, args.turns)
+            t = await bench_tokens(gateway, pool, args.turns, args.compact_every)
+        finally:
+            await gateway.stop()
+            await pool.close()
+    n = len(o["direct"])
+    table = Table(title=f"rollout bench gateway: (a) per-request latency, {n} requests "
+                        f"({args.episodes} episodes x {args.turns} turns, scripted policy, "
+                        f"{args.latency_ms:g} ms generation)")
+    for column in ("path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms"):
+        table.add_column(column)
+    base = o["direct"]
+    table.add_row("backend pool directly (baseline)", f"{pct(base, .5) * 1e3:.2f}",
+                  f"{pct(base, .99) * 1e3:.2f}", "-", "-")
+    for key, label in (("gw_first", "gateway, stream: first token"),
+                       ("gw_last", "gateway, stream: last token"),
+                       ("gw_plain", "gateway, no stream: whole answer")):
+        values = o[key]
+        table.add_row(label, f"{pct(values, .5) * 1e3:.2f}", f"{pct(values, .99) * 1e3:.2f}",
+                      f"{(pct(values, .5) - pct(base, .5)) * 1e3:.2f}",
+                      f"{(pct(values, .99) - pct(base, .99)) * 1e3:.2f}")
+    console.print(table)
+    tokens = Table(title=f"(b) tokens a trainer receives for one {args.turns}-turn episode")
+    for column in ("harness", "merged trajectory", "one sequence per request", "ratio"):
+        tokens.add_column(column)
+    for name, (merged, segments, per_request, requests) in t.items():
+        tokens.add_row(name, f"{merged:,} tokens in {segments} sequence(s)",
+                       f"{per_request:,} tokens in {requests} sequences",
+                       f"{per_request / merged:.2f}x")
+    console.print(tokens)
+    console.print(f"mean direct {statistics.mean(base) * 1e3:.2f} ms over {n} turns")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout bench gateway",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--episodes", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=10, help="requests per episode")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="fixed generation time of each scripted turn (both paths)")
+    parser.add_argument("--compact-every", type=int, default=4,
+                        help="in (b), the compacting harness rewrites its history this often")
+    args = parser.parse_args(argv)
+    asyncio.run(_main(args, Console()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
