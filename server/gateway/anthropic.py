@@ -166,7 +166,7 @@ def events(answer: Answer, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:
+    fallback = "invalid_request_error" if status < 500 else "api_error"
     kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-            503: "overloaded_error"}.get(status, "invalid_request_error" if status < 500
-                                          else "api_error")
+            429: "rate_limit_error", 503: "overloaded_error"}.get(status, fallback)
     return {"type": "error", "error": {"type": kind, "message": message}}

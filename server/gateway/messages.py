@@ -40,6 +40,9 @@ class RequestLimits:
     max_messages: int = 2048
     max_tools: int = 256
     max_stop: int = 16
+    max_pending: int = 8
+    """Requests of one job waiting or running at once (a job's turns are served in order);
+    more get 429 so a runaway harness cannot pile up work and memory in the server."""
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ def chunks(answer: Answer, model: str, include_usage: bool) -> Iterator[dict[str
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"
-            }.get(status, "invalid_request_error" if status < 500 else "server_error")
+    fallback = "invalid_request_error" if status < 500 else "server_error"
+    kind = {401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, fallback)
     return {"error": {"message": message, "type": kind, "param": param or None, "code": code}}

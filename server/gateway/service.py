@@ -212,6 +212,10 @@ def _route(handler: Handler, error_body: ErrorBody) -> Callable[[web.Request],
         if lease is None or lease.closed:
             return fail(401, "invalid_api_key", "unknown or revoked API key: use the key "
                         "this job's gateway lease was given")
+        if len(lease.tasks) >= request.app[LIMITS_KEY].max_pending:
+            return fail(429, "too_many_requests", "this job already has "
+                        f"{len(lease.tasks)} requests in flight; its turns are served one at "
+                        "a time, so wait for an answer before sending more")
         task = asyncio.current_task()
         if task is not None:
             lease.tasks.add(task)

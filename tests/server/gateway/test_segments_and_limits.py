@@ -182,3 +182,27 @@ async def test_socket_files_are_private(rig: Rig) -> None:
     lease = await rig.open("job-perm", ["x"])
     assert stat.S_IMODE(os.stat(lease.socket_path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(lease.socket_path)).st_mode) == 0o700
+
+
+async def test_a_job_cannot_pile_up_requests(rig: Rig, tmp_path) -> None:
+    import openai
+
+    gw = await Gateway(tmp_path / "pending", limits=RequestLimits(max_pending=2)).start()
+    try:
+        rig.scripts["job-pile"] = ["a", "b", "c"]
+        rig.engine.latency_s = 60.0
+        lease = await gw.open(JobSpec("job-pile", "harness", {}), rig.pool)
+        client = openai_client(lease)
+        held = [asyncio.ensure_future(client.chat.completions.create(model="m", messages=TASK))
+                for _ in range(2)]
+        await assert_eventually(lambda: rig.engine.in_flight("job-pile"))
+        await asyncio.sleep(0.2)  # the second one waits behind the first, inside the gateway
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model="m", messages=TASK)
+        assert info.value.body["code"] == "too_many_requests"
+        await gw.close(lease)
+        for task in held:
+            with pytest.raises(Exception):  # noqa: B017 - cut by the close
+                await asyncio.wait_for(task, 10)
+    finally:
+        await gw.stop()
