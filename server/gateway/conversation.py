@@ -121,8 +121,26 @@ class JobConversation:
     async def serve(self, request: ChatRequest) -> Answer:
         async with self._lock:
             if self._chat is None:
-                await asyncio.to_thread(self._load_chat)
+                try:
+                    await asyncio.to_thread(self._load_chat)
+                except BadRequest:
+                    raise
+                except Exception as exc:  # a template unfit for token-exact rendering
+                    raise BadRequest(f"the served model's chat template cannot be used: "
+                                     f"{type(exc).__name__}: {exc}", status=500,
+                                     code="template_error") from exc
             return await self._serve(request)
+
+    def finish(self) -> None:
+        """The lease is closing: drop the delta of a request that never got its turn (a
+        failed or cut generation), so each segment ends with what the model produced."""
+        self._drop_pending_delta()
+        self._segment = None
+
+    def _drop_pending_delta(self) -> None:
+        seg = self._segment
+        if seg is not None and seg.pending is not None and seg.counted and self.capture.turns:
+            self.capture.turns[-1].observation_ids = []
 
     def _load_chat(self) -> None:
         chat = ChatTokenizer(self.llm.tokenizer,
@@ -154,9 +172,7 @@ class JobConversation:
                 prompt_ids = await _rendering(asyncio.to_thread(
                     self._extend, seg, request, request.messages[len(seg.expected):]))
         if new_segment:
-            if seg is not None and seg.pending is not None and seg.counted:
-                # The delta appended for the failed request was never followed by a turn.
-                self.capture.turns[-1].observation_ids = []
+            self._drop_pending_delta()
             seg = await _rendering(asyncio.to_thread(self._fresh, request, tools_key))
             self._segment = seg
             prompt_ids = list(seg.ledger.token_ids)
@@ -168,6 +184,7 @@ class JobConversation:
             limit = min(limit, self._context_length)
         room = limit - total
         if room <= 0:
+            self._drop_pending_delta()
             self._segment = None  # nothing of this prompt can be generated from
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",

@@ -158,6 +158,7 @@ class Gateway:
         if tasks and abort is not None:
             with contextlib.suppress(Exception):
                 await abort(lease.conversation.spec.job_id)
+        lease.conversation.finish()
         if lease.runner is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(lease.runner.cleanup(), 5.0)

@@ -206,3 +206,25 @@ async def test_a_job_cannot_pile_up_requests(rig: Rig, tmp_path) -> None:
                 await asyncio.wait_for(task, 10)
     finally:
         await gw.stop()
+
+
+async def test_a_turn_cut_by_the_close_leaves_the_sequence_ending_on_model_tokens(
+        rig: Rig) -> None:
+    lease = await rig.open("job-cut", [R1, R2])
+    client = openai_client(lease)
+    a1 = (await client.chat.completions.create(model="m", messages=TASK, tools=TOOLS)
+          ).choices[0].message
+    rig.engine.latency_s = 60.0
+    history = [*TASK, assistant_echo(a1),
+               {"role": "tool", "tool_call_id": a1.tool_calls[0].id, "content": "1"}]
+    task = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=history, tools=TOOLS))
+    await assert_eventually(lambda: rig.engine.in_flight("job-cut"))
+    capture = await rig.gateway.close(lease)
+    assert len(capture.turns) == 1
+    # The observation was appended for a turn that never came: not part of the sequence.
+    assert capture.turns[0].observation_ids == []
+    assert Trajectory(job_id="c", turns=capture.turns).token_ids == [
+        *rig.engine.requests[0].prompt_ids, *rig.scripted_ids(R1)]
+    with pytest.raises(Exception):  # noqa: B017 - the connection is cut, whatever the error
+        await asyncio.wait_for(task, 10)
