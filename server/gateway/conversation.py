@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -116,7 +117,8 @@ class JobConversation:
     def model_name(self) -> str:
         name = getattr(self.llm, "model_name", "") or getattr(
             self.llm.tokenizer, "name_or_path", "")
-        return str(name or "rollout-policy")
+        # The last path component only: a sandboxed harness learns nothing of the host's paths.
+        return os.path.basename(str(name).rstrip("/")) or "rollout-policy"
 
     async def serve(self, request: ChatRequest) -> Answer:
         async with self._lock:
