@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
+from rollout.runtime.envs import swe_runners
 from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
@@ -66,6 +67,7 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading import end_agent, open_grader
 from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
+from rollout.runtime.envs.swe_runners import Runner
 from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
@@ -133,6 +135,7 @@ OPTIONS_KEY = "swe.sandbox_options"
 """``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
 grading sandbox needs as well."""
 _MAX_REPORT = 8 << 20
+_TEST_DIR = re.compile(r"tests?|testing|tests?_\w+|\w+_tests?")
 
 
 class SweHandler(AgentHandler):
@@ -169,6 +172,10 @@ class SweHandler(AgentHandler):
         if not isinstance(task.get("pytest_plugin_autoload", False), bool):
             raise invalid("swe task field 'pytest_plugin_autoload' must be true or false",
                           "pytest_plugin_autoload")
+        try:
+            task_runner(task)
+        except ValueError as e:
+            raise invalid(str(e), "test_runner") from None
         if "patch" in task and not isinstance(task["patch"], str):
             raise invalid("swe task field 'patch' must be a string", "patch")
 
@@ -230,28 +237,61 @@ class SweHandler(AgentHandler):
     async def _grade(self, ctx: JobContext, grader: Any, kind: str, data: bytes,
                      f2p: list[str], p2p: list[str]) -> Reward:
         task = ctx.spec.task
+        runner = task_runner(task)
         zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
         src = await write_private(grader, "repo-source", data)
         patch = await write_private(grader, "test.patch", task["test_patch"])
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
-        protected = sorted({*patched_files(task["test_patch"]), *files_of(f2p + p2p)})
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
-             *protected],
+             *protected_paths(task, runner, f2p + p2p)],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
             why = ("the test patch does not apply" if prepared.exit_code == _PATCH_FAILED
                    else "building the grading tree failed")
             return Reward(0.0, zero, {"error": why, "log": prepared.output[-1000:]})
+        tree_report = json.loads(prepared.stdout or "{}")
+        info = {"restored": ",".join(tree_report.get("restored", []))[:1000],
+                "runner": runner.name}
+        # Reasons for a 0 that no test outcome can outweigh; every one found is reported.
+        problems: list[str] = []
+        if tree_report.get("screen"):
+            problems.append("the change reaches into the test framework or the grader")
+            info["screen"] = "; ".join(tree_report["screen"])[:2000]
+        timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
+        if runner.name == "pytest":
+            outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems)
+        else:
+            outcomes = await self._run_logged(grader, task, runner, timeout, info, problems)
+        if outcomes and all(o == "PASSED" for o in outcomes.values()) \
+                and info.get("exit_status") != "0" and "error" not in info:
+            # Every test on record passed, yet the runner says otherwise: something rewrote
+            # the record (a wrapped recorder, a printed result line).
+            problems.append(f"the runner's exit status ({info['exit_status']}) disagrees with "
+                            "the recorded outcomes, in which every test passed")
+        verdict = judge(outcomes or {}, f2p, p2p)
+        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
+                   if o not in PASSING]
+        info["failing"] = ",".join(failing)[:1000]
+        if problems:
+            info["error"] = "; ".join(problems)
+            return Reward(0.0, {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
+                                "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+        return Reward(1.0 if verdict.resolved else 0.0,
+                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
+                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+
+    async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
+                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
+                          problems: list[str]) -> dict[str, str] | None:
         plugin_dir = posixpath.dirname(await write_private(
             grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
         # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
         # ever ran there, and the plugin refuses to write over a file that exists.
         report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
-        timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
         run = await grader.exec(
-            [*test_command(task, grader.workspace_in_sandbox), *f2p, *p2p],
+            [*test_command(task, grader.workspace_in_sandbox), *named],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
             env=test_env(task, plugin_dir, report), max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
@@ -259,27 +299,50 @@ class SweHandler(AgentHandler):
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
                                 max_output=_MAX_REPORT + 1)
         report_data = parse_plugin_report(raw.stdout) if raw.ok else None
-        outcomes = report_data.outcomes if report_data is not None else None
-        if report_data is not None and report_data.foreign_hooks:
-            return Reward(0.0, zero, {
-                "error": "the code under test registered pytest hooks that decide outcomes",
-                "hooks": "; ".join(report_data.foreign_hooks)[:1000],
-                "pytest_exit": str(run.exit_code)})
-        info = {"pytest_exit": str(run.exit_code),
-                "restored": ",".join(json.loads(prepared.stdout or "{}").get("restored", []))
-                [:1000]}
+        info["pytest_exit"] = info["exit_status"] = str(run.exit_code)
+        if report_data is not None:
+            if report_data.foreign_hooks:
+                problems.append("the code under test registered pytest hooks that decide "
+                                "outcomes")
+                info["hooks"] = "; ".join(report_data.foreign_hooks)[:1000]
+            if report_data.tampered:
+                problems.append("the code under test replaced the test runner's functions "
+                                "while the tests ran")
+                info["tampered"] = "; ".join(report_data.tampered)[:1000]
+            if report_data.exitstatus is not None and report_data.exitstatus != run.exit_code \
+                    and not run.timed_out:
+                problems.append(f"pytest's exit status ({run.exit_code}) is not the one its "
+                                f"session reported ({report_data.exitstatus})")
         if run.timed_out:
             info["error"] = f"tests timed out after {timeout:g} s"
-        elif outcomes is None:
+        elif report_data is None:
             info["error"] = "pytest wrote no report (it could not start or was killed)"
             info["log"] = run.output[-1000:]
-        verdict = judge(outcomes or {}, f2p, p2p)
-        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
-                   if o not in PASSING]
-        info["failing"] = ",".join(failing)[:1000]
-        return Reward(1.0 if verdict.resolved else 0.0,
-                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
-                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+        return report_data.outcomes if report_data is not None else None
+
+    async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
+                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
+                          problems: list[str]) -> dict[str, str] | None:
+        """A runner that reports only through its log (Django, SymPy, unittest)."""
+        spec = EnvSpec.of(task)
+        options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
+            else None
+        env = string_env(task, "test_env", env=ENV)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        run = await grader.exec(
+            swe_runners.command(runner, spec.run_python if spec else "python",
+                                grader.workspace_in_sandbox, options,
+                                swe_runners.directives(runner, patched_files(task["test_patch"]))),
+            timeout=timeout, cwd=grader.workspace_in_sandbox, env=env, max_output=4 << 20)
+        await grader.stop_processes()
+        outcomes, parser = swe_runners.parse_log(runner, run.output)
+        info.update(exit_status=str(run.exit_code), parser=parser)
+        if run.timed_out:
+            info["error"] = f"tests timed out after {timeout:g} s"
+        elif not outcomes:
+            info["error"] = f"the {runner.name} runner's log names no test"
+            info["log"] = run.output[-1000:]
+        return outcomes
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
@@ -298,6 +361,31 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
         raise HandlerError(f"could not check out {task['base_commit']} from "
                            f"{task['repo_source']}: {result.output[-800:]}",
                            "REPO_CHECKOUT_FAILED")
+
+
+def task_runner(task: Mapping[str, Any]) -> Runner:
+    """The runner of a task that validated (see :mod:`.swe_runners`)."""
+    spec = EnvSpec.of(task)
+    return swe_runners.runner_of(task, spec.test_runner if spec is not None else "")
+
+
+def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -> list[str]:
+    """What the grading tree puts back to ``base_commit`` beside the files pytest loads by
+    configuration: the files of the test patch and of the named tests, the runner's own
+    files, and (a trailing ``/``) each test directory they are in, from its topmost folder
+    named like one (``tests``, ``testing``, ``test_*``, ``*_tests``): a directory's
+    ``__init__.py``, helper modules and data are the tests' as much as the test files are."""
+    files = [*patched_files(task["test_patch"]), *runner.protect]
+    if runner.name == "pytest":
+        files += files_of(named)
+    out = set(files)
+    for path in files:
+        parts = path.split("/")[:-1]
+        for i, part in enumerate(parts):
+            if _TEST_DIR.fullmatch(part):
+                out.add("/".join(parts[:i + 1]) + "/")
+                break
+    return sorted(out)
 
 
 def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
