@@ -264,10 +264,8 @@ class SweHandler(AgentHandler):
             outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems)
         else:
             outcomes = await self._run_logged(grader, task, runner, timeout, info, problems)
-        if outcomes and all(o == "PASSED" for o in outcomes.values()) \
-                and info.get("exit_status") != "0" and "error" not in info:
-            # Every test on record passed, yet the runner says otherwise: something rewrote
-            # the record (a wrapped recorder, a printed result line).
+        if "error" not in info and not exit_status_agrees(outcomes or {},
+                                                          info.get("exit_status", "")):
             problems.append(f"the runner's exit status ({info['exit_status']}) disagrees with "
                             "the recorded outcomes, in which every test passed")
         verdict = judge(outcomes or {}, f2p, p2p)
@@ -361,6 +359,13 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
         raise HandlerError(f"could not check out {task['base_commit']} from "
                            f"{task['repo_source']}: {result.output[-800:]}",
                            "REPO_CHECKOUT_FAILED")
+
+
+def exit_status_agrees(outcomes: Mapping[str, str], exit_status: str) -> bool:
+    """False when every test on record passed and the runner still exited nonzero: something
+    rewrote the record (a wrapped recorder, a printed result line)."""
+    return not (outcomes and all(o == "PASSED" for o in outcomes.values())
+                and exit_status != "0")
 
 
 def task_runner(task: Mapping[str, Any]) -> Runner:
