@@ -326,11 +326,15 @@ class SweHandler(AgentHandler):
         options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
             else None
         env = string_env(task, "test_env", env=ENV)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        # One stream, unbuffered: the log is read in the order it was written, which decides
+        # the outcome of a test whose result runs over several lines.
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        argv = swe_runners.command(runner, spec.run_python if spec else "python",
+                                   grader.workspace_in_sandbox, options,
+                                   swe_runners.directives(runner,
+                                                          patched_files(task["test_patch"])))
         run = await grader.exec(
-            swe_runners.command(runner, spec.run_python if spec else "python",
-                                grader.workspace_in_sandbox, options,
-                                swe_runners.directives(runner, patched_files(task["test_patch"]))),
+            ["bash", "-c", 'exec "$@" 2>&1', "run-tests", *argv],
             timeout=timeout, cwd=grader.workspace_in_sandbox, env=env, max_output=4 << 20)
         await grader.stop_processes()
         outcomes, parser = swe_runners.parse_log(runner, run.output)

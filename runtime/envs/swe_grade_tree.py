@@ -65,7 +65,8 @@ SCREEN = [(re.compile(pattern), why) for pattern, why in (
     (r"(?:sympy\.(?:testing|utilities)\.runtests|SymPyTests|PyTestReporter)\b",
      "refers to SymPy's runner"),
     (r"/proc/self/(?:fd|environ|mem)|\bgc\.get_(?:objects|referrers)\b|\bsys\.(?:settrace|"
-     r"setprofile)\b|\bos\._exit\b", "inspects or ends its own process"),
+     r"setprofile)\b|\bos\._exit\b|\bsys\.(?:stdout|stderr|exit|excepthook)\s*=(?!=)",
+     "inspects, rewrites or ends its own process"),
 )]
 _MAX_FINDINGS = 20
 PATCH_FAILED = 97

@@ -137,12 +137,26 @@ def unittest_name(name: str) -> str:
     return f"{m.group(1)} ({m.group(2)})" if m else name.strip()
 
 
+_RANK = {"PASSED": 0, "SKIPPED": 1, "FAILED": 2, "ERROR": 3}
+
+
+def _worse(old: str | None, new: str) -> str:
+    """The outcome a test keeps when the log reports it twice: the worse one. A line printed
+    after the real one (by code under test, at exit) cannot turn a failure into a pass."""
+    return new if old is None or _RANK.get(new, 3) >= _RANK.get(old, 3) else old
+
+
+class _Outcomes(dict[str, str]):
+    def __setitem__(self, name: str, outcome: str) -> None:
+        super().__setitem__(name, _worse(self.get(name), outcome))
+
+
 def parse_unittest_log(log: str) -> dict[str, str]:
-    """Test name -> outcome from a verbose unittest (or Django runner) log, as the harness's
-    ``parse_log_django`` reads it: ``name ... ok`` / ``... skipped`` / ``... FAIL`` /
-    ``... ERROR`` / ``... expected failure``, and the ``FAIL: name`` / ``ERROR: name`` headers
-    of the tracebacks."""
-    outcomes: dict[str, str] = {}
+    """Test name -> outcome from a verbose unittest (or Django runner) log, by the rules of the
+    harness's ``parse_log_django``: ``name ... ok`` / ``... skipped`` / ``... FAIL`` /
+    ``... ERROR``, and the ``FAIL: name`` / ``ERROR: name`` headers of the tracebacks; a test
+    reported twice keeps the worse outcome."""
+    outcomes: dict[str, str] = _Outcomes()
     previous = None
     for raw in log.split("\n"):
         line = raw.strip()
@@ -170,10 +184,12 @@ def parse_unittest_log(log: str) -> dict[str, str]:
 def parse_sympy_log(log: str) -> dict[str, str]:
     """Test name -> outcome from ``bin/test --verbose``, as the harness's ``parse_log_sympy``
     reads it: ``test_x ok`` / ``test_x F`` / ``test_x E`` lines, and the ``____ path.py:test_x
-    ____`` headers of failure reports."""
-    outcomes: dict[str, str] = {}
+    ____`` headers of failure reports (which fail ``test_x`` too); a test reported twice keeps
+    the worse outcome."""
+    outcomes: dict[str, str] = _Outcomes()
     for m in re.findall(r"(_*) (.*)\.py:(.*) (_*)", log):
         outcomes[f"{m[1]}.py:{m[2]}"] = "FAILED"
+        outcomes[m[2].strip()] = "FAILED"
     for raw in log.split("\n"):
         line = raw.strip()
         if line.startswith("test_"):
@@ -200,14 +216,20 @@ def _swebench_parser(name: str) -> Callable[[str], dict[str, str]] | None:
 
 
 def parse_log(runner: Runner, log: str) -> tuple[dict[str, str], str]:
-    """(test name -> outcome, which parser read it)."""
+    """(test name -> outcome, which parsers read it): the rules written out here, and the
+    harness's own parser when ``swebench`` is installed; a test keeps the worse of the two
+    (the harness's keeps the last line, which code under test can print)."""
     name = "parse_log_sympy" if runner.name == "sympy" else "parse_log_django"
-    parser = _swebench_parser(name)
-    source = f"swebench.{name}"
-    if parser is None:
-        parser = parse_sympy_log if runner.name == "sympy" else parse_unittest_log
-        source = f"builtin.{name}"
-    outcomes = parser(log)
+    outcomes = (parse_sympy_log if runner.name == "sympy" else parse_unittest_log)(log)
+    sources = [f"builtin.{name}"]
+    harness = _swebench_parser(name)
+    if harness is not None:
+        sources.append(f"swebench.{name}")
+        for test, outcome in harness(log).items():
+            outcomes[test] = outcome  # the worse of the two stays
     if runner.name in ("django", "unittest"):
-        outcomes = {unittest_name(k): v for k, v in outcomes.items()}
-    return outcomes, source
+        merged: dict[str, str] = _Outcomes()
+        for test, outcome in outcomes.items():
+            merged[unittest_name(test)] = outcome
+        outcomes = merged
+    return dict(outcomes), "+".join(sources)
