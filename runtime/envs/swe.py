@@ -47,7 +47,7 @@ import re
 import secrets
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,10 +260,16 @@ class SweHandler(AgentHandler):
             problems.append("the change reaches into the test framework or the grader")
             info["screen"] = "; ".join(tree_report["screen"])[:2000]
         timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
+        paths = import_paths(task, tree_report.get("import_paths", []))
+        if paths:
+            info["import_paths"] = ",".join(paths)
+        paths = [posixpath.join(grader.workspace_in_sandbox, p) for p in paths]
         if runner.name == "pytest":
-            outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems)
+            outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems,
+                                              paths)
         else:
-            outcomes = await self._run_logged(grader, task, runner, timeout, info, problems)
+            outcomes = await self._run_logged(grader, task, runner, timeout, info, problems,
+                                              paths)
         if "error" not in info and not exit_status_agrees(outcomes or {},
                                                           info.get("exit_status", "")):
             problems.append(f"the runner's exit status ({info['exit_status']}) disagrees with "
@@ -282,7 +288,7 @@ class SweHandler(AgentHandler):
 
     async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
                           timeout: float, info: dict[str, str],  # noqa: ASYNC109
-                          problems: list[str]) -> dict[str, str] | None:
+                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
         plugin_dir = posixpath.dirname(await write_private(
             grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
         # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
@@ -291,7 +297,7 @@ class SweHandler(AgentHandler):
         run = await grader.exec(
             [*test_command(task, grader.workspace_in_sandbox), *named],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
-            env=test_env(task, plugin_dir, report), max_output=1 << 20)
+            env=test_env(task, plugin_dir, report, paths), max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
         await grader.stop_processes()
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
@@ -320,7 +326,7 @@ class SweHandler(AgentHandler):
 
     async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
                           timeout: float, info: dict[str, str],  # noqa: ASYNC109
-                          problems: list[str]) -> dict[str, str] | None:
+                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
         """A runner that reports only through its log (Django, SymPy, unittest)."""
         spec = EnvSpec.of(task)
         options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
@@ -329,6 +335,7 @@ class SweHandler(AgentHandler):
         # One stream, unbuffered: the log is read in the order it was written, which decides
         # the outcome of a test whose result runs over several lines.
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ":".join(p for p in (*paths, env.get("PYTHONPATH", "")) if p)
         argv = swe_runners.command(runner, spec.run_python if spec else "python",
                                    grader.workspace_in_sandbox, options,
                                    swe_runners.directives(runner,
@@ -363,6 +370,13 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
         raise HandlerError(f"could not check out {task['base_commit']} from "
                            f"{task['repo_source']}: {result.output[-800:]}",
                            "REPO_CHECKOUT_FAILED")
+
+
+def import_paths(task: Mapping[str, Any], found: list[str]) -> list[str]:
+    """Folders of the checkout the tests need on the path: a task without an environment of
+    its own runs from the checkout, where a src/ layout (``found`` by the grading tree) is
+    importable only with src/ on the path; a task with a spec installs its package."""
+    return [] if EnvSpec.of(task) is not None else [p for p in found if p == "src"]
 
 
 def exit_status_agrees(outcomes: Mapping[str, str], exit_status: str) -> bool:
@@ -410,13 +424,16 @@ def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
     return args
 
 
-def test_env(task: Mapping[str, Any], plugin_dir: str, report: str) -> dict[str, str]:
+def test_env(task: Mapping[str, Any], plugin_dir: str, report: str,
+             paths: Sequence[str] = ()) -> dict[str, str]:
     """Environment of the test run: plugin autoload off unless the task asks for it (the
-    server's or the environment's stray plugins change outcomes and cost seconds)."""
+    server's or the environment's stray plugins change outcomes and cost seconds); ``paths``
+    (a src/ layout's folder) after the plugin's on PYTHONPATH."""
     env = string_env(task, "test_env", env=ENV)
     if not task.get("pytest_plugin_autoload", False):
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, *paths, env.get("PYTHONPATH", ""))
+                                 if p)
     env["ROLLOUT_PYTEST_REPORT"] = report
     return env
 

@@ -218,13 +218,19 @@ def main(argv: list[str]) -> int:
     in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
     restored, bytecode = protect(base, set(named), in_base)
     found = screen(base, in_base)
+    # A src/ layout: packages under src/ that the checkout's root does not have.
+    under_src = {p.split("/")[1] for p in in_base if p.startswith("src/") and p.count("/") == 2
+                 and p.endswith("/__init__.py")}
+    at_root = {p.split("/")[0] for p in in_base if p.count("/") == 1
+               and p.endswith("/__init__.py")}
     proc = subprocess.run(["git", "apply", "--whitespace=nowarn", patch], env=_GIT_ENV,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         return PATCH_FAILED
     sys.stdout.write(json.dumps({"restored": restored, "bytecode_removed": bytecode,
-                                 "screen": found}) + "\n")
+                                 "screen": found,
+                                 "import_paths": ["src"] if under_src - at_root else []}) + "\n")
     return 0
 
 

@@ -3,6 +3,7 @@ patch and the fix's history stay hidden from the agent."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import tarfile
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rollout.runtime.envs import swe as swe_env
 from rollout.runtime.envs.common import DATA_DIR
 from rollout.runtime.envs.swe import SweHandler
 from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
@@ -175,3 +177,31 @@ async def test_commits_after_base_are_not_in_the_workspace(
     assert "could not get object info" in lines[1] or "fatal" in lines[1]
     assert lines[2] == task["base_commit"]
     assert result.reward.value == 0.0
+
+
+PLAIN_SRC_LAYOUT = {k: v for k, v in {t["instance_id"]: t for t in TASKS}[
+    "rollout__mdurl-1"].items() if k not in ("spec", "version")}
+
+
+async def test_a_plain_task_with_a_src_layout_is_graded_with_the_package_importable(
+        rollout: Rollout) -> None:
+    """No environment of its own installs the package: the grader puts src/ on the path, so
+    the right fix earns 1 and no fix 0, instead of 0 for both."""
+    gold = await rollout(SweHandler(), PLAIN_SRC_LAYOUT,
+                         [apply_with_bash(PLAIN_SRC_LAYOUT["patch"]), SUBMIT])
+    assert gold.reward.value == 1.0, gold.reward.info
+    assert gold.reward.info["import_paths"] == "src"
+    nothing = await rollout(SweHandler(), PLAIN_SRC_LAYOUT, [SUBMIT])
+    assert nothing.reward.value == 0.0, nothing.reward.info
+    assert nothing.reward.components["pass_to_pass"] == 1.0
+
+
+async def test_a_src_layout_is_judged_on_another_package_without_src_on_the_path(
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: without the import path the tests import whatever ``mdurl`` the interpreter
+    has (this venv's, a different package of the same name), and no fix at all earns 1."""
+    if importlib.util.find_spec("mdurl") is None:
+        pytest.skip("this interpreter has no package named mdurl to import instead")
+    monkeypatch.setattr(swe_env, "import_paths", lambda task, found: [])
+    nothing = await rollout(SweHandler(), PLAIN_SRC_LAYOUT, [SUBMIT])
+    assert nothing.reward.value == 1.0, nothing.reward.info
