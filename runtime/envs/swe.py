@@ -16,6 +16,7 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "PASS_TO_PASS": ["tests/test_v.py::test_y"],
       "test_env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},   # optional, for the test run
       "test_timeout_s": 300,                     # optional
+      "test_runner": "pytest",                   # optional: or django, sympy, unittest
       "pytest_plugins": ["xdist"],               # optional: -p NAME for each
       "pytest_plugin_autoload": false,           # optional: entry-point plugins (default off)
       "version": "0.3",                          # with "spec": the task's own environment,
@@ -29,13 +30,18 @@ every other ref and prunes unreachable objects, so the agent cannot read the fix
 history. The agent gets bash, the editor and submit; the end of RUN kills every process it
 started. The test patch stays on the host until EVAL, which grades where the agent cannot
 reach (:mod:`rollout.runtime.envs.grading`): a fresh sandbox (its own uid when the server is
-root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file
-pytest loads by configuration (conftest, ini files, ``.pth``, changed pytest sections) and
-every file of the named tests is put back to ``base_commit``, then the test patch applied
-(:mod:`rollout.runtime.envs.swe_grade_tree`). Only the named tests run (their node ids), with
-plugin autoload off, and their outcomes come from a report file
+root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file a
+test runner loads by configuration, the test directories of the named tests and of the test
+patch, and the runner's own files are put back to ``base_commit``, the agent's diff is
+screened for code that reaches into the test framework or the grader, then the test patch
+applied (:mod:`rollout.runtime.envs.swe_grade_tree`). pytest runs only the named tests (their
+node ids), with plugin autoload off; their outcomes come from a report file
 (:mod:`rollout.runtime.envs.pytest_report_plugin`) read after every process of the run is
-dead, never from stdout. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passes.
+dead, never from stdout, and the plugin checks the runner's own functions while the tests run.
+Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
+their logs (:mod:`rollout.runtime.envs.swe_runners`). Reward 1 iff every FAIL_TO_PASS and
+every PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found
+tampering; docs/grading.md lists the checks and what they cannot stop.
 """
 
 from __future__ import annotations
@@ -66,7 +72,13 @@ from rollout.runtime.envs.common import (
     write_private,
 )
 from rollout.runtime.envs.grading import end_agent, open_grader
-from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
+from rollout.runtime.envs.pytest_log import (
+    PASSING,
+    files_of,
+    judge,
+    outcome_of,
+    parse_plugin_report,
+)
 from rollout.runtime.envs.swe_runners import Runner
 from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
@@ -135,6 +147,7 @@ OPTIONS_KEY = "swe.sandbox_options"
 """``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
 grading sandbox needs as well."""
 _MAX_REPORT = 8 << 20
+_IMPORT_ERROR = re.compile(r"(?:ModuleNotFoundError|ImportError): [^\n]{1,300}")
 _TEST_DIR = re.compile(r"tests?|testing|tests?_\w+|\w+_tests?")
 
 
@@ -322,6 +335,12 @@ class SweHandler(AgentHandler):
         elif report_data is None:
             info["error"] = "pytest wrote no report (it could not start or was killed)"
             info["log"] = run.output[-1000:]
+        elif named and all(outcome_of(n, report_data.outcomes) in ("ERROR", "MISSING")
+                           for n in named):
+            # Nothing ran: say why when it is an import, never a silent 0.
+            missing = _IMPORT_ERROR.search(run.output)
+            if missing is not None:
+                info["error"] = f"the tests could not import their code: {missing.group(0)}"
         return report_data.outcomes if report_data is not None else None
 
     async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
