@@ -435,8 +435,9 @@ def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
     the image's own with ``spec.image``), the options of the task's ``spec.test_cmd`` and the
     grader's: the report plugin, no cache, the task's plugins. The named node ids follow."""
     spec = EnvSpec.of(task)
-    args = [spec.run_python if spec else "python", "-c", _LAUNCH, workspace,
-            *(spec.test_cmd if spec else ()),
+    env, options = swe_runners.split_assignments(spec.test_cmd if spec else ())
+    args = [*(["env", *env] if env else []),
+            spec.run_python if spec else "python", "-c", _LAUNCH, workspace, *options,
             "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]

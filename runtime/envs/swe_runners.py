@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 RUNNERS = ("pytest", "django", "sympy", "unittest")
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _BY_REPO = {"django/django": "django", "sympy/sympy": "sympy"}
 
 # ``python -m unittest`` would put the repository first on sys.path before unittest is
@@ -73,6 +74,11 @@ def split_test_cmd(test_cmd: str) -> tuple[str, tuple[str, ...]]:
     itself is always the grader's; only the options are kept (they replace the runner's
     default :attr:`Runner.options`)."""
     words = shlex.split(test_cmd)
+    # Leading NAME=value words (the harness's SymPy command sets PYTHONWARNINGS) stay in
+    # front of the options; command() runs them through env.
+    assignments = []
+    while words and _ASSIGNMENT.match(words[0]):
+        assignments.append(words.pop(0))
     if words[:1] in (["python"], ["python3"]) and words[1:2] != ["-m"]:
         words = words[1:]  # "python tests/runtests.py ..."
     prefixes = (("pytest", ["pytest"]), ("pytest", ["py.test"]),
@@ -83,7 +89,7 @@ def split_test_cmd(test_cmd: str) -> tuple[str, tuple[str, ...]]:
                 ("sympy", ["bin/test"]), ("sympy", ["./bin/test"]))
     for runner, prefix in prefixes:
         if words[:len(prefix)] == prefix:
-            return runner, tuple(words[len(prefix):])
+            return runner, (*assignments, *words[len(prefix):])
     if not words:
         return "", ()
     raise ValueError(f"'spec.test_cmd' must run pytest ('pytest ...', 'python -m pytest ...'), "
@@ -122,10 +128,19 @@ def command(runner: Runner, python: str, workspace: str, options: tuple[str, ...
             tests: list[str]) -> list[str]:
     """The run of a non-pytest runner: ``options`` from the task's ``test_cmd`` (None: the
     runner's defaults), then the tests."""
-    opts = runner.options if options is None else options
+    env, opts = split_assignments(runner.options if options is None else options)
+    prefix = ["env", *env] if env else []
     if runner.name == "unittest":
-        return [python, "-c", UNITTEST_LAUNCH, workspace, *opts, *tests]
-    return [python, runner.script, *opts, *tests]
+        return [*prefix, python, "-c", UNITTEST_LAUNCH, workspace, *opts, *tests]
+    return [*prefix, python, runner.script, *opts, *tests]
+
+
+def split_assignments(options: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(the leading ``NAME=value`` words, the options after them)."""
+    n = 0
+    while n < len(options) and _ASSIGNMENT.match(options[n]):
+        n += 1
+    return list(options[:n]), list(options[n:])
 
 
 _OLD_STYLE = re.compile(r"^(\w+) \((.+)\.\1\)$")

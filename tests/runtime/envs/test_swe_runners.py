@@ -152,6 +152,14 @@ def test_runner_of_a_task() -> None:
         "django", ("--verbosity", "2", "--settings=test_sqlite", "--parallel", "1"))
     assert swe_runners.split_test_cmd("bin/test -C --verbose") == ("sympy", ("-C", "--verbose"))
     assert swe_runners.split_test_cmd("python -m unittest -v") == ("unittest", ("-v",))
+    # The harness's SymPy command starts with an assignment: it runs through env.
+    runner, options = swe_runners.split_test_cmd(
+        "PYTHONWARNINGS='ignore::UserWarning' bin/test -C --verbose")
+    assert (runner, options) == ("sympy", ("PYTHONWARNINGS=ignore::UserWarning", "-C",
+                                           "--verbose"))
+    assert swe_runners.command(swe_runners.SPECS["sympy"], "python", "/w", options, ["t.py"]) \
+        == ["env", "PYTHONWARNINGS=ignore::UserWarning", "python", "bin/test", "-C",
+            "--verbose", "t.py"]
     assert swe_runners.split_test_cmd("pytest -rA") == ("pytest", ("-rA",))
     with pytest.raises(ValueError, match="must run pytest"):
         swe_runners.split_test_cmd("tox -e py311")
