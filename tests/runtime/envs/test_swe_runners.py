@@ -11,7 +11,7 @@ import pytest
 from rollout.runtime.envs import swe as swe_env
 from rollout.runtime.envs import swe_runners
 from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.task_files import load_tasks
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call
 
