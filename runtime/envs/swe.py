@@ -415,7 +415,8 @@ def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -
     """What the grading tree puts back to ``base_commit`` beside the files pytest loads by
     configuration: the files of the test patch and of the named tests, the runner's own
     files, and (a trailing ``/``) each test directory they are in, from its topmost folder
-    named like one (``tests``, ``testing``, ``test_*``, ``*_tests``): a directory's
+    named like one (``tests``, ``test_*``, ``*_tests``; ``testing`` only at the root, as
+    pytest's own: ``sympy/testing`` is a package of the library): a directory's
     ``__init__.py``, helper modules and data are the tests' as much as the test files are."""
     files = [*patched_files(task["test_patch"]), *runner.protect]
     if runner.name == "pytest":
@@ -424,7 +425,7 @@ def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -
     for path in files:
         parts = path.split("/")[:-1]
         for i, part in enumerate(parts):
-            if _TEST_DIR.fullmatch(part):
+            if _TEST_DIR.fullmatch(part) and (part != "testing" or i == 0):
                 out.add("/".join(parts[:i + 1]) + "/")
                 break
     return sorted(out)

@@ -167,6 +167,15 @@ def test_runner_of_a_task() -> None:
         SweHandler().validate_task(dict(DJANGO, test_runner="nose"))
 
 
+def test_test_directories_put_back_whole() -> None:
+    task = {"test_patch": "".join(f"diff --git a/{f} b/{f}\n" for f in (
+        "tests/admin_views/tests.py", "sympy/testing/tests/test_pytest.py",
+        "testing/test_runner.py", "pkg/test_inline.py"))}
+    assert swe_env.protected_paths(task, swe_runners.SPECS["pytest"], []) == [
+        "pkg/test_inline.py", "sympy/testing/tests/", "sympy/testing/tests/test_pytest.py",
+        "testing/", "testing/test_runner.py", "tests/", "tests/admin_views/tests.py"]
+
+
 def test_directives_as_the_harness_names_them() -> None:
     files = ["tests/admin_views/tests.py", "tests/admin_views/models.py", "docs/x.txt"]
     django = swe_runners.SPECS["django"]
