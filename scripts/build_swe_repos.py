@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from rollout.runtime.envs import swe_runners
 from rollout.runtime.envs.pytest_log import PASSING, files_of, outcome_of, parse_pytest_report
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "runtime" / "envs" / "data"
@@ -599,6 +600,232 @@ SPECS += [
     },
 ]
 
+# Repositories with their own test runner, in the output formats of the real ones, so the
+# shipped tasks exercise the grader's Django-style and SymPy-style paths without those
+# projects (runtime.envs.swe_runners). Their FAIL_TO_PASS/PASS_TO_PASS name tests the way
+# SWE-bench's lists for django/django and sympy/sympy do.
+_DJ_RUNTESTS = (
+    "#!/usr/bin/env python\n"
+    '"""Run the test suite, the way Django\'s tests/runtests.py does: labels are test modules\n'
+    'relative to this folder (``text_tests.tests``); nothing given runs every app."""\n'
+    "import argparse\n"
+    "import os\n"
+    "import sys\n"
+    "import unittest\n\n"
+    "RUNTESTS_DIR = os.path.abspath(os.path.dirname(__file__))\n"
+    "sys.path[:0] = [os.path.dirname(RUNTESTS_DIR), RUNTESTS_DIR]\n\n\n"
+    "def main():\n"
+    "    parser = argparse.ArgumentParser(description=\"Run the tinydj test suite.\")\n"
+    "    parser.add_argument(\"modules\", nargs=\"*\", metavar=\"module\")\n"
+    "    parser.add_argument(\"-v\", \"--verbosity\", type=int, default=1)\n"
+    "    parser.add_argument(\"--parallel\", default=\"1\")\n"
+    "    parser.add_argument(\"--settings\")\n"
+    "    args = parser.parse_args()\n"
+    "    import tinydj\n"
+    "    print(\"Testing against tinydj installed in '%s'\" % os.path.dirname(tinydj.__file__))\n"
+    "    loader = unittest.defaultTestLoader\n"
+    "    if args.modules:\n"
+    "        suite = loader.loadTestsFromNames(args.modules)\n"
+    "    else:\n"
+    "        suite = loader.discover(RUNTESTS_DIR, pattern=\"tests.py\", "
+    "top_level_dir=RUNTESTS_DIR)\n"
+    "    result = unittest.TextTestRunner(verbosity=args.verbosity).run(suite)\n"
+    "    sys.exit(bool(result.failures or result.errors))\n\n\n"
+    "if __name__ == \"__main__\":\n"
+    "    main()\n")
+_DJ_TEXT = (
+    '"""Text helpers for URLs."""\n\n'
+    "import re\n"
+    "import unicodedata\n\n\n"
+    "def slugify(value):\n"
+    '    """Lowercase ASCII words of ``value`` joined by single hyphens."""\n'
+    "    value = unicodedata.normalize(\"NFKD\", str(value))\n"
+    "    value = value.encode(\"ascii\", \"ignore\").decode(\"ascii\")\n"
+    "    value = re.sub(r\"[^\\w\\s-]\", \"\", value.lower())\n"
+    "    return {ret}\n")
+_DJ_TESTS = (
+    "from unittest import TestCase\n\n"
+    "from tinydj.text import slugify\n\n\n"
+    "class SlugifyTests(TestCase):\n"
+    "    def test_words(self):\n"
+    "        self.assertEqual(slugify(\"Hello World\"), \"hello-world\")\n\n"
+    "    def test_punctuation(self):\n"
+    "        self.assertEqual(slugify(\"a.b, c!\"), \"ab-c\")\n\n"
+    "    def test_accents(self):\n"
+    "        self.assertEqual(slugify(\"Caf\\u00e9\"), \"cafe\")\n"
+    "{extra}")
+_DJ_NEW_TESTS = (
+    "\n"
+    "    def test_repeated_spaces_and_hyphens(self):\n"
+    "        self.assertEqual(slugify(\"a  --  b\"), \"a-b\")\n\n"
+    "    def test_surrounding_separators(self):\n"
+    "        self.assertEqual(slugify(\" -hello- \"), \"hello\")\n")
+_SYM_RUNTESTS = (
+    '"""A test runner in the manner of SymPy\'s: ``bin/test [-C] [--verbose] [PATH ...]``\n'
+    "runs the ``test_*`` functions of the given test files (default: every\n"
+    "``tinysym/**/tests/test_*.py``) and reports like ``sympy.testing.runtests``.\"\"\"\n\n"
+    "import glob\n"
+    "import importlib\n"
+    "import os\n"
+    "import sys\n"
+    "import time\n"
+    "import traceback\n\n"
+    "WIDTH = 80\n\n\n"
+    "def _report(name, mark, dot, verbose):\n"
+    "    if verbose:\n"
+    "        print(\"%s %s\" % (name, mark))\n"
+    "    else:\n"
+    "        print(dot, end=\"\")\n\n\n"
+    "def _module_of(path):\n"
+    "    return os.path.splitext(os.path.normpath(path))[0].replace(os.sep, \".\")\n\n\n"
+    "def test(*paths, verbose=False):\n"
+    "    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n"
+    "    os.chdir(root)\n"
+    "    files = list(paths) or sorted(glob.glob(\"tinysym/**/tests/test_*.py\", "
+    "recursive=True))\n"
+    "    print(\" test process starts \".center(WIDTH, \"=\"))\n"
+    "    print(\"executable:         %s  (%s) [CPython]\" % (sys.executable, "
+    "sys.version.split()[0]))\n"
+    "    print(\"cache:              no\")\n"
+    "    print()\n"
+    "    started, passed, failures = time.time(), 0, []\n"
+    "    for path in files:\n"
+    "        module = importlib.import_module(_module_of(path))\n"
+    "        tests = [(n, f) for n, f in vars(module).items()\n"
+    "                 if n.startswith(\"test_\") and callable(f)]\n"
+    "        print(\"%s[%d] \" % (path, len(tests)))\n"
+    "        for name, func in tests:\n"
+    "            try:\n"
+    "                func()\n"
+    "            except AssertionError:\n"
+    "                failures.append((path, name, \"F\", traceback.format_exc()))\n"
+    "                _report(name, \"F\", \"F\", verbose)\n"
+    "            except Exception:\n"
+    "                failures.append((path, name, \"E\", traceback.format_exc()))\n"
+    "                _report(name, \"E\", \"E\", verbose)\n"
+    "            else:\n"
+    "                passed += 1\n"
+    "                _report(name, \"ok\", \".\", verbose)\n"
+    "        print()\n"
+    "    for path, name, _, text in failures:\n"
+    "        print()\n"
+    "        print(\"_\" * WIDTH)\n"
+    "        print((\" %s:%s \" % (path, name)).center(WIDTH, \"_\"))\n"
+    "        print(text, end=\"\")\n"
+    "    failed = sum(1 for f in failures if f[2] == \"F\")\n"
+    "    errors = len(failures) - failed\n"
+    "    summary = \" tests finished: %d passed, \" % passed\n"
+    "    if failed:\n"
+    "        summary += \"%d failed, \" % failed\n"
+    "    if errors:\n"
+    "        summary += \"%d exceptions, \" % errors\n"
+    "    summary += \"in %.2f seconds \" % (time.time() - started)\n"
+    "    print(summary.center(WIDTH, \"=\"))\n"
+    "    if failures:\n"
+    "        print(\"DO *NOT* COMMIT!\")\n"
+    "    return not failures\n")
+_SYM_BIN_TEST = (
+    "#!/usr/bin/env python\n"
+    '"""Program to execute doctests and unit tests for tinysym, like SymPy\'s bin/test."""\n'
+    "import os\n"
+    "import sys\n\n"
+    "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n\n"
+    "from tinysym.testing.runtests import test  # noqa: E402\n\n"
+    "args = [a for a in sys.argv[1:] if not a.startswith(\"-\")]\n"
+    "ok = test(*args, verbose=\"--verbose\" in sys.argv or \"-v\" in sys.argv)\n"
+    "sys.exit(0 if ok else 1)\n")
+_SYM_CORE = (
+    '"""Elementary functions on integers and rationals."""\n\n'
+    "from fractions import Fraction\n\n\n"
+    "def sign(x):\n"
+    '    """-1, 0 or 1, the sign of ``x``."""\n'
+    "    {sign}\n\n\n"
+    "def absolute(x):\n"
+    "    return x * sign(x)\n\n\n"
+    "def rational(p, q=1):\n"
+    "    return Fraction(p, q)\n")
+_SYM_TESTS = (
+    "from tinysym.core import absolute, rational, sign\n"
+    "from tinysym.testing.pytest import raises\n\n\n"
+    "def test_sign_positive():\n"
+    "    assert sign(3) == 1\n"
+    "    assert sign(rational(1, 2)) == 1\n\n\n"
+    "def test_sign_negative():\n"
+    "    assert sign(-2) == -1\n\n\n"
+    "def test_rational_zero_denominator():\n"
+    "    raises(ZeroDivisionError, lambda: rational(1, 0))\n"
+    "{extra}")
+_SYM_NEW_TESTS = (
+    "\n\n"
+    "def test_sign_zero():\n"
+    "    assert sign(0) == 0\n"
+    "    assert sign(rational(0, 5)) == 0\n\n\n"
+    "def test_absolute_zero():\n"
+    "    assert absolute(0) == 0\n"
+    "    assert absolute(-3) == 3\n")
+
+SPECS += [
+    {
+        "name": "tinydj",
+        "test_runner": "django",
+        "problem_statement": (
+            "`slugify` keeps runs of separators\n\n"
+            "`tinydj.text.slugify(\"a  --  b\")` returns `\"a------b\"` instead of `\"a-b\"`, "
+            "and `slugify(\" -hello- \")` returns `\"--hello--\"`: runs of spaces and hyphens "
+            "must become one hyphen, and none may lead or trail. Run the tests with "
+            "`python tests/runtests.py text_tests`."),
+        "files": {
+            "tinydj/__init__.py": "\"\"\"A tiny web toolkit.\"\"\"\n\n__version__ = \"0.1\"\n",
+            "tinydj/text.py": _DJ_TEXT.format(ret="value.replace(\" \", \"-\")"),
+            "tests/runtests.py": _DJ_RUNTESTS,
+            "tests/text_tests/__init__.py": "",
+            "tests/text_tests/tests.py": _DJ_TESTS.format(extra=""),
+        },
+        "fix": {"tinydj/text.py": _DJ_TEXT.format(
+            ret="re.sub(r\"[-\\s]+\", \"-\", value).strip(\"-_\")")},
+        "tests_after": {"tests/text_tests/tests.py": _DJ_TESTS.format(extra=_DJ_NEW_TESTS)},
+        "fail_to_pass": [
+            "test_repeated_spaces_and_hyphens (text_tests.tests.SlugifyTests)",
+            "test_surrounding_separators (text_tests.tests.SlugifyTests)"],
+        "pass_to_pass": ["test_words (text_tests.tests.SlugifyTests)",
+                         "test_punctuation (text_tests.tests.SlugifyTests)",
+                         "test_accents (text_tests.tests.SlugifyTests)"],
+    },
+    {
+        "name": "tinysym",
+        "test_runner": "sympy",
+        "problem_statement": (
+            "`sign(0)` is -1\n\n"
+            "`tinysym.core.sign(0)` returns -1, and so `absolute(0)` is 0 only by luck while "
+            "`sign(Fraction(0, 5))` is -1 as well: the sign of zero is 0. Run the tests with "
+            "`bin/test tinysym/tests/test_core.py`."),
+        "files": {
+            "tinysym/__init__.py": "\"\"\"A tiny algebra package.\"\"\"\n",
+            "tinysym/core.py": _SYM_CORE.format(sign="return 1 if x > 0 else -1"),
+            "tinysym/testing/__init__.py": "",
+            "tinysym/testing/pytest.py": (
+                '"""Test helpers that need no pytest (as sympy.testing.pytest)."""\n\n\n'
+                "def raises(expected, code):\n"
+                "    try:\n"
+                "        code()\n"
+                "    except expected:\n"
+                "        return\n"
+                "    raise AssertionError(\"DID NOT RAISE\")\n"),
+            "tinysym/testing/runtests.py": _SYM_RUNTESTS,
+            "bin/test": _SYM_BIN_TEST,
+            "tinysym/tests/__init__.py": "",
+            "tinysym/tests/test_core.py": _SYM_TESTS.format(extra=""),
+        },
+        "fix": {"tinysym/core.py": _SYM_CORE.format(
+            sign="return (x > 0) - (x < 0)")},
+        "tests_after": {"tinysym/tests/test_core.py": _SYM_TESTS.format(
+            extra=_SYM_NEW_TESTS)},
+        "fail_to_pass": ["test_sign_zero"],
+        "pass_to_pass": ["test_sign_positive", "test_sign_negative",
+                         "test_rational_zero_denominator", "test_absolute_zero"],
+    },
+]
+
 for _spec in SPECS:
     _spec["files"].setdefault("pyproject.toml", _PYPROJECT.format(name=_spec["name"]))
     _spec["files"]["README.md"] = f"# {_spec['name']}\n\nA tiny library. Run `python -m pytest`.\n"
@@ -626,14 +853,23 @@ def _diff(repo: Path, files: dict[str, str]) -> str:
     return patch
 
 
-def _outcomes(repo: Path, node_ids: list[str], path: list[str]) -> dict[str, bool]:
-    """Pass/fail of each node id (trusted code: the summary of ``-rA`` is enough here).
+def _outcomes(repo: Path, node_ids: list[str], path: list[str], runner: str = "pytest",
+              test_files: list[str] | None = None) -> dict[str, bool]:
+    """Pass/fail of each node id (trusted code: the summary of ``-rA`` is enough here; a
+    runner of the repository's own is read by the grader's parser for its log).
     ``path`` goes first on PYTHONPATH: what the task's environment installs (a src/ folder,
     a dependency's wheel), so the repository's copy wins over anything in this venv."""
     # No bytecode: the checks run the same files before and after a patch, often within one
     # second and at the same size, and a cached .pyc of the other version would run instead.
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": os.pathsep.join(path)}
+    if runner != "pytest":
+        spec = swe_runners.SPECS[runner]
+        argv = swe_runners.command(spec, sys.executable, str(repo), None,
+                                   swe_runners.directives(spec, test_files or []))
+        run = subprocess.run(argv, cwd=repo, capture_output=True, text=True, env=env)
+        log_outcomes, _ = swe_runners.parse_log(spec, run.stdout + run.stderr)
+        return {node: log_outcomes.get(node) in PASSING for node in node_ids}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
                            *files_of(node_ids)], cwd=repo, capture_output=True, text=True,
                           env=env)
@@ -649,9 +885,11 @@ def _verify(repo: Path, spec: dict[str, Any], patch: str, test_patch: str,
     path = [str(wheelhouse / p[1:]) if p.startswith("@") else str(repo / p)
             for p in spec.get("verify_path", [])]
     apply(test_patch)
-    before = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"], path)
+    runner = spec.get("test_runner", "pytest")
+    named = spec["fail_to_pass"] + spec["pass_to_pass"]
+    before = _outcomes(repo, named, path, runner, list(spec["tests_after"]))
     apply(patch)
-    after = _outcomes(repo, spec["fail_to_pass"] + spec["pass_to_pass"], path)
+    after = _outcomes(repo, named, path, runner, list(spec["tests_after"]))
     _git(repo, "checkout", "--", ".")
     _git(repo, "clean", "-fdxq")
     bad = [n for n in spec["fail_to_pass"] if before[n]] + [n for n, ok in after.items() if not ok]
@@ -717,6 +955,8 @@ def build_one(spec: dict[str, Any], out_dir: Path, wheelhouse: Path) -> dict[str
         "FAIL_TO_PASS": spec["fail_to_pass"],
         "PASS_TO_PASS": spec["pass_to_pass"],
     }
+    if "test_runner" in spec:
+        task["test_runner"] = spec["test_runner"]
     if "spec" in spec:
         task["version"] = spec["version"]
         task["spec"] = spec["spec"]

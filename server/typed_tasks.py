@@ -80,6 +80,7 @@ def swe_task(t: tasks_pb2.SweTask) -> dict[str, Any]:
     if t.pytest_plugin_autoload:
         out["pytest_plugin_autoload"] = True
     _put(out, "version", t.version)
+    _put(out, "test_runner", t.test_runner)
     if t.HasField("spec"):
         s = t.spec
         spec: dict[str, Any] = {}

@@ -19,6 +19,14 @@ Why a solution cannot forge a pass:
   solution running as the same user can neither ptrace it nor open ``/proc/<runner>/fd/1`` to
   write a fake result line; the result line carries the spec's nonce, which the handler checks.
 
+What a function-mode solution could still do: it runs in the harness's own process, so it
+could walk up the call stack to the harness's frame, read the token and write it itself. The
+runner screens every ``.py`` file of the workspace first (:data:`SCREEN`: frame and stack
+access, ``gc`` object walks, ``/proc/self``, the harness's descriptors through ``sys.argv`` or
+``os.write``, tracing hooks) and fails every test of a solution that has any, with the line
+named; a solution has no business with the harness that judges it. Code that hides such a
+call from a text screen (``getattr`` on built strings) is not caught: docs/grading.md.
+
 Spec fields: ``nonce``, ``mode`` ("stdio" | "function"), ``solution_file``, ``tests`` (stdio:
 ``{"input", "output"}``; function: ``{"code"}`` — Python run with the solution module's names in
 scope), ``time_limit_s``, ``memory_limit_mb``.
@@ -30,6 +38,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import resource
 import secrets
 import signal
@@ -53,6 +62,12 @@ def _main(token_fd, done_fd, path):
 _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 """
 _DETAIL_CHARS = 500
+SCREEN = re.compile(
+    r"\bsys\._getframe\b|\bf_(?:back|locals|globals)\b|\btb_frame\b|\binspect\.(?:"
+    r"currentframe|stack|getouterframes|getinnerframes|trace)\b|\bgc\.get_(?:objects|referrers"
+    r"|referents)\b|/proc/self|\bsys\.argv\b|\bos\.(?:write|fdopen|dup2?|read)\b|"
+    r"\bsys\.(?:settrace|setprofile|addaudithook)\b|\bframe\.f_")
+_MAX_SCREENED = 1 << 20
 _PR_SET_DUMPABLE = 4
 
 
@@ -149,10 +164,36 @@ def _make_undumpable() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+def screen(root: str) -> str:
+    """The first line of a ``.py`` file under ``root`` that reaches into the harness ('' for
+    none)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                text = f.read(_MAX_SCREENED).decode("utf-8", "replace")
+            for number, line in enumerate(text.splitlines(), 1):
+                if SCREEN.search(line):
+                    where = os.path.relpath(path, root)
+                    return f"{where}:{number}: {line.strip()[:200]}"
+    return ""
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.read())
     _make_undumpable()
-    results = [run_test(spec, test) for test in spec["tests"]]
+    found = screen(os.getcwd()) if spec["mode"] != "stdio" else ""
+    if found:
+        detail = f"the solution reaches into the test harness (frames, descriptors): {found}"
+        results = [{"passed": False, "status": "error", "detail": detail[:_DETAIL_CHARS]}
+                   for _ in spec["tests"]]
+    else:
+        results = [run_test(spec, test) for test in spec["tests"]]
     sys.stdout.write(json.dumps({"nonce": spec["nonce"], "results": results}))
     return 0
 

@@ -15,8 +15,11 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-PASSING = frozenset({"PASSED", "XFAIL"})
-"""Outcomes that count as "the test passes" (SWE-bench counts an expected failure as passing)."""
+PASSING = frozenset({"PASSED"})
+"""Outcomes that count as "the test passes". Only a pass: an expected failure (XFAIL), an
+unexpected pass (XPASS) and a skip are failures here, though SWE-bench's grader counts XFAIL
+as passing, since code under test can call ``pytest.xfail()`` or ``pytest.skip()`` in the
+path a test exercises and turn its failure into one of those."""
 
 KNOWN_OUTCOMES = frozenset({"PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"})
 _SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*?)\s*$")
@@ -51,6 +54,10 @@ class PluginReport:
     """Node id -> outcome."""
     foreign_hooks: list[str]
     """Outcome hooks the code under test registered (see the plugin); any is disqualifying."""
+    tampered: list[str] = field(default_factory=list)
+    """Runner functions that changed while the tests ran (see the plugin); disqualifying."""
+    exitstatus: int | None = None
+    """pytest's own exit status, as the session saw it."""
 
 
 def parse_plugin_report(text: str) -> PluginReport | None:
@@ -58,14 +65,18 @@ def parse_plugin_report(text: str) -> PluginReport | None:
     try:
         data = json.loads(text)
         tests, foreign = data["tests"], data.get("foreign_hooks", [])
+        tampered, exitstatus = data.get("tampered", []), data.get("exitstatus")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not isinstance(tests, dict) or not all(
             isinstance(k, str) and v in KNOWN_OUTCOMES for k, v in tests.items()):
         return None
-    if not isinstance(foreign, list) or not all(isinstance(f, str) for f in foreign):
+    if not all(isinstance(x, list) and all(isinstance(f, str) for f in x)
+               for x in (foreign, tampered)):
         return None
-    return PluginReport(dict(tests), list(foreign))
+    if exitstatus is not None and (not isinstance(exitstatus, int) or isinstance(exitstatus, bool)):
+        return None
+    return PluginReport(dict(tests), list(foreign), list(tampered), exitstatus)
 
 
 def files_of(node_ids: Iterable[str]) -> list[str]:

@@ -16,6 +16,7 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "PASS_TO_PASS": ["tests/test_v.py::test_y"],
       "test_env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},   # optional, for the test run
       "test_timeout_s": 300,                     # optional
+      "test_runner": "pytest",                   # optional: or django, sympy, unittest
       "pytest_plugins": ["xdist"],               # optional: -p NAME for each
       "pytest_plugin_autoload": false,           # optional: entry-point plugins (default off)
       "version": "0.3",                          # with "spec": the task's own environment,
@@ -29,13 +30,18 @@ every other ref and prunes unreachable objects, so the agent cannot read the fix
 history. The agent gets bash, the editor and submit; the end of RUN kills every process it
 started. The test patch stays on the host until EVAL, which grades where the agent cannot
 reach (:mod:`rollout.runtime.envs.grading`): a fresh sandbox (its own uid when the server is
-root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file
-pytest loads by configuration (conftest, ini files, ``.pth``, changed pytest sections) and
-every file of the named tests is put back to ``base_commit``, then the test patch applied
-(:mod:`rollout.runtime.envs.swe_grade_tree`). Only the named tests run (their node ids), with
-plugin autoload off, and their outcomes come from a report file
+root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file a
+test runner loads by configuration, the test directories of the named tests and of the test
+patch, and the runner's own files are put back to ``base_commit``, the agent's diff is
+screened for code that reaches into the test framework or the grader, then the test patch
+applied (:mod:`rollout.runtime.envs.swe_grade_tree`). pytest runs only the named tests (their
+node ids), with plugin autoload off; their outcomes come from a report file
 (:mod:`rollout.runtime.envs.pytest_report_plugin`) read after every process of the run is
-dead, never from stdout. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passes.
+dead, never from stdout, and the plugin checks the runner's own functions while the tests run.
+Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
+their logs (:mod:`rollout.runtime.envs.swe_runners`). Reward 1 iff every FAIL_TO_PASS and
+every PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found
+tampering; docs/grading.md lists the checks and what they cannot stop.
 """
 
 from __future__ import annotations
@@ -47,11 +53,12 @@ import re
 import secrets
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
+from rollout.runtime.envs import swe_runners
 from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
@@ -65,7 +72,14 @@ from rollout.runtime.envs.common import (
     write_private,
 )
 from rollout.runtime.envs.grading import end_agent, open_grader
-from rollout.runtime.envs.pytest_log import PASSING, files_of, judge, parse_plugin_report
+from rollout.runtime.envs.pytest_log import (
+    PASSING,
+    files_of,
+    judge,
+    outcome_of,
+    parse_plugin_report,
+)
+from rollout.runtime.envs.swe_runners import Runner
 from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
@@ -133,6 +147,8 @@ OPTIONS_KEY = "swe.sandbox_options"
 """``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
 grading sandbox needs as well."""
 _MAX_REPORT = 8 << 20
+_IMPORT_ERROR = re.compile(r"(?:ModuleNotFoundError|ImportError): [^\n]{1,300}")
+_TEST_DIR = re.compile(r"tests?|testing|tests?_\w+|\w+_tests?")
 
 
 class SweHandler(AgentHandler):
@@ -169,6 +185,10 @@ class SweHandler(AgentHandler):
         if not isinstance(task.get("pytest_plugin_autoload", False), bool):
             raise invalid("swe task field 'pytest_plugin_autoload' must be true or false",
                           "pytest_plugin_autoload")
+        try:
+            task_runner(task)
+        except ValueError as e:
+            raise invalid(str(e), "test_runner") from None
         if "patch" in task and not isinstance(task["patch"], str):
             raise invalid("swe task field 'patch' must be a string", "patch")
 
@@ -230,56 +250,127 @@ class SweHandler(AgentHandler):
     async def _grade(self, ctx: JobContext, grader: Any, kind: str, data: bytes,
                      f2p: list[str], p2p: list[str]) -> Reward:
         task = ctx.spec.task
+        runner = task_runner(task)
         zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
         src = await write_private(grader, "repo-source", data)
         patch = await write_private(grader, "test.patch", task["test_patch"])
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
-        protected = sorted({*patched_files(task["test_patch"]), *files_of(f2p + p2p)})
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
-             *protected],
+             *protected_paths(task, runner, f2p + p2p)],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
             why = ("the test patch does not apply" if prepared.exit_code == _PATCH_FAILED
                    else "building the grading tree failed")
             return Reward(0.0, zero, {"error": why, "log": prepared.output[-1000:]})
+        tree_report = json.loads(prepared.stdout or "{}")
+        info = {"restored": ",".join(tree_report.get("restored", []))[:1000],
+                "runner": runner.name}
+        # Reasons for a 0 that no test outcome can outweigh; every one found is reported.
+        problems: list[str] = []
+        if tree_report.get("screen"):
+            problems.append("the change reaches into the test framework or the grader")
+            info["screen"] = "; ".join(tree_report["screen"])[:2000]
+        timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
+        paths = import_paths(task, tree_report.get("import_paths", []))
+        if paths:
+            info["import_paths"] = ",".join(paths)
+        paths = [posixpath.join(grader.workspace_in_sandbox, p) for p in paths]
+        if runner.name == "pytest":
+            outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems,
+                                              paths)
+        else:
+            outcomes = await self._run_logged(grader, task, runner, timeout, info, problems,
+                                              paths)
+        if "error" not in info and not exit_status_agrees(outcomes or {},
+                                                          info.get("exit_status", "")):
+            problems.append(f"the runner's exit status ({info['exit_status']}) disagrees with "
+                            "the recorded outcomes, in which every test passed")
+        verdict = judge(outcomes or {}, f2p, p2p)
+        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
+                   if o not in PASSING]
+        info["failing"] = ",".join(failing)[:1000]
+        if problems:
+            info["error"] = "; ".join(problems)
+            return Reward(0.0, {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
+                                "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+        return Reward(1.0 if verdict.resolved else 0.0,
+                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
+                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+
+    async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
+                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
+                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
         plugin_dir = posixpath.dirname(await write_private(
             grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
         # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
         # ever ran there, and the plugin refuses to write over a file that exists.
         report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
-        timeout = min(float(task.get("test_timeout_s", 300.0)), ctx.spec.limits.eval_timeout_s)
         run = await grader.exec(
-            [*test_command(task, grader.workspace_in_sandbox), *f2p, *p2p],
+            [*test_command(task, grader.workspace_in_sandbox), *named],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
-            env=test_env(task, plugin_dir, report), max_output=1 << 20)
+            env=test_env(task, plugin_dir, report, paths), max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
         await grader.stop_processes()
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
                                 max_output=_MAX_REPORT + 1)
         report_data = parse_plugin_report(raw.stdout) if raw.ok else None
-        outcomes = report_data.outcomes if report_data is not None else None
-        if report_data is not None and report_data.foreign_hooks:
-            return Reward(0.0, zero, {
-                "error": "the code under test registered pytest hooks that decide outcomes",
-                "hooks": "; ".join(report_data.foreign_hooks)[:1000],
-                "pytest_exit": str(run.exit_code)})
-        info = {"pytest_exit": str(run.exit_code),
-                "restored": ",".join(json.loads(prepared.stdout or "{}").get("restored", []))
-                [:1000]}
+        info["pytest_exit"] = info["exit_status"] = str(run.exit_code)
+        if report_data is not None:
+            if report_data.foreign_hooks:
+                problems.append("the code under test registered pytest hooks that decide "
+                                "outcomes")
+                info["hooks"] = "; ".join(report_data.foreign_hooks)[:1000]
+            if report_data.tampered:
+                problems.append("the code under test replaced the test runner's functions "
+                                "while the tests ran")
+                info["tampered"] = "; ".join(report_data.tampered)[:1000]
+            if report_data.exitstatus is not None and report_data.exitstatus != run.exit_code \
+                    and not run.timed_out:
+                problems.append(f"pytest's exit status ({run.exit_code}) is not the one its "
+                                f"session reported ({report_data.exitstatus})")
         if run.timed_out:
             info["error"] = f"tests timed out after {timeout:g} s"
-        elif outcomes is None:
+        elif report_data is None:
             info["error"] = "pytest wrote no report (it could not start or was killed)"
             info["log"] = run.output[-1000:]
-        verdict = judge(outcomes or {}, f2p, p2p)
-        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
-                   if o not in PASSING]
-        info["failing"] = ",".join(failing)[:1000]
-        return Reward(1.0 if verdict.resolved else 0.0,
-                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
-                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+        elif named and all(outcome_of(n, report_data.outcomes) in ("ERROR", "MISSING")
+                           for n in named):
+            # Nothing ran: say why when it is an import, never a silent 0.
+            missing = _IMPORT_ERROR.search(run.output)
+            if missing is not None:
+                info["error"] = f"the tests could not import their code: {missing.group(0)}"
+        return report_data.outcomes if report_data is not None else None
+
+    async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
+                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
+                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
+        """A runner that reports only through its log (Django, SymPy, unittest)."""
+        spec = EnvSpec.of(task)
+        options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
+            else None
+        env = string_env(task, "test_env", env=ENV)
+        # One stream, unbuffered: the log is read in the order it was written, which decides
+        # the outcome of a test whose result runs over several lines.
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ":".join(p for p in (*paths, env.get("PYTHONPATH", "")) if p)
+        argv = swe_runners.command(runner, spec.run_python if spec else "python",
+                                   grader.workspace_in_sandbox, options,
+                                   swe_runners.directives(runner,
+                                                          patched_files(task["test_patch"])))
+        run = await grader.exec(
+            ["bash", "-c", 'exec "$@" 2>&1', "run-tests", *argv],
+            timeout=timeout, cwd=grader.workspace_in_sandbox, env=env, max_output=4 << 20)
+        await grader.stop_processes()
+        outcomes, parser = swe_runners.parse_log(runner, run.output)
+        info.update(exit_status=str(run.exit_code), parser=parser)
+        if run.timed_out:
+            info["error"] = f"tests timed out after {timeout:g} s"
+        elif not outcomes:
+            info["error"] = f"the {runner.name} runner's log names no test"
+            info["log"] = run.output[-1000:]
+        return outcomes
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
@@ -300,26 +391,70 @@ async def check_out(sandbox: Any, task: Mapping[str, Any], kind: str, data: byte
                            "REPO_CHECKOUT_FAILED")
 
 
+def import_paths(task: Mapping[str, Any], found: list[str]) -> list[str]:
+    """Folders of the checkout the tests need on the path: a task without an environment of
+    its own runs from the checkout, where a src/ layout (``found`` by the grading tree) is
+    importable only with src/ on the path; a task with a spec installs its package."""
+    return [] if EnvSpec.of(task) is not None else [p for p in found if p == "src"]
+
+
+def exit_status_agrees(outcomes: Mapping[str, str], exit_status: str) -> bool:
+    """False when every test on record passed and the runner still exited nonzero: something
+    rewrote the record (a wrapped recorder, a printed result line)."""
+    return not (outcomes and all(o == "PASSED" for o in outcomes.values())
+                and exit_status != "0")
+
+
+def task_runner(task: Mapping[str, Any]) -> Runner:
+    """The runner of a task that validated (see :mod:`.swe_runners`)."""
+    spec = EnvSpec.of(task)
+    return swe_runners.runner_of(task, spec.test_runner if spec is not None else "")
+
+
+def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -> list[str]:
+    """What the grading tree puts back to ``base_commit`` beside the files pytest loads by
+    configuration: the files of the test patch and of the named tests, the runner's own
+    files, and (a trailing ``/``) each test directory they are in, from its topmost folder
+    named like one (``tests``, ``test_*``, ``*_tests``; ``testing`` only at the root, as
+    pytest's own: ``sympy/testing`` is a package of the library): a directory's
+    ``__init__.py``, helper modules and data are the tests' as much as the test files are."""
+    files = [*patched_files(task["test_patch"]), *runner.protect]
+    if runner.name == "pytest":
+        files += files_of(named)
+    out = set(files)
+    for path in files:
+        parts = path.split("/")[:-1]
+        for i, part in enumerate(parts):
+            if _TEST_DIR.fullmatch(part) and (part != "testing" or i == 0):
+                out.add("/".join(parts[:i + 1]) + "/")
+                break
+    return sorted(out)
+
+
 def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
     """pytest through :data:`_LAUNCH` (``python`` is the task environment's when it has one,
     the image's own with ``spec.image``), the options of the task's ``spec.test_cmd`` and the
     grader's: the report plugin, no cache, the task's plugins. The named node ids follow."""
     spec = EnvSpec.of(task)
-    args = [spec.run_python if spec else "python", "-c", _LAUNCH, workspace,
-            *(spec.test_cmd if spec else ()),
+    env, options = swe_runners.split_assignments(spec.test_cmd if spec else ())
+    args = [*(["env", *env] if env else []),
+            spec.run_python if spec else "python", "-c", _LAUNCH, workspace, *options,
             "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]
     return args
 
 
-def test_env(task: Mapping[str, Any], plugin_dir: str, report: str) -> dict[str, str]:
+def test_env(task: Mapping[str, Any], plugin_dir: str, report: str,
+             paths: Sequence[str] = ()) -> dict[str, str]:
     """Environment of the test run: plugin autoload off unless the task asks for it (the
-    server's or the environment's stray plugins change outcomes and cost seconds)."""
+    server's or the environment's stray plugins change outcomes and cost seconds); ``paths``
+    (a src/ layout's folder) after the plugin's on PYTHONPATH."""
     env = string_env(task, "test_env", env=ENV)
     if not task.get("pytest_plugin_autoload", False):
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, *paths, env.get("PYTHONPATH", ""))
+                                 if p)
     env["ROLLOUT_PYTEST_REPORT"] = report
     return env
 

@@ -1,40 +1,74 @@
 """Builds the swe grading tree. Runs INSIDE the grading sandbox, stdlib only, before any code
 of the agent runs there.
 
-``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [FILE ...]`` in a directory that holds a
-copy of the agent's working tree without ``.git``:
+``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [PATH ...]`` in a directory that holds
+a copy of the agent's working tree without ``.git``:
 
 1. A fresh ``.git`` from the task's source (``KIND`` bundle or archive), reset to ``BASE`` with
    the working tree left as the agent made it: the agent's diff over a clean base, with none of
    the agent's git configuration, hooks or history.
 2. Files a test run loads by design are put back to ``BASE`` (or removed when ``BASE`` has none):
-   every ``conftest.py``, ``pytest.ini``/``.pytest.ini``/``tox.ini``, ``sitecustomize.py``,
-   ``usercustomize.py`` and ``*.pth``, the files the test patch touches and the ``FILE``s (the
-   files that hold the named tests). ``pyproject.toml`` and ``setup.cfg`` are put back only
-   when their pytest section changed, since the agent may have to edit the rest (a
-   dependency). A conftest hook that rewrites outcomes is thereby never loaded.
+   every ``conftest.py``, ``pytest.ini``/``.pytest.ini``/``pytest.toml``/``.pytest.toml``/
+   ``tox.ini``, ``sitecustomize.py``, ``usercustomize.py`` and ``*.pth``; each ``PATH`` (the
+   files of the named tests and of the test patch, the runner's own files); and everything
+   below each ``PATH`` that ends in ``/`` (the test directories: ``tests/__init__.py``, helper
+   modules beside the tests, data files), where files ``BASE`` does not track are removed.
+   ``pyproject.toml`` is put back whole when any of its ``[tool.*]`` tables changed, and
+   ``setup.cfg`` when a ``[tool:*]`` or ``[pytest]`` section did, since the agent may have to
+   edit the rest (a dependency). Test modules the agent added anywhere else (``test_*.py``,
+   ``*_test.py`` that ``BASE`` lacks) are removed: no fix needs them, and outside the screen
+   below they could carry code that reaches into the runner. A conftest hook that rewrites
+   outcomes is thereby never loaded.
 3. Compiled bytecode that ``BASE`` does not track is removed (``__pycache__/``, ``*.pyc``,
    ``*.pyo``): Python runs a cached module whose recorded source size and mtime match instead
    of the source, so a ``.pyc`` left by the agent's own test runs (an edit within the same
    second, same size) or planted on purpose would be judged instead of the patch.
-4. The test patch is applied (exit 97 when it does not apply).
+4. The screen: every line the agent's diff adds to a ``.py`` file that is still the agent's
+   is matched against :data:`SCREEN` (imports of the test framework, its runner functions,
+   the grader's names, ``/proc/self/fd``, ...); a match that the file did not already have at
+   ``BASE`` is reported, and the grader scores the run 0. The code under test has no business
+   with the machinery that judges it; a repository whose own code is that machinery (pytest
+   itself, Django's test runner) already mentions it at ``BASE`` and passes.
+5. The test patch is applied (exit 97 when it does not apply).
 
-Prints one JSON line: which files were put back, how many bytecode files were removed.
+Prints one JSON line: which files were put back, how many bytecode files were removed, what
+the screen found.
 """
 
 from __future__ import annotations
 
+import codecs
 import configparser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
 
-LOADED_BY_PYTEST = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
-                              "sitecustomize.py", "usercustomize.py"})
+LOADED_BY_PYTEST = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
+                              ".pytest.toml", "tox.ini", "sitecustomize.py", "usercustomize.py"})
+_FRAMEWORKS = r"(?:_pytest|pytest|pluggy|unittest|doctest|nose2?)"
+SCREEN = [(re.compile(pattern), why) for pattern, why in (
+    (rf"(?:^|[;:])\s*(?:from\s+{_FRAMEWORKS}\b|import\s+(?:[\w.]+(?:\s+as\s+\w+)?\s*,\s*)*"
+     rf"{_FRAMEWORKS}\b)", "imports the test framework"),
+    (rf"(?:__import__|import_module)\(\s*['\"]{_FRAMEWORKS}\b", "imports the test framework"),
+    (rf"sys\.modules\s*(?:\[|\.get\()\s*['\"]{_FRAMEWORKS}\b", "reaches the test framework"),
+    (r"\brollout_(?:pytest|unittest|runner)|\bROLLOUT_[A-Z]|\.rollout-", "refers to the grader"),
+    (r"\bruntest\b|pytest_runtest|pytest_pyfunc_call|TestCaseFunction|CallInfo|TestReport\b",
+     "refers to pytest's runner"),
+    (r"\b(?:TestResult|TextTestRunner|TextTestResult|DiscoverRunner)\b|\.add(?:Success|Failure|"
+     r"Error|Skip|ExpectedFailure|UnexpectedSuccess|SubTest)\b|\bwasSuccessful\b",
+     "refers to unittest's runner"),
+    (r"(?:sympy\.(?:testing|utilities)\.runtests|SymPyTests|PyTestReporter)\b",
+     "refers to SymPy's runner"),
+    (r"/proc/self/(?:fd|environ|mem)|\bgc\.get_(?:objects|referrers)\b|\bsys\.(?:settrace|"
+     r"setprofile)\b|\bos\._exit\b|\bsys\.(?:stdout|stderr|exit|excepthook)\s*=(?!=)",
+     "inspects, rewrites or ends its own process"),
+)]
+_MAX_FINDINGS = 20
 PATCH_FAILED = 97
 _GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
             "GIT_TERMINAL_PROMPT": "0"}
@@ -64,14 +98,17 @@ def fresh_git(source: str, kind: str, base: str) -> None:
     git("config", "user.email", "grader@localhost")
 
 
-def pytest_section(path: str, data: bytes) -> object:
-    """The pytest configuration a file holds (None for none); unparsable -> a marker."""
+def runner_config(path: str, data: bytes) -> object:
+    """What a file configures for a test runner (None for nothing); unparsable -> a marker.
+    ``pyproject.toml``: every ``[tool.*]`` table (pytest's, and any plugin's or runner's);
+    ``setup.cfg``: its ``[tool:*]`` and ``[pytest]`` sections."""
     try:
         if path.endswith(".toml"):
-            return tomllib.loads(data.decode()).get("tool", {}).get("pytest")
+            return tomllib.loads(data.decode()).get("tool")
         parser = configparser.ConfigParser(interpolation=None)
         parser.read_string(data.decode())
-        return dict(parser["tool:pytest"]) if parser.has_section("tool:pytest") else None
+        return {name: dict(parser[name]) for name in parser.sections()
+                if name.startswith("tool:") or name == "pytest"} or None
     except (ValueError, configparser.Error, UnicodeDecodeError):
         return "<unparsable>"
 
@@ -83,24 +120,33 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def protect(base: str, named: set[str]) -> tuple[list[str], int]:
-    in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
+def protect(base: str, named: set[str], in_base: set[str]) -> tuple[list[str], int]:
     # Everything in the working tree, ignored files included: .gitignore is the agent's. The
     # walk also sees what git would not list (files below a nested .git the agent made).
     in_tree = set(git("ls-files", "-z", "--cached", "--others").decode().split("\0")) - {""}
     for dirpath, dirnames, filenames in os.walk("."):
-        if dirpath == ".":
+        if ".git" in dirnames or ".git" in filenames:
+            if dirpath != ".":  # a nested repository: its files are plain files here
+                remove(os.path.join(dirpath, ".git"))
             dirnames[:] = [d for d in dirnames if d != ".git"]
+            filenames = [n for n in filenames if n != ".git"]
         in_tree.update(os.path.normpath(os.path.join(dirpath, n)) for n in filenames)
+    dirs = tuple(d for d in named if d.endswith("/") and d != "/")
+    # Tracked files the agent changed (HEAD and index are at base); the rest need no look.
+    dirty = set(git("diff", "--name-only", "--no-renames", "-z").decode().split("\0")) - {""}
     restored, bytecode = [], 0
     for path in sorted(in_base | in_tree):
+        if path in in_base and path not in dirty:
+            continue
         name = os.path.basename(path)
         if is_bytecode(path) and path not in in_base:
             remove(path)
             bytecode += 1
             continue
         config = name in ("pyproject.toml", "setup.cfg")
-        if not (config or name in LOADED_BY_PYTEST or name.endswith(".pth") or path in named):
+        added_test = path not in in_base and is_test_module(name)
+        if not (config or added_test or name in LOADED_BY_PYTEST or name.endswith(".pth")
+                or path in named or path.startswith(dirs)):
             continue
         theirs = git("show", f"{base}:{path}") if path in in_base else None
         if os.path.islink(path) or not os.path.isfile(path):
@@ -109,7 +155,7 @@ def protect(base: str, named: set[str]) -> tuple[list[str], int]:
             with open(path, "rb") as f:
                 mine = f.read()
             if config:
-                changed = pytest_section(path, mine) != pytest_section(path, theirs or b"")
+                changed = runner_config(path, mine) != runner_config(path, theirs or b"")
             else:
                 changed = mine != theirs
         if not changed:
@@ -121,6 +167,46 @@ def protect(base: str, named: set[str]) -> tuple[list[str], int]:
     return restored, bytecode
 
 
+def is_test_module(name: str) -> bool:
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def unquote(name: str) -> str:
+    """A path as git's diff header writes it (C-quoted when it holds odd characters)."""
+    if not (name.startswith('"') and name.endswith('"')):
+        return name
+    return codecs.escape_decode(name[1:-1].encode())[0].decode("utf-8", "replace")
+
+
+def screen(base: str, in_base: set[str]) -> list[str]:
+    """What the agent's remaining ``.py`` changes add that reaches into the test machinery
+    (see :data:`SCREEN`), each as ``PATH: why: line``."""
+    # This .git is the grader's own, so its index may hold the agent's tree; --force: the
+    # agent's .gitignore must not hide a file from the screen.
+    git("add", "--force", "-A")
+    diff = git("diff", "--cached", "--no-color", "--no-ext-diff", "--no-renames", "-U0", base,
+               "--", "*.py").decode("utf-8", "replace")
+    findings: list[str] = []
+    path, before = "", ""
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            name = unquote(line[4:])
+            path = name[2:] if name.startswith("b/") else ""
+            before = (git("show", f"{base}:{path}").decode("utf-8", "replace")
+                      if path in in_base else "")
+            continue
+        if not path or not line.startswith("+") or line.startswith("+++"):
+            continue
+        for pattern, why in SCREEN:
+            if pattern.search(line[1:]) and not pattern.search(before):
+                findings.append(f"{path}: {why}: {line[1:].strip()[:160]}")
+                break
+        if len(findings) >= _MAX_FINDINGS:
+            break
+    git("reset", "-q")
+    return findings
+
+
 def is_bytecode(path: str) -> bool:
     return (path.endswith((".pyc", ".pyo"))
             or "__pycache__" in os.path.normpath(path).split(os.sep)[:-1])
@@ -129,13 +215,22 @@ def is_bytecode(path: str) -> bool:
 def main(argv: list[str]) -> int:
     source, kind, base, patch, *named = argv[1:]
     fresh_git(source, kind, base)
-    restored, bytecode = protect(base, set(named))
+    in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
+    restored, bytecode = protect(base, set(named), in_base)
+    found = screen(base, in_base)
+    # A src/ layout: packages under src/ that the checkout's root does not have.
+    under_src = {p.split("/")[1] for p in in_base if p.startswith("src/") and p.count("/") == 2
+                 and p.endswith("/__init__.py")}
+    at_root = {p.split("/")[0] for p in in_base if p.count("/") == 1
+               and p.endswith("/__init__.py")}
     proc = subprocess.run(["git", "apply", "--whitespace=nowarn", patch], env=_GIT_ENV,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         return PATCH_FAILED
-    sys.stdout.write(json.dumps({"restored": restored, "bytecode_removed": bytecode}) + "\n")
+    sys.stdout.write(json.dumps({"restored": restored, "bytecode_removed": bytecode,
+                                 "screen": found,
+                                 "import_paths": ["src"] if under_src - at_root else []}) + "\n")
     return 0
 
 

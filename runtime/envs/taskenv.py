@@ -9,7 +9,9 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
       "pre_install": ["sed -i ... setup.cfg"],   # optional shell commands in the checkout
       "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # from the wheelhouse only
       "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
-      "test_cmd": "pytest -rA"             # optional; pytest only: its options are kept
+      "test_cmd": "pytest -rA"             # optional: pytest, ./tests/runtests.py (Django),
+                                           # bin/test (SymPy) or python -m unittest; only
+                                           # its options are kept (runtime.envs.swe_runners)
     }
 
 The environment is a venv built once per (repository, version, spec) in a build sandbox with no
@@ -47,7 +49,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
+from rollout.runtime.envs.swe_runners import split_test_cmd
 from rollout.runtime.handler import HandlerError
 
 ENV_MOUNT = "/.rollout-env"
@@ -110,9 +112,11 @@ class EnvSpec:
     pip_packages: tuple[str, ...]
     install: str
     test_cmd: tuple[str, ...]
-    """The pytest options of ``test_cmd`` (the runner itself is always the grader's)."""
+    """The options of ``test_cmd`` (the runner itself is always the grader's)."""
     key: str
     """Cache key: repository, version and every spec field."""
+    test_runner: str = ""
+    """The runner ``test_cmd`` names ('' without one; see :mod:`.swe_runners`)."""
     image: str = ""
     """The task's own image ('' = none): a ``docker://``/``oras://`` reference, or a local
     image's real path (inside the allowed roots)."""
@@ -147,7 +151,10 @@ class EnvSpec:
         for name in ("install", "test_cmd", "python"):
             if not isinstance(spec.get(name, ""), str):
                 raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
-        test_cmd = pytest_options(str(spec.get("test_cmd") or ""))
+        try:
+            runner, test_cmd = split_test_cmd(str(spec.get("test_cmd") or ""))
+        except ValueError as e:
+            raise invalid(f"swe task field {e}", "spec.test_cmd") from None
         image = image_ref(spec.get("image"))
         if image:
             given = [f"spec.{n}" for n in _BUILD_FIELDS if spec.get(n)]
@@ -164,7 +171,7 @@ class EnvSpec:
                        **{k: spec.get(k) for k in _SPEC_FIELDS}}
         key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         return cls(python, lists["pre_install"], lists["pip_packages"],
-                   str(spec.get("install", "")), test_cmd, key, image)
+                   str(spec.get("install", "")), test_cmd, key, runner, image)
 
 
 def image_ref(value: Any) -> str:
@@ -229,21 +236,6 @@ def image_options(spec: EnvSpec) -> dict[str, Any]:
                                "`rollout tasks prepare FILE --runtime apptainer` on this "
                                f"server (cache: {image_cache_dir()})", "ENV_BUILD_FAILED")
     return {"image": image}
-
-
-def pytest_options(test_cmd: str) -> tuple[str, ...]:
-    """The options of a SWE-bench ``test_cmd`` (``pytest -rA``, ``python -m pytest ...``).
-    Other runners (tox, a repository's own script) cannot report per-test outcomes the way the
-    grader reads them, so they are refused."""
-    words = shlex.split(test_cmd)
-    for prefix in (["pytest"], ["py.test"], ["python", "-m", "pytest"],
-                   ["python3", "-m", "pytest"]):
-        if words[:len(prefix)] == prefix:
-            return tuple(words[len(prefix):])
-    if not words:
-        return ()
-    raise invalid(f"swe task field 'spec.test_cmd' must run pytest ('pytest ...' or 'python -m "
-                  f"pytest ...'), got {test_cmd!r}", "spec.test_cmd")
 
 
 def find_python(version: str) -> str:

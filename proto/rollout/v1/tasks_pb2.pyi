@@ -74,7 +74,7 @@ class CodeTest(_message.Message):
     def __init__(self, input: _Optional[str] = ..., output: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class SweTask(_message.Message):
-    __slots__ = ("instance_id", "repo", "repo_source", "base_commit", "problem_statement", "patch", "test_patch", "fail_to_pass", "pass_to_pass", "test_env", "test_timeout_s", "pytest_plugins", "pytest_plugin_autoload", "version", "spec")
+    __slots__ = ("instance_id", "repo", "repo_source", "base_commit", "problem_statement", "patch", "test_patch", "fail_to_pass", "pass_to_pass", "test_env", "test_timeout_s", "pytest_plugins", "pytest_plugin_autoload", "version", "spec", "test_runner")
     class TestEnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class SweTask(_message.Message):
     PYTEST_PLUGIN_AUTOLOAD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    TEST_RUNNER_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     repo: str
     repo_source: str
@@ -112,7 +113,8 @@ class SweTask(_message.Message):
     pytest_plugin_autoload: bool
     version: str
     spec: SweEnvSpec
-    def __init__(self, instance_id: _Optional[str] = ..., repo: _Optional[str] = ..., repo_source: _Optional[str] = ..., base_commit: _Optional[str] = ..., problem_statement: _Optional[str] = ..., patch: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_env: _Optional[_Mapping[str, str]] = ..., test_timeout_s: _Optional[float] = ..., pytest_plugins: _Optional[_Iterable[str]] = ..., pytest_plugin_autoload: _Optional[bool] = ..., version: _Optional[str] = ..., spec: _Optional[_Union[SweEnvSpec, _Mapping]] = ...) -> None: ...
+    test_runner: str
+    def __init__(self, instance_id: _Optional[str] = ..., repo: _Optional[str] = ..., repo_source: _Optional[str] = ..., base_commit: _Optional[str] = ..., problem_statement: _Optional[str] = ..., patch: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_env: _Optional[_Mapping[str, str]] = ..., test_timeout_s: _Optional[float] = ..., pytest_plugins: _Optional[_Iterable[str]] = ..., pytest_plugin_autoload: _Optional[bool] = ..., version: _Optional[str] = ..., spec: _Optional[_Union[SweEnvSpec, _Mapping]] = ..., test_runner: _Optional[str] = ...) -> None: ...
 
 class SweEnvSpec(_message.Message):
     __slots__ = ("python", "pre_install", "pip_packages", "install", "test_cmd")

@@ -175,3 +175,20 @@ async def test_commits_after_base_are_not_in_the_workspace(
     assert "could not get object info" in lines[1] or "fatal" in lines[1]
     assert lines[2] == task["base_commit"]
     assert result.reward.value == 0.0
+
+
+PLAIN_SRC_LAYOUT = {k: v for k, v in {t["instance_id"]: t for t in TASKS}[
+    "rollout__mdurl-1"].items() if k not in ("spec", "version")}
+
+
+async def test_a_plain_task_with_a_src_layout_is_graded_with_the_package_importable(
+        rollout: Rollout) -> None:
+    """No environment of its own installs the package: the grader puts src/ on the path, so
+    the right fix earns 1 and no fix 0, instead of 0 for both."""
+    gold = await rollout(SweHandler(), PLAIN_SRC_LAYOUT,
+                         [apply_with_bash(PLAIN_SRC_LAYOUT["patch"]), SUBMIT])
+    assert gold.reward.value == 1.0, gold.reward.info
+    assert gold.reward.info["import_paths"] == "src"
+    nothing = await rollout(SweHandler(), PLAIN_SRC_LAYOUT, [SUBMIT])
+    assert nothing.reward.value == 0.0, nothing.reward.info
+    assert nothing.reward.components["pass_to_pass"] == 1.0

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rollout.runtime.envs import swe as swe_env
 from rollout.runtime.envs.swe import SweHandler
 from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
 from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec, user_wheelhouses
@@ -41,10 +42,11 @@ def gold(task: dict[str, Any]) -> str:
 
 
 async def test_on_the_servers_interpreter_a_colliding_package_pays_a_no_op(
-        rollout: Rollout) -> None:
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch) -> None:
     """Control for the isolation: the server's venv has a real ``mdurl``; without the task's
-    environment the tests import that copy and a no-op earns 1 (with it: 0, see
-    test_swe_env)."""
+    environment, and without src/ on the path (which the grader adds for a plain task: see
+    test_swe_env), the tests import that copy and a no-op earns 1 (with either: 0)."""
+    monkeypatch.setattr(swe_env, "import_paths", lambda task, found: [])
     result = await rollout(SweHandler(), without_spec(MDURL), [SUBMIT])
     assert result.reward.value == 1.0, result.reward.info
 
@@ -52,6 +54,7 @@ async def test_on_the_servers_interpreter_a_colliding_package_pays_a_no_op(
 async def test_a_wheelhouse_only_dependency_needs_the_environment(rollout: Rollout) -> None:
     result = await rollout(SweHandler(), without_spec(UNITCONV), [gold(UNITCONV), SUBMIT])
     assert result.reward.value == 0.0  # tinyunits is nowhere but in the wheelhouse
+    assert "No module named 'tinyunits'" in result.reward.info["error"], result.reward.info
     result = await rollout(SweHandler(), UNITCONV, [gold(UNITCONV), SUBMIT])
     assert result.reward.value == 1.0, result.reward.info
 

@@ -138,7 +138,8 @@ def test_parse_pytest_report() -> None:
                     ["tests/test_a.py::test_param[a", "tests/test_broken.py::test_y"])
     assert verdict.pass_to_pass["tests/test_broken.py::test_y"] == "ERROR"
     assert not verdict.resolved
-    assert judge(outcomes, ["tests/test_a.py::test_expected"], []).resolved
+    # Only a pass passes: an expected failure does not (code under test can call xfail()).
+    assert not judge(outcomes, ["tests/test_a.py::test_expected"], []).resolved
     assert judge(outcomes, ["tests/test_a.py::test_gone"], []).fail_to_pass == {
         "tests/test_a.py::test_gone": "MISSING"}
 
