@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="require this bearer token on every RPC (default: none)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on this port (default 0: off)")
+    p.add_argument("--dashboard-port", type=int, metavar="PORT",
+                   help="serve the web dashboard on this port of --host, with the same "
+                        "tokens and tenancy (default -1: off; 0 picks a free port; "
+                        "docs/dashboard.md)")
 
     p = sub.add_parser(
         "submit", help="run the jobs of a JSONL file, write trajectories",
@@ -260,7 +264,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     for flag, key in (("host", "server.host"), ("port", "server.port"),
                       ("state_dir", "server.state_dir"), ("token", "server.auth_token"),
-                      ("metrics_port", "server.metrics_port"), ("ray", "cluster.ray"),
+                      ("metrics_port", "server.metrics_port"),
+                      ("dashboard_port", "server.dashboard_port"), ("ray", "cluster.ray"),
                       ("workers", "cluster.workers")):
         value = getattr(args, flag)
         if value is not None:
