@@ -95,9 +95,11 @@ class Watcher:
         self._wake.clear()
         return out
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, seconds: float) -> None:
+        """Until something changes, the page closes, or ``seconds`` pass."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     def close(self) -> None:
         self.closed = True

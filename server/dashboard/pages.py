@@ -176,6 +176,8 @@ class Pages:
         page holds at least ``PAGE_SIZE`` jobs (fewer at the end or past ``SCAN_LIMIT`` rows)
         and never skips one."""
         tenant = self.tenant(principal)
+        if tenant is not None and f.client and f.client != tenant:
+            return [], "", 0  # a tenant's view holds its own jobs only
         owner = tenant if tenant is not None else (f.client or None)
         state = JobState[f.state] if f.state else None
         token, out, scanned = f.page_token, [], 0

@@ -13,8 +13,6 @@ import pytest
 from rollout.client.aio import RolloutClient
 from rollout.server.dashboard.trajectory_view import shade
 from tests.runtime.doubles import smollm2_tokenizer
-
-expect = pytest.importorskip("playwright.async_api").expect
 from tests.server.dashboard.conftest import (
     ALICE,
     OPS,
@@ -26,6 +24,7 @@ from tests.server.dashboard.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(120)
+expect = pytest.importorskip("playwright.async_api").expect
 
 BASH = call("bash", command="echo $((6*7))")
 SUBMIT = call("submit", answer="42")
