@@ -198,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(q)
     q.add_argument("job_id")
     q.add_argument("--trajectory", action="store_true", help="include the trajectory")
+    q = jobs.add_parser("show", help="a job's trajectory turn by turn (raw token ids, or "
+                                     "text with --text)")
+    _client_flags(q)
+    q.add_argument("job_id")
+    q.add_argument("--text", action="store_true",
+                   help="decode the tokens with the server's tokenizer (no model needed "
+                        "here); generated tokens are shaded by probability")
     q = jobs.add_parser("cancel")
     _client_flags(q)
     q.add_argument("job_id", nargs="?", default="")
