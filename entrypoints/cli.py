@@ -50,7 +50,7 @@ SERVER_EXTRA = {
     "tokenizers": "tokenizers", "safetensors": "safetensors", "gguf": "gguf",
     "accelerate": "accelerate", "jupyter_client": "jupyter-client", "ipykernel": "ipykernel",
     "aiohttp": "aiohttp", "sympy": "sympy", "matplotlib": "matplotlib",
-    "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp",
+    "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp", "jinja2": "jinja2",
 }
 SERVER_COMMANDS = ("serve", "quickstart", "llm-serve", "bench")
 

@@ -141,7 +141,9 @@ class Dashboard:
                 response = self._login_page(request, status=401,
                                             next_url=request.path_qs)
             return self._headers(response)
-        request[PRINCIPAL] = principal
+        assert principal is not None or public
+        if principal is not None:
+            request[PRINCIPAL] = principal
         try:
             response = await handler(request)
         except web.HTTPException as exc:
@@ -167,7 +169,7 @@ class Dashboard:
     def _login_page(self, request: web.Request, *, status: int = 200, error: str = "",
                     next_url: str = "/") -> web.Response:
         html = template_env().get_template("login.html").render(
-            error=error, next_url=_local(next_url), principal=None, login=False)
+            error=error, next_url=_local(next_url), principal=None)
         return web.Response(text=html, status=status, content_type="text/html")
 
     async def _login_form(self, request: web.Request) -> web.StreamResponse:

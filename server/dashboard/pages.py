@@ -96,8 +96,7 @@ class Pages:
     def page(self, request: web.Request, name: str, status: int = 200,
              **ctx: Any) -> web.Response:
         principal: Principal = request[PRINCIPAL]
-        html = self.render(name, principal=principal, login=request.get("login", False),
-                           **ctx)
+        html = self.render(name, principal=principal, **ctx)
         return web.Response(text=html, status=status, content_type="text/html")
 
     @staticmethod
@@ -274,7 +273,8 @@ class Pages:
         if not recs or (self.tenant(principal) is not None
                         and not all(principal.owns(r.client_id) for r in recs)):
             raise web.HTTPNotFound(text=f"no group {group_id!r} is visible to you")
-        samples = []
+        samples: list[dict[str, Any]] = []
+        rewards: list[float] = []
         for rec in recs:
             traj = await self.scheduler.get_trajectory(rec.job_id) if rec.state.terminal \
                 else None
@@ -285,8 +285,8 @@ class Pages:
                     final = "".join(pieces[-1].output)
             samples.append({"job": rec, "summary": trajectory_view.summary(traj)
                             if traj is not None else None, "final": final})
-        rewards = [s["summary"]["reward"] for s in samples
-                   if s["summary"] is not None and s["job"].state is JobState.SUCCEEDED]
+            if traj is not None and rec.state is JobState.SUCCEEDED:
+                rewards.append(traj.reward)
         return {"group_id": group_id, "samples": samples, "rewards": rewards,
                 "all_tie": len(rewards) > 1 and len(set(rewards)) == 1}
 
