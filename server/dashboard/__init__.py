@@ -21,7 +21,7 @@ from urllib.parse import quote
 import jinja2
 from aiohttp import web
 
-from rollout.server.auth import Authenticator
+from rollout.server.auth import Authenticator, owner_of
 from rollout.server.dashboard import live
 from rollout.server.dashboard.pages import PRINCIPAL, Pages
 from rollout.server.dashboard.sessions import Sessions
@@ -52,6 +52,7 @@ def template_env() -> jinja2.Environment:
                              autoescape=True, undefined=jinja2.StrictUndefined)
     env.filters["secs"] = _fmt_s
     env.filters["when"] = _fmt_time
+    env.globals["owner_of"] = owner_of
     return env
 
 

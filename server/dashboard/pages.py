@@ -22,7 +22,7 @@ from aiohttp import web
 
 from rollout.runtime.types import JobState, TerminationReason, Trajectory
 from rollout.server import convert
-from rollout.server.auth import Principal
+from rollout.server.auth import Principal, owner_of
 from rollout.server.dashboard import live, trajectory_view
 from rollout.server.pipeline.records import JobRecord
 from rollout.server.scheduler import Scheduler
@@ -225,7 +225,8 @@ class Pages:
                       watcher: live.Watcher | None = None) -> dict[str, Any]:
         rec = await self.visible_job(principal, job_id)
         traj = await self.scheduler.get_trajectory(job_id) if rec.state.terminal else None
-        ctx: dict[str, Any] = {"job": rec, "traj": traj, "turns": None, "decoded": False,
+        ctx: dict[str, Any] = {"job": rec, "owner": owner_of(rec.client_id), "traj": traj,
+                               "turns": None, "decoded": False,
                                "timeline": timeline(rec), "counters": {}, "last_event": None}
         if watcher is not None:
             ctx["counters"] = live.turn_counters(watcher.last_turn)
@@ -275,7 +276,7 @@ class Pages:
             raise web.HTTPNotFound(text=f"no group {group_id!r} is visible to you")
         samples: list[dict[str, Any]] = []
         rewards: list[float] = []
-        for rec in recs:
+        for rec in sorted(recs, key=lambda r: r.job_id):
             traj = await self.scheduler.get_trajectory(rec.job_id) if rec.state.terminal \
                 else None
             final = ""

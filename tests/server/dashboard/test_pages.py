@@ -75,13 +75,14 @@ async def test_finished_job_shows_its_turns_as_text(dash: DashServer, browser: A
     assert "42" in await page.inner_text("article.turn[data-turn='0'] .seg.observation")
     # Prompt and observation tokens carry loss mask 0, generated ones 1.
     assert await page.locator(".seg.prompt .tok.m1, .seg.observation .tok.m1").count() == 0
-    await screenshot(page, tmp_path, "job-finished")
+    assert await page.inner_text("#job-client") == "alice (SubmitRollout)"
+    await screenshot(page, tmp_path, "job-page")
     await page.check("#raw-ids")
     assert "show-ids" in (await page.get_attribute("body", "class") or "")
     first = page.locator("article.turn[data-turn='0'] .seg.output .tok").first
     after = await first.evaluate("e => getComputedStyle(e, '::after').content")
     assert str(traj.turns[0].output_ids[0]) in after
-    await screenshot(page, tmp_path, "job-page")
+    await screenshot(page, tmp_path, "job-page-raw-ids")
 
 
 async def test_running_job_page_updates_as_it_runs(dash: DashServer, browser: Any,
@@ -143,6 +144,7 @@ async def test_hostile_model_text_is_shown_not_run(dash: DashServer, browser: An
     dash.start(ALICE, dash.spec("xss-1", [HOSTILE]))
     await asyncio.wait_for(dash.engine.reached[("xss-1", 0)].wait(), 60)
     page = await login(await browser.new_page(), dash.url, ALICE, "/jobs/xss-1")
+    await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
     gate.set()
     await page.wait_for_selector("#turn-count", timeout=60_000)
 
@@ -172,6 +174,7 @@ async def test_jobs_page_filters_and_follows(dash: DashServer, browser: Any,
     # A job submitted while the page is open appears without a reload.
     gate = dash.engine.hold("flt-new", 0)
     await page.goto(f"{dash.url}/jobs")
+    await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
     dash.start(ALICE, dash.spec("flt-new", [SUBMIT]))
 
     await page.wait_for_selector("#jobs tr[data-job='flt-new']", timeout=30_000)
