@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dashboard is not None:
         if args.dashboard < 1:
             p.error("--dashboard wants a number of viewers >= 1")
-        from rollout.server.bench import pipeline_dashboard
+        from rollout.benchmarks import pipeline_dashboard
 
         return pipeline_dashboard.main(args.jobs or 2000, args.dashboard)
     if args.workers is not None:

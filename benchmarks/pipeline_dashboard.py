@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rollout.server.bench.serverproc import BenchServer, cpu_s, stream_jobs
+from rollout.benchmarks.server_process import BenchServer, cpu_s, stream_jobs
 
 PAGES = ("/jobs", "/")
 """Busy pages the viewers keep open, in turn."""

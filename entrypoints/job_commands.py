@@ -59,7 +59,7 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
             console.print(table)
             console.print(f"{n} job(s)")
         elif args.jobs_command == "show":
-            from rollout.client.cli_show import show
+            from rollout.entrypoints.job_show import show
 
             return await show(args, client, console)
         elif args.jobs_command == "get":

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from rollout.server.auth import Principal, owner_of
-from rollout.server.pipeline.session import (
+from rollout.server.pipeline.subscription import (
     Event,
     JobAccepted,
     JobFinished,

@@ -21,12 +21,12 @@ import jinja2
 from aiohttp import web
 
 from rollout.runtime.types import JobState, TerminationReason, Trajectory
-from rollout.server import convert
+from rollout.server import proto_convert
 from rollout.server.auth import Principal, owner_of
 from rollout.server.dashboard import live, trajectory_view
 from rollout.server.pipeline.records import JobRecord
 from rollout.server.scheduler import Scheduler
-from rollout.server.tenant_jobs import OwnerCounts
+from rollout.server.tenant_status import OwnerCounts
 from rollout.server.token_text import TurnPieces, trajectory_pieces
 
 PRINCIPAL = web.RequestKey("principal", Principal)
@@ -63,7 +63,7 @@ class JobFilter:
             raise web.HTTPBadRequest(text="page_token is not one this dashboard issued")
         for name in ("group", "client"):
             value = getattr(f, name)
-            if value and not convert.ID_RE.fullmatch(value):
+            if value and not proto_convert.ID_RE.fullmatch(value):
                 raise web.HTTPBadRequest(text=f"{name} is not a valid id")
         return f
 
@@ -105,7 +105,7 @@ class Pages:
         return principal.client_id if principal.bound and not principal.admin else None
 
     async def visible_job(self, principal: Principal, job_id: str) -> JobRecord:
-        if not convert.ID_RE.fullmatch(job_id):
+        if not proto_convert.ID_RE.fullmatch(job_id):
             raise web.HTTPNotFound(text="no such job")
         rec = await self.scheduler.get(job_id, history=True)
         tenant = self.tenant(principal)
@@ -268,7 +268,7 @@ class Pages:
     # -- a group ----------------------------------------------------------------------------
 
     async def group_ctx(self, principal: Principal, group_id: str) -> dict[str, Any]:
-        if not convert.ID_RE.fullmatch(group_id):
+        if not proto_convert.ID_RE.fullmatch(group_id):
             raise web.HTTPNotFound(text="no such group")
         recs, _ = await self.scheduler.list(page_size=GROUP_LIMIT, group_id=group_id)
         if not recs or (self.tenant(principal) is not None

@@ -26,7 +26,7 @@ from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.server.app import Server
 from rollout.server.config import load_config
-from rollout.server.llm.pool import BackendPool
+from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.v1 import job_pb2
 from tests.runtime.doubles import smollm2_tokenizer

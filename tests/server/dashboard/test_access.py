@@ -14,7 +14,7 @@ from rollout.runtime.types import Stage
 from rollout.server.auth import OPERATOR, Principal
 from rollout.server.dashboard import live
 from rollout.server.dashboard.sessions import COOKIE
-from rollout.server.pipeline.session import StageProgress
+from rollout.server.pipeline.subscription import StageProgress
 from tests.server.dashboard.conftest import (
     ALICE,
     BOB,

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from rich.console import Console
 
-from rollout.client import cli_commands
 from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError
+from rollout.entrypoints import job_commands as cli_commands
 from tests.client.conftest import ServerHarness
 from tests.runtime.doubles import smollm2_tokenizer
 from tests.server.dashboard.conftest import ALICE, BOB, DashServer, call

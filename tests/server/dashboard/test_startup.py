@@ -15,7 +15,7 @@ from tests.util import scaled
 
 def test_port_0_is_named_in_the_start_up_line_and_serves(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.client.cli", "serve", "--state-dir",
+        [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir",
          str(tmp_path / "state"), "--set", "llm.backends=[]", "--port", "0",
          "--dashboard-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -40,7 +40,7 @@ def test_a_taken_dashboard_port_is_refused_in_one_line(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         res = subprocess.run(
-            [sys.executable, "-m", "rollout.client.cli", "serve", "--state-dir",
+            [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir",
              str(tmp_path / "state"), "--set", "llm.backends=[]", "--port", "0",
              "--dashboard-port", str(port)], capture_output=True, text=True,
             timeout=scaled(60))
@@ -49,7 +49,7 @@ def test_a_taken_dashboard_port_is_refused_in_one_line(tmp_path: Path) -> None:
     assert f"127.0.0.1:{port} (the dashboard) is already in use" in res.stderr
     assert "--dashboard-port N" in res.stderr
     res = subprocess.run(
-        [sys.executable, "-m", "rollout.client.cli", "serve", "--state-dir",
+        [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--state-dir",
          str(tmp_path / "state"), "--dashboard-port", "70000"], capture_output=True,
         text=True, timeout=scaled(60))
     assert res.returncode == 2 and "BAD_PORT" in res.stderr and "--dashboard-port" in res.stderr
