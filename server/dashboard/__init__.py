@@ -63,12 +63,11 @@ class Dashboard:
                  tls_cert_file: str = "", tls_key_file: str = "",
                  min_interval_s: float = 0.25) -> None:
         self.scheduler = scheduler
-        self.hub = live.Hub()
+        self.hub = live.Hub(scheduler.delivery.observe)
         self._tls = (tls_cert_file, tls_key_file) if tls_cert_file and tls_key_file else None
         self._authenticator = authenticator
         self._min_interval_s = min_interval_s
         self._runner: web.AppRunner | None = None
-        self._unobserve: Any = None
         self.port = 0
         self.url = ""
         self.sessions: Sessions | None = None
@@ -106,15 +105,11 @@ class Dashboard:
             raise
         self._runner = runner
         self.port = runner.addresses[0][1]
-        self._unobserve = self.scheduler.delivery.observe(self.hub)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"{'https' if ctx else 'http'}://{shown}:{self.port}/"
         return self.port
 
     async def stop(self) -> None:
-        if self._unobserve is not None:
-            self._unobserve()
-            self._unobserve = None
         self.hub.close()
         if self._runner is not None:
             with contextlib.suppress(Exception):

@@ -1,13 +1,14 @@
 """Live pages: server-sent events fed from the same events the gRPC sessions get.
 
-The scheduler's delivery (``server/pipeline/delivery.py``) tells the :class:`Hub` every event
-(job accepted, stage progress, job finished). The hub does no work of its own per event: it
-hands the event to each open page's :class:`Watcher`, which keeps only *which* jobs changed
-(a set, bounded: past ``MAX_DIRTY`` it remembers "many changed") and the latest progress of
-the jobs it shows. The page's own task then renders what changed and writes it, at most every
-``min_interval_s``: a browser that reads slowly just gets fewer, coalesced updates, and one
-that stops reading is dropped when a write stalls for ``WRITE_TIMEOUT_S``. Nothing is queued
-per event, so an open dashboard costs the pipeline a set insertion per event and page.
+While a live page is open, the scheduler's delivery (``server/pipeline/delivery.py``) tells
+the :class:`Hub` every event (job accepted, stage progress, job finished). The hub does no work
+of its own per event: it hands the event to each open page's :class:`Watcher`, which keeps only
+*which* jobs changed (a set, bounded: past ``MAX_DIRTY`` it remembers "many changed") and, on
+a job's page, that job's latest progress. The page's own task then renders what changed and
+writes it, at most every ``min_interval_s``: a browser that reads slowly just gets fewer,
+coalesced updates, and one that stops reading is dropped when a write stalls for
+``WRITE_TIMEOUT_S``. Nothing is queued per event, so an open dashboard costs the pipeline a set
+insertion per event and page, and a closed one nothing.
 """
 
 from __future__ import annotations
@@ -116,9 +117,13 @@ def _job_of(event: Event) -> str:
 
 
 class Hub:
-    """The open live pages; registered as a delivery observer while the dashboard runs."""
+    """The open live pages. It observes the delivery only while at least one is open, so a
+    dashboard nobody watches costs the pipeline nothing (not even building progress events)."""
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[Callable[[str, Event], None]], Callable[[], None]]
+                 | None = None) -> None:
+        self._observe = observe
+        self._unobserve: Callable[[], None] | None = None
         self._watchers: set[Watcher] = set()
         self.closing = False
 
@@ -130,24 +135,44 @@ class Hub:
     def count(self) -> int:
         return len(self._watchers)
 
+    @property
+    def observing(self) -> bool:
+        return self._unobserve is not None
+
     def add(self, watcher: Watcher) -> bool:
         if self.closing or len(self._watchers) >= MAX_WATCHERS:
             return False
         self._watchers.add(watcher)
+        if self._unobserve is None and self._observe is not None:
+            self._unobserve = self._observe(self)
         return True
 
     def remove(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)
+        if not self._watchers and self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
 
     def close(self) -> None:
         self.closing = True
         for w in list(self._watchers):
             w.close()
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
 
 
-Render = Callable[[Changes], Awaitable[list[tuple[str, str]] | None]]
-"""Renders the page's changed parts as ``(element id, html)`` pairs (None: nothing to send;
-an empty list ends the stream, e.g. once a job page has shown its finished trajectory)."""
+@dataclass(frozen=True)
+class Update:
+    """What a page's render produced: its changed parts as ``(element id, html)`` pairs."""
+
+    parts: list[tuple[str, str]]
+    last: bool = False
+    """Nothing will change any more (a job page showed its finished trajectory): the stream
+    ends after this update."""
+
+
+Render = Callable[[Changes], Awaitable[Update]]
 
 
 async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Render, *,
@@ -171,17 +196,15 @@ async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Rende
             if watcher.closed:
                 break
             changes = watcher.take()
-            parts: list[tuple[str, str]] | None = None
-            if changes or refresh_s:
-                parts = await render(changes)
-            if parts is not None and not parts:
-                await _write(response, b"event: done\ndata: {}\n\n")
-                break
-            if parts:
-                data = json.dumps([{"id": i, "html": h} for i, h in parts])
+            update = await render(changes) if changes or refresh_s else Update([])
+            if update.parts:
+                data = json.dumps([{"id": i, "html": h} for i, h in update.parts])
                 await _write(response, f"event: parts\ndata: {data}\n\n".encode())
                 idle_since = loop.time()
-            elif loop.time() - idle_since >= KEEPALIVE_S:
+            if update.last:
+                await _write(response, b"event: done\ndata: {}\n\n")
+                break
+            if not update.parts and loop.time() - idle_since >= KEEPALIVE_S:
                 await _write(response, b": keep-alive\n\n")
                 idle_since = loop.time()
             # Coalesce: whatever happens meanwhile goes out in the next update.

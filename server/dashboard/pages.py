@@ -159,9 +159,9 @@ class Pages:
     async def overview_live(self, request: web.Request) -> web.StreamResponse:
         principal = request[PRINCIPAL]
 
-        async def render(_: live.Changes) -> list[tuple[str, str]]:
+        async def render(_: live.Changes) -> live.Update:
             ctx = await self.overview_ctx(principal)
-            return [("overview-live", self.render("overview_live.html", **ctx))]
+            return live.Update([("overview-live", self.render("overview_live.html", **ctx))])
 
         return await live.stream(request, self.hub, live.Watcher(principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=2.0)
@@ -212,9 +212,9 @@ class Pages:
         principal = request[PRINCIPAL]
         f = JobFilter.parse(request.query)
 
-        async def render(_: live.Changes) -> list[tuple[str, str]]:
+        async def render(_: live.Changes) -> live.Update:
             ctx = await self.jobs_ctx(principal, f)
-            return [("jobs-live", self.render("jobs_table.html", **ctx))]
+            return live.Update([("jobs-live", self.render("jobs_table.html", **ctx))])
 
         return await live.stream(request, self.hub, live.Watcher(principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=0)
@@ -249,18 +249,14 @@ class Pages:
         job_id = request.match_info["job_id"]
         await self.visible_job(principal, job_id)  # 404 before the stream opens
         watcher = live.Watcher(principal, job_id=job_id)
-        finished = False
 
-        async def render(_: live.Changes) -> list[tuple[str, str]] | None:
-            nonlocal finished
-            if finished:
-                return []
+        async def render(_: live.Changes) -> live.Update:
             ctx = await self.job_ctx(principal, job_id, watcher)
             parts = [("job-live", self.render("job_live.html", **ctx))]
-            if ctx["job"].state.terminal:
-                finished = True
-                parts.append(("trajectory", self.render("trajectory.html", **ctx)))
-            return parts
+            if not ctx["job"].state.terminal:
+                return live.Update(parts)
+            parts.append(("trajectory", self.render("trajectory.html", **ctx)))
+            return live.Update(parts, last=True)
 
         return await live.stream(request, self.hub, watcher, render,
                                  min_interval_s=self.min_interval_s, refresh_s=0)
@@ -301,9 +297,9 @@ class Pages:
         group_id = request.match_info["group_id"]
         await self.group_ctx(principal, group_id)
 
-        async def render(_: live.Changes) -> list[tuple[str, str]]:
+        async def render(_: live.Changes) -> live.Update:
             ctx = await self.group_ctx(principal, group_id)
-            return [("group-live", self.render("group_samples.html", **ctx))]
+            return live.Update([("group-live", self.render("group_samples.html", **ctx))])
 
         return await live.stream(request, self.hub, live.Watcher(principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=0)

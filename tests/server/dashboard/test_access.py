@@ -80,6 +80,8 @@ async def test_requests_without_the_token_are_refused(dash: DashServer, browser:
     await page.wait_for_load_state()
     assert page.url == f"{dash.url}/jobs/a-1"
     assert SECRET in await page.inner_text("#turns")
+    hub = dash.server.dashboard.hub
+    assert not hub.observing  # a finished job's page follows nothing: no delivery observer
     (cookie,) = await page.context.cookies()
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert await page.evaluate("document.cookie") == ""
@@ -178,10 +180,10 @@ async def test_a_browser_that_stops_reading_is_dropped(
     hub = live.Hub()
     renders = 0
 
-    async def render(_: live.Changes) -> list[tuple[str, str]]:
+    async def render(_: live.Changes) -> live.Update:
         nonlocal renders
         renders += 1
-        return [("x", "y" * 256_000)]
+        return live.Update([("x", "y" * 256_000)])
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return await live.stream(request, hub, live.Watcher(OPERATOR), render,

@@ -95,6 +95,7 @@ async def test_running_job_page_updates_as_it_runs(dash: DashServer, browser: An
     assert await page.inner_text("#job-stage") == "RUN"
     assert await page.inner_text("#traj-pending")
     await page.evaluate("window.__sameDocument = true")
+    assert dash.server.dashboard.hub.observing  # the open page follows the delivery's events
     await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
 
     gates[0].set()
@@ -108,6 +109,12 @@ async def test_running_job_page_updates_as_it_runs(dash: DashServer, browser: An
     await page.wait_for_selector("#turn-count")
     assert await page.inner_text("#turn-count") == "3"
     assert await page.evaluate("window.__sameDocument") is True  # updated in place
+    # The page's stream ended with the job, and with it the delivery observer.
+    for _ in range(100):
+        if not dash.server.dashboard.hub.observing:
+            break
+        await asyncio.sleep(0.05)
+    assert not dash.server.dashboard.hub.observing
     await screenshot(page, tmp_path, "job-running-finished")
 
 
