@@ -189,3 +189,21 @@ async def test_jobs_page_filters_and_follows(dash: DashServer, browser: Any,
     await expect(page.locator("#jobs tr[data-job='flt-new'] .state")).to_have_text(
         "SUCCEEDED", timeout=60_000)
     await screenshot(page, tmp_path, "jobs")
+
+
+async def test_a_cancelled_job_shows_why_and_what_it_produced(dash: DashServer, browser: Any,
+                                                              tmp_path: Path) -> None:
+    dash.engine.hold("cx-1", 1)
+    task = dash.start(ALICE, dash.spec("cx-1", [BASH, SUBMIT]))
+    await asyncio.wait_for(dash.engine.reached[("cx-1", 1)].wait(), 60)
+    page = await login(await browser.new_page(), dash.url, ALICE, "/jobs/cx-1")
+    await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
+    async with RolloutClient(dash.address, token=ALICE) as client:
+        assert await client.cancel(job_id="cx-1") == ["cx-1"]
+    await expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=60_000)
+    assert "CANCELLED" in await page.inner_text("#job-error")
+    await page.wait_for_selector("#turn-count")
+    assert await page.inner_text("#termination") == "CANCELLED"
+    assert await page.inner_text("#turn-count") == "1"  # the turn RUN finished before it
+    await screenshot(page, tmp_path, "job-cancelled")
+    await asyncio.gather(task, return_exceptions=True)
