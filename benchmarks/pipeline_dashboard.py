@@ -106,12 +106,13 @@ def report(rows: list[dict[str, Any]], n: int, viewers: int, console: Console) -
     t = Table(title=f"pipeline throughput with the dashboard open: {n} no-op jobs per row, "
                     f"{viewers} viewer(s) on busy pages")
     for col in ("stage progress", "dashboard", "jobs/s", "server CPU ms/job",
-                "live updates sent", "page loads"):
+                "server CPU % of a core", "live updates sent", "page loads"):
         t.add_column(col)
     for r in rows:
         t.add_row("on (batched)" if r["progress"] else "off",
                   f"open ({viewers})" if r["open"] else "closed", f"{r['rate']:,.0f}",
-                  f"{r['cpu_ms']:.2f}", str(r["events"]) if r["open"] else "",
+                  f"{r['cpu_ms']:.2f}", f"{r['cpu_ms'] * n / 1e3 / r['wall']:.0%}",
+                  str(r["events"]) if r["open"] else "",
                   str(r["loads"]) if r["open"] else "")
     console.print(t)
     for progress in (False, True):

@@ -31,13 +31,17 @@ SUBMIT = call("submit", answer="42")
 
 
 async def test_overview_loads(dash: DashServer, browser: Any, tmp_path: Path) -> None:
-    await dash.run(ALICE, dash.spec("ov-1", [SUBMIT]))
     page = await login(await browser.new_page(), dash.url, OPS, "/")
     assert await page.title() == "overview · rollout dashboard"
     stages = await page.locator("#stages tbody tr").all_inner_texts()
     assert [s.split()[0] for s in stages] == ["INIT", "RUN", "EVAL"]
-    assert (await page.inner_text("#stages tr[data-stage=EVAL] .completed")) == "1"
-    assert await page.inner_text("#job-counts [data-state=SUCCEEDED]") == "1"
+    assert (await page.inner_text("#stages tr[data-stage=EVAL] .completed")) == "0"
+    await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
+    await dash.run(ALICE, dash.spec("ov-1", [SUBMIT]))
+    # The open page follows: the stage table and the job counts change without a reload.
+    await expect(page.locator("#stages tr[data-stage=EVAL] .completed")).to_have_text(
+        "1", timeout=30_000)
+    await expect(page.locator("#job-counts [data-state=SUCCEEDED]")).to_have_text("1")
     backend = await page.inner_text("#backends tbody tr")
     assert "scripted-gated" in backend and "healthy" in backend
     assert backend.split("\t")[8].strip() == "3"  # the policy version column
@@ -123,9 +127,15 @@ async def test_group_page_shows_samples_side_by_side(dash: DashServer, browser: 
     scripts = {"g-1/0": [BASH, SUBMIT], "g-1/1": [SUBMIT],
                "g-1/2": [call("submit", answer="41")], "g-1/3": [BASH, call("submit",
                                                                          answer="48")]}
-    await asyncio.gather(*(dash.run(ALICE, dash.spec(j, s, group="g-1"))
-                           for j, s in scripts.items()))
+    gate = dash.engine.hold("g-1/3", 1)
+    runs = [dash.start(ALICE, dash.spec(j, s, group="g-1")) for j, s in scripts.items()]
+    await asyncio.wait_for(dash.engine.reached[("g-1/3", 1)].wait(), 60)
     page = await login(await browser.new_page(), dash.url, ALICE, "/groups/g-1")
+    await expect(page.locator("#live-dot")).to_have_class(re.compile(r"\bon\b"))
+    await expect(page.locator("article.sample .reward")).to_have_count(3, timeout=60_000)
+    gate.set()  # the last sample finishes while the page is open
+    await asyncio.gather(*runs)
+    await expect(page.locator("article.sample .reward")).to_have_count(4, timeout=30_000)
     cards = page.locator("article.sample")
     assert await cards.count() == 4
     got = {}
