@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -64,8 +65,6 @@ class Watcher:
         self._many = False
         self.last_event: StageProgress | None = None
         """A job page's latest progress event (stage started / finished, turn)."""
-        self.last_turn: StageProgress | None = None
-        """A job page's latest ``turn`` event: the agent loop's running counters."""
         self._wake = asyncio.Event()
         self.closed = False
 
@@ -79,8 +78,6 @@ class Watcher:
             return
         if isinstance(event, StageProgress) and self.job_id:
             self.last_event = event
-            if event.event == "turn":
-                self.last_turn = event
         if not self._many:
             if len(self._dirty) >= MAX_DIRTY:
                 self._many = True
@@ -220,12 +217,11 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
     await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
 
 
-def turn_counters(ev: StageProgress | None) -> dict[str, int]:
-    """A running job's agent-loop counters from its latest ``turn`` event (as
+def turn_counters(detail: Mapping[str, Any] | None) -> dict[str, int]:
+    """A running job's agent-loop counters from its latest ``turn`` event's detail (as
     ``server/stream_events.progress_to_proto`` reads them)."""
-    if ev is None:
+    if not detail:
         return {}
-    d = dict(ev.detail or {})
-    return {"turns": int(d.get("turns_done", int(d.get("turn", 0)) + 1)),
-            "generated_tokens": int(d.get("generated_tokens", 0)),
-            "tool_calls": int(d.get("tool_calls_total", 0))}
+    return {"turns": int(detail.get("turns_done", int(detail.get("turn", 0)) + 1)),
+            "generated_tokens": int(detail.get("generated_tokens", 0)),
+            "tool_calls": int(detail.get("tool_calls_total", 0))}

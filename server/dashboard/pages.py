@@ -228,8 +228,10 @@ class Pages:
         ctx: dict[str, Any] = {"job": rec, "owner": owner_of(rec.client_id), "traj": traj,
                                "turns": None, "decoded": False,
                                "timeline": timeline(rec), "counters": {}, "last_event": None}
+        running = self.scheduler.jobs.get(job_id)
+        if running is not None:  # read now, so a page opened mid-run shows them at once
+            ctx["counters"] = live.turn_counters(running.last_turn)
         if watcher is not None:
-            ctx["counters"] = live.turn_counters(watcher.last_turn)
             ctx["last_event"] = watcher.last_event
         if traj is not None:
             pieces = await self.pieces(job_id, traj)

@@ -164,10 +164,10 @@ def test_a_watcher_sees_only_its_tenants_events() -> None:
     alice = live.Watcher(Principal("alice"), job_id="j")
     alice.offer("bob", StageProgress("j", Stage.RUN, "turn", {"turns_done": 5}))
     alice.offer("rpc:bob#j", StageProgress("j", Stage.RUN, "turn", {"turns_done": 5}))
-    assert not alice.take() and alice.last_turn is None
+    assert not alice.take() and alice.last_event is None
     alice.offer("rpc:alice#j", StageProgress("j", Stage.RUN, "turn", {"turns_done": 2}))
     assert alice.take().jobs == {"j"}
-    assert live.turn_counters(alice.last_turn)["turns"] == 2
+    assert alice.last_event is not None and alice.last_event.detail["turns_done"] == 2
 
 
 async def test_a_browser_that_stops_reading_is_dropped(

@@ -108,6 +108,10 @@ async def test_running_job_page_updates_as_it_runs(dash: DashServer, browser: An
     gates[1].set()
     await expect(page.locator("#live-turns")).to_have_text("2", timeout=30_000)
     await screenshot(page, tmp_path, "job-running")
+    # A page opened now (mid-run) shows the counters at once, before any further event.
+    late = await login(await browser.new_page(), dash.url, ALICE, "/jobs/run-1")
+    assert await late.inner_text("#live-turns") == "2"
+    assert await late.inner_text("#live-tools") == "2"
     gates[2].set()
     await expect(page.locator("#job-state")).to_have_text("SUCCEEDED", timeout=60_000)
     await page.wait_for_selector("#turn-count")
