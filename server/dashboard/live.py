@@ -1,14 +1,15 @@
 """Live pages: server-sent events fed from the same events the gRPC sessions get.
 
 While a live page is open, the scheduler's delivery (``server/pipeline/delivery.py``) tells
-the :class:`Hub` every event (job accepted, stage progress, job finished). The hub does no work
-of its own per event: it hands the event to each open page's :class:`Watcher`, which keeps only
-*which* jobs changed (a set, bounded: past ``MAX_DIRTY`` it remembers "many changed") and, on
-a job's page, that job's latest progress. The page's own task then renders what changed and
-writes it, at most every ``min_interval_s``: a browser that reads slowly just gets fewer,
-coalesced updates, and one that stops reading is dropped when a write stalls for
-``WRITE_TIMEOUT_S``. Nothing is queued per event, so an open dashboard costs the pipeline a set
-insertion per event and page, and a closed one nothing.
+the :class:`Hub` which job each event is about (accepted, stage progress, finished). The hub
+appends ``(client, job)`` to one bounded log (``LOG_SIZE`` entries) and wakes the open pages,
+once per loop iteration however many events arrive: the pipeline pays O(1) per event, whatever
+the number of open pages. Each page's own task then reads the log from where it left off
+(past the log's end it treats every job as changed), keeps the jobs it may see and show,
+renders what changed and writes it, at most every ``min_interval_s``: a browser that reads
+slowly gets fewer, merged updates, and one that stops reading is dropped when a write stalls
+for ``WRITE_TIMEOUT_S``. Nothing is queued per page, and a dashboard nobody watches is not
+told anything at all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,18 +26,13 @@ from typing import Any
 from aiohttp import web
 
 from rollout.server.auth import Principal, owner_of
-from rollout.server.pipeline.subscription import (
-    Event,
-    JobAccepted,
-    JobFinished,
-    StageProgress,
-    TrajectoryReady,
-)
 
 log = logging.getLogger(__name__)
 
 MAX_DIRTY = 256
-"""Changed job ids a watcher remembers before it says "many changed" instead."""
+"""Changed job ids a page takes one by one; past that it treats every job as changed."""
+LOG_SIZE = 4096
+"""Change-log entries kept for pages that have not read them yet."""
 MAX_WATCHERS = 64
 """Open live pages at once; more are refused with 503 (each costs a little per event)."""
 WRITE_TIMEOUT_S = 10.0
@@ -48,85 +45,46 @@ class Changes:
 
     jobs: frozenset[str]
     many: bool
-    """More than ``MAX_DIRTY`` jobs changed: treat every job as changed."""
+    """More changed than the log holds, or than ``MAX_DIRTY``: treat every job as changed."""
 
     def __bool__(self) -> bool:
         return bool(self.jobs) or self.many
 
 
-class Watcher:
-    """One open live page: which events it wants, and what changed since it last looked."""
-
-    def __init__(self, principal: Principal, job_id: str = "", group_id: str = "") -> None:
-        self.principal = principal
-        self.job_id = job_id
-        self.group_id = group_id
-        self._dirty: set[str] = set()
-        self._many = False
-        self.last_event: StageProgress | None = None
-        """A job page's latest progress event (stage started / finished, turn)."""
-        self._wake = asyncio.Event()
-        self.closed = False
-
-    def offer(self, client_id: str, event: Event) -> None:
-        """Called on the event loop for every event; O(1), never blocks."""
-        job_id = _job_of(event)
-        if self.job_id and job_id != self.job_id:
-            return
-        if self.principal.bound and not self.principal.admin and (
-                owner_of(client_id) != self.principal.client_id):
-            return
-        if isinstance(event, StageProgress) and self.job_id:
-            self.last_event = event
-        if not self._many:
-            if len(self._dirty) >= MAX_DIRTY:
-                self._many = True
-                self._dirty.clear()
-            else:
-                self._dirty.add(job_id)
-        self._wake.set()
-
-    def take(self) -> Changes:
-        out = Changes(frozenset(self._dirty), self._many)
-        self._dirty.clear()
-        self._many = False
-        self._wake.clear()
-        return out
-
-    async def wait(self, seconds: float) -> None:
-        """Until something changes, the page closes, or ``seconds`` pass."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._wake.wait()
-
-    def close(self) -> None:
-        self.closed = True
-        self._wake.set()
-
-
-def _job_of(event: Event) -> str:
-    match event:
-        case JobAccepted(job_id=j) | StageProgress(job_id=j):
-            return j
-        case JobFinished(job_id=j) | TrajectoryReady(job_id=j):
-            return j
-    return ""
-
-
 class Hub:
-    """The open live pages. It observes the delivery only while at least one is open, so a
-    dashboard nobody watches costs the pipeline nothing (not even building progress events)."""
+    """The change log and the open live pages. It observes the delivery only while a page is
+    open, so a dashboard nobody watches costs the pipeline nothing."""
 
-    def __init__(self, observe: Callable[[Callable[[str, Event], None]], Callable[[], None]]
+    def __init__(self, observe: Callable[[Callable[[str, str], None]], Callable[[], None]]
                  | None = None) -> None:
         self._observe = observe
         self._unobserve: Callable[[], None] | None = None
         self._watchers: set[Watcher] = set()
+        self._log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)
+        self.seq = 0
+        """Entries ever appended; entry ``seq - 1`` is the newest."""
+        self._waking = False
         self.closing = False
 
-    def __call__(self, client_id: str, event: Event) -> None:
+    def __call__(self, client_id: str, job_id: str) -> None:
+        """The delivery's observer: called on the event loop for every event; O(1)."""
+        self._log.append((client_id, job_id))
+        self.seq += 1
+        if not self._waking:
+            self._waking = True
+            asyncio.get_running_loop().call_soon(self._wake_all)
+
+    def _wake_all(self) -> None:
+        self._waking = False
         for w in self._watchers:
-            w.offer(client_id, event)
+            w.wake()
+
+    def since(self, seq: int) -> tuple[list[tuple[str, str]], bool]:
+        """Entries after ``seq`` and whether some were already dropped from the log."""
+        missed = self.seq - seq
+        if missed > len(self._log):
+            return [], True
+        return list(self._log)[len(self._log) - missed:] if missed else [], False
 
     @property
     def count(self) -> int:
@@ -140,6 +98,7 @@ class Hub:
         if self.closing or len(self._watchers) >= MAX_WATCHERS:
             return False
         self._watchers.add(watcher)
+        watcher.seq = self.seq
         if self._unobserve is None and self._observe is not None:
             self._unobserve = self._observe(self)
         return True
@@ -157,6 +116,50 @@ class Hub:
         if self._unobserve is not None:
             self._unobserve()
             self._unobserve = None
+
+
+class Watcher:
+    """One open live page: which jobs it may see and shows, and where it is in the log."""
+
+    def __init__(self, hub: Hub, principal: Principal, job_id: str = "") -> None:
+        self.hub = hub
+        self.principal = principal
+        self.job_id = job_id
+        self.seq = 0
+        """The log position this page has read up to."""
+        self._wake = asyncio.Event()
+        self.closed = False
+
+    def _visible(self, client_id: str, job_id: str) -> bool:
+        if self.job_id and job_id != self.job_id:
+            return False
+        return not (self.principal.bound and not self.principal.admin
+                    and owner_of(client_id) != self.principal.client_id)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def take(self) -> Changes:
+        """The changes since the last call (in the page's own task, not the pipeline's)."""
+        self._wake.clear()
+        entries, missed = self.hub.since(self.seq)
+        self.seq = self.hub.seq
+        if missed:
+            return Changes(frozenset(), True)
+        jobs = {job for client, job in entries if self._visible(client, job)}
+        if len(jobs) > MAX_DIRTY:
+            return Changes(frozenset(), True)
+        return Changes(frozenset(jobs), False)
+
+    async def wait(self, seconds: float) -> None:
+        """Until something changes, the page closes, or ``seconds`` pass."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class Pages:
             ctx = await self.overview_ctx(principal)
             return live.Update([("overview-live", self.render("overview_live.html", **ctx))])
 
-        return await live.stream(request, self.hub, live.Watcher(principal), render,
+        return await live.stream(request, self.hub, live.Watcher(self.hub, principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=2.0)
 
     # -- jobs -------------------------------------------------------------------------------
@@ -216,23 +216,20 @@ class Pages:
             ctx = await self.jobs_ctx(principal, f)
             return live.Update([("jobs-live", self.render("jobs_table.html", **ctx))])
 
-        return await live.stream(request, self.hub, live.Watcher(principal), render,
+        return await live.stream(request, self.hub, live.Watcher(self.hub, principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=0)
 
     # -- one job ----------------------------------------------------------------------------
 
-    async def job_ctx(self, principal: Principal, job_id: str,
-                      watcher: live.Watcher | None = None) -> dict[str, Any]:
+    async def job_ctx(self, principal: Principal, job_id: str) -> dict[str, Any]:
         rec = await self.visible_job(principal, job_id)
         traj = await self.scheduler.get_trajectory(job_id) if rec.state.terminal else None
         ctx: dict[str, Any] = {"job": rec, "owner": owner_of(rec.client_id), "traj": traj,
                                "turns": None, "decoded": False,
-                               "timeline": timeline(rec), "counters": {}, "last_event": None}
+                               "timeline": timeline(rec), "counters": {}}
         running = self.scheduler.jobs.get(job_id)
         if running is not None:  # read now, so a page opened mid-run shows them at once
             ctx["counters"] = live.turn_counters(running.last_turn)
-        if watcher is not None:
-            ctx["last_event"] = watcher.last_event
         if traj is not None:
             pieces = await self.pieces(job_id, traj)
             ctx["turns"] = trajectory_view.build(traj, pieces)
@@ -250,10 +247,10 @@ class Pages:
         principal = request[PRINCIPAL]
         job_id = request.match_info["job_id"]
         await self.visible_job(principal, job_id)  # 404 before the stream opens
-        watcher = live.Watcher(principal, job_id=job_id)
+        watcher = live.Watcher(self.hub, principal, job_id=job_id)
 
         async def render(_: live.Changes) -> live.Update:
-            ctx = await self.job_ctx(principal, job_id, watcher)
+            ctx = await self.job_ctx(principal, job_id)
             parts = [("job-live", self.render("job_live.html", **ctx))]
             if not ctx["job"].state.terminal:
                 return live.Update(parts)
@@ -303,7 +300,7 @@ class Pages:
             ctx = await self.group_ctx(principal, group_id)
             return live.Update([("group-live", self.render("group_samples.html", **ctx))])
 
-        return await live.stream(request, self.hub, live.Watcher(principal), render,
+        return await live.stream(request, self.hub, live.Watcher(self.hub, principal), render,
                                  min_interval_s=max(self.min_interval_s, 1.0), refresh_s=0)
 
 

@@ -11,10 +11,10 @@ Rules it keeps (server/pipeline/subscription.py has the flow-control side):
 - One subscription per client id: a new attach closes the old one.
 - A delivery is published only by :meth:`deliver`, which the pipeline calls after the store
   committed it, or by the function :meth:`redeliver` returns, after the delivery committed.
-- Progress events are built only for a subscriber that asked for them, or when an observer
-  (the web dashboard's live pages) is attached.
-- Observers see every event of every client, synchronously and on the event loop: each must be
-  O(1) and never block or raise (the dashboard marks a job dirty and returns).
+- Progress events are built only for a subscriber that asked for them.
+- Observers (the web dashboard's live pages) are told which job every event of every client is
+  about, synchronously and on the event loop: each must be O(1) and never block or raise (the
+  dashboard appends to a bounded log and returns).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from rollout.server.pipeline.subscription import (
 )
 from rollout.server.store import JobStore
 
-Observer = Callable[[str, Event], None]
-"""``observer(stored_client_id, event)``: sees every event the sessions get, and more (events
-of clients with no session attached)."""
+Observer = Callable[[str, str], None]
+"""``observer(stored_client_id, job_id)``: an event about that job happened (one the sessions
+get, or would get: clients with no session attached included)."""
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,10 @@ class Delivery:
         self._observers.append(observer)
         return lambda: self._observers.remove(observer) if observer in self._observers else None
 
-    def _tell(self, client_id: str, event: Event) -> None:
+    def _tell(self, client_id: str, job_id: str) -> None:
         for observer in list(self._observers):
             try:
-                observer(client_id, event)
+                observer(client_id, job_id)
             except Exception:  # an observer's bug must not break a client's session
                 log.exception("delivery observer failed")
 
@@ -69,27 +69,23 @@ class Delivery:
 
     def emit(self, client_id: str, event: Event) -> None:
         if self._observers:
-            self._tell(client_id, event)
+            self._tell(client_id, event.job_id)
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.publish(event)
 
     def progress(self, client_id: str, job_id: str, stage: Stage, event: str,
                  detail: Mapping[str, Any], elapsed_s: float) -> None:
-        sub = self._subs.get(client_id)
-        wanted = sub is not None and sub.progress
-        if not (wanted or self._observers):  # built only when someone wants it
-            return
-        ev = StageProgress(job_id, stage, event, detail, elapsed_s)
         if self._observers:
-            self._tell(client_id, ev)
-        if sub is not None and wanted:
-            sub.publish(ev)
+            self._tell(client_id, job_id)
+        sub = self._subs.get(client_id)
+        if sub is not None and sub.progress:  # built only when someone wants it
+            sub.publish(StageProgress(job_id, stage, event, detail, elapsed_s))
 
     def deliver(self, client_id: str, ready: TrajectoryReady, finished: JobFinished) -> None:
         """Announce a delivery whose store transaction committed."""
         if self._observers:
-            self._tell(client_id, finished)
+            self._tell(client_id, finished.job_id)
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.publish_delivery(ready, finished)

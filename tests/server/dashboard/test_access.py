@@ -10,11 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout.runtime.types import Stage
 from rollout.server.auth import OPERATOR, Principal
 from rollout.server.dashboard import live
 from rollout.server.dashboard.sessions import COOKIE
-from rollout.server.pipeline.subscription import StageProgress
 from tests.server.dashboard.conftest import (
     ALICE,
     BOB,
@@ -149,25 +147,43 @@ async def test_an_open_dashboard_answers_loopback_names_only(tmp_path: Path) -> 
         await server.stop(0.2)
 
 
-def test_a_watcher_remembers_a_bounded_set_of_changes() -> None:
-    w = live.Watcher(OPERATOR)
-    for i in range(10 * live.MAX_DIRTY):
-        w.offer("c", StageProgress(f"job-{i}", Stage.RUN, "turn", {"turns_done": 1}))
-    changes = w.take()
-    assert changes.many and not changes.jobs  # "everything changed", in constant memory
-    assert not w.take()
-    w.offer("c", StageProgress("job-1", Stage.RUN, "turn", {}))
-    assert w.take().jobs == {"job-1"}
+async def test_a_page_reads_a_bounded_log_at_its_own_pace() -> None:
+    hub = live.Hub()
+    pages = [live.Watcher(hub, OPERATOR) for _ in range(live.MAX_WATCHERS)]
+    assert all(hub.add(p) for p in pages)
+    assert not hub.add(live.Watcher(hub, OPERATOR))  # bounded number of pages
+    for i in range(3 * live.LOG_SIZE):
+        hub("c", f"job-{i}")
+    # An event costs an append; the pages are woken once, on the next loop iteration.
+    assert not any(p._wake.is_set() for p in pages)
+    await asyncio.sleep(0)
+    assert all(p._wake.is_set() for p in pages)
+    changes = pages[0].take()
+    assert changes.many and not changes.jobs  # more than the log holds: "everything changed"
+    assert not pages[0].take()
+    for i in range(live.MAX_DIRTY + 1):
+        hub("c", f"job-{i}")
+    assert pages[0].take().many  # too many to take one by one
+    hub("c", "job-1")
+    hub("c", "job-1")
+    assert pages[0].take().jobs == {"job-1"}
 
 
-def test_a_watcher_sees_only_its_tenants_events() -> None:
-    alice = live.Watcher(Principal("alice"), job_id="j")
-    alice.offer("bob", StageProgress("j", Stage.RUN, "turn", {"turns_done": 5}))
-    alice.offer("rpc:bob#j", StageProgress("j", Stage.RUN, "turn", {"turns_done": 5}))
-    assert not alice.take() and alice.last_event is None
-    alice.offer("rpc:alice#j", StageProgress("j", Stage.RUN, "turn", {"turns_done": 2}))
+def test_a_page_sees_only_its_tenants_jobs() -> None:
+    hub = live.Hub()
+    alice = live.Watcher(hub, Principal("alice"), job_id="j")
+    assert hub.add(alice)
+    hub._log.extend([("bob", "j"), ("rpc:bob#j", "j"), ("rpc:alice#k", "k")])
+    hub.seq += 3
+    assert not alice.take()
+    hub._log.append(("rpc:alice#j", "j"))
+    hub.seq += 1
     assert alice.take().jobs == {"j"}
-    assert alice.last_event is not None and alice.last_event.detail["turns_done"] == 2
+    admin = live.Watcher(hub, Principal("ops", frozenset({"admin"})))
+    assert hub.add(admin)
+    hub._log.append(("bob", "b"))
+    hub.seq += 1
+    assert admin.take().jobs == {"b"}
 
 
 async def test_a_browser_that_stops_reading_is_dropped(
@@ -186,7 +202,7 @@ async def test_a_browser_that_stops_reading_is_dropped(
         return live.Update([("x", "y" * 256_000)])
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await live.stream(request, hub, live.Watcher(OPERATOR), render,
+        return await live.stream(request, hub, live.Watcher(hub, OPERATOR), render,
                                  min_interval_s=0.0, refresh_s=0.01)
 
     app = web.Application()
