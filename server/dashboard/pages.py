@@ -24,8 +24,8 @@ from rollout.runtime.types import JobState, TerminationReason, Trajectory
 from rollout.server import proto_convert
 from rollout.server.auth import Principal, owner_of
 from rollout.server.dashboard import live, trajectory_view
-from rollout.server.pipeline.records import JobRecord
 from rollout.server.scheduler import Scheduler
+from rollout.server.store import JobRecord
 from rollout.server.tenant_status import OwnerCounts
 from rollout.server.token_text import TurnPieces, trajectory_pieces
 
