@@ -228,3 +228,36 @@ async def test_a_browser_that_stops_reading_is_dropped(
         writer.close()
     finally:
         await runner.cleanup()
+
+
+async def test_with_tls_the_dashboard_speaks_https_and_its_cookie_is_secure(
+        tmp_path: Path) -> None:
+    import json
+    import ssl
+
+    from tests.client.conftest import ServerHarness
+    from tests.server.dashboard.conftest import CLIENTS
+    from tests.server.tls_certs import TestCA
+
+    ca = TestCA()
+    cert, key = ca.issue("rollout-server", ips=("127.0.0.1",), server=True).write(tmp_path,
+                                                                                  "server")
+    h = ServerHarness(tmp_path / "state", clients=json.dumps(CLIENTS), tls_cert_file=cert,
+                      tls_key_file=key, dashboard_port=0)
+    server = await h.start()
+    try:
+        assert server.dashboard is not None and server.dashboard.url.startswith("https://")
+        url = server.dashboard.url.rstrip("/")
+        trust = ssl.create_default_context(cadata=ca.pem.decode())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/login", data={"token": ALICE}, ssl=trust,
+                                 allow_redirects=False) as r:
+                assert r.status == 303
+                morsel = r.cookies[COOKIE]
+                assert morsel["secure"] and morsel["httponly"]
+                assert morsel["samesite"] == "Strict"
+            with pytest.raises(aiohttp.ClientError):  # plain HTTP to the TLS port
+                async with http.get(url.replace("https://", "http://") + "/login") as r:
+                    await r.read()
+    finally:
+        await h.stop()
