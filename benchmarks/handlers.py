@@ -175,7 +175,8 @@ takes tens of seconds)."""
 
 def serve_until_signalled(cfg: Config, grace_s: float) -> int:
     """Child process of a benchmark: a real server on ``cfg`` with the bench environments and no
-    sandbox runtime. Prints ``PORT <n>`` once it listens and, with ``cluster.workers``, once
+    sandbox runtime. Prints ``PORT <n>`` (and the dashboard's port after it, when one is
+    configured) once it listens and, with ``cluster.workers``, once
     every node agent has joined (a benchmark must not time the agents' start); stops on SIGINT
     or SIGTERM."""
     from rollout.server.app import Server
@@ -193,7 +194,8 @@ def serve_until_signalled(cfg: Config, grace_s: float) -> int:
             async with asyncio.timeout(WORKERS_START_S):
                 while len(nodes) < cfg.cluster.workers:
                     await asyncio.sleep(0.1)
-        print(f"PORT {server.port}", flush=True)
+        dashboard = f" {server.dashboard.port}" if server.dashboard is not None else ""
+        print(f"PORT {server.port}{dashboard}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

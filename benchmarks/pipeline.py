@@ -17,6 +17,9 @@
     faster, because no stage's workers idle; what stage pools buy is isolation (a slow EVAL never
     holds a sandbox or an LLM slot) and per-resource sizing, shown by the "sized pools" row.
 
+(d) With ``--dashboard N``: throughput with the web dashboard open on busy pages by N viewers
+    against none open, in one run of one server; see ``pipeline_dashboard.py``.
+
 (c) Worker processes, with ``--workers N[,M,...]`` instead of (a) and (b): the server's
     throughput with stage work in N local processes (``rollout serve --workers N``) against the
     single-process server in the same run, progress off and on, with the CPU of the server's
@@ -24,7 +27,8 @@
     ``pipeline_workers.py``.
 
 Run: ``.venv/bin/rollout bench pipeline [--jobs 5000]``;
-``.venv/bin/rollout bench pipeline --workers 1,2 --env cpu``.
+``.venv/bin/rollout bench pipeline --workers 1,2 --env cpu``;
+``.venv/bin/rollout bench pipeline --dashboard 3``.
 """
 
 from __future__ import annotations
@@ -262,7 +266,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --workers: jobs one worker process holds at once")
     p.add_argument("--profile", metavar="DIR",
                    help="with --workers: write each server's cProfile stats into DIR")
+    p.add_argument("--dashboard", type=int, metavar="VIEWERS",
+                   help="instead of (a) and (b): throughput with the web dashboard open on "
+                        "busy pages by VIEWERS viewers against none open, same server, one "
+                        "table (pipeline_dashboard.py)")
     args = p.parse_args(argv)
+    if args.dashboard is not None:
+        if args.dashboard < 1:
+            p.error("--dashboard wants a number of viewers >= 1")
+        from rollout.benchmarks import pipeline_dashboard
+
+        return pipeline_dashboard.main(args.jobs or 2000, args.dashboard)
     if args.workers is not None:
         return pipeline_workers.run(args.workers, args.env, args.jobs, args.iters, args.slots,
                                     args.profile)

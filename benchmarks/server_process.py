@@ -100,8 +100,10 @@ class BenchServer:
 
     def __init__(self, state_dir: str | Path, *, workers: int = 0, slots: int = 8,
                  stage_workers: int = 8, profile: str | Path | None = None,
-                 start_timeout_s: float = 240.0) -> None:
+                 start_timeout_s: float = 240.0, dashboard: bool = False) -> None:
         self.state_dir = str(state_dir)
+        self.dashboard = dashboard
+        self.dashboard_port = 0
         self.workers = workers
         self.slots = slots
         self.stage_workers = stage_workers
@@ -127,6 +129,8 @@ class BenchServer:
                 "--stage-workers", str(self.stage_workers)]
         if self.profile:
             args += ["--profile", str(self.profile)]
+        if self.dashboard:
+            args.append("--dashboard")
         # Ray (--workers) turns token authentication on by default; this private instance
         # listens on loopback only, as the cluster tests' does.
         env = {**os.environ, **LocalRayCluster.DRIVER_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -143,6 +147,8 @@ class BenchServer:
             await self.stop()
             raise RuntimeError(f"bench server (workers={self.workers}) did not start")
         self.port = int(line[1])
+        if len(line) > 2:
+            self.dashboard_port = int(line[2])
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -265,12 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--stage-workers", type=int, default=8)
     p.add_argument("--profile", help="write the server process's cProfile stats here")
+    p.add_argument("--dashboard", action="store_true", help="serve the dashboard on a free port")
     args = p.parse_args(argv)
     cfg = Config()
     cfg.server.port = 0
     cfg.server.state_dir = args.state_dir
     cfg.server.heartbeat_s = 0
     cfg.llm.backends = []
+    if args.dashboard:
+        cfg.server.dashboard_port = 0
     cfg.pipeline.init_workers = cfg.pipeline.run_workers = cfg.pipeline.eval_workers = \
         args.stage_workers
     if args.workers:

@@ -97,10 +97,12 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ unary RPCs
 
-    async def get_job(self, job_id: str, *, include_trajectory: bool = False
-                      ) -> pb.GetJobResponse:
+    async def get_job(self, job_id: str, *, include_trajectory: bool = False,
+                      include_text: bool = False) -> pb.GetJobResponse:
+        """``include_text``: also the trajectory's tokens decoded by the server's tokenizer
+        (``GetJobResponse.text``), for a caller without the model."""
         return await self._unary(self.stub.GetJob, pb.GetJobRequest(
-            job_id=job_id, include_trajectory=include_trajectory))
+            job_id=job_id, include_trajectory=include_trajectory, include_text=include_text))
 
     async def list_jobs(self, *, state: job_pb2.Job.State | int | str = 0, group_id: str = "",
                         client_id: str = "", page_size: int = 100, limit: int | None = None

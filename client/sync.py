@@ -118,8 +118,10 @@ class RolloutClientSync:
     def aio(self) -> RolloutClient:
         return self._c
 
-    def get_job(self, job_id: str, *, include_trajectory: bool = False) -> pb.GetJobResponse:
-        return self._r.run(self._c.get_job(job_id, include_trajectory=include_trajectory))
+    def get_job(self, job_id: str, *, include_trajectory: bool = False,
+                include_text: bool = False) -> pb.GetJobResponse:
+        return self._r.run(self._c.get_job(job_id, include_trajectory=include_trajectory,
+                                           include_text=include_text))
 
     def list_jobs(self, **filters: Any) -> Iterator[job_pb2.Job]:
         return self._r.iterate(self._c.list_jobs(**filters))

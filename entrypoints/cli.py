@@ -53,7 +53,7 @@ SERVER_EXTRA = {
     "tokenizers": "tokenizers", "safetensors": "safetensors", "gguf": "gguf",
     "accelerate": "accelerate", "jupyter_client": "jupyter-client", "ipykernel": "ipykernel",
     "aiohttp": "aiohttp", "sympy": "sympy", "matplotlib": "matplotlib",
-    "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp",
+    "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp", "jinja2": "jinja2",
 }
 SERVER_COMMANDS = ("serve", "quickstart", "llm-serve", "bench")
 
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the model gateway (OpenAI/Anthropic-compatible, per-job "
                         "keys) on this loopback port, for harnesses outside sandboxes "
                         "(default 0: off)")
+    p.add_argument("--dashboard-port", type=int, metavar="PORT",
+                   help="serve the web dashboard on this port of --host, with the same "
+                        "tokens and tenancy (default -1: off; 0 picks a free port; "
+                        "docs/dashboard.md)")
 
     p = sub.add_parser(
         "submit", help="run the jobs of a JSONL file, write trajectories",
@@ -201,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(q)
     q.add_argument("job_id")
     q.add_argument("--trajectory", action="store_true", help="include the trajectory")
+    q = jobs.add_parser("show", help="a job's trajectory turn by turn (raw token ids, or "
+                                     "text with --text)")
+    _client_flags(q)
+    q.add_argument("job_id")
+    q.add_argument("--text", action="store_true",
+                   help="decode the tokens with the server's tokenizer (no model needed "
+                        "here); generated tokens are shaded by probability")
     q = jobs.add_parser("cancel")
     _client_flags(q)
     q.add_argument("job_id", nargs="?", default="")
@@ -268,7 +279,8 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, key in (("host", "server.host"), ("port", "server.port"),
                       ("state_dir", "server.state_dir"), ("token", "server.auth_token"),
                       ("metrics_port", "server.metrics_port"),
-                      ("gateway_port", "server.gateway_port"), ("ray", "cluster.ray"),
+                      ("gateway_port", "server.gateway_port"),
+                      ("dashboard_port", "server.dashboard_port"), ("ray", "cluster.ray"),
                       ("workers", "cluster.workers")):
         value = getattr(args, flag)
         if value is not None:

@@ -58,6 +58,10 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
                               job.spec.group.group_id, _fmt_time(job.create_time))
             console.print(table)
             console.print(f"{n} job(s)")
+        elif args.jobs_command == "show":
+            from rollout.entrypoints.job_show import show
+
+            return await show(args, client, console)
         elif args.jobs_command == "get":
             resp = await client.get_job(args.job_id, include_trajectory=args.trajectory)
             console.print_json(json_format.MessageToJson(resp, preserving_proto_field_name=True))

@@ -50,6 +50,8 @@ fi
 # `rollout bench llm`; has its own stamp. ROLLOUT_SKIP_VLLM=1 skips it.
 bash scripts/setup_vllm.sh
 
+bash scripts/setup_browser.sh  # Chromium for the dashboard's browser tests (test-only)
+
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
 bash scripts/setup_adapters.sh

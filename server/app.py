@@ -84,6 +84,8 @@ class Server:
         """``server.gateway.Gateway``: harness environments' model endpoint."""
         self.cluster: Any = None
         """``server.cluster.ray_backend.RayCluster`` with ``--ray`` / ``--workers``."""
+        self.dashboard: Any = None
+        """``server.dashboard.Dashboard`` when ``server.dashboard_port`` is not -1."""
 
     @property
     def address(self) -> str:
@@ -97,6 +99,9 @@ class Server:
         check_port_range(cfg.server.port)
         check_port_range(cfg.server.metrics_port, "server.metrics_port", "--metrics-port")
         check_port_range(cfg.server.gateway_port, "server.gateway_port", "--gateway-port")
+        if cfg.server.dashboard_port != -1:
+            check_port_range(cfg.server.dashboard_port, "server.dashboard_port",
+                             "--dashboard-port")
         # The lock comes before anything reads or reaps the state directory: a second server
         # must not "recover" (and so run again) the jobs the first one is running.
         self._lock = StateDirLock.acquire(cfg.state_path)
@@ -125,6 +130,9 @@ class Server:
         if cfg.server.metrics_port:
             check_port_free(cfg.server.metrics_host, cfg.server.metrics_port,
                             "the metrics endpoint", "--metrics-port")
+        if cfg.server.dashboard_port > 0:
+            check_port_free(cfg.server.host, cfg.server.dashboard_port, "the dashboard",
+                            "--dashboard-port")
         # A corrupt or foreign store is refused before a model loads for a minute.
         await asyncio.to_thread(check_store_file, state / STORE_FILE)
         # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
@@ -231,11 +239,27 @@ class Server:
             except OSError:
                 raise port_in_use(cfg.server.metrics_host, cfg.server.metrics_port,
                                   "the metrics endpoint", "--metrics-port") from None
+        if cfg.server.dashboard_port != -1:
+            from rollout.server.dashboard import Dashboard  # aiohttp + jinja2: only when asked
+
+            dashboard = Dashboard(self.scheduler, Authenticator(cfg.server.auth_token,
+                                                                cfg.server.clients),
+                                  tls_cert_file=cfg.server.tls_cert_file,
+                                  tls_key_file=cfg.server.tls_key_file)
+            try:
+                await dashboard.start(cfg.server.host, cfg.server.dashboard_port)
+            except OSError:
+                raise port_in_use(cfg.server.host, cfg.server.dashboard_port, "the dashboard",
+                                  "--dashboard-port") from None
+            self.dashboard = dashboard
         log.info("rollout service listening on %s (state in %s)", self.address, state)
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.cfg.server.grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()  # every service -> NOT_SERVING
+        if self.dashboard is not None:  # its live pages end; nothing else depends on it
+            await self.dashboard.stop()
+            self.dashboard = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self.scheduler is not None:
@@ -329,7 +353,8 @@ def local_node_sandbox_roots(cfg: Config) -> list[Path]:
 async def serve(cfg: Config) -> None:
     """Run until SIGINT/SIGTERM, then shut down gracefully."""
     server = await Server(cfg).start()
-    print(f"rollout service listening on {server.address}  (state: {cfg.state_path})",
+    dashboard = f"; dashboard {server.dashboard.url}" if server.dashboard is not None else ""
+    print(f"rollout service listening on {server.address}  (state: {cfg.state_path}{dashboard})",
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -70,6 +70,10 @@ class ServerSection:
     harnesses outside sandboxes; 0 disables (sandboxed harnesses use their job's Unix
     socket). Every request still needs its job's key."""
     gateway_host: str = "127.0.0.1"
+    dashboard_port: int = -1
+    """The web dashboard (docs/dashboard.md) on this port of ``host``, with the same tokens and
+    tenancy as the gRPC port (and its TLS certificate, when set); -1 (the default) disables it,
+    0 picks a free port (the start-up line names it)."""
     grace_s: float = 10.0
     """On shutdown: health flips to NOT_SERVING, then RPCs get this long to finish."""
     max_message_bytes: int = 64 << 20

@@ -30,6 +30,7 @@ from rollout.server.stream_session import (
     accepted_state,
     result_pruned,
 )
+from rollout.server.token_text import trajectory_pieces
 from rollout.v1 import job_pb2, rollout_service_pb2_grpc
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -228,10 +229,20 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         resp = pb.GetJobResponse(job=job_to_proto(rec))
         if rec.timings is not None:
             resp.timings.CopyFrom(proto_convert.timings_to_proto(rec.timings))
-        if request.include_trajectory:
+        if request.include_trajectory or request.include_text:
+            tokenizer = getattr(self._scheduler.llm, "tokenizer", None)
+            if request.include_text and tokenizer is None:
+                raise errors.FailedPrecondition(
+                    "this server has no tokenizer to decode with (no LLM backend is "
+                    "configured); ask without include_text and decode the ids yourself",
+                    "NO_TOKENIZER", "include_text")
             traj = await self._scheduler.get_trajectory(request.job_id)
             if traj is not None:
                 resp.trajectory.CopyFrom(proto_convert.trajectory_to_proto(traj))
+                if request.include_text:
+                    turns = await asyncio.to_thread(trajectory_pieces, tokenizer, traj)
+                    resp.text.extend(pb.TurnText(prompt=t.prompt, output=t.output,
+                                                 observation=t.observation) for t in turns)
         return resp
 
     async def ListJobs(self, request: pb.ListJobsRequest,

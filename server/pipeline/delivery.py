@@ -12,10 +12,14 @@ Rules it keeps (server/pipeline/subscription.py has the flow-control side):
 - A delivery is published only by :meth:`deliver`, which the pipeline calls after the store
   committed it, or by the function :meth:`redeliver` returns, after the delivery committed.
 - Progress events are built only for a subscriber that asked for them.
+- Observers (the web dashboard's live pages) are told which job every event of every client is
+  about, synchronously and on the event loop: each must be O(1) and never block or raise (the
+  dashboard appends to a bounded log and returns).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +33,12 @@ from rollout.server.pipeline.subscription import (
 )
 from rollout.server.store import JobStore
 
+Observer = Callable[[str, str], None]
+"""``observer(stored_client_id, job_id)``: an event about that job happened (one the sessions
+get, or would get: clients with no session attached included)."""
+
+log = logging.getLogger(__name__)
+
 
 class Delivery:
     """Subscriptions by client id, acks, replay from the store, re-deliveries."""
@@ -37,6 +47,19 @@ class Delivery:
         self._store = store
         self._replay_page = replay_page
         self._subs: dict[str, Subscription] = {}
+        self._observers: list[Observer] = []
+
+    def observe(self, observer: Observer) -> Callable[[], None]:
+        """Add an observer; returns the function that removes it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
+
+    def _tell(self, client_id: str, job_id: str) -> None:
+        for observer in list(self._observers):
+            try:
+                observer(client_id, job_id)
+            except Exception:  # an observer's bug must not break a client's session
+                log.exception("delivery observer failed")
 
     @property
     def sessions(self) -> int:
@@ -45,18 +68,24 @@ class Delivery:
     # -- what the pipeline and the submit path publish ---------------------------------------
 
     def emit(self, client_id: str, event: Event) -> None:
+        if self._observers:
+            self._tell(client_id, event.job_id)
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.publish(event)
 
     def progress(self, client_id: str, job_id: str, stage: Stage, event: str,
                  detail: Mapping[str, Any], elapsed_s: float) -> None:
+        if self._observers:
+            self._tell(client_id, job_id)
         sub = self._subs.get(client_id)
         if sub is not None and sub.progress:  # built only when someone wants it
             sub.publish(StageProgress(job_id, stage, event, detail, elapsed_s))
 
     def deliver(self, client_id: str, ready: TrajectoryReady, finished: JobFinished) -> None:
         """Announce a delivery whose store transaction committed."""
+        if self._observers:
+            self._tell(client_id, finished.job_id)
         sub = self._subs.get(client_id)
         if sub is not None:
             sub.publish_delivery(ready, finished)

@@ -293,6 +293,8 @@ class StageRunner:
 
     def _progress(self, job: LiveJob, event: str, detail: Mapping[str, Any]) -> None:
         """``ctx.progress`` of every job: a handler's own events (e.g. ``turn``)."""
+        if event == "turn":
+            job.last_turn = detail  # what a page opened mid-run shows first (the dashboard)
         if job.stage is not None:
             self.delivery.progress(job.client_id, job.job_id, job.stage, event, dict(detail),
                                    time.monotonic() - job.stage_started)

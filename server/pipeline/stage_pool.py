@@ -13,7 +13,7 @@ import asyncio
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ class LiveJob:
     finishing: bool = False
     """Set once the job's terminal state is decided; it can no longer be cancelled."""
     error: JobError | None = None
+    last_turn: Mapping[str, Any] | None = None
+    """The detail of the agent loop's latest ``turn`` progress event (running counters)."""
     timings: StageTimings = field(default_factory=StageTimings)
     waiters: list[asyncio.Future[None]] | None = None
 

@@ -117,7 +117,8 @@ def test_serve_help_describes_every_flag_with_the_servers_defaults(capsys) -> No
     defaults = ServerSection()
     for flag, value in (("--host", defaults.host), ("--port", defaults.port),
                         ("--state-dir", defaults.state_dir),
-                        ("--metrics-port", defaults.metrics_port)):
+                        ("--metrics-port", defaults.metrics_port),
+                        ("--dashboard-port", defaults.dashboard_port)):
         assert re.search(rf"{flag} \S+ .*?\(default {re.escape(str(value))}[;,:) ]", text), flag
 
 

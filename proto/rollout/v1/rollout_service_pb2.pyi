@@ -233,22 +233,36 @@ class SubmitRolloutResponse(_message.Message):
     def __init__(self, accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("job_id", "include_trajectory")
+    __slots__ = ("job_id", "include_trajectory", "include_text")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     include_trajectory: bool
-    def __init__(self, job_id: _Optional[str] = ..., include_trajectory: _Optional[bool] = ...) -> None: ...
+    include_text: bool
+    def __init__(self, job_id: _Optional[str] = ..., include_trajectory: _Optional[bool] = ..., include_text: _Optional[bool] = ...) -> None: ...
+
+class TurnText(_message.Message):
+    __slots__ = ("prompt", "output", "observation")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    prompt: _containers.RepeatedScalarFieldContainer[str]
+    output: _containers.RepeatedScalarFieldContainer[str]
+    observation: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt: _Optional[_Iterable[str]] = ..., output: _Optional[_Iterable[str]] = ..., observation: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetJobResponse(_message.Message):
-    __slots__ = ("job", "trajectory", "timings")
+    __slots__ = ("job", "trajectory", "timings", "text")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     job: _job_pb2.Job
     trajectory: _trajectory_pb2.Trajectory
     timings: _trajectory_pb2.StageTimings
-    def __init__(self, job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., timings: _Optional[_Union[_trajectory_pb2.StageTimings, _Mapping]] = ...) -> None: ...
+    text: _containers.RepeatedCompositeFieldContainer[TurnText]
+    def __init__(self, job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., timings: _Optional[_Union[_trajectory_pb2.StageTimings, _Mapping]] = ..., text: _Optional[_Iterable[_Union[TurnText, _Mapping]]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "state", "group_id", "client_id")

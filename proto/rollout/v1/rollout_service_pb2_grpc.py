@@ -152,7 +152,9 @@ class RolloutServiceServicer:
         include_trajectory simply leaves `trajectory` unset. After a further job_retention_s the
         job row goes too and GetJob answers NOT_FOUND. Unacknowledged results are never deleted.
 
-        Errors: INVALID_ARGUMENT (empty job_id), UNAUTHENTICATED, NOT_FOUND (no such job).
+        Errors: INVALID_ARGUMENT (empty job_id), UNAUTHENTICATED, PERMISSION_DENIED (another
+        client's job), NOT_FOUND (no such job), FAILED_PRECONDITION (include_text on a server
+        without a tokenizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
