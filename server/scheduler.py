@@ -431,11 +431,13 @@ class Scheduler:
                    owner: str | None = None) -> tuple[list[JobRecord], str]:
         """Jobs in submission order; ``next_page_token`` is "" on the last page. ``owner``
         keeps a client's jobs, its SubmitRollout ones included (``JobStore.list_jobs``)."""
-        try:
-            after = int(page_token) if page_token else 0
-        except ValueError:
+        # Tokens are seqs (SQLite rowids): ASCII digits below 2**63. A longer number would
+        # overflow SQLite's integer in the query and come back as INTERNAL.
+        if page_token and not (page_token.isascii() and page_token.isdigit()
+                               and int(page_token) < 1 << 63):
             raise InvalidArgument("page_token is not one this server issued",
-                                  "INVALID_PAGE_TOKEN", "page_token") from None
+                                  "INVALID_PAGE_TOKEN", "page_token")
+        after = int(page_token) if page_token else 0
         size = max(1, min(page_size or 100, 1000))
         rows = await self.store.list_jobs(after_seq=after, limit=size + 1, state=state,
                                           group_id=group_id, client_id=client_id,
