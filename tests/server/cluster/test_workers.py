@@ -155,7 +155,7 @@ def test_a_sigkilled_workers_server_takes_its_whole_ray_with_it(tmp_path: Path) 
 
     env = {**os.environ, **LocalRayCluster.DRIVER_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "rollout"), "serve", "--port", "0", "--workers", "1",
+        [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--port", "0", "--workers", "1",
          "--state-dir", str(tmp_path / "state"), "--set", "llm.backends=[]",
          "--set", f"cluster.node_state_dir={tmp_path}/nodes"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
