@@ -168,7 +168,9 @@ class Server:
                 cleanup_deadline_s=cfg.pipeline.cleanup_deadline_s,
                 retention_s=cfg.pipeline.retention_s,
                 job_retention_s=cfg.pipeline.job_retention_s,
-                prune_interval_s=cfg.pipeline.prune_interval_s))
+                prune_interval_s=cfg.pipeline.prune_interval_s,
+                delivery_memory_bytes=cfg.pipeline.delivery_memory_bytes,
+                session_memory_bytes=cfg.pipeline.session_memory_bytes))
         try:
             await self.scheduler.start()  # reads every live row
         except sqlite3.DatabaseError as exc:  # damage quick_check missed: still one line

@@ -230,7 +230,7 @@ def check_tls_files(cert_file: str, key_file: str, client_ca_file: str = "") -> 
     try:
         ctx.load_cert_chain(Path(cert_file).expanduser(), Path(key_file).expanduser())
     except ssl.SSLError as e:
-        if e.reason == "KEY_VALUES_MISMATCH":
+        if "MISMATCH" in (e.reason or ""):  # OpenSSL's KEY_VALUES_MISMATCH
             raise InvalidArgument(
                 f"server.tls_key_file {key_file} is not the private key of the certificate "
                 f"server.tls_cert_file {cert_file}; give the key the certificate was issued "

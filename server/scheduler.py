@@ -70,6 +70,7 @@ from rollout.server.errors import (
 )
 from rollout.server.metrics import SchedulerMetrics, SchedulerStatus
 from rollout.server.pipeline.delivery import Delivery
+from rollout.server.pipeline.delivery_budget import DeliveryBudget
 from rollout.server.pipeline.groups import GROUP_FINISHED
 from rollout.server.pipeline.job_registry import JobRegistry
 from rollout.server.pipeline.records import SubmitResult, record_from_live
@@ -152,7 +153,8 @@ class Scheduler:
         self.metrics = SchedulerMetrics(self.status)
         self.jobs = JobRegistry(
             on_group_reopen=lambda gid: self._spawn(self.store.reopen_group(gid)))
-        self.delivery = Delivery(store, replay_page=cfg.replay_page)
+        self.delivery = Delivery(store, replay_page=cfg.replay_page, budget=DeliveryBudget(
+            cfg.delivery_memory_bytes, cfg.session_memory_bytes))
         self.pipeline = StageRunner(
             store, self.jobs, self.delivery, self.metrics,
             nodes if nodes is not None else NodeSet.single(LocalNode(self)), cfg)
@@ -519,4 +521,7 @@ class Scheduler:
             pending=self.jobs.pending, max_pending=self.config.max_pending_jobs,
             sessions=self.delivery.sessions, uptime_s=time.monotonic() - self._started_at,
             window_s=self.config.status_window_s,
-            jobs_by_termination=dict(self.metrics.terminations))
+            jobs_by_termination=dict(self.metrics.terminations),
+            delivery_memory=(self.delivery.budget.stats()
+                             if self.delivery.budget is not None else None),
+            starved_sessions=self.delivery.starved_sessions)

@@ -193,6 +193,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                                 yield pb.SubmitRolloutResponse(progress_batch=batch.take())
                             yield pb.SubmitRolloutResponse(
                                 trajectory=proto_convert.trajectory_to_proto(ev.trajectory))
+                            sub.sent(ev.delivery_id)
                             # Acknowledged once handed to gRPC: a retry after this replays
                             # from the store (above), so nothing is lost if the caller
                             # vanished meanwhile.

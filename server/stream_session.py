@@ -283,7 +283,9 @@ class StreamSession:
                 case _:
                     frame = self._event_frame(item)
                     if frame is not None:
-                        yield frame
+                        yield frame  # resumed once the frame is written to the client
+                    if isinstance(item, TrajectoryReady):
+                        self._sub.sent(item.delivery_id)  # its memory is free again
 
     async def _next_item(self) -> StreamEvent:
         return await self._out.get()
