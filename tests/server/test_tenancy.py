@@ -357,6 +357,16 @@ async def test_mtls_identity_is_the_client_id(pki: dict[str, Any]) -> None:
                     await pb_grpc.RolloutServiceStub(channel).ListJobs(pb.ListJobsRequest(),
                                                                        timeout=5)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Health (docs/operating-limits.md): the handshake wants a certificate of the CA, so a
+        # probe without one cannot connect; any certificate of the CA will do, mapped or not.
+        check = health_pb2.HealthCheckRequest(service="")
+        async with _tls_channel(h.address, ca.pem, None) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health_pb2_grpc.HealthStub(channel).Check(check, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with _tls_channel(h.address, ca.pem, ca.issue("k8s-probe")) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(check, timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await h.stop()
 
