@@ -9,10 +9,10 @@ user who wants to measure overhead) registers them explicitly:
 - ``cpu``: each stage does a fixed amount of pure-Python work, ``task["iters"]`` steps of a
   32-bit linear congruential generator (measures whether stage work in more processes,
   ``rollout serve --workers N``, buys throughput; see :class:`CpuHandler`).
-- ``long``: RUN returns ``task["turns"]`` turns of ``task["prompt"]`` prompt and
-  ``task["output"]`` output tokens (ids past the interpreter's small-int cache, as real
-  vocabulary ids are), so a trajectory is as large as a long agent episode's (``rollout bench
-  stalled``).
+- ``long``: RUN sleeps ``task["run_s"]`` (an agent's episode takes time) and returns
+  ``task["turns"]`` turns of ``task["prompt"]`` prompt and ``task["output"]`` output tokens
+  (ids past the interpreter's small-int cache, as real vocabulary ids are), so a trajectory is
+  as large as a long agent episode's (``rollout bench stalled``).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class LongHandler(AgentHandler):
         return None
 
     async def run(self, ctx: JobContext) -> RunOutcome:
+        await asyncio.sleep(float(ctx.spec.task.get("run_s", 0.0)))
         return RunOutcome(turns=long_turns(ctx.spec.job_id, ctx.spec.task),
                           termination=TerminationReason.MAX_TURNS)
 

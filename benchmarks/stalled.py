@@ -123,7 +123,7 @@ class Client:
 
 
 async def _session(address: str, c: Client, *, submit: bool, read: asyncio.Event,
-                   task: dict[str, int]) -> None:
+                   task: dict[str, float]) -> None:
     """Open, optionally submit, then read (once ``read`` is set) and ack until every job of the
     client arrived. Each client has its own connection, as separate trainers do: a stream
     nobody reads fills its connection's flow-control window, and every other call on that
@@ -138,7 +138,7 @@ async def _session(address: str, c: Client, *, submit: bool, read: asyncio.Event
 
 
 async def _stream(stub: Any, c: Client, *, submit: bool, read: asyncio.Event,
-                  task: dict[str, int]) -> None:
+                  task: dict[str, float]) -> None:
     from rollout.v1 import job_pb2
     from rollout.v1 import rollout_service_pb2 as pb
 
@@ -198,7 +198,8 @@ async def _run(name: str, args: argparse.Namespace, *, stall: bool, budget_mb: f
     from rollout.server.pipeline.delivery_budget import held_bytes
     from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 
-    task = {"turns": args.turns, "prompt": args.prompt, "output": args.output}
+    task = {"turns": args.turns, "prompt": args.prompt, "output": args.output,
+            "run_s": args.run_s}
     clients = [Client(f"stalled-{i}", [f"s{i}-j{k}" for k in range(args.jobs)])
                for i in range(args.sessions)]
     total = args.sessions * args.jobs
@@ -307,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=2000, help="turns per trajectory")
     p.add_argument("--prompt", type=int, default=60, help="prompt tokens per turn")
     p.add_argument("--output", type=int, default=20, help="output tokens per turn")
+    p.add_argument("--run-s", type=float, default=1.0,
+                   help="seconds each RUN takes (4 RUN workers): trajectories finish at an "
+                        "agent's pace; with 0 they finish faster than the store commits them "
+                        "and that backlog, not the sessions, sets the server's memory")
     p.add_argument("--budget-mb", type=float, default=256.0,
                    help="pipeline.delivery_memory_bytes, in MiB")
     p.add_argument("--share-mb", type=float, default=64.0,
