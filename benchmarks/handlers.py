@@ -9,6 +9,10 @@ user who wants to measure overhead) registers them explicitly:
 - ``cpu``: each stage does a fixed amount of pure-Python work, ``task["iters"]`` steps of a
   32-bit linear congruential generator (measures whether stage work in more processes,
   ``rollout serve --workers N``, buys throughput; see :class:`CpuHandler`).
+- ``long``: RUN sleeps ``task["run_s"]`` (an agent's episode takes time) and returns
+  ``task["turns"]`` turns of ``task["prompt"]`` prompt and ``task["output"]`` output tokens
+  (ids past the interpreter's small-int cache, as real vocabulary ids are), so a trajectory is
+  as large as a long agent episode's (``rollout bench stalled``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,31 @@ class SleepHandler(AgentHandler):
 
     async def eval(self, ctx: JobContext) -> Reward:
         await asyncio.sleep(float(ctx.spec.task.get("eval_s", 0.0)))
+        return Reward(1.0)
+
+
+def long_turns(job_id: str, task: Any) -> list[Turn]:
+    """The turns ``long`` returns for a job (the benchmark sizes them the same way)."""
+    prompt, output = int(task.get("prompt", 100)), int(task.get("output", 20))
+    base = 1000 + sum(job_id.encode())
+    return [Turn(prompt_ids=list(range(base + i, base + i + prompt)),
+                 output_ids=list(range(base + 7 * i, base + 7 * i + output)),
+                 output_logprobs=[-0.5] * output)
+            for i in range(int(task.get("turns", 2000)))]
+
+
+class LongHandler(AgentHandler):
+    name = "long"
+
+    async def init(self, ctx: JobContext) -> None:
+        return None
+
+    async def run(self, ctx: JobContext) -> RunOutcome:
+        await asyncio.sleep(float(ctx.spec.task.get("run_s", 0.0)))
+        return RunOutcome(turns=long_turns(ctx.spec.job_id, ctx.spec.task),
+                          termination=TerminationReason.MAX_TURNS)
+
+    async def eval(self, ctx: JobContext) -> Reward:
         return Reward(1.0)
 
 
@@ -151,13 +180,15 @@ class CpuHandler(AgentHandler):
 
 
 BENCH_HANDLERS = {name: f"{__name__}:{cls.__name__}" for name, cls in (
-    ("noop", NoopHandler), ("sleep", SleepHandler), ("cpu", CpuHandler))}
+    ("noop", NoopHandler), ("sleep", SleepHandler), ("cpu", CpuHandler),
+    ("long", LongHandler))}
 """The bench environments as ``cluster.handlers`` entries, so node agents (``--workers``)
 load the same classes."""
 
 
 def register_bench_handlers(registry: object) -> None:
-    """Add ``noop``, ``sleep`` and ``cpu`` to a ``HandlerRegistry``."""
+    """Add ``noop``, ``sleep``, ``cpu`` and ``long`` to a ``HandlerRegistry``."""
+    registry.register("long", LongHandler())  # type: ignore[attr-defined]
     registry.register("noop", NoopHandler())  # type: ignore[attr-defined]
     registry.register("sleep", SleepHandler())  # type: ignore[attr-defined]
     registry.register("cpu", CpuHandler())  # type: ignore[attr-defined]

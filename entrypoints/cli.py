@@ -42,6 +42,8 @@ BENCHES = {
                "per request",
     "soak": "clients that disconnect at random and a server SIGKILLed mid-run: the books "
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
+    "stalled": "sessions that stop reading while long trajectories finish: server RSS against "
+               "the memory budget and a ceiling, and every trajectory delivered once on resume",
 }
 """What ``rollout bench NAME`` runs (``benchmarks/NAME.py``); written here because the help
 must work where the server extra is not installed."""

@@ -142,8 +142,11 @@ class HandlerRegistry:
         if name not in self._instances:
             if name not in self._factories:
                 known = ", ".join(self.names()) or "none"
+                # Cut short: a client's 20 KB name echoed whole would overflow the default
+                # 8 KiB metadata limit and reach the client as RESOURCE_EXHAUSTED instead.
+                shown = f"{name[:40]!r}{'...' if len(name) > 40 else ''}"
                 raise InvalidArgument(
-                    f"unknown environment {name!r}; this server has: {known}",
+                    f"unknown environment {shown}; this server has: {known}",
                     "UNKNOWN_ENVIRONMENT", "environment")
             self._instances[name] = self._factories[name]()
         return self._instances[name]

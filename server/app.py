@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import signal
+import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from rollout.server.startup import (
     who_listens,
 )
 from rollout.server.store import STORE_FILE, JobStore, check_store_file
+from rollout.server.store.file import damaged as store_damaged
 from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -177,7 +179,9 @@ class Server:
                 cleanup_deadline_s=cfg.pipeline.cleanup_deadline_s,
                 retention_s=cfg.pipeline.retention_s,
                 job_retention_s=cfg.pipeline.job_retention_s,
-                prune_interval_s=cfg.pipeline.prune_interval_s))
+                prune_interval_s=cfg.pipeline.prune_interval_s,
+                delivery_memory_bytes=cfg.pipeline.delivery_memory_bytes,
+                session_memory_bytes=cfg.pipeline.session_memory_bytes))
         from rollout.server.gateway import Gateway
 
         try:
@@ -188,7 +192,10 @@ class Server:
             raise port_in_use(cfg.server.gateway_host, cfg.server.gateway_port,
                               "the model gateway", "--gateway-port") from None
         self.scheduler.gateway = self.gateway
-        await self.scheduler.start()
+        try:
+            await self.scheduler.start()  # reads every live row
+        except sqlite3.DatabaseError as exc:  # damage quick_check missed: still one line
+            raise store_damaged(state / STORE_FILE, exc) from None
 
         # Credentials first: a bad certificate path or client entry fails before we listen.
         tls = server_credentials(cfg.server.tls_cert_file, cfg.server.tls_key_file,

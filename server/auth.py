@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +222,32 @@ def _parse_entry(index: int, raw: Mapping[str, Any]) -> _Entry:
     return _Entry(client_id, frozenset(roles), digest, identity)
 
 
+def check_tls_files(cert_file: str, key_file: str, client_ca_file: str = "") -> None:
+    """Load the files as OpenSSL will: gRPC itself reports a key that does not match its
+    certificate (or a file that is not PEM) only as "Failed to bind" when the port is added,
+    which reads like a port in use."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(Path(cert_file).expanduser(), Path(key_file).expanduser())
+    except ssl.SSLError as e:
+        if "MISMATCH" in (e.reason or ""):  # OpenSSL's KEY_VALUES_MISMATCH
+            raise InvalidArgument(
+                f"server.tls_key_file {key_file} is not the private key of the certificate "
+                f"server.tls_cert_file {cert_file}; give the key the certificate was issued "
+                "for", "BAD_CONFIG", "server.tls_key_file") from None
+        raise InvalidArgument(
+            f"server.tls_cert_file {cert_file} and server.tls_key_file {key_file} are not a "
+            f"PEM certificate and its unencrypted PEM private key ({e.reason or e})",
+            "BAD_CONFIG", "server.tls_cert_file") from None
+    if client_ca_file:
+        try:
+            ctx.load_verify_locations(cafile=Path(client_ca_file).expanduser())
+        except ssl.SSLError as e:
+            raise InvalidArgument(
+                f"server.tls_client_ca_file {client_ca_file} holds no PEM CA certificate "
+                f"({e.reason or e})", "BAD_CONFIG", "server.tls_client_ca_file") from None
+
+
 def server_credentials(cert_file: str, key_file: str,
                        client_ca_file: str = "") -> grpc.ServerCredentials | None:
     """TLS credentials of the gRPC port (None = plaintext); mTLS when ``client_ca_file`` is set:
@@ -242,5 +269,6 @@ def server_credentials(cert_file: str, key_file: str,
     cert = read("server.tls_cert_file", cert_file)
     key = read("server.tls_key_file", key_file)
     ca = read("server.tls_client_ca_file", client_ca_file) if client_ca_file else None
+    check_tls_files(cert_file, key_file, client_ca_file)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=ca is not None)

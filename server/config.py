@@ -104,6 +104,13 @@ class PipelineSection:
     trajectory was pruned; then GetJob answers NOT_FOUND and the id can be reused. 0 = forever."""
     prune_interval_s: float = 60.0
     """How often the retention pass runs (in batches of 1000 rows, beside normal writes)."""
+    delivery_memory_bytes: int = 1 << 30
+    """Memory that finished trajectories not yet written to their clients may take, all
+    sessions together (estimated as decoded objects, about ten times their encoded size);
+    beyond it they wait in the store and are read back as clients take what they hold."""
+    session_memory_bytes: int = 256 << 20
+    """The most of ``delivery_memory_bytes`` one session may hold: a client that stops
+    reading holds at most this much server memory."""
 
 
 @dataclass

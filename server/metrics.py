@@ -21,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rollout.runtime.types import JobState, Stage, TerminationReason
+from rollout.server.pipeline.delivery_budget import BudgetStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                     120, 300, 600, 1800)
@@ -63,6 +64,10 @@ class SchedulerStatus:
     jobs_by_termination: dict[TerminationReason, int] = field(default_factory=dict)
     """Jobs finished since this process started, by their trajectory's termination reason
     (``GetServerStatusResponse.jobs_by_termination``)."""
+    delivery_memory: BudgetStats | None = None
+    """Memory held by trajectories not yet written to their clients, and its limits."""
+    starved_sessions: int = 0
+    """Sessions whose deliveries wait in the store because their memory share is full."""
 
 
 @dataclass
@@ -192,6 +197,21 @@ class _StatusCollector(Collector):
                                          "Accepted jobs not yet terminal.", labels=[]),
             "sessions": GaugeMetricFamily("rollout_sessions", "Attached client sessions.",
                                           labels=[]),
+            "held": GaugeMetricFamily(
+                "rollout_delivery_memory_bytes",
+                "Estimated memory of trajectories not yet written to their clients, all "
+                "sessions together.", labels=[]),
+            "held_peak": GaugeMetricFamily(
+                "rollout_delivery_memory_peak_bytes",
+                "Highest rollout_delivery_memory_bytes since the server started.", labels=[]),
+            "limit": GaugeMetricFamily(
+                "rollout_delivery_memory_limit_bytes",
+                "pipeline.delivery_memory_bytes (scope=total) and session_memory_bytes "
+                "(scope=session).", labels=["scope"]),
+            "starved": GaugeMetricFamily(
+                "rollout_sessions_over_memory_share",
+                "Sessions whose deliveries wait in the store because their memory share (or "
+                "the total) is full.", labels=[]),
         }
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
@@ -209,4 +229,10 @@ class _StatusCollector(Collector):
             f["jobs"].add_metric([state.value], st.jobs_by_state.get(state, 0))
         f["pending"].add_metric([], st.pending)
         f["sessions"].add_metric([], st.sessions)
+        if (mem := st.delivery_memory) is not None:
+            f["held"].add_metric([], mem.held)
+            f["held_peak"].add_metric([], mem.peak)
+            f["limit"].add_metric(["total"], mem.total_bytes)
+            f["limit"].add_metric(["session"], mem.session_bytes)
+        f["starved"].add_metric([], st.starved_sessions)
         yield from f.values()

@@ -1,16 +1,14 @@
 """Whose job or group this is: the tenancy checks the RPCs and the stream session share.
 
-A client bound to a credential (``server/auth.py``) sees, cancels and joins only what it owns.
+A client bound to a credential (``server/auth.py``) sees and cancels only what it owns.
 Permission is checked before existence, so a bound client gets the same PERMISSION_DENIED for a
 job or group that does not exist as for another client's: it cannot probe for other tenants'
-ids.
+ids. Joining a group is decided where the job is inserted (``Scheduler.submit(own_groups=)``,
+in the store's transaction), so two tenants racing for a fresh group id cannot both win.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from rollout.runtime.types import JobSpec
 from rollout.server import auth, errors
 from rollout.server.scheduler import Scheduler
 
@@ -54,18 +52,3 @@ class Ownership:
             owners.update(r.client_id for r in recs)
             if not token or (limit and len(recs) >= limit):
                 return owners
-
-    async def foreign_groups(self, specs: Iterable[JobSpec]) -> dict[str, Exception]:
-        """Groups of ``specs`` that already hold another client's jobs: joining one would let
-        a tenant end someone else's group early (finish_after)."""
-        principal = auth.current.get()
-        if not principal.bound:
-            return {}
-        out: dict[str, Exception] = {}
-        for gid in {s.group.group_id for s in specs if s.group is not None}:
-            owners = await self.group_owners(gid, limit=1)
-            if any(not principal.owns(o) for o in owners):
-                out[gid] = errors.PermissionDenied(
-                    f"group_id {gid!r} is used by another client; choose another id",
-                    "GROUP_ID_TAKEN", "group.group_id")
-        return out

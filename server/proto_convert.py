@@ -265,7 +265,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
             raise InvalidArgument(f"set task or {typed}, not both", "INVALID_TASK", "task")
         if environment and environment != implied:
             raise InvalidArgument(f"a {typed} task runs in the {implied!r} environment, not "
-                                  f"{environment!r}: leave environment empty or set it to "
+                                  f"{environment[:40]!r}: leave environment empty or set it to "
                                   f"{implied!r}", "INVALID_TASK", "environment")
         environment = implied
     if not environment:

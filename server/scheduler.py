@@ -62,9 +62,16 @@ from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState
 from rollout.server.cluster.node import LocalNode, NodeSet
-from rollout.server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from rollout.server.errors import (
+    FailedPrecondition,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from rollout.server.metrics import SchedulerMetrics, SchedulerStatus
 from rollout.server.pipeline.delivery import Delivery
+from rollout.server.pipeline.delivery_budget import DeliveryBudget
 from rollout.server.pipeline.groups import GROUP_FINISHED
 from rollout.server.pipeline.job_registry import JobRegistry
 from rollout.server.pipeline.records import SubmitResult, record_from_live
@@ -77,7 +84,7 @@ from rollout.server.pipeline.subscription import (
     Subscription,
     TrajectoryReady,
 )
-from rollout.server.store import JobRecord, JobStore, PruneStats, now
+from rollout.server.store import GroupTaken, JobRecord, JobStore, PruneStats, now
 
 # The session's event types live in server/pipeline/subscription.py (the servicer and
 # server/stream_events.py import them there). JobFinished and TrajectoryReady stay listed
@@ -95,6 +102,11 @@ class Overloaded(ResourceExhausted):
     """Too many unfinished jobs (server-wide or for this client). RESOURCE_EXHAUSTED."""
 
     default_reason = "SERVER_OVERLOADED"
+
+
+def group_id_taken(group_id: str) -> PermissionDenied:
+    return PermissionDenied(f"group_id {group_id[:40]!r} is used by another client; choose "
+                            "another id", "GROUP_ID_TAKEN", "group.group_id")
 
 
 class JobNotFound(NotFound):
@@ -145,7 +157,8 @@ class Scheduler:
         self.metrics = SchedulerMetrics(self.status)
         self.jobs = JobRegistry(
             on_group_reopen=lambda gid: self._spawn(self.store.reopen_group(gid)))
-        self.delivery = Delivery(store, replay_page=cfg.replay_page)
+        self.delivery = Delivery(store, replay_page=cfg.replay_page, budget=DeliveryBudget(
+            cfg.delivery_memory_bytes, cfg.session_memory_bytes))
         self.pipeline = StageRunner(
             store, self.jobs, self.delivery, self.metrics,
             nodes if nodes is not None else NodeSet.single(LocalNode(self)), cfg)
@@ -282,21 +295,28 @@ class Scheduler:
 
     # -- submit ------------------------------------------------------------------------------
 
-    async def submit(self, specs: Sequence[JobSpec], client_id: str) -> list[SubmitResult]:
-        """Validate, commit, then queue. Returns after the accepted jobs are durable."""
+    async def submit(self, specs: Sequence[JobSpec], client_id: str, *,
+                     own_groups: bool = False) -> list[SubmitResult]:
+        """Validate, commit, then queue. Returns after the accepted jobs are durable.
+
+        Validation comes before any look at existing jobs, so a request that could never be
+        accepted (an unknown environment, a bad task) gets the same answer whether its ids
+        exist or not. ``own_groups``: a job whose group already holds another owner's job is
+        refused (GROUP_ID_TAKEN), decided in the store's insert transaction.
+        """
         if not self._running or self._stopping:
             raise Unavailable("the scheduler is not running", "SHUTTING_DOWN")
         results: list[SubmitResult | None] = [None] * len(specs)
         fresh: list[int] = []
         for i, spec in enumerate(specs):
+            try:
+                self.validate(spec)
+            except InvalidArgument as exc:
+                results[i] = SubmitResult(spec.job_id, error=exc)
+                continue
             if spec.job_id in self.jobs:
                 results[i] = SubmitResult(spec.job_id, duplicate=True)
                 self.delivery.emit(client_id, JobAccepted(spec.job_id, duplicate=True))
-                continue
-            try:
-                self._validate(spec)
-            except InvalidArgument as exc:
-                results[i] = SubmitResult(spec.job_id, error=exc)
                 continue
             fresh.append(i)
         n = len(fresh)
@@ -312,18 +332,20 @@ class Scheduler:
         self.jobs.reserve(client_id, n)
         # The commit and the adoption run in their own task: a caller cancelled mid-commit (its
         # stream went away) must not leave jobs stored but never scheduled.
-        commit = asyncio.ensure_future(self._commit_and_adopt(specs, fresh, results, client_id))
+        commit = asyncio.ensure_future(self._commit_and_adopt(specs, fresh, results, client_id,
+                                                              own_groups))
         self._tasks.add(commit)
         commit.add_done_callback(self._commit_done)
         await asyncio.shield(commit)
         return [r for r in results if r is not None]
 
     async def _commit_and_adopt(self, specs: Sequence[JobSpec], fresh: list[int],
-                                results: list[SubmitResult | None], client_id: str) -> None:
+                                results: list[SubmitResult | None], client_id: str,
+                                own_groups: bool = False) -> None:
         ids = [specs[i].job_id for i in fresh]
         self.jobs.begin_commit(ids)
         try:
-            await self._commit_jobs(specs, fresh, results, client_id)
+            await self._commit_jobs(specs, fresh, results, client_id, own_groups)
         finally:
             self.jobs.end_commit(ids)
         orphans = [r.job_id for i in fresh if (r := results[i]) is not None and r.duplicate
@@ -332,9 +354,11 @@ class Scheduler:
             await self.sweep(orphans)
 
     async def _commit_jobs(self, specs: Sequence[JobSpec], fresh: list[int],
-                           results: list[SubmitResult | None], client_id: str) -> None:
+                           results: list[SubmitResult | None], client_id: str,
+                           own_groups: bool = False) -> None:
         try:
-            seqs = await self.store.insert_jobs([(specs[i], client_id) for i in fresh], now())
+            seqs = await self.store.insert_jobs([(specs[i], client_id) for i in fresh], now(),
+                                                own_groups=own_groups)
         except BaseException:
             self.jobs.unreserve(client_id, len(fresh))
             # Whether or not any of it reached the disk, a sweep adopts what did.
@@ -343,6 +367,10 @@ class Scheduler:
         created = now()
         for i, seq in zip(fresh, seqs, strict=True):
             spec = specs[i]
+            if isinstance(seq, GroupTaken):  # another tenant committed this group id first
+                self.jobs.unreserve(client_id, 1)
+                results[i] = SubmitResult(spec.job_id, error=group_id_taken(seq.group_id))
+                continue
             if seq is None:  # lost the race to an earlier submit of the same id
                 self.jobs.unreserve(client_id, 1)
                 results[i] = SubmitResult(spec.job_id, duplicate=True)
@@ -372,7 +400,9 @@ class Scheduler:
         except Exception as exc:  # the store is still failing; the next failure sweeps again
             log.warning("sweep for stranded jobs failed: %s", exc)
 
-    def _validate(self, spec: JobSpec) -> None:
+    def validate(self, spec: JobSpec) -> None:
+        """Raise InvalidArgument (UNKNOWN_ENVIRONMENT is NOT_FOUND) unless ``spec`` could run
+        here; looks at no existing job."""
         handler = self.registry.get(spec.environment)  # raises UNKNOWN_ENVIRONMENT
         spec.sampling.validate()
         spec.limits.validate()
@@ -435,11 +465,13 @@ class Scheduler:
                    owner: str | None = None) -> tuple[list[JobRecord], str]:
         """Jobs in submission order; ``next_page_token`` is "" on the last page. ``owner``
         keeps a client's jobs, its SubmitRollout ones included (``JobStore.list_jobs``)."""
-        try:
-            after = int(page_token) if page_token else 0
-        except ValueError:
+        # Tokens are seqs (SQLite rowids): ASCII digits below 2**63. A longer number would
+        # overflow SQLite's integer in the query and come back as INTERNAL.
+        if page_token and not (page_token.isascii() and page_token.isdigit()
+                               and int(page_token) < 1 << 63):
             raise InvalidArgument("page_token is not one this server issued",
-                                  "INVALID_PAGE_TOKEN", "page_token") from None
+                                  "INVALID_PAGE_TOKEN", "page_token")
+        after = int(page_token) if page_token else 0
         size = max(1, min(page_size or 100, 1000))
         rows = await self.store.list_jobs(after_seq=after, limit=size + 1, state=state,
                                           group_id=group_id, client_id=client_id,
@@ -493,4 +525,7 @@ class Scheduler:
             pending=self.jobs.pending, max_pending=self.config.max_pending_jobs,
             sessions=self.delivery.sessions, uptime_s=time.monotonic() - self._started_at,
             window_s=self.config.status_window_s,
-            jobs_by_termination=dict(self.metrics.terminations))
+            jobs_by_termination=dict(self.metrics.terminations),
+            delivery_memory=(self.delivery.budget.stats()
+                             if self.delivery.budget is not None else None),
+            starved_sessions=self.delivery.starved_sessions)

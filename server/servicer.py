@@ -132,8 +132,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("job is required", "MISSING_FIELD", "job")
         spec = proto_convert.spec_from_proto(request.job)
         principal = auth.current.get()
-        for exc in (await self._ownership.foreign_groups([spec])).values():
-            raise exc
+        typed = request.job.WhichOneof("typed_task")
+        try:  # before any look at existing ids: see Scheduler.submit
+            self._scheduler.validate(spec)
+        except InvalidArgument as exc:
+            raise typed_tasks.error_for(typed, exc) from None
         rec = await self._scheduler.get(spec.job_id)
         if rec is not None and not principal.owns(rec.client_id):
             raise job_id_taken(spec.job_id)
@@ -161,9 +164,10 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         sub = await self._scheduler.attach(client_id, acked_through=0,
                                            max_unacked=DEFAULT_MAX_UNACKED)
         try:
-            (result,) = await self._scheduler.submit([spec], client_id)
+            (result,) = await self._scheduler.submit([spec], client_id,
+                                                     own_groups=principal.bound)
             if result.error is not None:
-                raise typed_tasks.error_for(request.job.WhichOneof("typed_task"), result.error)
+                raise typed_tasks.error_for(typed, result.error)
             rec = await self._scheduler.get(spec.job_id)
             if rec is not None and not principal.owns(rec.client_id):
                 raise job_id_taken(spec.job_id)
@@ -190,6 +194,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                                 yield pb.SubmitRolloutResponse(progress_batch=batch.take())
                             yield pb.SubmitRolloutResponse(
                                 trajectory=proto_convert.trajectory_to_proto(ev.trajectory))
+                            sub.sent(ev.delivery_id)
                             # Acknowledged once handed to gRPC: a retry after this replays
                             # from the store (above), so nothing is lost if the caller
                             # vanished meanwhile.

@@ -283,7 +283,9 @@ class StreamSession:
                 case _:
                     frame = self._event_frame(item)
                     if frame is not None:
-                        yield frame
+                        yield frame  # resumed once the frame is written to the client
+                    if isinstance(item, TrajectoryReady):
+                        self._sub.sent(item.delivery_id)  # its memory is free again
 
     async def _next_item(self) -> StreamEvent:
         return await self._out.get()
@@ -377,15 +379,13 @@ class StreamSession:
                 specs.append(proto_convert.spec_from_proto(p))
             except InvalidArgument as exc:  # the id is echoed so the client can match it
                 await self._answer(p.job_id, exc)
-        foreign = await self._ownership.foreign_groups(specs)
-        for s in specs:
-            if s.group is not None and s.group.group_id in foreign:
-                await self._answer(s.job_id, foreign[s.group.group_id])
-        specs = [s for s in specs if s.group is None or s.group.group_id not in foreign]
         if not specs:
             return
         try:
-            results = await self._scheduler.submit(specs, self.client_id)
+            # A bound tenant's groups are its own: decided in the store's insert transaction,
+            # after validation, so neither a race nor a bogus request learns another's group.
+            results = await self._scheduler.submit(specs, self.client_id,
+                                                   own_groups=auth.current.get().bound)
         except Exception as exc:  # overload: reject the whole batch, keep the stream
             for s in specs:
                 await self._answer(s.job_id, exc)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout.runtime.handler import JobContext, ProgressFn
 from rollout.runtime.types import InvalidArgument, JobSpec, Stage
+from rollout.server.cluster import ray_reaper
 from rollout.server.cluster.agent import AgentSpec, NodeAgent
 from rollout.server.cluster.node import NodeLost, NodeSet, StageLoad, StageReply
 from rollout.server.pipeline.stages import StageResult
@@ -150,6 +152,18 @@ class RayNode:
         return {"init": self.slots, "run": self.slots, "eval": self.slots}
 
 
+def _reap_with_us() -> subprocess.Popen[bytes] | None:
+    """Start :mod:`ray_reaper` for the local Ray ``ray.init`` just started (None if the
+    raylet cannot be found: the cluster still works, only a SIGKILL leaves agents behind)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    raylets = (node.all_processes.get("raylet") or []) if node is not None else []
+    pid = getattr(getattr(raylets[0], "process", None), "pid", 0) if raylets else 0
+    if not pid:
+        log.warning("local Ray's raylet not found; its agents may outlive a killed server")
+        return None
+    return ray_reaper.spawn(pid)
+
+
 class RayCluster:
     """Connects to Ray, keeps one agent per node in ``nodes``, disconnects on stop."""
 
@@ -166,6 +180,8 @@ class RayCluster:
         base = self.section.node_state_dir or os.path.join(tempfile.gettempdir(),
                                                             "rollout-nodes")
         self._state_base = Path(base)
+        self._reaper: subprocess.Popen[bytes] | None = None
+        """--workers: kills what our private Ray's raylet started if this process dies."""
 
     async def start(self, wait_for_nodes: float = 0.0) -> RayCluster:
         sec = self.section
@@ -177,6 +193,7 @@ class RayCluster:
                 ray.init, num_cpus=sec.workers, resources={WORKER_RESOURCE: sec.workers},
                 include_dashboard=False, object_store_memory=80_000_000, log_to_driver=False,
                 configure_logging=False)
+            self._reaper = _reap_with_us()
         else:
             await asyncio.to_thread(ray.init, address=sec.ray, log_to_driver=False,
                                     configure_logging=False)
@@ -277,3 +294,6 @@ class RayCluster:
                 ray.kill(actor, no_restart=True)
             self._actors.pop(name, None)
         await asyncio.to_thread(ray.shutdown)
+        if self._reaper is not None:
+            await asyncio.to_thread(ray_reaper.release, self._reaper)
+            self._reaper = None

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout.runtime.types import Stage
+from rollout.server.pipeline.delivery_budget import DeliveryBudget
 from rollout.server.pipeline.subscription import (
     Event,
     JobFinished,
@@ -43,9 +44,12 @@ log = logging.getLogger(__name__)
 class Delivery:
     """Subscriptions by client id, acks, replay from the store, re-deliveries."""
 
-    def __init__(self, store: JobStore, *, replay_page: int) -> None:
+    def __init__(self, store: JobStore, *, replay_page: int,
+                 budget: DeliveryBudget | None = None) -> None:
         self._store = store
         self._replay_page = replay_page
+        self.budget = budget
+        """Memory for undelivered trajectories across every session (None: unbounded)."""
         self._subs: dict[str, Subscription] = {}
         self._observers: list[Observer] = []
 
@@ -99,7 +103,8 @@ class Delivery:
             old.close_nowait()
         sub = Subscription(client_id, max_unacked=max_unacked, on_close=self._detached,
                            progress=progress, fetch=lambda after, limit: self._page(
-                               client_id, after, limit), page_size=self._replay_page)
+                               client_id, after, limit), page_size=self._replay_page,
+                           budget=self.budget)
         self._subs[client_id] = sub
         if acked_through > 0:
             await self._store.ack(client_id, through=acked_through)
@@ -136,6 +141,11 @@ class Delivery:
         if sub is not None:
             sub.acked(delivery_ids, through)
             await sub.refill()
+
+    @property
+    def starved_sessions(self) -> int:
+        """Sessions whose next deliveries wait in the store for want of memory."""
+        return sum(1 for sub in self._subs.values() if sub.starved)
 
     def unacked(self, client_id: str) -> tuple[int, int]:
         """(deliveries not yet acknowledged, of which held back by flow control) of a client's

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.runtime.types import InvalidArgument
 from rollout.server.pipeline.stage_pool import LiveJob
 from rollout.server.store import JobRecord
 
@@ -17,8 +16,9 @@ class SubmitResult:
     job_id: str
     duplicate: bool = False
     """The id already existed; nothing new was created (idempotent submit)."""
-    error: InvalidArgument | None = None
-    """Why this job was rejected; the others of the batch are unaffected."""
+    error: Exception | None = None
+    """Why this job was rejected (InvalidArgument, or PermissionDenied GROUP_ID_TAKEN); the
+    others of the batch are unaffected."""
 
     @property
     def accepted(self) -> bool:

@@ -76,10 +76,16 @@ class PipelineConfig:
     replay_page: int = 256
     """Deliveries read from the store at a time when a client replays a backlog (memory per
     replaying client is about one page of trajectories)."""
+    delivery_memory_bytes: int = 1 << 30
+    """Memory that trajectories not yet written to their clients may take, all sessions
+    together (server/pipeline/delivery_budget.py); the rest wait in the store."""
+    session_memory_bytes: int = 256 << 20
+    """The most of ``delivery_memory_bytes`` one session may hold."""
 
     def __post_init__(self) -> None:
         for name in ("init_workers", "run_workers", "eval_workers", "stage_queue_size",
-                     "max_pending_jobs", "max_attempts"):
+                     "max_pending_jobs", "max_attempts", "delivery_memory_bytes",
+                     "session_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline.{name} must be at least 1")
         if self.retention_s < 0 or self.job_retention_s < 0 or self.prune_interval_s <= 0:

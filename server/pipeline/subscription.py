@@ -16,6 +16,10 @@ Why it works this way:
 - Flow control (``max_unacked``): once that many deliveries are outstanding, further deliveries
   wait in the store (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
   max-outstanding-messages.
+- Memory (``budget``, server/pipeline/delivery_budget.py): a delivery is taken into memory only
+  while the session's share and the server's total allow; it is released once the servicer has
+  written it to the client (:meth:`Subscription.sent`). A session that does not read holds at
+  most its share; what finishes for it meanwhile waits in the store and is paged in as it reads.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.runtime.types import JobError, JobState, Stage, Trajectory
+from rollout.server.pipeline.delivery_budget import DeliveryBudget, held_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +91,7 @@ class Subscription:
     def __init__(self, client_id: str, *, max_unacked: int = 0, max_buffered: int = 10_000,
                  on_close: Callable[[Subscription], None] | None = None,
                  progress: bool = True, fetch: Fetch | None = None,
-                 page_size: int = 256) -> None:
+                 page_size: int = 256, budget: DeliveryBudget | None = None) -> None:
         self.client_id = client_id
         self.progress = progress
         """Whether StageProgress events are wanted at all."""
@@ -110,6 +115,16 @@ class Subscription:
         self._filling = asyncio.Lock()
         self._closed = False
         self._on_close = on_close
+        self._budget = budget
+        self._held: dict[int, int] = {}
+        """Bytes charged to the budget per delivery id, until its frame is written."""
+        self.held_bytes = 0
+        self._starved = False
+        """The budget refused a delivery; nothing is paged in until bytes are released."""
+        self._avg_size = 0
+        """Running mean of delivery sizes: how many fit in the room a page may fill."""
+        self.budget_waits = 0
+        """Deliveries left in the store for want of memory (a count of refusals)."""
         self.dropped_progress = 0
         self.replaying = 0
         """How many stored deliveries were waiting for this client when it attached."""
@@ -117,6 +132,12 @@ class Subscription:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def starved(self) -> bool:
+        """Deliveries wait in the store because this session's memory share (or the server's
+        budget) is full."""
+        return self._starved and self._behind
 
     @property
     def outstanding(self) -> int:
@@ -127,7 +148,8 @@ class Subscription:
     def buffered(self) -> int:
         """Events not yet taken by the consumer, counting deliveries the store holds for it
         that flow control would let through now."""
-        return len(self._events) + (self._in_store if self._behind and self._room() else 0)
+        return len(self._events) + (self._in_store if self._behind and self._room()
+                                    and not self._starved else 0)
 
     @property
     def in_memory(self) -> int:
@@ -164,13 +186,14 @@ class Subscription:
         did = ready.delivery_id
         if did <= self._cursor:
             return  # a page from the store carried it already
-        if self._behind or not self._room():
+        size = held_bytes(ready.trajectory)
+        if self._behind or not self._room() or not self._fits(size):
             self._behind = True
             self._in_store += 1
             self._dropped_max = max(self._dropped_max, did)
             self._wake()
             return
-        self._queue(ready, finished)
+        self._queue(ready, finished, size)
         self._wake()
 
     async def start(self, waiting: int, waiting_upto: int, acked_through: int) -> None:
@@ -182,16 +205,58 @@ class Subscription:
         self._cursor = max(self._cursor, acked_through)
         await self._fill()
 
-    def _queue(self, ready: TrajectoryReady, finished: JobFinished) -> None:
+    def _queue(self, ready: TrajectoryReady, finished: JobFinished, size: int) -> None:
         self._cursor = ready.delivery_id
         self._outstanding.add(ready.delivery_id)
         self._events.append(ready)
         self._events.append(finished)
+        if self._budget is not None:
+            self._held[ready.delivery_id] = self._held.get(ready.delivery_id, 0) + size
+            self.held_bytes += size
+            self._budget.charge(size)
+            self._avg_size = size if not self._avg_size else (3 * self._avg_size + size) // 4
+
+    def _fits(self, size: int) -> bool:
+        """Whether the budget lets this session take ``size`` more bytes now; if not, the
+        session waits for bytes to be released (its own, or for the total, anyone's)."""
+        why = self._budget.refusal(self.held_bytes, size) if self._budget is not None else ""
+        if not why:
+            return True
+        self._starved = True
+        self.budget_waits += 1
+        if why == "total" and self._budget is not None:
+            self._budget.wait_for_room(id(self), self._room_freed)
+        return False
+
+    def _room_freed(self) -> None:
+        self._starved = False
+        if self._behind:
+            self._wake()
+
+    def _page_limit(self, room: int) -> int:
+        """Deliveries to read in one page: as many as the byte room holds at the mean size
+        seen so far (one when unknown), so a page never decodes far more than may be kept."""
+        if self._budget is None:
+            return room
+        if not self._avg_size:
+            return 1
+        free = min(self._budget.session_bytes - self.held_bytes,
+                   self._budget.total_bytes - self._budget.held)
+        return max(1, min(room, free // self._avg_size))
+
+    def sent(self, delivery_id: int) -> None:
+        """The delivery's frame was written to the client: its memory is no longer held for
+        it (its ack is still awaited; ``max_unacked`` counts that)."""
+        size = self._held.pop(delivery_id, 0)
+        if size and self._budget is not None:
+            self.held_bytes -= size
+            self._budget.release(size)
+            self._room_freed()
 
     async def refill(self) -> None:
         """Read the next page now if flow control has room (after an ack, so the consumer
         finds the next deliveries ready instead of waiting for its next read)."""
-        if self._behind and self._room():
+        if self._behind and self._room() and not self._starved:
             await self._fill()
 
     async def _fill(self) -> None:
@@ -200,31 +265,42 @@ class Subscription:
             await self._fill_locked()
 
     async def _fill_locked(self) -> None:
-        if not self._behind or self._closed or self._fetch is None:
-            return
-        room = self._room()
-        if not room:
-            return
-        dropped_before = self._dropped_max
-        page = await self._fetch(self._cursor, room)
-        if self._closed:
-            return
-        for ready, finished in page:
-            if ready.delivery_id <= self._cursor:
-                continue
-            if ready.delivery_id <= self._replay_upto:
-                ready = TrajectoryReady(ready.delivery_id, ready.job_id, ready.trajectory,
-                                        replayed=True)
-            self._queue(ready, finished)
-            self._in_store = max(0, self._in_store - 1)
-        if len(page) < room:
-            # A short page holds every unacknowledged delivery committed before it was read,
-            # and a dropped id was committed before it was dropped: one dropped before the read
-            # and missing from the page was acknowledged meanwhile, so the cursor may pass it.
-            self._cursor = max(self._cursor, dropped_before)
-            if self._dropped_max <= self._cursor:  # nothing newer was dropped during the read
-                self._behind = False
-                self._in_store = 0
+        while True:
+            if not self._behind or self._closed or self._fetch is None or self._starved:
+                return
+            room = self._room()
+            if not room:
+                return
+            limit = self._page_limit(room)
+            dropped_before = self._dropped_max
+            page = await self._fetch(self._cursor, limit)
+            if self._closed:
+                return
+            for ready, finished in page:
+                if ready.delivery_id <= self._cursor:
+                    continue
+                size = held_bytes(ready.trajectory)
+                if not self._fits(size):
+                    return  # the rest stays in the store; the cursor stops before it
+                if ready.delivery_id <= self._replay_upto:
+                    ready = TrajectoryReady(ready.delivery_id, ready.job_id, ready.trajectory,
+                                            replayed=True)
+                self._queue(ready, finished, size)
+                self._in_store = max(0, self._in_store - 1)
+            if len(page) < limit:
+                # A short page holds every unacknowledged delivery committed before it was
+                # read, and a dropped id was committed before it was dropped: one dropped
+                # before the read and missing from the page was acknowledged meanwhile, so the
+                # cursor may pass it.
+                self._cursor = max(self._cursor, dropped_before)
+                if self._dropped_max <= self._cursor:  # nothing newer dropped during the read
+                    self._behind = False
+                    self._in_store = 0
+                return
+            if limit >= room:
+                return  # one page as large as flow control allows per fill
+            # The page was cut to what memory may hold at the mean size seen so far (one
+            # delivery when none was seen yet): read on with the better estimate.
 
     def acked(self, delivery_ids: Iterable[int] = (), through: int = 0) -> None:
         for d in delivery_ids:
@@ -250,7 +326,7 @@ class Subscription:
                 return self._events.popleft()
             if self._closed:
                 raise StopAsyncIteration
-            if self._behind and self._room():
+            if self._behind and self._room() and not self._starved:
                 try:
                     await self._fill()
                 except Exception as exc:  # the store is failing: try again shortly
@@ -277,6 +353,11 @@ class Subscription:
             return
         self._closed = True
         self._events.clear()
+        if self._budget is not None:
+            self._budget.forget(id(self))
+            self._budget.release(self.held_bytes)
+            self._held.clear()
+            self.held_bytes = 0
         self._wake()
         if self._on_close is not None:
             self._on_close(self)

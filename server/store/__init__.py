@@ -20,6 +20,7 @@ from rollout.server.store.file import StoreFileError as StoreFileError
 from rollout.server.store.file import check_store_file as check_store_file
 from rollout.server.store.job_store import JobStore as JobStore
 from rollout.server.store.records import FinishRecord as FinishRecord
+from rollout.server.store.records import GroupTaken as GroupTaken
 from rollout.server.store.records import JobRecord as JobRecord
 from rollout.server.store.records import OwnerJobCounts as OwnerJobCounts
 from rollout.server.store.records import PruneStats as PruneStats

@@ -5,6 +5,11 @@ on another program's database, it would add our tables beside theirs; started on
 (a truncated store), it would silently begin a new store and every unacknowledged trajectory
 would be gone. Each case is refused with a message that says what is wrong and what to do.
 
+Damage past the first page (a disk error, a partial copy, a file edited in place) leaves a
+sane header and schema, so SQLite would only fail once the scheduler reads the damaged rows,
+as a traceback. ``PRAGMA quick_check`` reads every page at open instead (one pass over the
+file before any model loads) and the server refuses to start with one line.
+
 A store is recognised by SQLite's header, then by ``PRAGMA application_id`` (stamped on every
 store this service opens; stores from before the stamp have 0 and are recognised by their
 tables), and ``PRAGMA user_version`` must not be newer than this release knows.
@@ -65,11 +70,17 @@ def check_store_file(path: Path) -> bool:
             user_version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {r[0] for r in conn.execute(
                 "SELECT name FROM sqlite_master WHERE type='table'")}
+            problems = [line.strip() for r in conn.execute("PRAGMA quick_check(3)")
+                        for line in str(r[0]).splitlines()
+                        if line.strip() and not line.startswith("***")]
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:
         raise StoreFileError(f"{what} is damaged ({e}). {fix}.", "STORE_FILE_CORRUPT",
                              "server.state_dir") from None
+    if problems != ["ok"]:
+        raise StoreFileError(f"{what} has damaged pages ({'; '.join(problems)[:200]}). "
+                             f"{fix}.", "STORE_FILE_CORRUPT", "server.state_dir")
     if app_id not in (0, APPLICATION_ID):
         raise StoreFileError(f"{what} belongs to another application (application_id "
                              f"{app_id:#x}, ours is {APPLICATION_ID:#x}). {fix}.",

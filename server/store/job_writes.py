@@ -18,7 +18,7 @@ from typing import Any
 
 from rollout.runtime.types import JobSpec, JobState, Stage
 from rollout.server.proto_convert import spec_to_bytes, trajectory_to_bytes
-from rollout.server.store.records import FinishRecord, error_to_json, now
+from rollout.server.store.records import FinishRecord, GroupTaken, error_to_json, now
 from rollout.server.store.sqlite import Op, owner_sql
 
 
@@ -34,20 +34,26 @@ class JobWrites:
         assert fut is not None
         await fut
 
-    async def insert_jobs(self, jobs: Sequence[tuple[JobSpec, str]],
-                          now: float) -> list[int | None]:
-        """Insert (spec, client_id) pairs; returns, per job, its ``seq`` (submission order) or
-        None when the id already existed.
+    async def insert_jobs(self, jobs: Sequence[tuple[JobSpec, str]], now: float, *,
+                          own_groups: bool = False) -> list[int | GroupTaken | None]:
+        """Insert (spec, client_id) pairs; returns, per job, its ``seq`` (submission order),
+        None when the id already existed, or :class:`GroupTaken` (``own_groups``: the job's
+        group already holds a job of another owner, so it was not inserted).
 
-        Duplicates are detected by the UNIQUE constraint inside the writer, so two concurrent
-        submits of one id can never both win.
+        Duplicates are detected by the UNIQUE constraint inside the writer, and group owners
+        in the same transaction as the insert, so of two concurrent submits of one id, or of
+        two tenants' first jobs of one group id, exactly one wins.
         """
         rows = [(s.job_id, cid, s.group_id, JobState.QUEUED.value, s.priority, s, now)
                 for s, cid in jobs]
 
-        def op(c: sqlite3.Connection) -> list[int | None]:
-            out: list[int | None] = []
+        def op(c: sqlite3.Connection) -> list[int | GroupTaken | None]:
+            out: list[int | GroupTaken | None] = []
             for job_id, cid, gid, state, prio, spec, ts in rows:
+                if own_groups and gid and c.execute(_OTHER_OWNER_IN_GROUP, (gid, cid)
+                                                    ).fetchone() is not None:
+                    out.append(GroupTaken(gid))
+                    continue
                 cur = c.execute(_INSERT_JOB, (job_id, cid, gid, state, prio,
                                               spec_to_bytes(spec), ts))
                 if cur.rowcount == 1:
@@ -178,6 +184,8 @@ class JobWrites:
 
 
 
+_OTHER_OWNER_IN_GROUP = ("SELECT 1 FROM jobs WHERE group_id = ?1 AND owner IS NOT"
+                         f" {owner_sql('?2')} LIMIT 1")
 _INSERT_JOB = ("INSERT OR IGNORE INTO jobs (job_id, client_id, group_id, state, priority, spec,"
                " created_at, updated_at, owner) VALUES (?1,?2,?3,?4,?5,?6,?7,?7,"
                f" {owner_sql('?2')})")

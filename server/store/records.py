@@ -104,6 +104,13 @@ class OwnerJobCounts:
     """The client's jobs whose row says QUEUED or RUNNING, by job id, with that state."""
 
 
+@dataclass(frozen=True)
+class GroupTaken:
+    """``insert_jobs`` refused a job: its group id is another owner's."""
+
+    group_id: str
+
+
 class StoreClosed(RuntimeError):
     """The store was closed while an operation was pending."""
 

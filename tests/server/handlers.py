@@ -88,11 +88,15 @@ class ScriptedHandler(AgentHandler):
     async def run(self, ctx: JobContext) -> RunOutcome:
         assert ctx.state.get("init_done"), "state must carry from INIT to RUN"
         turns = int(ctx.spec.task.get("turns", 1))
+        # "width": prompt tokens per turn, with ids past the interpreter's small-int cache,
+        # for trajectories as large in memory and on the wire as a long real one.
+        width = int(ctx.spec.task.get("width", 0))
+        prompt = list(range(1000, 1000 + width)) if width else [1, 2]
         for i in range(turns):
             ctx.progress("turn", {"turn": i})
         await self._stage(ctx, "run")
         return RunOutcome(
-            turns=[Turn(prompt_ids=[1, 2], output_ids=[3 + i], output_logprobs=[-0.5])
+            turns=[Turn(prompt_ids=list(prompt), output_ids=[3 + i], output_logprobs=[-0.5])
                    for i in range(turns)],
             termination=TerminationReason.NO_TOOL_CALL, metadata={"scripted": "yes"})
 

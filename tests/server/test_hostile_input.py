@@ -141,6 +141,42 @@ async def test_list_pages_stay_under_the_byte_budget(tmp_path: Path) -> None:
         await h.stop()
 
 
+async def test_unknown_huge_environment_name_is_not_found_not_resource_exhausted(
+        harness: ServerHarness) -> None:
+    """The name is cut short in the message: echoed whole, 20 KB would pass the default 8 KiB
+    metadata limit and the default client would see RESOURCE_EXHAUSTED instead."""
+    name = "e" * 20_000
+    async with grpc.aio.insecure_channel(harness.address) as channel:
+        stub = pb_grpc.RolloutServiceStub(channel)
+        job = _job("huge-env")
+        job.environment = name
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.SubmitRollout(pb.SubmitRolloutRequest(job=job), timeout=10):
+                pass
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert _reason(info.value) == "UNKNOWN_ENVIRONMENT"
+        assert len(info.value.details() or "") < 400
+        frames, _ = await _stream(harness.address, [
+            pb.StreamRolloutsRequest(open=pb.OpenSession(client_id="huge-env-client")),
+            pb.StreamRolloutsRequest(submit=pb.SubmitJobs(jobs=[job]))],
+            until=lambda f: f.WhichOneof("kind") == "rejected")
+        rejected = [f.rejected for f in frames if f.WhichOneof("kind") == "rejected"]
+        assert [r.reason for r in rejected] == ["UNKNOWN_ENVIRONMENT"]
+        assert len(rejected[0].message) < 400
+
+
+@pytest.mark.parametrize("token", ["9" * 30, str(1 << 63), "-1", "1e3", "\u0663"])
+async def test_page_token_out_of_range_is_invalid_argument(harness: ServerHarness,
+                                                           token: str) -> None:
+    """A token past SQLite's 64-bit integer overflowed in the query (INTERNAL)."""
+    async with grpc.aio.insecure_channel(harness.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await pb_grpc.RolloutServiceStub(channel).ListJobs(
+                pb.ListJobsRequest(page_token=token), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _reason(info.value) == "INVALID_PAGE_TOKEN"
+
+
 async def test_undecodable_frames_get_invalid_argument_and_no_traceback(
         harness: ServerHarness, caplog: pytest.LogCaptureFixture) -> None:
     garbage = b"\xff\xff\xff\xff\x0f"  # a truncated varint: no message parses from this

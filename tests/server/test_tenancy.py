@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.types import InvalidArgument
 from rollout.server.app import Server
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc, job_pb2
@@ -277,6 +278,24 @@ def _tls_channel(address: str, ca_pem: bytes, client: Any = None) -> grpc.aio.Ch
     return grpc.aio.secure_channel(address, creds)
 
 
+async def test_tls_key_of_another_certificate_is_named_not_port_in_use(
+        pki: dict[str, Any]) -> None:
+    """gRPC reports a key that does not match its certificate as "Failed to bind" when the
+    port is added; the server must name the key instead of blaming the port."""
+    _, other_key = pki["ca"].issue("other", server=True).write(pki["dir"], "other")
+    h = ServerHarness(pki["dir"] / "state", clients=json.dumps(CLIENTS),
+                      tls_cert_file=pki["cert"], tls_key_file=other_key)
+    with pytest.raises(InvalidArgument) as info:
+        await h.start()
+    assert info.value.reason == "BAD_CONFIG" and info.value.field == "server.tls_key_file"
+    assert "not the private key" in str(info.value) and str(other_key) in str(info.value)
+    swapped = ServerHarness(pki["dir"] / "state2", clients=json.dumps(CLIENTS),
+                            tls_cert_file=pki["key"], tls_key_file=pki["cert"])
+    with pytest.raises(InvalidArgument) as info:
+        await swapped.start()
+    assert info.value.reason == "BAD_CONFIG" and "PEM" in str(info.value)
+
+
 async def test_tls_port_with_tokens(pki: dict[str, Any]) -> None:
     h = ServerHarness(pki["dir"] / "state", clients=json.dumps(CLIENTS),
                       tls_cert_file=pki["cert"], tls_key_file=pki["key"])
@@ -338,6 +357,16 @@ async def test_mtls_identity_is_the_client_id(pki: dict[str, Any]) -> None:
                     await pb_grpc.RolloutServiceStub(channel).ListJobs(pb.ListJobsRequest(),
                                                                        timeout=5)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Health (docs/operating-limits.md): the handshake wants a certificate of the CA, so a
+        # probe without one cannot connect; any certificate of the CA will do, mapped or not.
+        check = health_pb2.HealthCheckRequest(service="")
+        async with _tls_channel(h.address, ca.pem, None) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health_pb2_grpc.HealthStub(channel).Check(check, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with _tls_channel(h.address, ca.pem, ca.issue("k8s-probe")) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(check, timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await h.stop()
 

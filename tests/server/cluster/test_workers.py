@@ -5,6 +5,7 @@ is replaced and its jobs are delivered exactly once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,57 @@ async def test_progress_of_a_stage_on_a_worker_arrives_while_the_stage_runs(
     finally:
         gate.touch()
         await server.stop(0.2)
+
+
+def _in_session(sid: int) -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(b")") + 2:].split()
+        if int(fields[3]) == sid:  # the session id
+            out[int(entry.name)] = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sigkilled_workers_server_takes_its_whole_ray_with_it(tmp_path: Path) -> None:
+    """Ray kills the processes ray.init started with the server, but its dashboard and
+    runtime-env agents (started by the raylet) spend a minute reporting to the dead GCS
+    before they exit; the reaper must take them (and every worker) within seconds."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, **LocalRayCluster.DRIVER_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.entrypoints.cli", "serve", "--port", "0", "--workers", "1",
+         "--state-dir", str(tmp_path / "state"), "--set", "llm.backends=[]",
+         "--set", f"cluster.node_state_dir={tmp_path}/nodes"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if b"listening" in line:
+                break
+        else:
+            pytest.fail(f"rollout serve --workers 1 exited with {proc.wait()}")
+        deadline = time.monotonic() + 60
+        while not any(n.startswith("ray::") for n in _in_session(proc.pid).values()):
+            assert time.monotonic() < deadline, _in_session(proc.pid)
+            time.sleep(0.5)
+        time.sleep(2)  # the reaper lists the raylet's children once a second
+        os.kill(proc.pid, 9)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while left := _in_session(proc.pid):
+            assert time.monotonic() < deadline, f"outlived the server: {left}"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
