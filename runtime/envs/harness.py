@@ -46,11 +46,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, TURNS_KEY
+from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, SEED_KEY, TURNS_KEY
 from rollout.runtime.envs import harness_presets
 from rollout.runtime.envs.common import SANDBOX_KEY, check_task_object, invalid, sandbox_of
 from rollout.runtime.envs.grading import end_agent
 from rollout.runtime.envs.harness_presets import HarnessSpec
+from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
@@ -164,9 +165,9 @@ class HarnessHandler(AgentHandler):
         lease = await gateway.open(ctx.spec, ctx.llm)
         result = None
         try:
-            live = getattr(gateway, "capture", None)
-            if live is not None:  # a RUN cut by the scheduler still hands over these turns
-                ctx.state[TURNS_KEY] = live(lease).turns
+            # The live capture: a RUN cut by the scheduler still hands over these turns.
+            live = gateway.capture(lease)
+            ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = live.turns, live.segments
             if (owner := sandbox.owner()) is not None:
                 # The sandbox's own uid (a root server's) must be able to connect; nobody
                 # else on the host gets anything new.
@@ -187,7 +188,9 @@ class HarnessHandler(AgentHandler):
             finally:
                 capture = await gateway.close(lease)
         ctx.state[CAPTURE_KEY] = capture
-        ctx.state[TURNS_KEY] = capture.turns
+        ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = capture.turns, capture.segments
+        if capture.seed is not None:
+            ctx.state[SEED_KEY] = capture.seed
         metadata = {"harness": harness.name, "harness_requests": str(capture.requests),
                     "harness_segments": str(len(capture.segments)),
                     "harness_exit": str(result.exit_code),
@@ -196,12 +199,9 @@ class HarnessHandler(AgentHandler):
             metadata["final_text"] = await asyncio.to_thread(
                 _decode, ctx.llm.tokenizer, capture.turns[-1].output_ids)
         await self._collect_answer(ctx)
-        outcome = RunOutcome(list(capture.turns), termination(result, capture.requests,
-                                                               ctx.spec.limits.max_turns),
-                             metadata)
-        if hasattr(outcome, "segments"):
-            outcome.segments = list(capture.segments)  # type: ignore[attr-defined]
-        return outcome
+        return RunOutcome(list(capture.turns),
+                          termination(result, capture.requests, ctx.spec.limits.max_turns),
+                          metadata, segments=list(capture.segments))
 
     async def _collect_answer(self, ctx: JobContext) -> None:
         """math: the answer the harness wrote to ``answer.txt`` counts as submitted."""

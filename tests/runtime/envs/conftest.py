@@ -83,3 +83,7 @@ def rollout(tok: Any, sandbox_factory: Any) -> Rollout:
         return RolloutResult(reward, ctx.outcome, ctx, engine)
 
     return run
+
+
+# The harness environment's fixtures: the real model gateway, and the tiny model's engine.
+from tests.runtime.envs.harness_helpers import gateway_rig, tiny_engine  # noqa: E402, F401
