@@ -84,11 +84,12 @@ async def gateway_rig(tmp_path: Path) -> AsyncIterator[GatewayRig]:
 
 @pytest.fixture
 async def tiny_engine() -> AsyncIterator[Any]:
-    """The tiny random-initialised model (tests/fixtures/tiny_model.py) in the real engine."""
+    """The tiny random-initialised model (tests/fixtures/tiny_model.py) in the real engine,
+    with a context long enough for a harness's own system prompt and tool descriptions."""
     from rollout.server.llm.transformers_engine import TransformersEngine
     from tests.fixtures.tiny_model import tiny_model_dir
 
-    engine = TransformersEngine(tiny_model_dir(), name="tiny")
+    engine = TransformersEngine(tiny_model_dir(context=16384), name="tiny")
     try:
         yield engine
     finally:
@@ -106,6 +107,10 @@ class RecordingClient:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.engine, "max_context", None)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         try:
