@@ -50,6 +50,10 @@ fi
 # `rollout bench llm`; has its own stamp. ROLLOUT_SKIP_VLLM=1 skips it.
 bash scripts/setup_vllm.sh
 
+# The agent harnesses the `harness` environment's presets run (mini-swe-agent, Codex CLI): own
+# venv / npm tree under the set-up cache, keyed by recipe. ROLLOUT_SKIP_HARNESSES=1 skips them.
+bash scripts/setup_harnesses.sh
+
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.
 bash scripts/setup_adapters.sh
