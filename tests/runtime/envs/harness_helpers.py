@@ -89,7 +89,9 @@ async def tiny_engine() -> AsyncIterator[Any]:
     from rollout.server.llm.transformers_engine import TransformersEngine
     from tests.fixtures.tiny_model import tiny_model_dir
 
-    engine = TransformersEngine(tiny_model_dir(context=16384), name="tiny")
+    # One intra-op thread: a harness's own processes share the CPU, and torch's threads spin
+    # against them (TransformersEngine's num_threads).
+    engine = TransformersEngine(tiny_model_dir(context=16384), name="tiny", num_threads=1)
     try:
         yield engine
     finally:

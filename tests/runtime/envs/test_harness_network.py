@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rollout.runtime.envs.harness import HarnessHandler
-from rollout.runtime.types import Limits
+from rollout.runtime.types import Limits, TerminationReason
 from tests.runtime.envs.conftest import Rollout
 from tests.runtime.envs.harness_helpers import PING_REPLY, PingGateway, harness_task
 
@@ -154,4 +154,18 @@ async def test_the_gateway_socket_is_bound_for_the_harness_launch_only(
     assert "SOCKET-THERE" in result.outcome.metadata["harness_log"]
     assert "No such file" in views[0]
     assert handler.late_file is False
+    assert result.reward.value == 1.0
+
+
+async def test_a_harness_past_the_deadline_is_killed_and_graded(rollout: Rollout) -> None:
+    """RUN's deadline ends the harness (and all it started); the job still gets its reward."""
+    harness = {"command": ["bash", "-c", "echo 2 > answer.txt; sleep 600 & sleep 600"]}
+    task = harness_task("math", {"question": "What is 1 + 1?", "answer": "2", "tools": []},
+                        harness)
+    started = asyncio.get_running_loop().time()
+    result = await rollout(HarnessHandler(), task, [], gateway=PingGateway(),
+                           limits=Limits(max_turns=2, run_timeout_s=6))
+    assert asyncio.get_running_loop().time() - started < 60
+    assert result.outcome.termination is TerminationReason.DEADLINE
+    assert "timed out" in result.outcome.metadata["harness_log"]
     assert result.reward.value == 1.0
