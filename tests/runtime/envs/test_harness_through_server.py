@@ -51,7 +51,7 @@ async def test_a_trainer_gets_the_harness_jobs_reward_and_exact_tokens(tmp_path:
             await session.submit([{
                 "job_id": "mini-1", "environment": "harness",
                 "task": {"environment": "swe", "task": TASK, "harness": "mini-swe-agent"},
-                "limits": {"max_turns": 6, "run_timeout_s": 150}}])
+                "limits": {"max_turns": 6, "run_timeout": "150s"}}])
             async with asyncio.timeout(200):
                 async for ready in session.trajectories():
                     traj = ready.trajectory
