@@ -171,7 +171,10 @@ class BwrapSandbox(Sandbox):
         self._lock_fd = lock_fd
         self._lease = lease
         self._launches = 0
-        root = str(rootfs) if rootfs else "/"
+        root = self._root = str(rootfs) if rootfs else "/"
+        self._taken = {CTL_IN_SANDBOX, self.workspace_in_sandbox,
+                       *(inside for _, inside in config.extra_ro_binds),
+                       *(inside for _, inside, _ in extra_binds)}
         binds = _root_binds(root, config.hide_paths if rootfs is None else (),
                             os.path.abspath(config.state_dir),
                             _python_prefixes(self.python) if rootfs is None else ())
@@ -291,8 +294,8 @@ class BwrapSandbox(Sandbox):
         extra: list[str] = []
         for host, inside in file_binds:
             norm = os.path.normpath(inside)
-            if not norm.startswith("/") or norm.count("/") != 1 or norm in ("/tmp", "/proc",
-                                                                              "/dev", "/"):
+            if (not norm.startswith("/") or norm.count("/") != 1 or norm in ("/", *self._taken)
+                    or os.path.lexists(os.path.join(self._root, norm.lstrip("/")))):
                 # A new name right below / lands on the launch's own root tmpfs: never on a
                 # host path, never under a directory the sandbox can write (and plant links in).
                 raise SandboxError(f"a launch bind must be a new top-level name such as "

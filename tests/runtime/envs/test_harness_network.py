@@ -169,3 +169,29 @@ async def test_a_harness_past_the_deadline_is_killed_and_graded(rollout: Rollout
     assert result.outcome.termination is TerminationReason.DEADLINE
     assert "timed out" in result.outcome.metadata["harness_log"]
     assert result.reward.value == 1.0
+
+
+async def test_a_launch_bind_lands_only_on_a_new_top_level_name(sandbox_factory: Any,
+                                                              tmp_path: Any) -> None:
+    """Launch binds go on the launch's own root tmpfs: never under a directory the sandbox can
+    write (where a planted link could steer the mount), never over a host path."""
+    from rollout.runtime.sandbox.base import SandboxError
+
+    source = tmp_path / "file"
+    source.write_text("x")
+    sandbox = await sandbox_factory(binds=[(str(tmp_path), "/.data", False)])
+    try:
+        for inside in ("/tmp/sock", "/workspace/sock", "/usr/sock", "relative", "/tmp", "/",
+                       "/usr", "/bin", "/workspace", "/.sandbox", "/.data"):
+            with pytest.raises(SandboxError, match="top-level"):
+                sandbox.command_argv(["true"], file_binds=[(str(source), inside)])
+        with pytest.raises(SandboxError, match="not an existing file"):
+            sandbox.command_argv(["true"], file_binds=[(str(tmp_path), "/.x")])
+        shown = await sandbox.exec(["cat", "/.x"], file_binds=[(str(source), "/.x")],
+                                   timeout=30)
+        assert shown.stdout == "x"
+        write = await sandbox.exec(["bash", "-c", "echo y > /.x"],
+                                   file_binds=[(str(source), "/.x")], timeout=30)
+        assert write.exit_code != 0 and source.read_text() == "x"
+    finally:
+        await sandbox.destroy()
