@@ -12,8 +12,8 @@
 # install function's text and versions); a harness job's sandbox binds it read-only at
 # /.rollout-harness (so presets run a venv's interpreter, not its scripts, whose first line
 # names the build path). The server finds them through `current-harness-<name>` links in the
-# same directory. Idempotent: a built harness (its stamp) is a no-op. ROLLOUT_SKIP_HARNESSES=1 skips
-# this step; the harness tests then skip, saying why.
+# same directory. Idempotent: a built harness (its stamp) is a no-op. ROLLOUT_SKIP_HARNESSES=1
+# skips this step; the harness tests then skip, saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
