@@ -97,3 +97,19 @@ async def test_smollm2_through_codex_has_every_token_captured(
         await engine.close()
     assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
     assert_every_token_captured(result)
+
+
+async def test_codex_runs_to_the_jobs_turn_limit(rollout: Rollout,
+                                                gateway_rig: GatewayRig) -> None:
+    """A model that keeps calling tools: the gateway serves ``limits.max_turns`` requests and
+    refuses the next, Codex stops, the job ends at its turn limit with one merged sequence."""
+    script = [exec_command(f"echo step-{i}") for i in range(3)]
+    result = await rollout(HarnessHandler(), harness_task("swe", TASKS[0], "codex"), script,
+                           gateway=gateway_rig.gateway,
+                           limits=Limits(max_turns=3, run_timeout_s=120))
+    capture = result.ctx.state[CAPTURE_KEY]
+    assert capture.requests == 3, result.outcome.metadata["harness_log"]
+    assert result.outcome.termination is TerminationReason.MAX_TURNS
+    assert len(result.outcome.segments) == 1  # each request extended the one before
+    assert "step-1" in result.prompt_text(2)
+    assert result.reward.value == 0.0
