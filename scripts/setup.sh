@@ -51,6 +51,9 @@ fi
 bash scripts/setup_vllm.sh
 
 bash scripts/setup_browser.sh  # Chromium for the dashboard's browser tests (test-only)
+# The agent harnesses the `harness` environment's presets run (mini-swe-agent, Codex CLI): own
+# venv / npm tree under the set-up cache, keyed by recipe. ROLLOUT_SKIP_HARNESSES=1 skips them.
+bash scripts/setup_harnesses.sh
 
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym; own stamp, a no-op when
 # built). ROLLOUT_SKIP_ADAPTERS=1 skips them; their tests then skip, saying why.

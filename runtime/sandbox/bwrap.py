@@ -171,7 +171,10 @@ class BwrapSandbox(Sandbox):
         self._lock_fd = lock_fd
         self._lease = lease
         self._launches = 0
-        root = str(rootfs) if rootfs else "/"
+        root = self._root = str(rootfs) if rootfs else "/"
+        self._taken = {CTL_IN_SANDBOX, self.workspace_in_sandbox,
+                       *(inside for _, inside in config.extra_ro_binds),
+                       *(inside for _, inside, _ in extra_binds)}
         binds = _root_binds(root, config.hide_paths if rootfs is None else (),
                             os.path.abspath(config.state_dir),
                             _python_prefixes(self.python) if rootfs is None else ())
@@ -196,11 +199,12 @@ class BwrapSandbox(Sandbox):
             mounts += ["--ro-bind", host, inside]
         for host, inside, writable in extra_binds:
             mounts += ["--bind" if writable else "--ro-bind", host, inside]
-        mounts += ["--remount-ro", "/"]
         cgroup, seccomp = _hardening(config)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
         if seccomp is not None:
             ns += ["--seccomp", hardening.SECCOMP_FD]
+        # Launch-only binds (:meth:`command_argv`) go after these and before the root is
+        # made read-only, which they need to create their mount points.
         self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
                         "prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
         self._drop: list[str] = []
@@ -281,14 +285,31 @@ class BwrapSandbox(Sandbox):
 
     # -- processes ---------------------------------------------------------------------------
     def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
-                     env: Mapping[str, str] | None = None, tty: bool = False) -> list[str]:
+                     env: Mapping[str, str] | None = None, tty: bool = False,
+                     file_binds: Sequence[tuple[str, str]] = ()) -> list[str]:
+        """``file_binds``: (host file, sandbox path) pairs bound read-only into this launch
+        only, e.g. a job's gateway socket, which exists only while RUN serves it (a socket
+        stays connectable through a read-only bind)."""
         self._check_alive()
+        extra: list[str] = []
+        for host, inside in file_binds:
+            norm = os.path.normpath(inside)
+            if (not norm.startswith("/") or norm.count("/") != 1 or norm in ("/", *self._taken)
+                    or os.path.lexists(os.path.join(self._root, norm.lstrip("/")))):
+                # A new name right below / lands on the launch's own root tmpfs: never on a
+                # host path, never under a directory the sandbox can write (and plant links in).
+                raise SandboxError(f"a launch bind must be a new top-level name such as "
+                                   f"'/.gateway.sock', got {inside!r}", "INVALID_SANDBOX_OPTIONS")
+            if not os.path.exists(host) or os.path.isdir(host):
+                raise SandboxError(f"launch bind source {host} is not an existing file",
+                                   "INVALID_SANDBOX_OPTIONS")
+            extra += ["--ro-bind", os.path.abspath(host), norm]
         # No --new-session even without a tty: the launcher already runs in its own session
         # (so there is no terminal to inject input into), and keeping the sandbox's PID 1 in
         # the launcher's process group lets one killpg() end a launch at any moment.
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
-        return [*self._prefix, "--setenv", LAUNCH_VAR, tag,
+        return [*self._prefix, *extra, "--remount-ro", "/", "--setenv", LAUNCH_VAR, tag,
                 "--chdir", cwd or self.workspace_in_sandbox, *self._drop, *argv]
 
     @staticmethod
@@ -314,9 +335,10 @@ class BwrapSandbox(Sandbox):
 
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
-                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+                   stdin: bytes | None = None, max_output: int = 1 << 20,
+                   file_binds: Sequence[tuple[str, str]] = ()) -> ExecResult:
         argv = self.command_argv(["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd),
-                                 cwd=cwd)
+                                 cwd=cwd, file_binds=file_binds)
         return await procs.run_collect(
             argv, env=self.spawn_env(env),
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,

@@ -60,14 +60,16 @@ def rollout(tok: Any, sandbox_factory: Any) -> Rollout:
 
     async def run(handler: AgentHandler, task: Mapping[str, Any], script: Sequence[str], *,
                   limits: Limits | None = None, inspect: Callable[[JobContext], Any] | None = None,
+                  gateway: Any = None, sampling: SamplingParams | None = None,
                   ) -> RolloutResult:
         job_id = f"{handler.name}-{next(counter)}"
         engine = ScriptedEngine(tok, {job_id: list(script)})
         spec = JobSpec(job_id=job_id, environment=handler.name, task=dict(task),
-                       sampling=SamplingParams(temperature=0.0, max_tokens_per_turn=4096,
-                                               total_token_budget=32768),
+                       sampling=sampling or SamplingParams(
+                           temperature=0.0, max_tokens_per_turn=4096, total_token_budget=32768),
                        limits=limits or Limits(max_turns=len(script) or 1))
-        ctx = JobContext(spec=spec, llm=EngineClient(engine), sandbox_factory=sandbox_factory)
+        ctx = JobContext(spec=spec, llm=EngineClient(engine), sandbox_factory=sandbox_factory,
+                         gateway=gateway)
         async with ctx.resources:
             try:
                 handler.validate_task(spec.task)
@@ -81,3 +83,7 @@ def rollout(tok: Any, sandbox_factory: Any) -> Rollout:
         return RolloutResult(reward, ctx.outcome, ctx, engine)
 
     return run
+
+
+# The harness environment's fixtures: the real model gateway, and the tiny model's engine.
+from tests.runtime.envs.harness_helpers import gateway_rig, tiny_engine  # noqa: E402, F401

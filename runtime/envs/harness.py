@@ -1,0 +1,283 @@
+"""The ``harness`` environment: an unmodified agent harness (mini-swe-agent, Codex CLI, your own)
+works on an inner environment's task in the job's sandbox, and its model calls are the job's
+trajectory.
+
+Task format::
+
+    {
+      "environment": "swe",            # the inner environment: swe, code or math
+      "task": {...},                   # its task, exactly as that environment takes it
+      "harness": "mini-swe-agent",     # a preset (runtime/envs/harness_presets.py), or
+                                       # {"preset": NAME, "env": {...}}, or a command spec
+                                       # {"command": [...], "install": DIR, "env": {...},
+                                       #  "files": {...}, "port": 4000}
+      "model": "policy"                # optional: the model name the harness is told to use
+    }
+
+INIT is the inner environment's INIT (the swe checkout, the code or math workspace), with the
+harness's install directory bound read-only at :data:`INSTALL_MOUNT` in the job's sandbox.
+
+RUN opens a lease on the server's model gateway (:mod:`rollout.runtime.gateway`): a key for this
+job alone and a Unix socket on the host. One launch of the sandbox gets the socket bound at
+:data:`GATEWAY_SOCKET` and runs :mod:`harness_launch <rollout.runtime.envs.harness_launch>`,
+which relays ``127.0.0.1:PORT`` of the launch's own network namespace to that socket and runs
+the harness with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``ANTHROPIC_BASE_URL`` /
+``ANTHROPIC_API_KEY`` set, under the RUN deadline. The sandbox has no other network: no host
+loopback, no outside address, no host abstract socket (its network namespace is its own).
+When the harness ends, or the deadline does, every process of the sandbox is killed, then the
+lease is closed (its key refused from then on) and what the gateway captured becomes the
+trajectory: the turns with their exact token ids, and the segments where the harness rewrote
+its history.
+
+EVAL is the inner environment's grader, unchanged (swe: the hidden tests in a fresh sandbox;
+code: the hidden tests; math: the answer the harness wrote to ``answer.txt`` in its working
+directory, else the last reply's text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, SEED_KEY, TURNS_KEY
+from rollout.runtime.envs import harness_presets
+from rollout.runtime.envs.common import SANDBOX_KEY, check_task_object, invalid, sandbox_of
+from rollout.runtime.envs.grading import end_agent
+from rollout.runtime.envs.harness_presets import HarnessSpec
+from rollout.runtime.gateway import SEGMENTS_KEY
+from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.sandbox.base import runtime_of
+from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
+
+ENV = "harness"
+INNER = ("swe", "code", "math")
+INSTALL_MOUNT = "/.rollout-harness"
+GATEWAY_SOCKET = "/.rollout-gateway.sock"
+LAUNCH_SOURCE = Path(__file__).with_name("harness_launch.py")
+ANSWER_FILE = "answer.txt"
+SPEC_KEY = "harness.spec"
+CAPTURE_KEY = "harness.capture"
+"""``ctx.state`` key: the gateway's capture of this job (for tests and metadata)."""
+_LOG_TAIL = 2000
+_MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}"
+
+
+def inner_handler(name: str) -> AgentHandler:
+    """The inner environment's handler (imported on use: a math job never loads swe's)."""
+    if name == "swe":
+        from rollout.runtime.envs.swe import SweHandler
+        return SweHandler()
+    if name == "code":
+        from rollout.runtime.envs.code import CodeHandler
+        return CodeHandler()
+    if name == "math":
+        from rollout.runtime.envs.math import MathHandler
+        return MathHandler()
+    raise invalid(f"harness task field 'environment' must be one of {list(INNER)}, got "
+                  f"{name!r}", "environment")
+
+
+def inner_context(ctx: JobContext) -> JobContext:
+    """The job's context as the inner environment sees it: its own task; the same state,
+    resources and outcome (so its stages find what the others left)."""
+    task = ctx.spec.task
+    spec = dataclasses.replace(ctx.spec, environment=task["environment"], task=task["task"])
+    return dataclasses.replace(ctx, spec=spec)
+
+
+class HarnessHandler(AgentHandler):
+    name = ENV
+
+    def validate_task(self, task: Mapping[str, Any]) -> None:
+        check_task_object(task, ENV)
+        inner = task.get("environment")
+        if not isinstance(inner, str):
+            raise invalid(f"harness task needs 'environment': one of {list(INNER)}",
+                          "environment")
+        handler = inner_handler(inner)
+        if not isinstance(task.get("task"), Mapping):
+            raise invalid(f"harness task needs 'task': the {inner} task object", "task")
+        try:
+            handler.validate_task(task["task"])
+        except InvalidArgument as e:
+            # The inner field lives one level down in this payload.
+            field = e.field.removeprefix("task").lstrip(".")
+            raise InvalidArgument(str(e), e.reason,
+                                  "task.task" + (f".{field}" if field else "")) from None
+        if "harness" not in task:
+            raise invalid("harness task needs 'harness': a preset name ("
+                          f"{', '.join(harness_presets.preset_names())}) or a command spec",
+                          "harness")
+        harness_presets.resolve(task["harness"])
+        model = task.get("model", "policy")
+        if not isinstance(model, str) or not re.fullmatch(_MODEL_NAME, model):
+            raise invalid("harness task field 'model' must be a model name (letters, digits, "
+                          "'_.:/-')", "model")
+        unknown = sorted(set(task) - {"environment", "task", "harness", "model"})
+        if unknown:
+            raise invalid(f"harness task has unknown fields {unknown}", "")
+
+    async def init(self, ctx: JobContext) -> None:
+        self.validate_task(ctx.spec.task)
+        harness = await asyncio.to_thread(harness_presets.resolve, ctx.spec.task["harness"])
+        ctx.state[SPEC_KEY] = harness
+        factory = ctx.sandbox_factory
+        if factory is None:
+            raise HandlerError("this server has no sandbox runtime configured", "NO_SANDBOX")
+        runtime = runtime_of(factory)
+        if runtime not in (None, "bwrap"):
+            raise HandlerError(f"the harness environment needs the bwrap sandbox runtime (it "
+                               f"binds the job's gateway socket into one launch); this server "
+                               f"runs {runtime}", "INVALID_SANDBOX_OPTIONS")
+        binds = ([(str(harness.install), INSTALL_MOUNT, False)]
+                 if harness.install is not None else [])
+
+        async def with_harness(**options: Any) -> Any:
+            options["binds"] = [*options.get("binds", ()), *binds]
+            return await factory(**options)
+
+        inner = inner_context(ctx)
+        await inner_handler(inner.spec.environment).init(
+            dataclasses.replace(inner, sandbox_factory=with_harness))
+        if SANDBOX_KEY not in ctx.state:  # math without tools opens none; a harness needs one
+            ctx.state[SANDBOX_KEY] = await dataclasses.replace(
+                ctx, sandbox_factory=with_harness).open_sandbox()
+
+    async def run(self, ctx: JobContext) -> RunOutcome:
+        sandbox = sandbox_of(ctx)
+        harness: HarnessSpec = ctx.state.get(SPEC_KEY) or harness_presets.resolve(
+            ctx.spec.task["harness"])
+        gateway = ctx.gateway
+        if gateway is None:
+            raise HandlerError("this server runs no model gateway, which a harness job needs "
+                               "(its harness calls the model over HTTP)", "NO_GATEWAY")
+        if ctx.llm is None:
+            raise HandlerError("this server has no model backend", "NO_LLM")
+        deadline = time.monotonic() + max(0.0, ctx.spec.limits.run_timeout_s
+                                          - DEADLINE_MARGIN_S)
+        lease = await gateway.open(ctx.spec, ctx.llm)
+        result = None
+        try:
+            # The live capture: a RUN cut by the scheduler still hands over these turns.
+            live = gateway.capture(lease)
+            ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = live.turns, live.segments
+            if (owner := sandbox.owner()) is not None:
+                # The sandbox's own uid (a root server's) must be able to connect; nobody
+                # else on the host gets anything new.
+                await asyncio.to_thread(os.chown, lease.socket_path, *owner)
+            launch = launch_spec(ctx, harness, lease.api_key, sandbox.workspace_in_sandbox,
+                                 sandbox.env.get("HOME", "/tmp"))
+            ctx.progress("harness", {"harness": harness.name, "port": harness.port})
+            result = await sandbox.exec(
+                [getattr(sandbox, "python", "python3"), "-c", LAUNCH_SOURCE.read_text()],
+                stdin=json.dumps(launch).encode(), cwd=sandbox.workspace_in_sandbox,
+                timeout=max(1.0, deadline - time.monotonic()), max_output=256 << 10,
+                file_binds=[(lease.socket_path, GATEWAY_SOCKET)])
+        finally:
+            # Every process of the harness dies before the key is revoked, so none of them
+            # sees a refusal and acts on it (and none outlives RUN into EVAL).
+            try:
+                await end_agent(ctx)
+            finally:
+                capture = await gateway.close(lease)
+        ctx.state[CAPTURE_KEY] = capture
+        ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = capture.turns, capture.segments
+        if capture.seed is not None:
+            ctx.state[SEED_KEY] = capture.seed
+        metadata = {"harness": harness.name, "harness_requests": str(capture.requests),
+                    "harness_segments": str(len(capture.segments)),
+                    "harness_exit": str(result.exit_code),
+                    "harness_log": result.output[-_LOG_TAIL:]}
+        if capture.turns:
+            metadata["final_text"] = await asyncio.to_thread(
+                _decode, ctx.llm.tokenizer, capture.turns[-1].output_ids)
+        await self._collect_answer(ctx)
+        return RunOutcome(list(capture.turns),
+                          termination(result, capture.requests, ctx.spec.limits.max_turns),
+                          metadata, segments=list(capture.segments))
+
+    async def _collect_answer(self, ctx: JobContext) -> None:
+        """math: the answer the harness wrote to ``answer.txt`` counts as submitted."""
+        if ctx.spec.task["environment"] != "math":
+            return
+        from rollout.runtime.tools.submit import SUBMITTED_ANSWER_KEY
+
+        try:
+            raw = await sandbox_of(ctx).get_file(ANSWER_FILE)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, OSError):
+            return
+        answer = raw[:4096].decode("utf-8", "replace").strip()
+        if answer:
+            ctx.state[SUBMITTED_ANSWER_KEY] = answer
+
+    async def eval(self, ctx: JobContext) -> Reward:
+        inner = inner_context(ctx)
+        reward = await inner_handler(inner.spec.environment).eval(inner)
+        capture = ctx.state.get(CAPTURE_KEY)
+        if capture is not None:
+            reward.info.setdefault("harness_requests", str(capture.requests))
+        return reward
+
+    async def cleanup(self, ctx: JobContext) -> None:
+        inner = inner_context(ctx)
+        await inner_handler(inner.spec.environment).cleanup(inner)
+        ctx.state.pop(SANDBOX_KEY, None)
+
+
+def task_prompt(ctx: JobContext, workspace: str) -> str:
+    """The task in the inner environment's words, for a harness that brings its own system
+    prompt and tools (so none of the built-in loop's tool instructions)."""
+    task = ctx.spec.task["task"]
+    inner = ctx.spec.task["environment"]
+    if inner == "swe":
+        return str(task["problem_statement"])
+    if inner == "code":
+        from rollout.runtime.envs.code import task_prompt as code_prompt
+        return code_prompt(task, workspace)
+    return (f"{task['question']}\n\nWhen you have the final answer, write it (the answer "
+            f"alone) to the file {workspace.rstrip('/')}/{ANSWER_FILE}.")
+
+
+def launch_spec(ctx: JobContext, harness: HarnessSpec, api_key: str, workspace: str,
+                home: str) -> dict[str, Any]:
+    """What :mod:`harness_launch` reads on stdin: placeholders filled in."""
+    origin = f"http://127.0.0.1:{harness.port}"
+    prompt = task_prompt(ctx, workspace)
+    prompt_file = "/tmp/.rollout-harness-prompt.txt"
+    values = {"install": INSTALL_MOUNT, "base_url": f"{origin}/v1", "origin": origin,
+              "api_key": api_key, "model": str(ctx.spec.task.get("model", "policy")),
+              "prompt": prompt, "prompt_file": prompt_file, "workspace": workspace,
+              "home": home, "max_steps": str(ctx.spec.limits.max_turns),
+              "max_tokens": str(ctx.spec.sampling.max_tokens_per_turn)}
+    env = {"OPENAI_BASE_URL": values["base_url"], "OPENAI_API_BASE": values["base_url"],
+           "OPENAI_API_KEY": api_key, "ANTHROPIC_BASE_URL": origin,
+           "ANTHROPIC_API_KEY": api_key, "NO_PROXY": "127.0.0.1,localhost",
+           "no_proxy": "127.0.0.1,localhost"}
+    env.update({k: harness_presets.render(v, values) for k, v in harness.env.items()})
+    files = {prompt_file: prompt}
+    files.update({harness_presets.render(p, values): harness_presets.render(t, values)
+                  for p, t in harness.files.items()})
+    return {"socket": GATEWAY_SOCKET, "port": harness.port, "cwd": workspace, "env": env,
+            "files": files,
+            "argv": [harness_presets.render(a, values) for a in harness.command]}
+
+
+def termination(result: Any, requests: int, max_steps: int) -> TerminationReason:
+    """Why the harness stopped, as far as the outside can tell: the deadline, its step limit
+    (as many requests as ``limits.max_turns``), a clean exit (it finished), or a failure."""
+    if result is None or result.timed_out:
+        return TerminationReason.DEADLINE
+    if requests >= max_steps:
+        return TerminationReason.MAX_TURNS
+    return TerminationReason.SUBMITTED if result.exit_code == 0 else TerminationReason.ERROR
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,181 @@
+"""Helpers for the harness environment's tests: a driver that runs a harness job's three stages
+with a model gateway, and a stand-in gateway for the tests that check only the sandbox's way to
+it (the network ones), which answer a fixed reply and record nothing."""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from rollout.runtime.envs.harness import CAPTURE_KEY
+from rollout.runtime.gateway import GatewayLease, HarnessCapture
+from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
+from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable
+from rollout.runtime.types import JobSpec, Limits, Reward, SamplingParams
+from rollout.server.llm.engine import EngineError
+
+PING_REPLY = {"object": "list", "data": [{"id": "relay-ok", "object": "model"}]}
+
+
+@dataclass
+class PingGateway:
+    """TEST DOUBLE of the gateway's transport only: one Unix socket per lease that answers
+    ``GET /v1/models`` for the lease's key (401 otherwise). No model behind it."""
+
+    leases: dict[str, tuple[web.AppRunner, str]] = field(default_factory=dict)
+    seen: list[str] = field(default_factory=list)
+
+    async def open(self, spec: JobSpec, llm: LLMClient) -> GatewayLease:
+        key = secrets.token_hex(16)
+
+        async def models(request: web.Request) -> web.Response:
+            self.seen.append(request.headers.get("Authorization", ""))
+            if request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": "bad key"}, status=401)
+            return web.json_response(PING_REPLY)
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        path = str(Path(tempfile.mkdtemp(prefix="gw-", dir="/tmp")) / "s")
+        await web.UnixSite(runner, path).start()
+        self.leases[key] = (runner, path)
+        return GatewayLease(api_key=key, socket_path=path)
+
+    def capture(self, lease: GatewayLease) -> HarnessCapture:
+        return HarnessCapture()
+
+    async def close(self, lease: GatewayLease) -> HarnessCapture:
+        runner, path = self.leases.pop(lease.api_key)
+        await runner.cleanup()
+        Path(path).unlink(missing_ok=True)
+        Path(path).parent.rmdir()
+        return HarnessCapture(requests=len(self.seen))
+
+
+def harness_task(inner: str, task: dict[str, Any], harness: Any, **extra: Any) -> dict[str, Any]:
+    return {"environment": inner, "task": task, "harness": harness, **extra}
+
+
+@dataclass
+class GatewayRig:
+    gateway: Any
+
+
+@pytest.fixture
+async def gateway_rig(tmp_path: Path) -> AsyncIterator[GatewayRig]:
+    """The server's real model gateway, its sockets under a fresh state directory."""
+    from rollout.server.gateway import Gateway
+
+    gateway = await Gateway(tmp_path / "gw-state").start()
+    try:
+        yield GatewayRig(gateway)
+    finally:
+        await gateway.stop()
+
+
+@pytest.fixture
+async def tiny_engine() -> AsyncIterator[Any]:
+    """The tiny random-initialised model (tests/fixtures/tiny_model.py) in the real engine,
+    with a context long enough for a harness's own system prompt and tool descriptions."""
+    from rollout.server.llm.transformers_engine import TransformersEngine
+    from tests.fixtures.tiny_model import tiny_model_dir
+
+    # One intra-op thread: a harness's own processes share the CPU, and torch's threads spin
+    # against them (TransformersEngine's num_threads).
+    engine = TransformersEngine(tiny_model_dir(context=16384), name="tiny", num_threads=1)
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+class RecordingClient:
+    """``LLMClient`` over one engine that keeps every request and its result, so a test can
+    hold the trajectory against what the model was really given and really produced."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.calls: list[tuple[GenerateRequest, GenerateResult]] = []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.engine, "max_context", None)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        try:
+            result = await self.engine.generate(request)
+        except EngineError as e:
+            raise LLMUnavailable(str(e)) from e
+        self.calls.append((request, result))
+        return result
+
+    async def end_session(self, session_id: str) -> None:
+        await self.engine.release_session(session_id)
+
+
+@dataclass
+class ModelResult:
+    reward: Reward
+    outcome: RunOutcome
+    ctx: JobContext
+    llm: RecordingClient
+
+    @property
+    def capture(self) -> HarnessCapture:
+        return self.ctx.state[CAPTURE_KEY]
+
+
+_jobs = iter(range(1_000_000))
+
+
+async def model_rollout(handler: AgentHandler, task: dict[str, Any], engine: Any, *,
+                        sandbox_factory: Any, gateway: Any, limits: Limits,
+                        sampling: SamplingParams) -> ModelResult:
+    """One harness job's three stages and cleanup, its model calls going to ``engine``."""
+    llm = RecordingClient(engine)
+    spec = JobSpec(job_id=f"harness-model-{next(_jobs)}", environment=handler.name, task=task,
+                   sampling=sampling, limits=limits)
+    ctx = JobContext(spec=spec, llm=llm, sandbox_factory=sandbox_factory, gateway=gateway)
+    async with ctx.resources:
+        try:
+            handler.validate_task(spec.task)
+            await handler.init(ctx)
+            ctx.outcome = await handler.run(ctx)
+            reward = await handler.eval(ctx)
+        finally:
+            await handler.cleanup(ctx)
+    return ModelResult(reward, ctx.outcome, ctx, llm)
+
+
+def assert_every_token_captured(result: ModelResult) -> None:
+    """Each turn's output is exactly what the engine sampled (ids and logprobs), and each
+    request's prompt is exactly its segment's tokens so far: nothing the model saw or produced
+    is missing from the trajectory, nothing was re-tokenized."""
+    turns = result.outcome.turns
+    calls = result.llm.calls
+    assert len(turns) == len(calls) == result.capture.requests
+    starts = sorted({0, *(s.first_turn for s in result.outcome.segments)})
+    sequence: list[int] = []
+    for i, (turn, (request, generated)) in enumerate(zip(turns, calls, strict=True)):
+        if i in starts:
+            sequence = []
+        assert turn.output_ids == list(generated.output_ids) and turn.output_ids
+        assert turn.output_logprobs == list(generated.logprobs)
+        sequence += turn.prompt_ids
+        assert list(request.prompt_ids) == sequence, f"turn {i}: the prompt is not its segment"
+        sequence += turn.output_ids + turn.observation_ids
+        mask = turn.loss_mask
+        assert sum(mask) == len(turn.output_ids)
