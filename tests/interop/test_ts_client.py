@@ -32,7 +32,7 @@ def _tool(name: str) -> str:
         if candidate.exists():
             return str(candidate)
     found = shutil.which(name)
-    assert found, f"{name} is missing: run scripts/setup.sh"
+    assert found, f"{name} is missing: run scripts/setup_test.sh"
     return found
 
 
@@ -41,7 +41,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("node") is None:
         pytest.skip("node is not installed")
     assert (TS / "node_modules" / ".bin" / "protoc-gen-es").exists(), (
-        "the TypeScript toolchain is missing: run scripts/setup.sh (npm ci in interop/ts)")
+        "the TypeScript toolchain is missing: run scripts/setup_test.sh (npm ci in interop/ts)")
     out = tmp_path_factory.mktemp("ts")
     subprocess_run([_tool("buf"), "generate", "--template", "buf.gen.ts.yaml", "-o", str(out)])
     gen = out / "clients" / "ts" / "gen"
