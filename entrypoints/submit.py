@@ -212,6 +212,8 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
     console.print(stats.endings_table())
     for note in stats.zero_reward_notes():
         console.print(note, markup=False, highlight=False)
+    for note in stats.starved_notes():
+        console.print(note, markup=False, highlight=False)
     console.print(f"{stats.written} trajectories appended to {args.out} "
                   f"(client id {client_id}); {stats.already_done} finished in an earlier run; "
                   f"{len(stats.rejected)} rejected")
