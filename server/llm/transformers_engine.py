@@ -150,7 +150,11 @@ class TransformersEngine(Engine):
         :func:`pick_threads` on a CPU (cores not already busy) and leaves a GPU's alone.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        # A server's output is a log, and the quickstart's is its progress bars: no
+        # "Loading weights" bar of the library's own in either.
+        hf_logging.disable_progress_bar()
         if num_threads is None and torch.device(device).type == "cpu":
             num_threads = pick_threads()
         if num_threads:
