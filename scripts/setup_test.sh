@@ -34,7 +34,7 @@ pip() { .venv/bin/python -m pip "$@"; }
 stamp=.venv/.setup-test-stamp
 want="$(cat pyproject.toml scripts/setup_test.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip install -q -e '.[server,dev]'
+  pip install -qq -e '.[server,dev]'
   echo "$want" > "$stamp"
 fi
 # Ray for `rollout serve --ray/--workers`, `rollout bench scale` and the cluster tests (the `ray`
