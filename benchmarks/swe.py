@@ -8,7 +8,7 @@ Measured in one run on this machine, on one shipped task whose environment must 
 * INIT with a warm cache, as every later job of the same repository sees it: the cached venv
   is bound read-only, only the checkout remains;
 * baseline: INIT of the same task without its environment (the server's interpreter), which
-  is all INIT used to do;
+  is what INIT does for a task without one;
 * EVAL of the gold patch on the warm environment: stop the agent, copy its workspace into a
   grading sandbox, fresh ``.git`` at base, restore, test patch, the named tests.
 

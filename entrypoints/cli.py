@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from rollout.client.aio import DEFAULT_ADDRESS
 from rollout.client.errors import RolloutError
 
@@ -311,18 +313,58 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _delegate(f"rollout.benchmarks.{args.name}", args.rest)
     from rollout.entrypoints import job_commands
 
+    check_flags(args)
     settings = resolve_settings(args)
-    if getattr(args, "handler", None) is not None:  # subcommands registered by plug-ins
-        return int(args.handler(args, settings) or 0)
-    if cmd == "submit":
-        from rollout.entrypoints.submit import run_submit
+    try:
+        if getattr(args, "handler", None) is not None:  # subcommands registered by plug-ins
+            return int(args.handler(args, settings) or 0)
+        if cmd == "submit":
+            from rollout.entrypoints.submit import run_submit
 
-        return run_submit(args, settings)
-    if cmd == "jobs":
-        return asyncio.run(job_commands.jobs(args, settings))
-    if cmd == "status":
-        return asyncio.run(job_commands.status(settings))
+            return run_submit(args, settings)
+        if cmd == "jobs":
+            return asyncio.run(job_commands.jobs(args, settings))
+        if cmd == "status":
+            return asyncio.run(job_commands.status(settings))
+    except RolloutError as err:
+        raise explain(err, settings) from None
     raise CliError("INVALID_ARGUMENT", "UNKNOWN_COMMAND", f"unknown command {cmd!r}")
+
+
+_AT_LEAST = {"limit": 1, "samples": 1, "finish_after": 0}
+"""Numeric flags and their smallest sensible value, checked once before anything is sent
+(a bad one would otherwise print nothing, or be rejected once per job)."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    for flag, low in _AT_LEAST.items():
+        value = getattr(args, flag, None)
+        if isinstance(value, int) and value < low:
+            name = "--" + flag.replace("_", "-")
+            raise CliError("INVALID_ARGUMENT", "INVALID_FLAG",
+                           f"{name} must be at least {low}, got {value}")
+    samples, finish_after = getattr(args, "samples", 1), getattr(args, "finish_after", 0)
+    if finish_after and finish_after > samples:
+        raise CliError("INVALID_ARGUMENT", "INVALID_FLAG",
+                       f"--finish-after {finish_after} can never be reached with --samples "
+                       f"{samples}: give at most {samples} (0: run every sample)")
+
+
+def explain(err: RolloutError, settings: ClientSettings) -> CliError:
+    """The failures a user fixes on their side, said with the fix: no server at the address,
+    a token missing or wrong. Anything else is printed as the server said it."""
+    if err.code == grpc.StatusCode.UNAVAILABLE and not err.from_server:
+        return CliError("UNAVAILABLE", "SERVER_UNREACHABLE",
+                        f"no rollout server answers at {settings.address}; start one with "
+                        "`rollout serve`, or point --address (or ROLLOUT_ADDRESS) at a running "
+                        f"one ({err.message})")
+    if err.reason in ("MISSING_TOKEN", "MALFORMED_TOKEN", "BAD_TOKEN"):
+        where = "" if settings.token is None else " (the one given was refused)"
+        return CliError(err.code.name, err.reason,
+                        f"{err.message}: the server at {settings.address} requires a token"
+                        f"{where}; pass --token TOKEN (or set ROLLOUT_TOKEN, or `token` in the "
+                        "[client] table of --config)")
+    return CliError(err.code.name, err.reason, err.message)
 
 
 _DELEGATED = {"llm-serve": "rollout.server.llm.http_server",

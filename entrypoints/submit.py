@@ -167,6 +167,10 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
                          TimeElapsedColumn(), console=console, transient=False)
                 if args.progress else None)
     bars = _Bars(progress, len(specs))
+    async with RolloutClient(settings.address, token=settings.token) as client:
+        # One unary call first: a session retries a broken connection (it resumes), so a
+        # stopped server or a missing token would otherwise surface only after its retries.
+        await client.status()
     async with RolloutClient(settings.address, token=settings.token) as client, \
             client.session(client_id, progress=bool(args.progress)) as session:
         with progress or contextlib.nullcontext():
@@ -207,6 +211,8 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
     console.print(stats.table())
     console.print(stats.endings_table())
     for note in stats.zero_reward_notes():
+        console.print(note, markup=False, highlight=False)
+    for note in stats.starved_notes():
         console.print(note, markup=False, highlight=False)
     console.print(f"{stats.written} trajectories appended to {args.out} "
                   f"(client id {client_id}); {stats.already_done} finished in an earlier run; "

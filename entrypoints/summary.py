@@ -64,6 +64,8 @@ class JobOutcome:
     turns: int = 0
     tool_calls: int = 0
     tokens: int = 0
+    generated: int = 0
+    """Tokens the model generated (every turn's output), 0 for a job cut before its first."""
     stage_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -103,6 +105,7 @@ class RunStats:
         j.turns = len(t.turns)
         j.tool_calls = sum(len(turn.tool_calls) for turn in t.turns)
         j.tokens = total_tokens(t)
+        j.generated = sum(len(turn.output_ids) for turn in t.turns)
         j.stage_s = {name: getattr(t.timings, name).ToNanoseconds() / 1e9
                      for name in ("init", "run", "eval")}
         self.written += 1
@@ -173,6 +176,21 @@ class RunStats:
             head = ("no job earned a reward" if len(zero) == finished
                     else f"{len(zero)} of {finished} jobs earned 0")
             notes.append(f"{name}: {head}: " + "; ".join(parts))
+        return notes
+
+
+    def starved_notes(self) -> list[str]:
+        """One line per environment where the RUN deadline passed before the model generated
+        a single token: the machine (or backend) was too slow for the limit, not the policy
+        wrong, and the fix is on the operator's side."""
+        notes = []
+        for name, jobs in self.by_env().items():
+            starved = sum(j.deadline and j.generated == 0 for j in jobs)
+            if starved:
+                notes.append(
+                    f"{name}: {starved} of {len(jobs)} jobs reached the RUN deadline before the "
+                    "model generated a token (a slow or busy machine): raise "
+                    "limits.run_timeout_s, run fewer jobs at once, or use a faster backend")
         return notes
 
 

@@ -64,6 +64,9 @@ class TerminationReason(enum.Enum):
 LOGPROBS_MODES = ("processed", "raw")
 MAX_SEED = 2**62
 """Seeds are in [0, MAX_SEED) so ``seed + turn`` never overflows int64."""
+MAX_TOKEN_BUDGET = 1 << 22
+"""Most tokens one trajectory may hold (``total_token_budget``): far beyond any context a
+served model has, low enough that a typo (an extra few zeros) is refused, not run."""
 
 
 @dataclass(frozen=True)
@@ -118,10 +121,17 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                 f"got {self.logprobs_mode!r}", "INVALID_SAMPLING_PARAMS", "sampling.logprobs_mode")
-        if self.total_token_budget <= 0:
+        if not (0 < self.total_token_budget <= MAX_TOKEN_BUDGET):
             raise InvalidArgument(
-                f"sampling.total_token_budget must be > 0, got {self.total_token_budget}",
-                "INVALID_SAMPLING_PARAMS", "sampling.total_token_budget")
+                f"sampling.total_token_budget must be in [1, {MAX_TOKEN_BUDGET}], got "
+                f"{self.total_token_budget}", "INVALID_SAMPLING_PARAMS",
+                "sampling.total_token_budget")
+        if self.max_tokens_per_turn > self.total_token_budget:
+            raise InvalidArgument(
+                f"sampling.max_tokens_per_turn ({self.max_tokens_per_turn}) must not exceed "
+                f"sampling.total_token_budget ({self.total_token_budget}, the whole "
+                "trajectory's tokens): lower it, or raise total_token_budget",
+                "INVALID_SAMPLING_PARAMS", "sampling.max_tokens_per_turn")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("sampling.stop_token_ids must be non-negative",
                                   "INVALID_SAMPLING_PARAMS", "sampling.stop_token_ids")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Every check CI runs: lint, types, proto lint/format/freshness/breaking, then the test suite.
+# First the test-only set-up (dev tools, vLLM / verl / NeMo Gym venvs, Ray, Node, Go): a no-op
+# once built; ROLLOUT_SKIP_TEST_SETUP=1 skips even the checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -n "${ROLLOUT_SKIP_TEST_SETUP:-}" ] || bash scripts/setup_test.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";  ruff check .
 # mypy cannot follow setuptools' editable finder, which maps rollout.client onto client/ and so

@@ -2,7 +2,7 @@
 
 Configuration (``[server]``)::
 
-    auth_token = "..."              # the old single token: an operator, see below
+    auth_token = "..."              # one shared token: an operator, see below
     [[server.clients]]
     client_id = "trainer-a"
     token = "a-long-random-secret"  # or token_sha256 = "<hex>" to keep the secret out of the file

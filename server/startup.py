@@ -55,6 +55,14 @@ class StateDirLock:
     @classmethod
     def acquire(cls, state_dir: Path) -> StateDirLock:
         """Create ``state_dir`` if needed and lock it, or raise ``StartupError``."""
+        not_a_dir = next((p for p in (state_dir, *state_dir.parents)
+                          if p.exists() and not p.is_dir()), None)
+        if not_a_dir is not None:
+            problem = ("is a file, not a directory" if not_a_dir == state_dir
+                       else f"cannot be created: {not_a_dir} is a file")
+            raise StartupError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_CONFIG",
+                               f"the state directory {state_dir} {problem}; pass --state-dir "
+                               "DIR naming a directory (created if missing)", "server.state_dir")
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
             # O_CLOEXEC: sandboxes and kernels this server starts must not inherit the lock,

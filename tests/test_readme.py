@@ -1,4 +1,5 @@
-"""The README's grpcurl walkthrough, run command by command against a live server.
+"""The README's and the guides' executed blocks: the grpcurl walkthrough, run command by command
+against a live server, the error example and the trainer snippet.
 
 The server is the real one (gRPC on loopback, SQLite store, bubblewrap sandboxes, the math
 environment); only the model is the scripted testing policy, so the answer is deterministic.
@@ -21,9 +22,9 @@ from rollout.server.config import Config
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.server.llm.smollm2 import smollm2_dir
+from tests.docs import block, text_block
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 GRPCURL = ".venv/bin/grpcurl"
 """How the README calls grpcurl: the venv's copy, from the repository root (a new user's shell
@@ -31,10 +32,7 @@ has no ``grpcurl`` on its PATH)."""
 
 
 def grpcurl_commands() -> list[str]:
-    text = README.read_text()
-    block = re.search(r"```bash grpcurl-session\n(.*?)```", text, re.S)
-    assert block, "README lost its ```bash grpcurl-session block"
-    lines = [line for line in block.group(1).splitlines() if line.strip()]
+    lines = [line for line in block("bash grpcurl-session").splitlines() if line.strip()]
     assert lines and all(line.startswith(GRPCURL + " ") for line in lines), (
         f"every command of the walkthrough calls {GRPCURL}, as pasted from the repository root")
     return lines
@@ -46,7 +44,7 @@ def grpcurl_binary() -> str:
     exe = ROOT / GRPCURL
     if not exe.exists():
         exe = Path(sys.executable).parent / "grpcurl"
-    assert exe.exists(), "grpcurl is missing: run scripts/setup.sh"
+    assert exe.exists(), "grpcurl is missing: run scripts/setup_test.sh"
     return str(exe)
 
 
@@ -112,17 +110,14 @@ async def test_readme_error_example_is_true(live_server: Server) -> None:
     code, out = await run_grpcurl(["-plaintext", "-d", json.dumps(body), live_server.address,
                                    "rollout.v1.RolloutService/SubmitRollout"])
     assert code != 0
-    documented = re.search(r"```text\n(ERROR:.*?)```", README.read_text(), re.S)
-    assert documented, "README lost its error example"
-    assert out.split() == documented.group(1).split(), out
+    documented = text_block("ERROR:")
+    assert out.split() == documented.split(), out
 
 
 @pytest.mark.timeout(120)
 async def test_readme_trainer_snippet_collects_a_group(live_server: Server) -> None:
-    block = re.search(r"```python trainer-integration\n(.*?)```", README.read_text(), re.S)
-    assert block, "README lost its trainer-integration snippet"
     namespace: dict[str, object] = {}
-    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    exec(compile(block("python trainer-integration"), "README.md", "exec"), namespace)
     batch = await namespace["collect"](live_server.address, 4)  # type: ignore[operator]
     assert len(batch) == 4
     assert {f.group_id for f in batch} == {"prompt-17"}

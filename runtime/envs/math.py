@@ -70,8 +70,8 @@ EXAMPLE = (
     {"role": "tool", "name": "python", "content": "50"},
     {"role": "assistant", "content": "The answer is \\boxed{50}."},
 )
-"""Shown before the task when the task has the python tool (a task without it, such as the
-README's ``"tools": []`` example, gets no example of a tool it cannot call)."""
+"""Shown before the task when the task has the python tool (a task without it,
+``"tools": []``, gets no example of a tool it cannot call)."""
 
 
 class MathHandler(AgentHandler):

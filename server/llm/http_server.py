@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{LOGPROBS_HEADER} header asks otherwise (vLLM's flag of that name)")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (0: torch's default; 1 avoids OpenMP "
-                        "oversubscription on a busy shared CPU)")
+                        help="torch intra-op threads (0: the cores not already busy, at least 1, "
+                        "so a busy shared CPU is not oversubscribed)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO)

@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import itertools
+import os
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -100,6 +102,32 @@ class _Seq:
         return self.request.session_id
 
 
+def cache_keyword(model: Any) -> str:
+    """The name a model's ``forward`` (and its output) gives the KV cache: ``cache`` in newer
+    transformers, ``past_key_values`` before (the old name still works there but warns)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def pick_threads(cores: int | None = None, load: float | None = None) -> int:
+    """Intra-op threads for a CPU engine: the cores this process may use that other work is
+    not already keeping busy (the 1-minute load average), at least 1.
+
+    OpenMP threads spin while they wait for each other, so on a machine whose cores are taken
+    every thread beyond the free ones costs more than it adds: one thread degrades gently
+    where the full count stalls.
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    return max(1, min(cores, int(cores - load + 0.5)))
+
+
 class TransformersEngine(Engine):
     """A Hugging Face causal LM served in-process. See the module docstring."""
 
@@ -114,19 +142,24 @@ class TransformersEngine(Engine):
 
         ``prefill_overhead_tokens`` is a prefill forward's fixed cost in tokens of compute, which
         :func:`~rollout.server.llm.decode_batch.plan_prefill` weighs against padding when it groups
-        the
-        joining turns. The default suits a small model on one CPU thread; on a GPU the fixed
+        the joining turns. The default suits a small model on one CPU thread; on a GPU the fixed
         cost is far larger relative to a token, so set it higher there (e.g. 512) to batch more
         eagerly.
 
-        ``num_threads`` sets torch's (process-wide) intra-op threads. On a busy shared CPU,
-        OpenMP spin-waiting makes more threads slower than fewer when other processes hold the
-        cores.
+        ``num_threads`` sets torch's (process-wide) intra-op threads; None picks
+        :func:`pick_threads` on a CPU (cores not already busy) and leaves a GPU's alone.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        # A server's output is a log, and the quickstart's is its progress bars: no
+        # "Loading weights" bar of the library's own in either.
+        hf_logging.disable_progress_bar()
+        if num_threads is None and torch.device(device).type == "cpu":
+            num_threads = pick_threads()
         if num_threads:
             torch.set_num_threads(num_threads)
+        self.num_threads = torch.get_num_threads()
         self.name = name or f"transformers-{next(_names)}"
         self.model_dir = Path(model_dir)
         self.model_name = str(model_dir)
@@ -136,6 +169,7 @@ class TransformersEngine(Engine):
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         self.model.to(self.device).eval()  # type: ignore[arg-type]
+        self._cache_kw = cache_keyword(self.model)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
         self.eos_ids = frozenset() if ignore_eos else frozenset(self._eos_ids())
@@ -468,14 +502,14 @@ class TransformersEngine(Engine):
         single = len(seqs) == 1  # no padding: skip the mask
         out = self.model(input_ids=batch.ids, position_ids=batch.positions,
                          attention_mask=None if single else batch.mask,
-                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache})
         if not single:
             self.batched_prefills += 1
             self.batched_cached_prefills += batch.past_width > 0
         tokens, logprobs = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
         elapsed = time.perf_counter() - start
         for row, seq in enumerate(seqs):
-            layers = batch.row_kv(out.past_key_values, row)
+            layers = batch.row_kv(getattr(out, self._cache_kw), row)
             seq.kv = SessionKV(list(seq.prompt), layers)
             seq.length = len(seq.prompt)
             seq.cached_tokens = batch.cached[row]
@@ -487,7 +521,7 @@ class TransformersEngine(Engine):
         positions = torch.tensor([[s.length] for s in batch.seqs], device=self.device)
         mask = batch.attention_mask(self.device)
         out = self.model(input_ids=last, position_ids=positions, attention_mask=mask,
-                         past_key_values=batch.cache, use_cache=True)
+                         use_cache=True, **{self._cache_kw: batch.cache})
         batch.width += 1
         self.decode_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch.seqs))

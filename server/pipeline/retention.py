@@ -47,7 +47,7 @@ class Retention:
 
     @property
     def enabled(self) -> bool:
-        """``retention_s == 0`` keeps everything forever (the old behaviour)."""
+        """``retention_s == 0`` keeps everything forever."""
         return self.retention_s > 0
 
     async def run_once(self) -> PruneStats:

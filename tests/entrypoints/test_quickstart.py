@@ -36,11 +36,26 @@ def test_quickstart_runs_the_embedded_defaults(tmp_path: Path) -> None:
     assert len(trajs) == 4 and all(env in ids for env in ("math-", "code-", "rollout__"))
     # The seed reaches every job: job i samples from seed + i * stride (the trajectory says so).
     assert sorted(int(t["seed"]) for t in trajs) == [77 + i * SEED_STRIDE for i in range(4)]
+    # On a loaded machine a job may reach its RUN deadline before its first token: then the
+    # summary must say so, in one line for its environment.
+    starved = [t for t in trajs if not t["turns"]]
+    for t in starved:
+        assert t["termination_reason"] == "TERMINATION_REASON_DEADLINE", t
+        env = next(e for e, p in (("math", "math-"), ("code", "code-"), ("swe", "rollout__"))
+                   if p in t["job_id"])
+        assert re.search(rf"^{env}: \d+ of \d+ jobs reached the RUN deadline before the model",
+                         text, re.M), text[-3000:]
     for t in trajs:
+        if not t["turns"]:
+            continue
         turn = t["turns"][0]
         assert turn["output_ids"], "SmolLM2 generated tokens"
         assert len(turn["output_logprobs"]) == len(turn["output_ids"])
         assert turn["backend"].startswith("transformers")
+    # A quiet first run: no warning of ours (or of a library we call) in its output.
+    noisy = [line for line in (text + res.stderr).splitlines()
+             if re.search(r"Warning\b|warnings\.warn|DeprecationWarning", line)]
+    assert not noisy, noisy
     # The summary's per-environment outcome rows agree with the trajectories themselves.
     for env, prefix in (("math", "math-"), ("code", "code-"), ("swe", "rollout__")):
         mine = [t for t in trajs if prefix in t["job_id"]]
@@ -56,8 +71,9 @@ def test_quickstart_runs_the_embedded_defaults(tmp_path: Path) -> None:
     # An agent at work: the easy math tasks are solved with a python call in all but a few of
     # SmolLM2's samples (measured 16 of 16 on the first three), so one of two without a tool
     # call means the prompting or the fenced-block parsing broke.
-    math_jobs = [t for t in trajs if "math-" in t["job_id"]]
-    assert any(turn.get("tool_calls") for t in math_jobs for turn in t["turns"]), math_jobs
+    math_jobs = [t for t in trajs if "math-" in t["job_id"] and t["turns"]]
+    if math_jobs:  # (none when the machine was too busy for any turn: said above)
+        assert any(turn.get("tool_calls") for t in math_jobs for turn in t["turns"]), math_jobs
     png = (out / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     assert (out / "state" / "jobs.sqlite3").exists(), "its own state dir, under --out-dir"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from rollout.entrypoints.cli import CliError, main
 from rollout.entrypoints.submit import load_specs
 from tests.client.conftest import ThreadedServer, task
 from tests.entrypoints.test_cli import read_out, write_jobs
+from tests.util import scaled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,6 +75,15 @@ def test_second_submit_reports_earlier_jobs_and_fresh_runs_them_again(
     assert "3 of 3 jobs already ran" in text and f"job ids are {prefix[1]}-<line>" in text
 
 
+def _wait_acked(server: ThreadedServer, client_id: str, delivery_id: int) -> None:
+    assert server.harness.server is not None and server.harness.server.scheduler is not None
+    store = server.harness.server.scheduler.store
+    deadline = time.monotonic() + scaled(10)
+    while server.call(store.acked_through(client_id)) < delivery_id:
+        assert time.monotonic() < deadline, "the ack never became durable"
+        time.sleep(0.02)
+
+
 def test_same_out_resume_says_what_was_written_now(threaded_server: ThreadedServer,
                                                     tmp_path: Path, capsys) -> None:
     """A crash-resume: one trajectory was saved by the first process, one was not."""
@@ -86,6 +97,8 @@ def test_same_out_resume_says_what_was_written_now(threaded_server: ThreadedServ
         events = s.trajectories()
         saved = next(events)
         s.ack([saved.delivery_id])
+        # The first process saved it and its ack is durable; only then does it die.
+        _wait_acked(threaded_server, default_client_id(str(out)), saved.delivery_id)
         next(events)  # arrived, never saved
     assert _submit(threaded_server, jobs, out) == 0
     text = capsys.readouterr().out

@@ -42,6 +42,7 @@ REPLIES = {
     "wrong": '<tool_call>{"name": "submit", "arguments": {"answer": "41"}}</tool_call>',
     # Cut at the deadline, the engine returns the first half: the boxed answer, no more.
     "late": "The answer is \\boxed{42}." + " I am still checking this result" * 6,
+    "starved": "never generated: its RUN time is gone before the first turn",
 }
 
 
@@ -127,6 +128,24 @@ def test_deadline_hit_job_is_reported_apart(math_server: MathServer, tmp_path: P
                               {"reason": "deadline", "state": "succeeded"}) == 1.0
     assert math_server.metric("rollout_jobs_terminated_total",
                               {"reason": "submitted", "state": "succeeded"}) == 2.0
+
+
+def test_a_deadline_passed_with_nothing_generated_says_so_in_one_line(
+        math_server: MathServer, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    # 1 s of RUN time is less than the loop's margin: the deadline has passed before turn 1.
+    # The late job generated half a turn before its cut: it is not among the starved ones.
+    jobs = [job("starved", run_timeout="1s"), job("late", run_timeout="2.5s"), job("clean")]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    assert main(["submit", str(path), "--out", str(tmp_path / "out.jsonl"), "--no-progress",
+                 "--address", math_server.address]) == 0
+    text = capsys.readouterr().out
+    starved = [line for line in text.splitlines() if "before the model generated" in line]
+    assert starved == ["math: 1 of 3 jobs reached the RUN deadline before the model generated a "
+                       "token (a slow or busy machine): raise limits.run_timeout_s, run fewer "
+                       "jobs at once, or use a faster backend"], text
 
 
 def _traj(job_id: str, termination: int, tools: int) -> tpb.Trajectory:

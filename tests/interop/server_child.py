@@ -2,7 +2,7 @@
 127.0.0.1:PORT with state in STATE_DIR. Prints ``READY <port>`` once it serves (PORT 0: a free
 port the server picks, so no other process can take it between choosing and binding).
 
-Usage: python -m tests.clients.server_child STATE_DIR PORT
+Usage: python -m tests.interop.server_child STATE_DIR PORT
 """
 
 from __future__ import annotations

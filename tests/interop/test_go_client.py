@@ -21,7 +21,7 @@ from tests.client.conftest import ServerHarness
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 GOCODE = Path("/usr/share/gocode")
-"""Where Debian's golang-*-dev packages put their sources (scripts/setup.sh installs them)."""
+"""Where Debian's golang-*-dev packages put their sources (scripts/setup_test.sh installs them)."""
 
 
 def _buf() -> str:
@@ -29,7 +29,7 @@ def _buf() -> str:
         if candidate.exists():
             return str(candidate)
     found = shutil.which("buf")
-    assert found, "buf is missing: run scripts/setup.sh"
+    assert found, "buf is missing: run scripts/setup_test.sh"
     return found
 
 
@@ -42,7 +42,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> None:
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("go") is None or not (GOCODE / "src/google.golang.org/grpc").exists():
         pytest.skip("Go and Debian's golang-google-grpc-dev are not installed "
-                    "(scripts/setup.sh installs them; ROLLOUT_SKIP_GO=1 skips)")
+                    "(scripts/setup_test.sh installs them; ROLLOUT_SKIP_GO=1 skips)")
     work = tmp_path_factory.mktemp("go")
     gopath = work / "gopath"
     module = gopath / "src" / "rollout-service"

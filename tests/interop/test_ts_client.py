@@ -23,7 +23,7 @@ from tests.client.conftest import ServerHarness
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
-TS = ROOT / "clients" / "ts"
+TS = ROOT / "interop" / "ts"
 S = job_pb2.Job
 
 
@@ -32,7 +32,7 @@ def _tool(name: str) -> str:
         if candidate.exists():
             return str(candidate)
     found = shutil.which(name)
-    assert found, f"{name} is missing: run scripts/setup.sh"
+    assert found, f"{name} is missing: run scripts/setup_test.sh"
     return found
 
 
@@ -41,10 +41,10 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("node") is None:
         pytest.skip("node is not installed")
     assert (TS / "node_modules" / ".bin" / "protoc-gen-es").exists(), (
-        "the TypeScript toolchain is missing: run scripts/setup.sh (npm ci in interop/ts)")
+        "the TypeScript toolchain is missing: run scripts/setup_test.sh (npm ci in interop/ts)")
     out = tmp_path_factory.mktemp("ts")
     subprocess_run([_tool("buf"), "generate", "--template", "buf.gen.ts.yaml", "-o", str(out)])
-    gen = out / "clients" / "ts" / "gen"
+    gen = out / "interop" / "ts" / "gen"
     assert (gen / "rollout" / "v1" / "rollout_service_pb.js").exists()
     # Node resolves @bufbuild/protobuf from the generated files' folder upwards.
     (out / "node_modules").symlink_to(TS / "node_modules")
@@ -118,7 +118,7 @@ async def test_generated_ts_client_runs_a_resumable_session(
 async def _start_child(state: Path, port: int = 0) -> tuple[asyncio.subprocess.Process, int]:
     """The server child and the port it serves on (``port`` 0: one it picked)."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.clients.server_child", str(state), str(port), cwd=ROOT,
+        sys.executable, "-m", "tests.interop.server_child", str(state), str(port), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     line = await asyncio.wait_for(child.stdout.readline(), 60)

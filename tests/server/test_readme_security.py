@@ -1,11 +1,11 @@
-"""The README's TLS / mTLS example, run as written: its openssl commands make the PKI, its TOML
-block configures a real server, and its Python block connects as the mapped client."""
+"""The TLS / mTLS example of docs/operating.md, run as written: its openssl commands make the
+PKI, its TOML block configures a real server, and its Python block connects as the mapped
+client."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
 from rollout.server.config import load_config
 from tests.client.conftest import _no_sandbox
+from tests.docs import block
 from tests.server.handlers import ScriptedHandler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,9 +26,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _block(tag: str) -> str:
-    found = re.search(rf"```{tag}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert found, f"README lost its ```{tag} block"
-    return found.group(1)
+    return block(tag)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
@@ -39,7 +38,7 @@ async def test_readme_tls_example_runs(tmp_path: Path) -> None:
     config.write_text(_block("toml tls-config"))
     assert tomllib.loads(config.read_text())["server"]["clients"][0]["client_id"] == "trainer-a"
     cwd = os.getcwd()
-    os.chdir(tmp_path)  # the README's paths are relative to where `rollout serve` runs
+    os.chdir(tmp_path)  # the guide's paths are relative to where `rollout serve` runs
     try:
         cfg = load_config(config, ["server.port=0", f"server.state_dir={tmp_path / 'state'}",
                                    "llm.backends=[]"], environ={})

@@ -24,7 +24,7 @@ def grpcurl() -> str:
     exe = ROOT / ".venv" / "bin" / "grpcurl"
     if not exe.exists():
         exe = Path(sys.executable).parent / "grpcurl"
-    assert exe.exists(), "grpcurl is missing: run scripts/setup.sh"
+    assert exe.exists(), "grpcurl is missing: run scripts/setup_test.sh"
     return str(exe)
 
 

@@ -156,14 +156,25 @@ async def test_bad_port_is_rejected_before_anything_is_created(tmp_path: Path,
 
 
 async def test_unwritable_state_dir_names_the_path(tmp_path: Path) -> None:
+    # sysfs refuses new directories even to root (file modes would not stop a root test run)
+    state = Path("/sys/rollout-test-state")
+    h = ServerHarness(state)
+    with pytest.raises(StartupError) as info:
+        await h.start()
+    assert info.value.reason == "STATE_DIR_NOT_WRITABLE"
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert str(state) in str(info.value)
+
+
+async def test_state_dir_inside_a_file_is_a_configuration_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     h = ServerHarness(blocker / "state")  # a directory cannot be made inside a file
     with pytest.raises(StartupError) as info:
         await h.start()
-    assert info.value.reason == "STATE_DIR_NOT_WRITABLE"
-    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
-    assert str(blocker / "state") in str(info.value)
+    assert info.value.reason == "BAD_CONFIG"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"cannot be created: {blocker} is a file" in str(info.value)
 
 
 # ------------------------------------------------------------------ `rollout serve`, for real

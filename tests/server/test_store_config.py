@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from rollout.runtime.types import InvalidArgument
 from rollout.server.app import Server
 from rollout.server.config import SYNCHRONOUS_MODES, load_config
 from rollout.server.store import SYNCHRONOUS
+from tests.docs import block
 
 ROOT = Path(__file__).resolve().parents[2]
 PRAGMA_VALUE = {"NORMAL": 1, "FULL": 2}
@@ -44,12 +44,12 @@ def test_the_config_offers_exactly_what_the_store_accepts() -> None:
     assert set(SYNCHRONOUS_MODES) == set(SYNCHRONOUS)
 
 
-def test_the_readme_configuration_block_documents_the_key() -> None:
-    """The README's TOML block is a real configuration: it loads, and says FULL."""
-    block = re.search(r"## Configuration\n.*?```toml\n(.*?)```", (ROOT / "README.md").read_text(),
-                      re.S)
-    assert block, "README lost its configuration block"
-    assert tomllib.loads(block.group(1))["store"]["synchronous"] == "FULL"
+def test_the_documented_configuration_block_documents_the_key() -> None:
+    """The configuration block of docs/operating.md is a real configuration: it loads, and
+    says FULL."""
+    text = block("toml configuration")
+    assert tomllib.loads(text)["store"]["synchronous"] == "FULL"
+    load_config(None, [], environ={})  # the embedded defaults it documents load too
 
 
 @pytest.mark.parametrize("mode", ["FULL", "NORMAL"])

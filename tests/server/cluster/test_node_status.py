@@ -54,7 +54,7 @@ async def test_a_lost_node_stays_listed_as_not_alive_until_it_comes_back() -> No
 @pytest.mark.timeout(300)
 async def test_workers_are_listed_with_capacity_busy_slots_and_jobs_done(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh)")
+    pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup_test.sh)")
     from rollout.client.aio import RolloutClient
     from rollout.server.app import Server
     from rollout.server.cluster.local_cluster import LocalRayCluster

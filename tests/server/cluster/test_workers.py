@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh)")
+pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup_test.sh)")
 
 from rollout.client.aio import RolloutClient
 from rollout.runtime.handler import HandlerRegistry

@@ -4,6 +4,7 @@ sampling, validation, abort and weight hot-swap."""
 from __future__ import annotations
 
 import asyncio
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from rollout.runtime.llm import GenerateRequest
 from rollout.runtime.types import InvalidArgument, SamplingParams
-from rollout.server.llm.transformers_engine import TransformersEngine
+from rollout.server.llm.transformers_engine import TransformersEngine, pick_threads
 from tests.fixtures.tiny_model import random_state_dict
 from tests.util import assert_eventually
 
@@ -233,3 +234,23 @@ async def test_pause_holds_new_turns_until_resume(engine: TransformersEngine) ->
     await engine.resume()
     result = await asyncio.wait_for(held, 30)
     assert len(result.output_ids) == 3
+
+
+async def test_a_first_and_a_cached_turn_warn_nothing(engine: TransformersEngine) -> None:
+    """The quickstart's progress bars once carried a deprecation warning per forward (the
+    engine passed the KV cache under transformers' old keyword)."""
+    no_stop(engine)
+    prompt = chat(engine, "say something")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = await engine.generate(GenerateRequest(prompt, GREEDY, 4, "quiet"))
+        follow = prompt + first.output_ids + chat(engine, "and again")
+        await engine.generate(GenerateRequest(follow, GREEDY, 4, "quiet"))
+    ours = [w for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)]
+    assert not ours, [str(w.message) for w in ours]
+
+
+@pytest.mark.parametrize("cores, load, threads", [(2, 0.0, 2), (2, 0.6, 1), (2, 1.0, 1),
+                                                  (2, 12.0, 1), (16, 3.2, 13), (4, 0.4, 4)])
+def test_threads_are_the_cores_not_already_busy(cores: int, load: float, threads: int) -> None:
+    assert pick_threads(cores, load) == threads
