@@ -59,6 +59,7 @@ from typing import Any
 
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
 from rollout.runtime.handler import HandlerError
+from rollout.runtime.sandbox.view import interpreter_binds
 
 ENV_MOUNT = "/.rollout-env"
 VENV = f"{ENV_MOUNT}/venv"
@@ -281,9 +282,22 @@ def wheelhouses() -> list[Path]:
 
 
 def sandbox_options(env_dir: Path) -> dict[str, Any]:
-    """``open_sandbox`` options for a job that uses the environment in ``env_dir``."""
-    return {"binds": [(str(env_dir), ENV_MOUNT, False)],
+    """``open_sandbox`` options for a job that uses the environment in ``env_dir``: the venv,
+    and the interpreter it was made from where a sandbox would not see it otherwise."""
+    return {"binds": [(str(env_dir), ENV_MOUNT, False), *interpreter_binds(_venv_home(env_dir))],
             "env": {"PATH": f"{VENV}/bin:{_BASE_PATH}", "VIRTUAL_ENV": VENV}}
+
+
+def _venv_home(env_dir: Path) -> str:
+    """The interpreter a built venv runs (``home`` of its ``pyvenv.cfg``)."""
+    try:
+        for line in (env_dir / "venv" / "pyvenv.cfg").read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.strip() == "home":
+                return os.path.join(value.strip(), "python")
+    except OSError:
+        pass
+    return sys.executable
 
 
 def ready(spec: EnvSpec) -> Path | None:
@@ -328,7 +342,7 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
     tmp = root / f".{spec.key}.{uuid.uuid4().hex[:8]}"
     await asyncio.to_thread(tmp.mkdir, 0o755)
     houses = wheelhouses()
-    binds = [(str(tmp), ENV_MOUNT, True)]
+    binds = [(str(tmp), ENV_MOUNT, True), *interpreter_binds(spec.python)]
     binds += [(str(h), _WHEEL_MOUNT.format(i), False) for i, h in enumerate(houses)]
     links = " ".join(_WHEEL_MOUNT.format(i) for i in range(len(houses)))
     try:
