@@ -147,6 +147,7 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     import os
     import time
 
+    from rollout.runtime.envs.repo_cut import cut_at_base
     from rollout.runtime.envs.swe import check_out, read_source, resolve_source
     from rollout.runtime.envs.taskenv import (
         EnvSpec,
@@ -181,7 +182,9 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
         if spec is None or spec.key in seen:
             continue
         seen.add(spec.key)
-        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+        kind, data = await cut_at_base(
+            *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
+            task["base_commit"], factory)
 
         async def checkout(sandbox: Any, task: Mapping[str, Any] = task, kind: str = kind,
                            data: bytes = data) -> None:
