@@ -275,6 +275,7 @@ def build_sandbox_factory(cfg: Config) -> Any:
                                memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp)
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image,
+                               host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                disk_bytes=cfg.sandbox.disk_bytes,
                                memory_bytes=cfg.sandbox.memory_bytes)
     else:
