@@ -32,6 +32,7 @@ import glob
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -100,7 +101,11 @@ def interpreter_binds(python: str, system: Iterable[str] = SYSTEM_PATHS
 def curated_etc(state_dir: str, entries: tuple[str, ...], source: str = "/etc") -> str:
     """The allow-listed ``/etc`` as a directory under ``state_dir`` (built once per process
     and configuration; a restart picks up host changes)."""
-    return _curated_etc(os.path.abspath(state_dir), entries, source)
+    with _ETC_LOCK:  # sandboxes are created in worker threads, many at once
+        return _curated_etc(os.path.abspath(state_dir), entries, source)
+
+
+_ETC_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=8)
