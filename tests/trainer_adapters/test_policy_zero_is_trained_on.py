@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from rollout.client.trajectory import flatten
-from rollout.trainer_adapters.verl.convert import to_verl_sample
+from rollout.trainer_adapters.verl.job_mapping import to_verl_sample
 from rollout.v1 import job_pb2, trajectory_pb2
 
 SUCCEEDED, FAILED = job_pb2.Job.State.STATE_SUCCEEDED, job_pb2.Job.State.STATE_FAILED

@@ -17,7 +17,7 @@ import pytest
 
 from rollout.runtime.envs import swe as swe_env
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.task_files import load_tasks
 from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox.base import SandboxConfig, create_sandbox
 from tests.runtime.envs.conftest import Rollout, call

@@ -13,7 +13,7 @@ import pytest
 
 from rollout.runtime.envs.code import CodeHandler
 from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.tasks import load_tasks
+from rollout.runtime.envs.task_files import load_tasks
 from rollout.runtime.handler import (
     AgentHandler,
     HandlerRegistry,
@@ -32,7 +32,7 @@ from rollout.runtime.types import (
     Trajectory,
 )
 from rollout.server.llm.scripted import ScriptedEngine
-from rollout.server.pipeline.session import JobFinished, TrajectoryReady
+from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.store import JobStore
 from tests.runtime.doubles import EngineClient
