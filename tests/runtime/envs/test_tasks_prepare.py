@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.envs import taskenv
 from rollout.runtime.envs import task_files as tasks_mod
+from rollout.runtime.envs import taskenv
 from rollout.runtime.envs.pip_requirements import requirement
 from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
