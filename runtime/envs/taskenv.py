@@ -7,7 +7,8 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
     "spec": {
       "python": "3.11",                    # optional; an interpreter this server has
       "pre_install": ["sed -i ... setup.cfg"],   # optional shell commands in the checkout
-      "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # from the wheelhouse only
+      "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # specifiers only; from the
+                                                                 # wheelhouse only
       "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
       "test_cmd": "pytest -rA"             # optional; pytest only: its options are kept
     }
