@@ -114,7 +114,7 @@ def _curated_etc(state_dir: str, entries: tuple[str, ...], source: str) -> str:
     # prepare`` beside a server) must never swap the /etc of sandboxes it does not own.
     root = Path(state_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob("sandbox-etc.*"):
+    for old in [*root.glob("sandbox-etc.*"), *root.glob(".sandbox-etc.*")]:
         if not _alive(old.name.rpartition(".")[2]):
             shutil.rmtree(old, ignore_errors=True)
     final = root / f"sandbox-etc.{os.getpid()}"
