@@ -43,6 +43,17 @@ class HandlerError(RuntimeError):
         self.reason = reason
 
 
+class PolicyFault(HandlerError):
+    """What the policy did made the stage impossible to finish (a workspace over quota, code
+    under test that hangs the grader): the job SUCCEEDS with reward 0 and ``termination``,
+    never FAILED, since trainers mask failed jobs and a policy would learn to turn a 0 into
+    no sample at all. Only what the service caused is a failure (docs/failures.md)."""
+
+    def __init__(self, message: str, termination: TerminationReason) -> None:
+        super().__init__(message, termination.name)
+        self.termination = termination
+
+
 @dataclass
 class RunOutcome:
     """What RUN produces: the turns of the trajectory and why the loop stopped."""

@@ -59,6 +59,15 @@ class TerminationReason(enum.Enum):
     DEADLINE = "deadline"
     CANCELLED = "cancelled"
     ERROR = "error"
+    WORKSPACE_TOO_LARGE = "workspace_too_large"
+    """The policy left a workspace over what the grader copies (bytes, files), or one that
+    filled the grading sandbox's disk: reward 0, the job SUCCEEDED (docs/failures.md)."""
+    WORKSPACE_UNGRADABLE = "workspace_ungradable"
+    """The policy left a workspace the grader cannot copy (entries it made unreadable, names
+    the grader's filesystem refuses): reward 0, the job SUCCEEDED."""
+    EVAL_TIMEOUT = "eval_timeout"
+    """Grading the policy's work ran past the EVAL stage's limit (code under test that hangs):
+    reward 0, the job SUCCEEDED."""
 
 
 LOGPROBS_MODES = ("processed", "raw")
@@ -295,6 +304,9 @@ class Reward:
     value: float
     components: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
+    termination: TerminationReason | None = None
+    """Set when what the policy did ended the job (a workspace over quota, a hung grader):
+    the trajectory's termination reason then says so instead of the agent loop's."""
 
 
 @dataclass

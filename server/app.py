@@ -317,10 +317,13 @@ def build_sandbox_factory(cfg: Config) -> Any:
     if cfg.sandbox.runtime == "bwrap":
         sb_cfg = SandboxConfig(runtime="bwrap", state_dir=cfg.state_path,
                                rootfs=Path(image) if image else None,
+                               host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
+                               visible_paths=tuple(cfg.sandbox.visible_paths),
                                disk_bytes=cfg.sandbox.disk_bytes,
                                memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp)
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image,
+                               host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                disk_bytes=cfg.sandbox.disk_bytes,
                                memory_bytes=cfg.sandbox.memory_bytes)
     else:

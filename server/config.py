@@ -125,6 +125,8 @@ class StoreSection:
     delivery id it has already seen."""
 
 
+HOST_VIEWS = ("minimal", "host")
+"""What ``sandbox.host_view`` accepts."""
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 """What ``store.synchronous`` accepts; ``OFF`` is not offered (a power cut can corrupt the
 store)."""
@@ -136,7 +138,16 @@ class SandboxSection:
     """``bwrap`` (default) or ``apptainer`` (the ``apptainer`` CLI, else ``singularity``,
     called directly with deadlines)."""
     image: str = ""
-    """Rootfs directory (bwrap) or SIF/directory image (apptainer); empty = host root."""
+    """Rootfs directory (bwrap) or SIF/directory image (apptainer); empty = a root built from
+    the host as ``host_view`` says."""
+    host_view: str = "minimal"
+    """bwrap without ``image``: ``minimal`` (default) shows a sandbox only what a job needs
+    (system trees, an allow-listed /etc, the interpreter, its task environment, and
+    ``visible_paths``); ``host`` shows the whole host root read-only but a few hidden paths,
+    task files, data sets and checkouts included: only for trusted workloads."""
+    visible_paths: list[str] = field(default_factory=list)
+    """bwrap, minimal view: more host paths bound read-only at the same path (e.g.
+    ``["/opt/toolchain"]``); the state dir and the service's own package stay covered."""
     disk_bytes: int = 2 << 30
     """bwrap, server running as root: size of each sandbox's tmpfs (/workspace, /tmp and
     /.sandbox together); a job writing more gets ENOSPC. 0 = no quota."""
@@ -239,6 +250,15 @@ def _check(cfg: Config) -> None:
             "FULL (the default: a commit survives a power cut) or NORMAL (faster commits; a "
             "power cut can lose the last transactions)", "BAD_CONFIG", "store.synchronous")
     cfg.store.synchronous = mode
+    if cfg.sandbox.host_view not in HOST_VIEWS:
+        raise InvalidArgument(
+            f"config key 'sandbox.host_view': {cfg.sandbox.host_view!r} is not allowed; use "
+            "minimal (the default: a sandbox sees only what its job needs) or host (the whole "
+            "host root read-only, for trusted workloads)", "BAD_CONFIG", "sandbox.host_view")
+    for path in cfg.sandbox.visible_paths:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgument(f"config key 'sandbox.visible_paths': {path!r} is not an "
+                                  "absolute path", "BAD_CONFIG", "sandbox.visible_paths")
 
 
 def _parse(raw: str) -> Any:

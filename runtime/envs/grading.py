@@ -12,15 +12,21 @@ tool process still holding the workspace. So EVAL never runs in the agent's sand
    host (no link followed, FIFOs dropped). Nothing the agent started can see it.
 3. The environment's grader runs there and reads its result from a channel that only the
    grader holds (the code runner's nonce-stamped line, pytest's JUnit XML at a fresh path).
+
+A workspace the grader cannot copy because of what the agent left there (over the copy's
+budget, sparse files included, or unreadable entries) is a :class:`PolicyFault`: reward 0,
+never a failed job a trainer would mask.
 """
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from rollout.runtime.envs.common import SANDBOX_KEY, sandbox_of
-from rollout.runtime.handler import HandlerError, JobContext
+from rollout.runtime.handler import JobContext, PolicyFault
 from rollout.runtime.sandbox.hostfs import TreeTooLarge
+from rollout.runtime.types import TerminationReason
 
 
 async def end_agent(ctx: JobContext) -> None:
@@ -42,10 +48,26 @@ async def open_grader(ctx: JobContext, *, skip: frozenset[str] = frozenset(),
     grader = await ctx.open_sandbox(**options)
     try:
         await grader.copy_workspace_from(agent, skip=skip)
-    except TreeTooLarge as e:
+    except BaseException as e:
         await grader.destroy()
-        raise HandlerError(f"cannot grade: {e}", "WORKSPACE_TOO_LARGE") from e
-    except BaseException:
-        await grader.destroy()
+        if (fault := policy_fault(e)) is not None:
+            raise fault from e
         raise
     return grader
+
+
+_TOO_LARGE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_UNGRADABLE = frozenset({errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP,
+                         errno.ENOTDIR, errno.EISDIR})
+
+
+def policy_fault(error: BaseException) -> PolicyFault | None:
+    """The reward-0 outcome of a copy that failed because of the tree the agent left: over the
+    copy's budget or the grader's disk, or entries it made unreadable. Anything else (a
+    sandbox that did not start, an I/O error) stays the service's failure."""
+    if isinstance(error, TreeTooLarge) or (isinstance(error, OSError)
+                                           and error.errno in _TOO_LARGE):
+        return PolicyFault(f"cannot grade: {error}", TerminationReason.WORKSPACE_TOO_LARGE)
+    if isinstance(error, OSError) and error.errno in _UNGRADABLE:
+        return PolicyFault(f"cannot grade: {error}", TerminationReason.WORKSPACE_UNGRADABLE)
+    return None

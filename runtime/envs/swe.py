@@ -79,6 +79,7 @@ from rollout.runtime.envs.pytest_log import (
     outcome_of,
     parse_plugin_report,
 )
+from rollout.runtime.envs.repo_cut import cut_at_base
 from rollout.runtime.envs.swe_runners import Runner
 from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
@@ -195,8 +196,10 @@ class SweHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         task = ctx.spec.task
         self.validate_task(task)
-        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
         timeout = ctx.spec.limits.init_timeout_s
+        kind, data = await cut_at_base(
+            *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
+            task["base_commit"], ctx.sandbox_factory, timeout=timeout)
 
         async def checkout(sandbox: Any) -> None:
             await check_out(sandbox, task, kind, data, timeout)
@@ -239,7 +242,9 @@ class SweHandler(AgentHandler):
     async def eval(self, ctx: JobContext) -> Reward:
         task = ctx.spec.task
         f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
-        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+        kind, data = await cut_at_base(
+            *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
+            task["base_commit"], ctx.sandbox_factory, timeout=ctx.spec.limits.eval_timeout_s)
         grader = await open_grader(ctx, skip=frozenset({".git"}),
                                    **ctx.state.get(OPTIONS_KEY, {}))
         try:

@@ -28,7 +28,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,39 +101,60 @@ def job_lines(env: str, tasks: Iterable[Mapping[str, Any]], *, samples: int = 1,
     return lines
 
 
-def fill_wheelhouse(tasks: Iterable[Mapping[str, Any]], wheelhouse: Path) -> list[str]:
+BuildWheels = Callable[[str, list[str], Path], None]
+"""``build(python, requirements, wheelhouse)``: build wheels of what has none, in a sandbox."""
+
+
+def fill_wheelhouse(tasks: Iterable[Mapping[str, Any]], wheelhouse: Path, *,
+                    build: BuildWheels | None = None) -> list[str]:
     """Make every ``spec.pip_packages`` of the swe tasks installable offline from
-    ``wheelhouse`` (plus the shipped one): what is missing is downloaded with ``pip download``
-    (registry access needed then, and only then). Returns the packages that were fetched."""
+    ``wheelhouse`` (plus the shipped one). Nothing a task supplies runs on the host: the
+    requirements were checked to be plain specifiers (:mod:`.pip_requirements`), and the host
+    downloads binary wheels only (``--only-binary=:all:``, registry access needed then, and only
+    then). What has no wheel is handed to ``build``, which builds it in a sandbox; without one,
+    it is an error. Returns the packages that were fetched or built."""
     from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec
 
     wheelhouse.mkdir(parents=True, exist_ok=True)
     fetched: list[str] = []
-    by_python: dict[str, set[str]] = {}
+    by_python: dict[tuple[str, str], set[str]] = {}
     for task in tasks:
         spec = EnvSpec.of(task)
         if spec is not None and spec.pip_packages:
             version = subprocess.run([spec.python, "-c", "import sys; print('%d.%d' % "
                                       "sys.version_info[:2])"], capture_output=True, text=True,
                                      check=True).stdout.strip()
-            by_python.setdefault(version, set()).update(spec.pip_packages)
+            by_python.setdefault((version, spec.python), set()).update(spec.pip_packages)
     links = ["--find-links", str(SHIPPED_WHEELHOUSE), "--find-links", str(wheelhouse)]
-    for version, packages in sorted(by_python.items()):
+    for (version, python), packages in sorted(by_python.items()):
         pins = sorted(packages)
-        target = ["--python-version", version, "--only-binary=:all:", "--disable-pip-version-check"]
-        with tempfile.TemporaryDirectory() as scratch:
-            offline = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-index",
-                                      *links, *target, "-d", scratch, *pins],
-                                     capture_output=True, text=True)
-        if offline.returncode == 0:
+        if _download(version, links, pins, None):
             continue
-        online = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *links, *target,
-                                 "-d", str(wheelhouse), *pins], capture_output=True, text=True)
-        if online.returncode != 0:
-            raise RuntimeError(f"pip download of {pins} for Python {version} failed: "
-                               f"{online.stderr[-1500:]}")
+        if _download(version, links, pins, wheelhouse):
+            fetched += pins
+            continue
+        no_wheel = [p for p in pins if not _download(version, links, [p], wheelhouse)]
+        if build is None:
+            raise RuntimeError(f"no binary wheel of {no_wheel} for Python {version}, and "
+                               "nothing is built on the host")
+        build(python, no_wheel, wheelhouse)
+        if not _download(version, links, pins, wheelhouse):
+            raise RuntimeError(f"pip download of {pins} for Python {version} failed after "
+                               f"building {no_wheel} in a sandbox")
         fetched += pins
     return fetched
+
+
+def _download(version: str, links: list[str], pins: list[str], dest: Path | None) -> bool:
+    """``pip download`` of binary wheels only; ``dest`` None: offline, into a scratch dir
+    (does the wheelhouse hold them all?). Run in an empty directory, the requirements after
+    ``--``: nothing can be read as a local path or an option."""
+    with tempfile.TemporaryDirectory(prefix="rollout-pip-") as scratch:
+        argv = [sys.executable, "-m", "pip", "download", "-q", *links, "--python-version",
+                version, "--only-binary=:all:", "--disable-pip-version-check",
+                *(("--no-index", "-d", scratch) if dest is None else ("-d", str(dest))),
+                "--", *pins]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=scratch).returncode == 0
 
 
 async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str = "bwrap",
@@ -147,9 +168,11 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     import os
     import time
 
+    from rollout.runtime.envs.repo_cut import cut_at_base
     from rollout.runtime.envs.swe import check_out, read_source, resolve_source
     from rollout.runtime.envs.taskenv import (
         EnvSpec,
+        build_wheels,
         ensure_env,
         image_cache_dir,
         set_sandbox_runtime,
@@ -163,11 +186,17 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
         specs = [EnvSpec.of(task) for task in tasks]  # a refused image stops before any work
     finally:
         set_sandbox_runtime(previous)
-    fetched = await asyncio.to_thread(fill_wheelhouse, tasks, wheelhouse)
-    os.environ["ROLLOUT_WHEELHOUSE"] = str(wheelhouse)
     config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image)
               if runtime == "apptainer" else SandboxConfig(state_dir=state_dir))
     factory = functools.partial(create_sandbox, config)
+    loop = asyncio.get_running_loop()
+
+    def build(python: str, requirements: list[str], house: Path) -> None:
+        asyncio.run_coroutine_threadsafe(
+            build_wheels(python, requirements, house, factory), loop).result()
+
+    fetched = await asyncio.to_thread(fill_wheelhouse, tasks, wheelhouse, build=build)
+    os.environ["ROLLOUT_WHEELHOUSE"] = str(wheelhouse)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for task, spec in zip(tasks, specs, strict=True):
@@ -181,7 +210,9 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
         if spec is None or spec.key in seen:
             continue
         seen.add(spec.key)
-        kind, data = await asyncio.to_thread(read_source, resolve_source(task["repo_source"]))
+        kind, data = await cut_at_base(
+            *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
+            task["base_commit"], factory)
 
         async def checkout(sandbox: Any, task: Mapping[str, Any] = task, kind: str = kind,
                            data: bytes = data) -> None:
@@ -219,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _prepare_main(argv: list[str]) -> int:
     from rollout.runtime.envs.taskenv import cache_dir, image_cache_dir, user_wheelhouses
+    from rollout.runtime.handler import HandlerError
     from rollout.runtime.sandbox.base import SandboxError
     from rollout.runtime.types import InvalidArgument
 
@@ -244,7 +276,7 @@ def _prepare_main(argv: list[str]) -> int:
     try:
         rows = asyncio.run(prepare(args.file, wheelhouse, args.state_dir, runtime=args.runtime,
                                    server_image=args.sandbox_image))
-    except (InvalidArgument, SandboxError) as e:
+    except (InvalidArgument, SandboxError, HandlerError, RuntimeError) as e:
         sys.stderr.write(f"rollout tasks prepare: {e}\n")
         return 2
     for row in rows:

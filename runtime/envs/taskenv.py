@@ -7,7 +7,8 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
     "spec": {
       "python": "3.11",                    # optional; an interpreter this server has
       "pre_install": ["sed -i ... setup.cfg"],   # optional shell commands in the checkout
-      "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # from the wheelhouse only
+      "pip_packages": ["pytest==8.3.5", "tinyunits==0.1.0"],   # specifiers only; from the
+                                                                 # wheelhouse only
       "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
       "test_cmd": "pytest -rA"             # optional: pytest, ./tests/runtests.py (Django),
                                            # bin/test (SymPy) or python -m unittest; only
@@ -51,6 +52,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -59,8 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
+from rollout.runtime.envs.pip_requirements import requirement
 from rollout.runtime.envs.swe_runners import split_test_cmd
 from rollout.runtime.handler import HandlerError
+from rollout.runtime.sandbox.view import interpreter_binds
 
 ENV_MOUNT = "/.rollout-env"
 VENV = f"{ENV_MOUNT}/venv"
@@ -148,6 +152,7 @@ class EnvSpec:
                 raise invalid(f"swe task field 'spec.{name}' must be a list of strings",
                               f"spec.{name}")
             lists[name] = tuple(value)
+        lists["pip_packages"] = tuple(requirement(v) for v in lists["pip_packages"])
         for name in ("install", "test_cmd", "python"):
             if not isinstance(spec.get(name, ""), str):
                 raise invalid(f"swe task field 'spec.{name}' must be a string", f"spec.{name}")
@@ -273,9 +278,22 @@ def wheelhouses() -> list[Path]:
 
 
 def sandbox_options(env_dir: Path) -> dict[str, Any]:
-    """``open_sandbox`` options for a job that uses the environment in ``env_dir``."""
-    return {"binds": [(str(env_dir), ENV_MOUNT, False)],
+    """``open_sandbox`` options for a job that uses the environment in ``env_dir``: the venv,
+    and the interpreter it was made from where a sandbox would not see it otherwise."""
+    return {"binds": [(str(env_dir), ENV_MOUNT, False), *interpreter_binds(_venv_home(env_dir))],
             "env": {"PATH": f"{VENV}/bin:{_BASE_PATH}", "VIRTUAL_ENV": VENV}}
+
+
+def _venv_home(env_dir: Path) -> str:
+    """The interpreter a built venv runs (``home`` of its ``pyvenv.cfg``)."""
+    try:
+        for line in (env_dir / "venv" / "pyvenv.cfg").read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.strip() == "home":
+                return os.path.join(value.strip(), "python")
+    except OSError:
+        pass
+    return sys.executable
 
 
 def ready(spec: EnvSpec) -> Path | None:
@@ -320,7 +338,7 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
     tmp = root / f".{spec.key}.{uuid.uuid4().hex[:8]}"
     await asyncio.to_thread(tmp.mkdir, 0o755)
     houses = wheelhouses()
-    binds = [(str(tmp), ENV_MOUNT, True)]
+    binds = [(str(tmp), ENV_MOUNT, True), *interpreter_binds(spec.python)]
     binds += [(str(h), _WHEEL_MOUNT.format(i), False) for i, h in enumerate(houses)]
     links = " ".join(_WHEEL_MOUNT.format(i) for i in range(len(houses)))
     try:
@@ -348,6 +366,61 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         raise
+
+
+_WHEEL_OUT = "/.rollout-wheels-out"
+_PIP_SETTINGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT",
+                 "PIP_DEFAULT_TIMEOUT", "PIP_NO_INDEX")
+"""Host pip settings a build sandbox gets (where to download from); nothing else of the
+host's environment or configuration."""
+
+
+async def build_wheels(python: str, requirements: list[str], wheelhouse: Path,
+                       sandbox_factory: Callable[..., Awaitable[Any]], *,
+                       timeout: float = 1800.0) -> list[str]:  # noqa: ASYNC109
+    """Build wheels of ``requirements`` (checked specifiers) and their dependencies with
+    ``python`` in a sandbox, and copy the ``.whl`` files it made into ``wheelhouse``; returns
+    their names. A package without a binary wheel runs its own build code (``setup.py``): only
+    ever here, in a sandbox with the network (to download it) and nothing else of the host."""
+    out = Path(tempfile.mkdtemp(prefix="rollout-wheels-"))
+    houses = wheelhouses()
+    binds = [(str(out), _WHEEL_OUT, True), *interpreter_binds(python)]
+    binds += [(str(h), _WHEEL_MOUNT.format(i), False) for i, h in enumerate(houses)]
+    env = {k: v for k, v in os.environ.items() if k in _PIP_SETTINGS}
+    env["PIP_FIND_LINKS"] = " ".join(_WHEEL_MOUNT.format(i) for i in range(len(houses)))
+    try:
+        sandbox = await sandbox_factory(binds=binds, network="loopback")
+        try:
+            if (owner := sandbox.owner()) is not None:
+                os.chown(out, *owner)
+            result = await sandbox.exec(
+                [python, "-m", "pip", "wheel", "-q", "--disable-pip-version-check",
+                 "--wheel-dir", _WHEEL_OUT, "--", *requirements],
+                env=env, timeout=timeout, cwd=sandbox.workspace_in_sandbox)
+            if not result.ok:
+                raise HandlerError(f"building wheels of {requirements} in a sandbox failed "
+                                   f"(exit {result.exit_code}): {result.output[-1500:]}",
+                                   "ENV_BUILD_FAILED")
+        finally:
+            await sandbox.destroy()
+        return await asyncio.to_thread(_take_wheels, out, wheelhouse)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, out, True)
+
+
+def _take_wheels(out: Path, wheelhouse: Path) -> list[str]:
+    """Copy the regular ``*.whl`` files a build sandbox wrote (never following its links)."""
+    from rollout.runtime.sandbox import hostfs
+
+    taken = []
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".whl") and hostfs.kind_beneath(out, name) == "file":
+            data = hostfs.read_beneath(out, name, 1 << 31)
+            tmp = wheelhouse / f".{name}.{uuid.uuid4().hex[:8]}"
+            tmp.write_bytes(data)
+            os.replace(tmp, wheelhouse / name)
+            taken.append(name)
+    return taken
 
 
 def _seal(path: Path, freeze: str, seconds: float) -> None:

@@ -115,14 +115,19 @@ def instance_options(sb_path: Path, workspace_in_sandbox: str, network: Network,
                      extra_ro_binds: Sequence[tuple[str, str]],
                      binds: Sequence[tuple[str, str, bool]] = (), *,
                      limits: SandboxLimits | None = None, cgroup_limits: bool = False,
-                     as_root: bool = False) -> list[str]:
+                     as_root: bool = False, minimal_view: bool = True) -> list[str]:
     """``instance start`` options. ``--containall`` implies ``--contain`` (a minimal /dev, no
     host /home, /tmp or cwd), ``--cleanenv``, ``--ipc`` and ``--pid``; ``--no-privs`` (root
     servers) drops the capabilities root keeps inside a container by default;
     ``cgroup_limits`` gives the instance a memory cap of one process's address-space limit
     (swap included, so no swap) and a process cap of ``limits.processes``, the bound that
-    RLIMIT_NPROC cannot give when every sandbox runs as the server's own user."""
+    RLIMIT_NPROC cannot give when every sandbox runs as the server's own user.
+    ``minimal_view`` (``host_view="minimal"``) adds ``--no-mount hostfs,bind-paths``: none of
+    the host directories an admin's ``apptainer.conf`` binds into every container (a shared
+    data or scratch directory) reaches a job; only the image and our binds do."""
     opts = ["--containall", "--writable-tmpfs", "--no-home", "--cleanenv"]
+    if minimal_view:
+        opts += ["--no-mount", "hostfs,bind-paths"]
     if as_root:
         opts.append("--no-privs")
     if network == "none":
@@ -226,6 +231,7 @@ class ApptainerSandbox(Sandbox):
                     state, config.memory_bytes or hardening.physical_memory_bytes() // 2)
             opts = instance_options(path, config.workspace_in_sandbox, network,
                                     config.extra_ro_binds, binds, limits=limits,
+                                    minimal_view=config.host_view == "minimal",
                                     cgroup_limits=config.memory_bytes >= 0
                                     and cgroup_limits_possible(),
                                     as_root=os.geteuid() == 0)

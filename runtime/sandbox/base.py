@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from rollout.runtime.sandbox import hardening, hostfs
+from rollout.runtime.sandbox import hardening, hostfs, view
 
 Network = Literal["none", "loopback"]
 SandboxT = TypeVar("SandboxT", bound="Sandbox")
@@ -86,15 +86,29 @@ class SandboxConfig:
     """Server state; sandboxes live in ``<state_dir>/sandboxes/<id>`` and the whole state dir
     is hidden inside every sandbox."""
     rootfs: Path | None = None
-    """bwrap: a directory used read-only as ``/``; None binds the host root read-only. When
+    """bwrap: a directory used read-only as ``/``; None builds the root from the host as
+    ``host_view`` says. When
     the server runs as root the rootfs must contain ``setpriv`` (util-linux), which drops
     each command to the sandbox uid, and ``bash`` for string commands and the bash tool."""
     image: str | None = None
     """apptainer: a SIF file or sandbox directory (required for that runtime)."""
     workspace_in_sandbox: str = "/workspace"
+    host_view: Literal["minimal", "host"] = "minimal"
+    """bwrap without ``rootfs``: ``minimal`` binds only what a job needs (``system_paths``,
+    an ``/etc`` of ``etc_entries``, the interpreter, ``visible_paths``); ``host`` binds the
+    whole host root read-only but ``hide_paths`` (task files, data sets and checkouts
+    included: only for trusted workloads). See :mod:`rollout.runtime.sandbox.view`."""
+    system_paths: tuple[str, ...] = view.SYSTEM_PATHS
+    """Minimal view: host trees bound read-only at the same path."""
+    etc_entries: tuple[str, ...] = view.ETC_ENTRIES
+    """Minimal view: the ``/etc`` entries (globs) a sandbox sees."""
+    visible_paths: tuple[str, ...] = ()
+    """Minimal view: more host paths bound read-only at the same path (a toolchain in
+    ``/opt``, say); the state dir and the service's own package stay covered inside them."""
     hide_paths: tuple[str, ...] = ("/root", "/run", "/var/run", "/home", "/mnt", "/media")
-    """Host-root mode: paths covered by an empty tmpfs (secrets, host sockets). The Python
-    installation of the server stays visible even if it lies below one of them."""
+    """Paths covered by an empty tmpfs wherever a bound tree holds them (in host mode: the
+    secrets and host sockets of the host root). The Python installation of the server stays
+    visible even if it lies below one of them."""
     extra_ro_binds: tuple[tuple[str, str], ...] = ()
     """(host path, sandbox path) pairs bound read-only, e.g. a dataset directory."""
     uid_base: int = 200_000

@@ -13,10 +13,11 @@ by the same launcher line, so they all see the same files; each gets its own PID
 whose anchor is the bwrap process we spawn, so killing that one process kills everything it
 started (including commands that ignore SIGINT, and fork bombs).
 
-The root is an empty tmpfs onto which each top-level entry of the host root (or ``rootfs``) is
-bound read-only, then remounted read-only: bwrap cannot create ``/workspace`` on a read-only
-bind of ``/`` itself. The server's state dir, other sandboxes, ``/root``, ``/run`` (host
-sockets) and similar are covered by empty tmpfs mounts.
+The root is an empty tmpfs onto which only what a job needs is bound read-only (system trees,
+an allow-listed ``/etc``, the interpreter: :mod:`rollout.runtime.sandbox.view`), then remounted
+read-only: bwrap cannot create ``/workspace`` on a read-only bind of ``/`` itself. With
+``rootfs`` (or ``host_view="host"``) each top-level entry of that root is bound instead, the
+state dir, ``/root``, ``/run`` (host sockets) and similar covered by empty tmpfs mounts.
 
 When the server runs as root, bwrap runs privileged (it can read ``/root/.pyenv`` to bind the
 interpreter) and the command then drops to a per-sandbox uid with ``setpriv`` and
@@ -46,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.sandbox import hardening, hostfs, procs
+from rollout.runtime.sandbox import hardening, hostfs, procs, view
 from rollout.runtime.sandbox.base import (
     ExecResult,
     Network,
@@ -62,55 +63,11 @@ from rollout.runtime.sandbox.base import (
 
 CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
-_SKIP_TOP = {"proc", "dev", "sys", "tmp"}
 log = logging.getLogger(__name__)
 
 
 def _is_root() -> bool:
     return os.geteuid() == 0
-
-
-@functools.lru_cache(maxsize=8)
-def _root_binds(root: str, hide: tuple[str, ...], state_dir: str,
-                expose: tuple[str, ...]) -> tuple[str, ...]:
-    """bwrap arguments that rebuild ``root`` read-only on a tmpfs (cached: ~60 stat calls)."""
-    args: list[str] = ["--tmpfs", "/"]
-    for name in sorted(os.listdir(root)):
-        if name in _SKIP_TOP:
-            continue
-        src = os.path.join(root, name)
-        if os.path.islink(src):
-            args += ["--symlink", os.readlink(src), "/" + name]
-        elif os.path.isdir(src) or os.path.isfile(src):
-            args += ["--ro-bind", src, "/" + name]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    hidden: list[str] = []
-    for path in (*hide, state_dir):
-        host = os.path.join(root, path.lstrip("/"))
-        if os.path.isdir(host) and not os.path.islink(host):
-            args += ["--tmpfs", path]
-            hidden.append(path.rstrip("/") + "/")
-    for path in expose:
-        under = [h for h in hidden if (path + "/").startswith(h)]
-        if under:
-            args += _ro_bind_below(path, under[0])
-    return tuple(args)
-
-
-def _ro_bind_below(path: str, mount_point: str) -> list[str]:
-    """Bind ``path`` back read-only below a directory that a tmpfs or bind covered."""
-    if not os.path.isdir(path):
-        return []
-    # bwrap would create the missing parents 0700, unreachable for the sandbox uid.
-    args: list[str] = []
-    parent = os.path.dirname(path)
-    chain: list[str] = []
-    while parent.rstrip("/") + "/" != mount_point and parent != "/":
-        chain.append(parent)
-        parent = os.path.dirname(parent)
-    for d in reversed(chain):
-        args += ["--perms", "0755", "--dir", d]
-    return [*args, "--ro-bind", path, path]
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,15 +90,6 @@ def _hardening(config: SandboxConfig) -> tuple[Path | None, Path | None]:
     seccomp = (hardening.seccomp_program(os.path.join(state, "sandbox-seccomp"))
                if config.seccomp else None)
     return cgroup, seccomp
-
-
-def _python_prefixes(extra: str) -> tuple[str, ...]:
-    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
-             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
-    if extra:  # a venv's python is a symlink: keep the venv itself and what it points to
-        paths.add(os.path.dirname(os.path.dirname(os.path.abspath(extra))))
-        paths.add(os.path.dirname(os.path.dirname(os.path.realpath(extra))))
-    return tuple(sorted(paths))
 
 
 def default_env(python: str) -> dict[str, str]:
@@ -171,13 +119,23 @@ class BwrapSandbox(Sandbox):
         self._lock_fd = lock_fd
         self._lease = lease
         self._launches = 0
-        root = self._root = str(rootfs) if rootfs else "/"
+        # A launch's file binds must land on new top-level names: none the host's root (or the
+        # rootfs) has, and none this sandbox already binds.
+        self._root = str(rootfs) if rootfs else "/"
         self._taken = {CTL_IN_SANDBOX, self.workspace_in_sandbox,
                        *(inside for _, inside in config.extra_ro_binds),
                        *(inside for _, inside, _ in extra_binds)}
-        binds = _root_binds(root, config.hide_paths if rootfs is None else (),
-                            os.path.abspath(config.state_dir),
-                            _python_prefixes(self.python) if rootfs is None else ())
+        state = os.path.abspath(config.state_dir)
+        interpreters = view.python_prefixes(self.python)
+        if rootfs is not None:
+            binds = view.host_binds(str(rootfs), (), state, ())
+        elif config.host_view == "host":
+            binds = view.host_binds("/", config.hide_paths, state, interpreters)
+        else:
+            binds = view.minimal_binds(
+                state, view.curated_etc(state, config.etc_entries), config.system_paths,
+                config.visible_paths, view.never_visible(state, config.hide_paths),
+                interpreters)
         ns = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--hostname", "sandbox", "--die-with-parent"]
         if network == "none":
@@ -192,9 +150,9 @@ class BwrapSandbox(Sandbox):
         if rootfs is None:
             # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
             # inside although the sandbox gets a /tmp of its own.
-            for prefix in _python_prefixes(self.python):
+            for prefix in interpreters:
                 if prefix.startswith("/tmp/"):
-                    mounts += _ro_bind_below(prefix, "/tmp/")
+                    mounts += view.ro_bind_below(prefix, "/tmp/")
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         for host, inside, writable in extra_binds:

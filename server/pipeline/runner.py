@@ -272,7 +272,7 @@ class StageRunner:
             elapsed = self._observe(job, stage, t0, "ok" if ok else "error")
             self.delivery.progress(job.client_id, job.job_id, stage, "finished", {"ok": ok},
                                    elapsed)
-            if ok and stage is not Stage.EVAL:
+            if ok and stage is not Stage.EVAL and result.reward is None:
                 return True
             job.finishing = True
             await self._release(job)

@@ -9,6 +9,10 @@ live in one small place:
 - a RUN whose agent loop ended CANCELLED (its LLM turn was aborted under it) or ERROR is a
   failure (CANCELLED / ``RUN_CANCELLED``, HANDLER_ERROR / ``RUN_ERROR``): such partial work never
   flows into EVAL to be scored as a success; its turns stay on the trajectory;
+- what the policy caused is a reward, not a failure: a ``PolicyFault`` (a workspace over the
+  grader's quota, say) and an EVAL stage timeout (code under test that hangs the grader) end
+  the job SUCCEEDED with reward 0 and a termination reason that says so, since trainers mask
+  failed jobs (docs/failures.md);
 - cancellation is not an outcome here: it propagates to the caller, which knows why.
 """
 
@@ -23,7 +27,13 @@ from dataclasses import dataclass
 
 from rollout.runtime.agent_loop import SEED_KEY, TURNS_KEY
 from rollout.runtime.gateway import SEGMENTS_KEY
-from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
+from rollout.runtime.handler import (
+    AgentHandler,
+    HandlerError,
+    JobContext,
+    PolicyFault,
+    RunOutcome,
+)
 from rollout.runtime.llm import LLMUnavailable
 from rollout.runtime.types import (
     InvalidArgument,
@@ -43,6 +53,7 @@ log = logging.getLogger(__name__)
 class StageResult:
     error: JobError | None = None
     reward: Reward | None = None
+    """EVAL's reward; at any stage, the 0 a ``PolicyFault`` ends the job with."""
 
 
 def _upper_snake(name: str) -> str:
@@ -73,7 +84,13 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
                                        "BAD_REWARD")
                 return StageResult(reward=reward)
         return StageResult()
+    except PolicyFault as exc:
+        return StageResult(reward=policy_zero(exc.termination, str(exc), stage))
     except TimeoutError as exc:
+        if deadline.expired() and stage is Stage.EVAL:
+            return StageResult(reward=policy_zero(
+                TerminationReason.EVAL_TIMEOUT,
+                f"grading exceeded the eval stage's {timeout_s:g}s limit", stage))
         if deadline.expired():
             return StageResult(JobError(
                 "TIMEOUT", f"{stage.name}_TIMEOUT",
@@ -87,6 +104,11 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
         return StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage))
     except Exception as exc:
         return StageResult(_handler_error(exc, stage))
+
+
+def policy_zero(termination: TerminationReason, message: str, stage: Stage) -> Reward:
+    return Reward(0.0, {}, {"error": termination.name, "message": message[:1000],
+                            "stage": stage.value}, termination=termination)
 
 
 def _unfinished_run(outcome: RunOutcome) -> JobError | None:
@@ -160,8 +182,8 @@ def build_trajectory(ctx: JobContext | None, job_id: str, group_id: str, timings
         job_id=job_id, group_id=group_id, turns=turns,
         reward=reward.value if reward else 0.0,
         reward_components=dict(reward.components) if reward else {},
-        termination=termination or (outcome.termination if outcome
-                                    else TerminationReason.ERROR),
+        termination=termination or (reward.termination if reward else None) or (
+            outcome.termination if outcome else TerminationReason.ERROR),
         timings=timings, metadata=metadata, state=state, error=error,
         labels=dict(labels or {}), seed=seed if isinstance(seed, int) else None,
         logprobs_kind=kinds.pop() if len(kinds) == 1 else "", segments=segments)

@@ -65,6 +65,8 @@ async def test_instance_lifecycle_and_exec_contract(fake: tuple[SandboxConfig, P
     for flag in ("--containall", "--writable-tmpfs", "--no-home", "--cleanenv"):
         assert flag in start
     assert start[start.index("--network") + 1] == "none" and "--net" in start
+    # No admin-configured host directory (apptainer.conf "bind path") reaches a job.
+    assert start[start.index("--no-mount") + 1] == "hostfs,bind-paths"
     binds = [start[i + 1] for i, a in enumerate(start) if a == "--bind"]
     assert f"{sb.workspace}:/workspace" in binds
     assert start[-2:] == [cfg.image, f"rollout-{sb.id}"]

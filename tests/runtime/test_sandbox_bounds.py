@@ -44,8 +44,9 @@ async def test_disk_fill_gets_enospc_and_the_state_dir_stays_untouched() -> None
         cfg = dataclasses.replace(base, disk_bytes=8 << 20)
         cfg.state_dir.mkdir(parents=True)
         state_dev = os.stat(cfg.state_dir).st_dev
-        before = _bytes_on_device(cfg.state_dir, state_dev)
         sb = await create_sandbox(cfg)
+        # After creation: the sandboxes' shared /etc (a copy made once) is no write of this one.
+        before = _bytes_on_device(cfg.state_dir, state_dev)
         try:
             for where in ("/workspace/fill", "/tmp/fill"):
                 res = await sb.exec(f"dd if=/dev/zero of={where} bs=1M count=32", timeout=30)

@@ -31,6 +31,9 @@ class TerminationReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TERMINATION_REASON_DEADLINE: _ClassVar[TerminationReason]
     TERMINATION_REASON_CANCELLED: _ClassVar[TerminationReason]
     TERMINATION_REASON_ERROR: _ClassVar[TerminationReason]
+    TERMINATION_REASON_WORKSPACE_TOO_LARGE: _ClassVar[TerminationReason]
+    TERMINATION_REASON_WORKSPACE_UNGRADABLE: _ClassVar[TerminationReason]
+    TERMINATION_REASON_EVAL_TIMEOUT: _ClassVar[TerminationReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -46,6 +49,9 @@ TERMINATION_REASON_CONTEXT_LENGTH: TerminationReason
 TERMINATION_REASON_DEADLINE: TerminationReason
 TERMINATION_REASON_CANCELLED: TerminationReason
 TERMINATION_REASON_ERROR: TerminationReason
+TERMINATION_REASON_WORKSPACE_TOO_LARGE: TerminationReason
+TERMINATION_REASON_WORKSPACE_UNGRADABLE: TerminationReason
+TERMINATION_REASON_EVAL_TIMEOUT: TerminationReason
 
 class Turn(_message.Message):
     __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "backend", "latency", "tool_calls", "finish_reason", "preempted_retries")

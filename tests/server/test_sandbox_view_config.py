@@ -1,0 +1,36 @@
+"""The sandbox view as a server setting: ``sandbox.host_view`` and ``sandbox.visible_paths``
+reach the sandboxes a server starts, and a bad value stops start-up with BAD_CONFIG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollout.runtime.types import InvalidArgument
+from rollout.server.app import build_sandbox_factory
+from rollout.server.config import load_config
+
+
+def test_the_default_is_the_minimal_view(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"server.state_dir={tmp_path}"], environ={})
+    assert build_sandbox_factory(cfg).args[0].host_view == "minimal"
+
+
+def test_host_view_and_visible_paths_reach_the_sandbox_config(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"server.state_dir={tmp_path}", "sandbox.host_view=host",
+                             'sandbox.visible_paths=["/opt/toolchain"]'], environ={})
+    sandbox = build_sandbox_factory(cfg).args[0]
+    assert sandbox.host_view == "host" and sandbox.visible_paths == ("/opt/toolchain",)
+    cfg = load_config(None, [f"server.state_dir={tmp_path}"],
+                      environ={"ROLLOUT_SANDBOX__VISIBLE_PATHS": '["/data/models"]'})
+    assert build_sandbox_factory(cfg).args[0].visible_paths == ("/data/models",)
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("sandbox.host_view=everything", "sandbox.host_view"),
+    ('sandbox.visible_paths=["relative/dir"]', "sandbox.visible_paths")])
+def test_bad_values_are_refused(override: str, field: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        load_config(None, [override], environ={})
+    assert err.value.reason == "BAD_CONFIG" and err.value.field == field
