@@ -53,7 +53,8 @@ class UserShell:
     """A directory laid out like the repository root after set-up, and the environment of a
     shell in it (no ROLLOUT_* settings of the machine running the tests leak in)."""
 
-    def __init__(self, root: Path, script_rows: list[dict[str, object]]) -> None:
+    def __init__(self, root: Path, script_rows: list[dict[str, object]] | None) -> None:
+        """``script_rows``: the scripted policy's answers; None keeps the embedded SmolLM2."""
         self.cwd = root
         (root / ".venv" / "bin").mkdir(parents=True)
         shim = root / ROLLOUT
@@ -61,14 +62,15 @@ class UserShell:
                         'rollout.entrypoints.cli "$@"\n')
         shim.chmod(0o755)
         (root / "runtime").symlink_to(ROOT / "runtime")
-        script = root / "script.jsonl"
-        script.write_text("".join(json.dumps(row) + "\n" for row in script_rows))
         keep = {"ROLLOUT_TIMEOUT_SCALE", "ROLLOUT_CACHE_DIR"}
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith("ROLLOUT_") or k in keep}
-        self.env.update(COLUMNS="120", ROLLOUT_SERVER__PORT="0", ROLLOUT_SERVER__GRACE_S="1",
-                        ROLLOUT_LLM__BACKENDS=json.dumps([{"kind": "scripted",
-                                                           "file": str(script)}]))
+        self.env.update(COLUMNS="120", ROLLOUT_SERVER__PORT="0", ROLLOUT_SERVER__GRACE_S="1")
+        if script_rows is not None:
+            script = root / "script.jsonl"
+            script.write_text("".join(json.dumps(row) + "\n" for row in script_rows))
+            self.env["ROLLOUT_LLM__BACKENDS"] = json.dumps([{"kind": "scripted",
+                                                             "file": str(script)}])
         self.server: subprocess.Popen[bytes] | None = None
         self.log = root / "serve.log"
 
@@ -87,9 +89,9 @@ class UserShell:
         self.env["ROLLOUT_ADDRESS"] = found.group(1)
         return found.group(1), Path(found.group(2))
 
-    def run(self, line: str) -> str:
+    def run(self, line: str, timeout: float = 120) -> str:
         res = subprocess.run(["bash", "-c", line], cwd=self.cwd, env=self.env,
-                             capture_output=True, text=True, timeout=scaled(120))
+                             capture_output=True, text=True, timeout=scaled(timeout))
         assert res.returncode == 0, f"{line}\n{res.stdout}{res.stderr}"
         return res.stdout
 
@@ -110,7 +112,7 @@ class UserShell:
 def shell_factory(tmp_path: Path) -> Iterator[object]:
     made: list[UserShell] = []
 
-    def make(rows: list[dict[str, object]]) -> UserShell:
+    def make(rows: list[dict[str, object]] | None) -> UserShell:
         made.append(UserShell(tmp_path, rows))
         return made[-1]
 
@@ -177,3 +179,35 @@ def test_the_example_job_line_runs(shell_factory) -> None:
     assert trajectory["group_id"] == example["group"]["group_id"]
     assert trajectory["labels"] == example["metadata"]
     assert int(trajectory["seed"]) == example["sampling"]["seed"]
+
+
+def quickstart_command(tag: str) -> str:
+    """The block's command after the set-up it starts with (the set-up being what the test
+    environment already is: apt and pip are not for a test to run)."""
+    steps = [step.split("#")[0].strip() for line in block(tag).splitlines()
+             for step in line.split("&&")]
+    steps = [step for step in steps if step]
+    assert steps[0] == "bash scripts/setup.sh" and (ROOT / "scripts" / "setup.sh").exists()
+    (command,) = steps[1:]
+    assert command.startswith(ROLLOUT + " quickstart"), command
+    return command
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1000)
+def test_the_quickstart_command_as_documented(shell_factory) -> None:
+    """All 14 jobs on the embedded SmolLM2, as the README and the guide show it (one command
+    for both; run once). Its own RUN limit (600 s) bounds it on a loaded machine: jobs past it
+    end in the summary's deadline column, not in a killed test."""
+    command = quickstart_command("bash readme-quickstart")
+    assert quickstart_command("bash guide-quickstart") == command
+    shell = shell_factory(None)
+    said = shell.run(command, timeout=900)
+    for heading in ("rollout summary", "how runs ended"):
+        assert heading in said, said[-3000:]
+    out = shell.cwd / "quickstart-out"
+    trajectories = (out / "trajectories.jsonl").read_text().splitlines()
+    assert len(trajectories) == 14, "8 math, 4 code and 2 SWE jobs, as the README says"
+    assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "state" / "jobs.sqlite3").exists(), "its state in quickstart-out/state"
+    assert not (shell.cwd / ".rollout").exists(), "a rollout serve beside it keeps ./.rollout"
