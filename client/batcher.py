@@ -331,14 +331,22 @@ class GroupBatcher:
             self._waiting = False
         groups = tuple(self._ready.popleft() for _ in range(min(cfg.groups_per_batch,
                                                                 len(self._ready))))
-        stats, self._stats = self._stats, BatchStats()
+        stats = self._stats
         stats.wait_s = time.monotonic() - started
         stats.generation_rounds = max(1, math.ceil(self._submitted_for_batch
                                                    / cfg.groups_per_batch))
-        # Groups still open now were submitted for this batch but will serve the next one.
-        await self._cancel_redundant(stats)
+        try:
+            # Groups still open now were submitted for this batch but will serve the next one.
+            await self._cancel_redundant(stats)
+            await self.session.ack([s.delivery_id for g in groups for s in g.samples])
+        except BaseException:
+            # The caller never receives this batch (cancelled, or the stream broke while
+            # acknowledging): its groups go back in front, so the next call returns them. An
+            # ack that did reach the server is harmless: acknowledging twice changes nothing.
+            self._ready.extendleft(reversed(groups))
+            raise
+        self._stats = BatchStats()
         self._submitted_for_batch = self._live()
-        await self.session.ack([s.delivery_id for g in groups for s in g.samples])
         self.totals.groups_submitted += stats.groups_submitted
         self.totals.generation_rounds += stats.generation_rounds
         return Batch(groups=groups, stats=stats, policy_version=self.policy_version)
