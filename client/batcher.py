@@ -113,6 +113,8 @@ class Sample:
     """Policy version of each turn, in order."""
     finish_reasons: tuple[str, ...]
     """Per turn: ``stop``, ``length``, ..."""
+    tool_calls: tuple[int, ...] = ()
+    """Per turn: how many tool calls the model made in it."""
 
     @property
     def reward(self) -> float:
@@ -172,6 +174,10 @@ class BatchStats:
     """Reward of every usable completed sample, kept or not (the unfiltered accuracy)."""
     generated_tokens: int = 0
     """Model tokens of every completed sample, kept or not."""
+    turns_all: list[int] = field(default_factory=list)
+    """LLM turns of every usable completed sample, kept or not."""
+    tool_calls_all: list[int] = field(default_factory=list)
+    """Tool calls of every usable completed sample, kept or not."""
     wait_s: float = 0.0
     """Time :meth:`GroupBatcher.next_batch` spent waiting for rollouts."""
 
@@ -455,6 +461,8 @@ class GroupBatcher:
             delivery_id, traj = group.trajectories[job_id]
             sample = _sample(job_id, delivery_id, traj)
             stats.rewards_all.append(sample.reward)
+            stats.turns_all.append(len(sample.turn_versions))
+            stats.tool_calls_all.append(sum(sample.tool_calls))
             stats.generated_tokens += sample.generated_tokens
             totals.generated_tokens += sample.generated_tokens
             if self._too_stale(sample):
@@ -510,7 +518,8 @@ def _sample(job_id: str, delivery_id: int, traj: trajectory_pb2.Trajectory) -> S
     # keep_failed: a server older than Trajectory.state leaves it unset in the trajectory.
     return Sample(job_id=job_id, delivery_id=delivery_id, flat=flatten(traj, keep_failed=True),
                   turn_versions=tuple(t.policy_version for t in traj.turns),
-                  finish_reasons=tuple(_finish_reason(t) for t in traj.turns))
+                  finish_reasons=tuple(_finish_reason(t) for t in traj.turns),
+                  tool_calls=tuple(len(t.tool_calls) for t in traj.turns))
 
 
 def _finish_reason(turn: trajectory_pb2.Turn) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import pytest
@@ -17,10 +17,18 @@ import pytest
 from rollout.client.aio import RolloutClient
 from rollout.client.batcher import BatcherConfig, GroupBatcher
 from rollout.runtime.handler import JobContext, RunOutcome
-from tests.client.test_batcher import GroupHandler, _eventually_zero, env, prompt  # noqa: F401
+from tests.client.conftest import ServerHarness
+from tests.client.test_batcher import GroupHandler, _eventually_zero, prompt
 from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def env(harness: ServerHarness) -> AsyncIterator[tuple[ServerHarness, GroupHandler]]:
+    handler = GroupHandler()
+    harness.registry.register("groups", handler)
+    yield harness, handler
 
 
 class AckRecorder:

@@ -39,7 +39,8 @@ eps_low = 0.2
 eps_high = 0.28
 dual_clip_c = 3.0             # 0 disables
 tis_cap = 2.0                 # 0 disables the truncated importance-sampling correction
-overlong_cache = 16           # soft overlong punishment ramp; 0 disables
+overlong_cache = 16           # soft overlong punishment: the last N tokens of an episode's
+                              # budget (max_tokens x max_turns) ramp to -1; 0 disables
 adv_eps = 1e-6
 kl_coef = 0.0
 
@@ -167,9 +168,11 @@ class DapoConfig:
                             self.rollout.max_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.algo.overlong_cache >= self.rollout.max_tokens:
+        budget = self.rollout.max_tokens * max(self.rollout.max_turns, 1)
+        if self.algo.overlong_cache >= budget:
             raise ValueError(f"algo.overlong_cache ({self.algo.overlong_cache}) must be smaller "
-                             f"than rollout.max_tokens ({self.rollout.max_tokens})")
+                             f"than an episode's budget, rollout.max_tokens x max_turns "
+                             f"({budget})")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
