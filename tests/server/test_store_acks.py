@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.runtime.types import JobSpec, JobState, Stage, StageTimings, TerminationReason
-from rollout.runtime.types import Trajectory, Turn
+from rollout.runtime.types import (
+    JobSpec,
+    JobState,
+    Stage,
+    StageTimings,
+    TerminationReason,
+    Trajectory,
+    Turn,
+)
 from rollout.server.store import FinishRecord, JobStore
 
 pytestmark = pytest.mark.timeout(30)
