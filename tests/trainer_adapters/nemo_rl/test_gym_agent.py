@@ -17,20 +17,15 @@ from typing import Any
 
 import pytest
 
+from tests.trainer_adapters.venvs import GYM_PY, ROOT
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
     expected_flat,
     two_turn_tool_episode,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-GYM_PY = ROOT / ".venv-nemo-gym" / "bin" / "python"
 FIXTURE = Path(__file__).with_name("two_turn_message_log.json")
-pytestmark = [
-    pytest.mark.skipif(not GYM_PY.exists(),
-                       reason=".venv-nemo-gym is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.timeout(180),
-]
+pytestmark = [pytest.mark.usefixtures("gym_venv"), pytest.mark.timeout(180)]
 
 
 async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path,

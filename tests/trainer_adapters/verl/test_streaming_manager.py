@@ -8,7 +8,6 @@ a step with nothing usable raises instead of returning an empty batch."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,21 +16,14 @@ from typing import Any
 import pytest
 
 from rollout.client.aio import RolloutClient
+from tests.trainer_adapters.venvs import ROOT, VERL_PY
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
     expected_flat,
     two_turn_tool_episode,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
-pytestmark = [
-    pytest.mark.skipif(not VERL_PY.exists(),
-                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.skipif(importlib.util.find_spec("rollout.client.batcher") is None,
-                       reason="rollout.client.batcher (issue 10) is not in this checkout"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [pytest.mark.usefixtures("verl_venv"), pytest.mark.timeout(300)]
 PROMPT_LEN, RESPONSE_LEN = 8, 12
 
 

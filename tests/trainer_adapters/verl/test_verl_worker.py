@@ -19,19 +19,14 @@ from typing import Any
 import pytest
 
 from tests.fixtures.tiny_model import tiny_model_dir
+from tests.trainer_adapters.venvs import ROOT, VERL_PY
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
     expected_flat,
     two_turn_tool_episode,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
-pytestmark = [
-    pytest.mark.skipif(not VERL_PY.exists(),
-                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [pytest.mark.usefixtures("verl_venv"), pytest.mark.timeout(300)]
 
 PROMPT_LEN, RESPONSE_LEN = 8, 12
 
