@@ -12,7 +12,8 @@ path = "smollm2"              # a Hugging Face checkpoint directory; "smollm2" =
 device = ""                   # "" = cuda when available, else cpu (bf16 autocast on cuda)
 
 [data]
-train = ""                    # JSONL of job lines; "" = the shipped dapo train set
+train = ""                    # JSONL of job lines; "" = the shipped dapo train set; a relative
+                              # path that exists beside this file means that file
 heldout = ""                  # "" = the shipped held-out set
 heldout_limit = 0             # evaluate on the first N held-out tasks (0 = all)
 
@@ -201,8 +202,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         coerced = {k: _coerce(getattr(current, k), v, f"{section}.{k}") for k, v in values.items()}
         updates[section] = replace(current, **coerced)  # type: ignore[type-var]
     cfg = replace(cfg, **updates)
+    if path:
+        cfg = replace(cfg, data=_beside(cfg.data, Path(path).resolve().parent))
     cfg.validate()
     return cfg
+
+
+def _beside(data: DataSection, config_dir: Path) -> DataSection:
+    """Relative data paths that exist next to the config file mean those files, so a shipped
+    config names its shipped data wherever it is run from; others stay relative to the
+    working directory."""
+    def beside(value: str) -> str:
+        if value and not Path(value).is_absolute() and (config_dir / value).is_file():
+            return str(config_dir / value)
+        return value
+
+    return replace(data, train=beside(data.train), heldout=beside(data.heldout))
 
 
 def _coerce(default: Any, value: Any, name: str) -> Any:
