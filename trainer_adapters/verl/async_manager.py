@@ -115,7 +115,20 @@ class StreamingRolloutManager:
     @classmethod
     def create(cls, config: Any, llm_client: Any = None, teacher_client: Any = None,
                reward_loop_worker_handles: Any = None, **kwargs: Any) -> StreamingRolloutManager:
-        """Build from a verl trainer config (the ``agent_loop_manager_class`` hook's call)."""
+        """Build from a verl trainer config (the ``agent_loop_manager_class`` hook's call).
+
+        Only for verl's legacy trainer path (``trainer.use_v1=false``), whose managers return
+        the batch as a DataProto. verl 0.9.1's V1 trainer (``trainer.use_v1``, its default)
+        wants a manager that writes its outputs into TransferQueue and returns nothing, which
+        this one does not do: it refuses that configuration instead of failing mid-run."""
+        trainer = config.get("trainer") or {}
+        if trainer.get("use_v1", False):
+            raise ValueError(
+                "StreamingRolloutManager returns DataProto batches (verl's legacy trainer path); "
+                "verl's V1 trainer (trainer.use_v1=true, the default in verl 0.9.1) expects an "
+                "agent loop manager that writes into TransferQueue. Set trainer.use_v1=false "
+                "for this manager, or keep V1 and use the per-sample agent loop "
+                "(actor_rollout_ref.rollout.agent.default_agent_loop=rollout_service).")
         rollout = config.actor_rollout_ref.rollout
         settings = ServiceSettings.resolve({}, config)
         block = config.get("rollout_service") or {}

@@ -113,3 +113,27 @@ async def test_two_steps_of_streaming_batches(tmp_path: Path) -> None:
     # Step 4: every sample failed. Nothing to train on is an error that names the counts.
     assert step4["error"] == "NoUsableGroups"
     assert "6 samples failed" in step4["message"]
+
+
+V1_SCRIPT = """
+from omegaconf import OmegaConf
+from rollout.trainer_adapters.verl.async_manager import StreamingRolloutManager
+cfg = OmegaConf.create({"trainer": {"use_v1": True}, "actor_rollout_ref": {"rollout": {}}})
+try:
+    StreamingRolloutManager.create(cfg)
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+async def test_v1_trainer_path_is_refused_with_what_to_set() -> None:
+    """verl 0.9.1's default V1 trainer wants TransferQueue output, which this manager does not
+    write: building it there fails at once, naming the two supported set-ups."""
+    proc = await asyncio.create_subprocess_exec(
+        str(VERL_PY), "-c", V1_SCRIPT, cwd=str(ROOT), env=dict(os.environ),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 280)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "REFUSED" in text and "trainer.use_v1=false" in text
+    assert "default_agent_loop=rollout_service" in text
