@@ -40,18 +40,21 @@ async def test_acked_through_and_ack_through_stay_within_one_client(tmp_path) ->
     await store.open()
     try:
         assert await _deliver(store, "alice", 3) == [1, 2, 3]
-        assert await _deliver(store, "bob", 3) == [1, 2, 3]
+        assert await _deliver(store, "bob", 5) == [1, 2, 3, 4, 5]
         await store.ack("bob", [2])
         # alice acknowledged nothing; bob's ack of 2 is no ack of alice's 2.
         assert await store.acked_through("alice") == 0
         assert await store.acked_through("bob") == 0  # 1 is still open
         await store.ack("alice", through=3)
         assert await store.acked_through("alice") == 3
-        # bob's 1 and 3 are untouched by alice's ack through 3.
-        assert [d.delivery_id for d in await store.unacked("bob")] == [1, 3]
+        # bob's 1, 3, 4, 5 are untouched by alice's ack through 3.
+        assert [d.delivery_id for d in await store.unacked("bob")] == [1, 3, 4, 5]
         assert await store.acked_through("bob") == 0
         await store.ack("bob", [1])
         assert await store.acked_through("bob") == 2
+        # With everything of alice's acknowledged, her mark is her own highest delivery (3),
+        # not bob's (5).
+        assert await store.acked_through("alice") == 3
         assert await store.acked_through("carol") == 0
     finally:
         await store.close()
