@@ -54,7 +54,7 @@ class ServiceSettings:
     overlong: str = "mask"
     """A response cut at ``response_length``: ``mask`` trains on none of it when a model token
     was cut (the cut part may hold what earned the reward); ``truncate`` keeps the prefix and
-    the reward. See :mod:`rollout.trainer_adapters.verl.convert`."""
+    the reward. See :mod:`rollout.trainer_adapters.verl.job_mapping`."""
     finish_after: int = 0
     """Group early termination: cancel a group's other samples once this many succeeded."""
     max_turns: int = 0

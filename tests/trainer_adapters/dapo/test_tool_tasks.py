@@ -10,7 +10,7 @@ import pytest
 
 from rollout.runtime.envs.math import MathHandler
 from rollout.trainer_adapters.dapo import tool_tasks
-from rollout.trainer_adapters.dapo.config import load_config
+from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import episode_budget
 
 DAPO = Path(tool_tasks.__file__).resolve().parent

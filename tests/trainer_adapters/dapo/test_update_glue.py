@@ -18,9 +18,9 @@ import torch
 
 from rollout.client.batcher import Batch, BatchStats, Group, Sample
 from rollout.client.trajectory import Flat
-from rollout.trainer_adapters.dapo.config import load_config
 from rollout.trainer_adapters.dapo.loss import ClipConfig
 from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
+from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import check_logprobs, shape_and_normalise
 from tests.fixtures.tiny_model import tiny_model_dir
 
