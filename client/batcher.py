@@ -118,6 +118,8 @@ class Sample:
     segments: tuple[Flat, ...] = ()
     """Every token sequence of the trajectory, in order (``flat`` is the last); empty means
     ``flat`` is the whole trajectory. Each is one training sequence with the sample's reward."""
+    tool_calls: tuple[int, ...] = ()
+    """Per turn: how many tool calls the model made in it."""
 
     @property
     def flats(self) -> tuple[Flat, ...]:
@@ -182,6 +184,10 @@ class BatchStats:
     """Reward of every usable completed sample, kept or not (the unfiltered accuracy)."""
     generated_tokens: int = 0
     """Model tokens of every completed sample, kept or not."""
+    turns_all: list[int] = field(default_factory=list)
+    """LLM turns of every usable completed sample, kept or not."""
+    tool_calls_all: list[int] = field(default_factory=list)
+    """Tool calls of every usable completed sample, kept or not."""
     wait_s: float = 0.0
     """Time :meth:`GroupBatcher.next_batch` spent waiting for rollouts."""
 
@@ -341,14 +347,22 @@ class GroupBatcher:
             self._waiting = False
         groups = tuple(self._ready.popleft() for _ in range(min(cfg.groups_per_batch,
                                                                 len(self._ready))))
-        stats, self._stats = self._stats, BatchStats()
+        stats = self._stats
         stats.wait_s = time.monotonic() - started
         stats.generation_rounds = max(1, math.ceil(self._submitted_for_batch
                                                    / cfg.groups_per_batch))
-        # Groups still open now were submitted for this batch but will serve the next one.
-        await self._cancel_redundant(stats)
+        try:
+            # Groups still open now were submitted for this batch but will serve the next one.
+            await self._cancel_redundant(stats)
+            await self.session.ack([s.delivery_id for g in groups for s in g.samples])
+        except BaseException:
+            # The caller never receives this batch (cancelled, or the stream broke while
+            # acknowledging): its groups go back in front, so the next call returns them. An
+            # ack that did reach the server is harmless: acknowledging twice changes nothing.
+            self._ready.extendleft(reversed(groups))
+            raise
+        self._stats = BatchStats()
         self._submitted_for_batch = self._live()
-        await self.session.ack([s.delivery_id for g in groups for s in g.samples])
         self.totals.groups_submitted += stats.groups_submitted
         self.totals.generation_rounds += stats.generation_rounds
         return Batch(groups=groups, stats=stats, policy_version=self.policy_version)
@@ -457,6 +471,8 @@ class GroupBatcher:
             delivery_id, traj = group.trajectories[job_id]
             sample = _sample(job_id, delivery_id, traj)
             stats.rewards_all.append(sample.reward)
+            stats.turns_all.append(len(sample.turn_versions))
+            stats.tool_calls_all.append(sum(sample.tool_calls))
             stats.generated_tokens += sample.generated_tokens
             totals.generated_tokens += sample.generated_tokens
             if self._too_stale(sample):
@@ -514,7 +530,8 @@ def _sample(job_id: str, delivery_id: int, traj: trajectory_pb2.Trajectory) -> S
     return Sample(job_id=job_id, delivery_id=delivery_id, flat=flats[-1],
                   turn_versions=tuple(t.policy_version for t in traj.turns),
                   finish_reasons=tuple(_finish_reason(t) for t in traj.turns),
-                  segments=tuple(flats) if len(flats) > 1 else ())
+                  segments=tuple(flats) if len(flats) > 1 else (),
+                  tool_calls=tuple(len(t.tool_calls) for t in traj.turns))
 
 
 def _finish_reason(turn: trajectory_pb2.Turn) -> str:

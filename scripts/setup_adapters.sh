@@ -18,7 +18,8 @@
 # checkout's .venv-verl / .venv-nemo-gym is a small venv that adds that cached site-packages with
 # a .pth line and holds only our own package (editable, seconds to install). A fresh clone (CI)
 # therefore reuses minutes of installs. Idempotent: stamps make a second run a no-op. Set
-# ROLLOUT_SKIP_ADAPTERS=1 to skip it (the adapter tests then skip, saying why).
+# ROLLOUT_SKIP_ADAPTERS=1 to skip it (the adapter tests then skip, saying why; under CI=true
+# they fail instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -51,7 +51,8 @@ bash scripts/setup_browser.sh
 # The agent harnesses the `harness` environment's presets run (mini-swe-agent, Codex CLI): own
 # venv / npm tree under the set-up cache, keyed by recipe. ROLLOUT_SKIP_HARNESSES=1 skips them.
 bash scripts/setup_harnesses.sh
-# The trainer-adapter test environments (.venv-verl, .venv-nemo-gym). ROLLOUT_SKIP_ADAPTERS=1.
+# The trainer-adapter test environments (.venv-verl, .venv-nemo-gym). ROLLOUT_SKIP_ADAPTERS=1
+# skips them; their tests then skip, except under CI=true (.ci/run sets it), where they fail.
 bash scripts/setup_adapters.sh
 # The generated TypeScript client's test (tests/interop/test_ts_client.py): protoc-gen-es and
 # Connect from npm into interop/ts/node_modules, pinned by interop/ts/package-lock.json (own

@@ -6,7 +6,9 @@ Routing, in order of precedence:
    policy version.
 2. **Group affinity** — the first turn of a sample whose group already has a backend goes there
    (the group shares its prompt prefix), unless that backend is more than
-   ``group_affinity_slack`` requests busier than the least-loaded one.
+   ``group_affinity_slack`` requests busier than the least-loaded one. The group table keeps
+   the ``max_group_affinities`` most recently used groups: a group's samples start within
+   moments of each other, so an old entry only costs memory (one per group ever seen).
 3. **Least loaded** — a min-heap keyed on ``in_flight / weight``: in-flight is incremented on
    dispatch and decremented when the request ends, whether it succeeded, failed or was cancelled,
    so the keys never drift. Weights let a big backend take proportionally more.
@@ -27,6 +29,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,18 +97,21 @@ class BackendPool:
     def __init__(self, engines: Iterable[Engine] = (), health_interval_s: float = 5.0, *,
                  max_attempts: int = 3, wait_for_backend_s: float = 30.0,
                  health_timeout_s: float = 5.0, group_affinity_slack: float = 4.0,
-                 tokenizer: Any = None) -> None:
+                 max_group_affinities: int = 4096, tokenizer: Any = None) -> None:
+        if max_group_affinities < 1:
+            raise ValueError(f"max_group_affinities must be >= 1, got {max_group_affinities}")
         self.health_interval_s = health_interval_s
         self.max_attempts = max_attempts
         self.wait_for_backend_s = wait_for_backend_s
         self.health_timeout_s = health_timeout_s
         self.group_affinity_slack = group_affinity_slack
+        self.max_group_affinities = max_group_affinities
         self._tokenizer = tokenizer
         self._backends: dict[str, Backend] = {}
         self._heap: list[tuple[float, int, int, str]] = []
         self._tiebreak = itertools.count()
         self._sticky: dict[str, str] = {}
-        self._groups: dict[str, str] = {}
+        self._groups: OrderedDict[str, str] = OrderedDict()
         self._changed: asyncio.Condition | None = None
         self._waiters = 0
         self._health_task: asyncio.Task[None] | None = None
@@ -220,7 +226,7 @@ class BackendPool:
                 raise
             tried.add(backend.name)
             if request.group_id:  # at dispatch, so concurrent samples of the group follow
-                self._groups.setdefault(request.group_id, backend.name)
+                self._remember_group(request.group_id, backend.name)
             turn = request if ends is None else \
                 dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
             try:
@@ -251,6 +257,19 @@ class BackendPool:
         for backend in targets or list(self._backends.values()):
             with contextlib.suppress(Exception):
                 await backend.engine.abort(session_id)
+
+    @property
+    def group_affinities(self) -> int:
+        """Groups whose backend the pool remembers (at most ``max_group_affinities``)."""
+        return len(self._groups)
+
+    def _remember_group(self, group_id: str, backend: str) -> None:
+        if group_id in self._groups:
+            self._groups.move_to_end(group_id)
+            return
+        self._groups[group_id] = backend
+        while len(self._groups) > self.max_group_affinities:
+            self._groups.popitem(last=False)
 
     # ----------------------------------------------------------------- weights
     async def update_weights(self, source: Any, version: int,

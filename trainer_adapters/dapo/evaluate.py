@@ -21,6 +21,10 @@ class EvalResult:
     by_family: dict[str, float]
     generated_tokens: int
     seconds: float
+    turns: float = 0.0
+    """Mean LLM turns per task."""
+    tool_calls: float = 0.0
+    """Mean tool calls per task."""
 
 
 async def evaluate(client: RolloutClient, tasks: Sequence[Mapping[str, Any]], *,
@@ -34,14 +38,17 @@ async def evaluate(client: RolloutClient, tasks: Sequence[Mapping[str, Any]], *,
                       job_id=f"{run_tag}/{i}") for i, t in enumerate(tasks)]
     index = {s.job_id: i for i, s in enumerate(specs)}
     rewards: dict[int, float] = {}
-    failed = tokens = 0
+    failed = tokens = turns = calls = 0
     async with client.session(client_id, auto_ack=True) as session:
         await session.submit(specs)
         async with asyncio.timeout(timeout_s):
             async for frame in session.events():
                 kind = frame.WhichOneof("kind")
                 if kind == "trajectory" and frame.job_id in index:
-                    tokens += sum(len(t.output_ids) for t in frame.trajectory.trajectory.turns)
+                    traj = frame.trajectory.trajectory
+                    tokens += sum(len(t.output_ids) for t in traj.turns)
+                    turns += len(traj.turns)
+                    calls += sum(len(t.tool_calls) for t in traj.turns)
                 elif kind == "finished" and frame.job_id in index:
                     ok = frame.finished.state == job_pb2.Job.STATE_SUCCEEDED
                     failed += not ok
@@ -59,4 +66,5 @@ async def evaluate(client: RolloutClient, tasks: Sequence[Mapping[str, Any]], *,
         families.setdefault(family, []).append(score)
     return EvalResult(accuracy=sum(scores) / len(scores), scores=scores, failed=failed,
                       by_family={k: sum(v) / len(v) for k, v in sorted(families.items())},
-                      generated_tokens=tokens, seconds=loop.time() - started)
+                      generated_tokens=tokens, seconds=loop.time() - started,
+                      turns=turns / len(specs), tool_calls=calls / len(specs))

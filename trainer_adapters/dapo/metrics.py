@@ -14,7 +14,8 @@ from typing import Any
 from rich.console import Console
 
 COLUMNS = (
-    "step", "policy_version", "reward_mean", "accuracy", "heldout_accuracy", "kept_group_ratio",
+    "step", "policy_version", "reward_mean", "accuracy", "heldout_accuracy", "turns",
+    "tool_calls", "heldout_turns", "heldout_tool_calls", "kept_group_ratio",
     "generation_rounds", "groups_dropped_equal", "groups_cancelled", "cancelled_samples",
     "stale_dropped", "failed_samples", "entropy", "clip_low", "clip_high", "dual_clip",
     "tis_truncated", "approx_kl", "loss", "grad_norm", "lr", "response_length",
@@ -22,7 +23,9 @@ COLUMNS = (
     "time_push_s", "time_eval_s", "elapsed_s",
 )
 """``accuracy``: fraction of all completed training samples of the step with reward 1 (before
-dynamic sampling); ``reward_mean``: mean shaped reward of the kept samples the loss saw."""
+dynamic sampling); ``reward_mean``: mean shaped reward of the kept samples the loss saw;
+``turns`` / ``tool_calls``: per episode, over the same samples as ``accuracy``; ``heldout_*``:
+the same over the held-out evaluation."""
 
 
 class MetricsLog:
@@ -69,17 +72,23 @@ class MetricsLog:
                   ("entropy", "token entropy"),
                   ("clip_high", "clip fraction high / low"),
                   ("response_length", "response length (tokens)"),
-                  ("stale_dropped", "stale dropped / cancelled samples")]
-        fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+                  ("stale_dropped", "stale dropped / cancelled samples"),
+                  ("turns", "turns / tool calls per episode (train)"),
+                  ("heldout_turns", "turns / tool calls per episode (held-out)")]
+        fig, axes = plt.subplots(2, 5, figsize=(20, 7))
         for ax, (key, title) in zip(axes.flat, panels, strict=True):
             xs, ys = _series(self.rows, key)
-            ax.plot(xs, ys, marker="o" if key == "heldout_accuracy" else None)
+            ax.plot(xs, ys, marker="o" if key.startswith("heldout") else None)
             if key == "clip_high":
                 ax.plot(*_series(self.rows, "clip_low"), label="low")
                 ax.legend(["high", "low"])
             if key == "stale_dropped":
                 ax.plot(*_series(self.rows, "cancelled_samples"))
                 ax.legend(["stale", "cancelled"])
+            if key in ("turns", "heldout_turns"):
+                calls = "tool_calls" if key == "turns" else "heldout_tool_calls"
+                ax.plot(*_series(self.rows, calls), marker="o" if key != "turns" else None)
+                ax.legend(["turns", "tool calls"])
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
         fig.tight_layout()
@@ -106,7 +115,8 @@ def _line(row: Mapping[str, Any]) -> str:
             f"reward {f('reward_mean')} kept {f('kept_group_ratio', '.2f')} "
             f"rounds {row['generation_rounds']} stale {row['stale_dropped']} "
             f"cancel {row['cancelled_samples']} H {f('entropy')} clip {f('clip_low')}/"
-            f"{f('clip_high')} len {f('response_length', '.1f')} "
+            f"{f('clip_high')} len {f('response_length', '.1f')} turns {f('turns', '.2f')} "
+            f"tools {f('tool_calls', '.2f')} "
             f"roll {f('rollout_tokens_per_s', '.0f')} tok/s train "
             f"{f('train_tokens_per_s', '.0f')} tok/s t {f('time_rollout_s', '.0f')}+"
             f"{f('time_train_s', '.0f')}+{f('time_push_s', '.1f')}s{held}")

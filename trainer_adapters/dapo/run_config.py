@@ -12,7 +12,8 @@ path = "smollm2"              # a Hugging Face checkpoint directory; "smollm2" =
 device = ""                   # "" = cuda when available, else cpu (bf16 autocast on cuda)
 
 [data]
-train = ""                    # JSONL of job lines; "" = the shipped dapo train set
+train = ""                    # JSONL of job lines; "" = the shipped dapo train set; a relative
+                              # path that exists beside this file means that file
 heldout = ""                  # "" = the shipped held-out set
 heldout_limit = 0             # evaluate on the first N held-out tasks (0 = all)
 
@@ -39,7 +40,8 @@ eps_low = 0.2
 eps_high = 0.28
 dual_clip_c = 3.0             # 0 disables
 tis_cap = 2.0                 # 0 disables the truncated importance-sampling correction
-overlong_cache = 16           # soft overlong punishment ramp; 0 disables
+overlong_cache = 16           # soft overlong punishment: the last N tokens of an episode's
+                              # budget (max_tokens x max_turns) ramp to -1; 0 disables
 adv_eps = 1e-6
 kl_coef = 0.0
 
@@ -167,9 +169,11 @@ class DapoConfig:
                             self.rollout.max_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.algo.overlong_cache >= self.rollout.max_tokens:
+        budget = self.rollout.max_tokens * max(self.rollout.max_turns, 1)
+        if self.algo.overlong_cache >= budget:
             raise ValueError(f"algo.overlong_cache ({self.algo.overlong_cache}) must be smaller "
-                             f"than rollout.max_tokens ({self.rollout.max_tokens})")
+                             f"than an episode's budget, rollout.max_tokens x max_turns "
+                             f"({budget})")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
@@ -198,8 +202,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         coerced = {k: _coerce(getattr(current, k), v, f"{section}.{k}") for k, v in values.items()}
         updates[section] = replace(current, **coerced)  # type: ignore[type-var]
     cfg = replace(cfg, **updates)
+    if path:
+        cfg = replace(cfg, data=_beside(cfg.data, Path(path).resolve().parent))
     cfg.validate()
     return cfg
+
+
+def _beside(data: DataSection, config_dir: Path) -> DataSection:
+    """Relative data paths that exist next to the config file mean those files, so a shipped
+    config names its shipped data wherever it is run from; others stay relative to the
+    working directory."""
+    def beside(value: str) -> str:
+        if value and not Path(value).is_absolute() and (config_dir / value).is_file():
+            return str(config_dir / value)
+        return value
+
+    return replace(data, train=beside(data.train), heldout=beside(data.heldout))
 
 
 def _coerce(default: Any, value: Any, name: str) -> Any:

@@ -78,12 +78,35 @@ def endless(rows: Sequence[Mapping[str, Any]], *, shuffle: bool, seed: int
         yield from order
 
 
+def episode_budget(cfg: DapoConfig) -> int:
+    """The most model tokens one episode can generate: ``max_turns`` turns of ``max_tokens``
+    each. The overlong shaping measures an episode against this, not against one turn's
+    ``max_tokens``: three turns of 20 tokens under a 24-token turn limit were never cut."""
+    return cfg.rollout.max_tokens * cfg.rollout.max_turns
+
+
+def check_logprobs(batch: Batch) -> None:
+    """Refuse samples whose logprobs are not the sampling distribution's: the loss uses them as
+    the behaviour policy (importance weights), and raw logprobs at T < 1 are off by orders of
+    magnitude per sequence, which corrupts the update silently."""
+    for sample in batch.samples:
+        kind = sample.flat.logprobs_kind
+        if kind != "PROCESSED":
+            raise ValueError(
+                f"job {sample.job_id}: its logprobs are {kind or 'of unknown or mixed kinds'}, "
+                "not PROCESSED (the distribution sampled from); the DAPO loss needs the "
+                "behaviour policy's logprobs. Serve with backends that record PROCESSED "
+                "logprobs (the default) and do not set sampling.logprobs_mode to RAW.")
+
+
 def shape_and_normalise(batch: Batch, cfg: DapoConfig) -> tuple[list[TrainItem], float]:
-    """Overlong shaping, then group advantages. Returns the items and the mean shaped reward."""
+    """Overlong shaping (on each episode's generated tokens against :func:`episode_budget`),
+    then group advantages. Returns the items and the mean shaped reward."""
     items: list[TrainItem] = []
     shaped_all: list[float] = []
+    budget = episode_budget(cfg)
     for group in batch.groups:
-        shaped = [s.reward + (overlong_penalty(s.generated_tokens, cfg.rollout.max_tokens,
+        shaped = [s.reward + (overlong_penalty(s.generated_tokens, budget,
                                                cfg.algo.overlong_cache)
                               if cfg.algo.overlong_cache else 0.0) for s in group.samples]
         shaped_all += shaped
@@ -110,7 +133,8 @@ class DapoTrainer:
     def _template(self, temperature: float) -> dict[str, Any]:
         r = self.cfg.rollout
         return {"sampling": {"temperature": temperature, "top_p": 1.0, "top_k": 0,
-                             "max_tokens_per_turn": r.max_tokens},
+                             "max_tokens_per_turn": r.max_tokens,
+                             "logprobs_mode": "LOGPROBS_KIND_PROCESSED"},
                 "limits": {"max_turns": r.max_turns, "run_timeout": f"{r.run_timeout_s}s"}}
 
     async def run(self) -> RunSummary:
@@ -154,8 +178,7 @@ class DapoTrainer:
                 first = await held_out(0)
                 console.print(f"held-out accuracy at start: {first.accuracy:.3f} "
                               f"({len(heldout)} tasks, {first.failed} failed) {first.by_family}")
-                log.log({"step": 0, "policy_version": self.version,
-                         "heldout_accuracy": first.accuracy, "time_eval_s": first.seconds,
+                log.log({"step": 0, "policy_version": self.version, **_eval_row(first),
                          "elapsed_s": time.monotonic() - started})
                 last = first
                 prompts = endless(train_rows, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
@@ -168,8 +191,7 @@ class DapoTrainer:
                         row = await self._step(step, batcher, policy, clip, pusher)
                         if step % max(cfg.run.eval_every, 1) == 0 or step == cfg.run.steps:
                             last = await held_out(step)
-                            row["heldout_accuracy"] = last.accuracy
-                            row["time_eval_s"] = last.seconds
+                            row.update(_eval_row(last))
                         row["elapsed_s"] = time.monotonic() - started
                         log.log(row)
                         if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
@@ -181,8 +203,7 @@ class DapoTrainer:
                             break
                     if log.rows[-1].get("heldout_accuracy") in ("", None):
                         last = await held_out(step)
-                        log.rows[-1]["heldout_accuracy"] = last.accuracy
-                        log.log({**log.rows.pop(), "time_eval_s": last.seconds})
+                        log.log({**log.rows.pop(), **_eval_row(last)})
                 await asyncio.to_thread(policy.save_checkpoint, self.run_dir / "checkpoint")
         finally:
             await pusher.close()
@@ -217,6 +238,7 @@ class DapoTrainer:
             "stale_dropped": st.stale_samples, "failed_samples": st.failed_samples,
             "accuracy": (sum(r >= 0.5 for r in st.rewards_all) / len(st.rewards_all)
                          if st.rewards_all else 0.0),
+            "turns": _mean(st.turns_all), "tool_calls": _mean(st.tool_calls_all),
             "rollout_tokens_per_s": st.generated_tokens / max(t_roll, 1e-9),
             "time_rollout_s": t_roll, "lr": policy.lr}
         if not batch.groups:
@@ -224,6 +246,7 @@ class DapoTrainer:
                                f"{st.generation_rounds} rounds; skipping the update")
             row["policy_version"] = self.version
             return row
+        check_logprobs(batch)
         items, reward_mean = shape_and_normalise(batch, cfg)
         upd = await asyncio.to_thread(
             policy.update, items, clip, temperature=cfg.rollout.temperature,
@@ -258,3 +281,12 @@ class DapoTrainer:
             if not path.exists():
                 break
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _mean(values: Sequence[float]) -> float | str:
+    return sum(values) / len(values) if values else ""
+
+
+def _eval_row(result: EvalResult) -> dict[str, Any]:
+    return {"heldout_accuracy": result.accuracy, "heldout_turns": result.turns,
+            "heldout_tool_calls": result.tool_calls, "time_eval_s": result.seconds}

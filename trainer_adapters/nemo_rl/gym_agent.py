@@ -10,6 +10,20 @@ it unchanged: one token-carrying item per model call (``prompt_token_ids`` conti
 ``mask_sample`` for a job that failed or was cancelled (its reward is no measurement of the
 policy).
 
+Three rules keep NeMo RL's post-processing and metrics whole:
+
+- NeMo RL turns every result into a message log *before* it reads ``mask_sample``, and a result
+  without any token-carrying item fails the run. A job that produced no turn (it failed in INIT,
+  or was cancelled while queued) therefore answers with one placeholder item (token 0 as prompt
+  and generation, logprob 0.0) beside ``mask_sample: true``: it is never trained on.
+- ``reward_components`` has the same keys in every answer, whatever the outcome: always
+  ``{"reward": reward}`` (Gym readers take components as parts that add up to the reward; the
+  service's components are named measurements that need not). The service's components travel
+  in ``rollout_reward_components``: the configured ``reward_components`` names when set (0.0
+  when missing, as for a failed job), else what the environment reported.
+- The agent needs no Ray cluster (the service runs the work), so it declares
+  ``ray_enabled = False`` and Gym starts none for it.
+
 A row names its task in ``rollout_task`` (the environment's JSON task) and optionally
 ``rollout_environment``; without them the last user message and ``expected_answer`` (or
 ``answer``) become a ``math`` task. ``/v1/responses`` reads the same keys from the request's
@@ -20,10 +34,9 @@ the client side of this package.
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Body, HTTPException
 from nemo_gym.base_resources_server import BaseMultiRewardVerifyResponse, BaseRunRequest
@@ -57,6 +70,9 @@ class RolloutServiceAgentConfig(BaseResponsesAPIAgentConfig):
     """Most LLM turns per job; 0 keeps the environment's default."""
     total_token_budget: int = 0
     """Most tokens per trajectory; 0 keeps the service's default."""
+    reward_components: list[str] = []
+    """Component names reported in ``rollout_reward_components`` of every answer (0.0 when
+    missing), so per-component columns line up; empty reports what each job measured."""
 
 
 class RolloutServiceRunRequest(BaseRunRequest):
@@ -71,6 +87,7 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
     """Each ``/run`` is one job of the Rollout Service."""
 
     config: RolloutServiceAgentConfig
+    ray_enabled: ClassVar[bool] = False
 
     async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()
                         ) -> NeMoGymResponse:
@@ -87,16 +104,10 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
                                       extra.get("rollout_environment"), answer)
         traj = outcome.trajectory
         reward = float(traj.reward) if outcome.succeeded else 0.0
-        components = {k: float(v) for k, v in traj.reward_components.items()}
-        if not outcome.succeeded:
-            components = {}
-        # Gym readers take reward_components as parts of the reward; the service's components
-        # are named measurements (e.g. exact, format) that need not add up, so they travel
-        # beside it unless they do.
-        if not components or not math.isclose(sum(components.values()), reward, abs_tol=1e-9):
-            extra_components, components = components, {"reward": reward}
-        else:
-            extra_components = {}
+        measured = {k: float(v) for k, v in traj.reward_components.items()} \
+            if outcome.succeeded else {}
+        names = self.config.reward_components
+        extra_components = {n: measured.get(n, 0.0) for n in names} if names else measured
         error = outcome.error
         failure_kind = None if outcome.succeeded else _FAILURE_KINDS.get(
             int(error.code) if error is not None else 0, "agent_run_error")
@@ -106,7 +117,8 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             **extra,
             responses_create_params=body.responses_create_params,
             response=self._response(body.responses_create_params, outcome),
-            reward=reward, reward_components=components, mask_sample=not outcome.succeeded,
+            reward=reward, reward_components={"reward": reward},
+            mask_sample=not outcome.succeeded,
             failure_kind=failure_kind,
             failure_reason=(f"{error.reason}: {error.message}" if error is not None else None),
             rollout_job_id=traj.job_id, rollout_state=outcome.state_name,

@@ -25,12 +25,23 @@ from typing import Any
 from rollout.client.trajectory import segment_views
 from rollout.v1 import trajectory_pb2
 
+PLACEHOLDER_TOKEN = 0
+"""The token of the placeholder item a turnless trajectory answers with (every vocabulary has
+an id 0); it sits beside ``mask_sample: true`` and is never trained on."""
+
 
 def gym_output_items(traj: trajectory_pb2.Trajectory) -> list[dict[str, Any]]:
     """One token-carrying output item per turn (a ``function_call`` when the model called a
     tool, else an assistant ``message``), each followed by a ``function_call_output`` when the
     turn's tool answered. Text fields are empty: token ids are authoritative and the service does
-    not return per-turn text."""
+    not return per-turn text. A trajectory without turns gets one placeholder message (NeMo RL
+    fails a result that has no token-carrying item before it reads ``mask_sample``)."""
+    if not traj.turns:
+        return [{"type": "message", "id": "msg_placeholder", "role": "assistant",
+                 "status": "incomplete",
+                 "content": [{"type": "output_text", "text": "", "annotations": []}],
+                 "prompt_token_ids": [PLACEHOLDER_TOKEN],
+                 "generation_token_ids": [PLACEHOLDER_TOKEN], "generation_log_probs": [0.0]}]
     items: list[dict[str, Any]] = []
     seen: list[int] = []
     for k, turn in enumerate(segment_views(traj)[-1].turns):

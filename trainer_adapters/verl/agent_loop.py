@@ -51,8 +51,10 @@ class ServiceSettings:
     reward_components: tuple[str, ...] = ()
     """Component names reported in ``reward_extra_info`` for every sample (0.0 when missing),
     since verl needs the same keys in every sample."""
-    overlong: str = "truncate"
-    """``truncate`` (keep the first ``response_length`` tokens) or ``mask`` (train on none)."""
+    overlong: str = "mask"
+    """A response cut at ``response_length``: ``mask`` trains on none of it when a model token
+    was cut (the cut part may hold what earned the reward); ``truncate`` keeps the prefix and
+    the reward. See :mod:`rollout.trainer_adapters.verl.job_mapping`."""
     finish_after: int = 0
     """Group early termination: cancel a group's other samples once this many succeeded."""
     max_turns: int = 0

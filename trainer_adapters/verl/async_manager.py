@@ -8,9 +8,21 @@ sampling (groups whose rewards are all equal are dropped), the staleness bound (
 oldest turn lags the trainer by more than ``max_staleness`` versions is dropped; new jobs ask the
 service for ``min_policy_version``), early termination of redundant groups, and groups left
 running between steps (``prefetch_groups``) that serve the next step. One generation round per
-step (prompts arrive a step at a time): a dropped group shortens the batch (``partial``). The
-trainer's version is set from ``meta_info["global_steps"]`` on every call, that is after each
-weight update, or explicitly with :meth:`set_policy_version`.
+step (prompts arrive a step at a time): a dropped group shortens the batch (``partial``).
+
+Policy versions follow verl's labels: verl syncs weights to its rollout with the label
+``global_steps`` at the time of the sync, 0 before step 1 and ``k`` after step ``k``'s update,
+so step ``k`` (``meta_info["global_steps"] == k``) generates on weights labelled ``k - 1``. The
+manager therefore takes ``global_steps - 1`` as the current version (and new jobs ask the
+service for at least ``global_steps - 1 - max_staleness``); a trainer that pushes weights to the
+service's backends labels them the same way. :meth:`set_policy_version` sets it explicitly.
+
+A step never silently returns nothing. When every group of a step tied (dynamic sampling would
+drop them all), the tied groups are returned anyway and ``meta_info["rollout_stats"]
+["all_tied"]`` is True: their group-normalised advantages are zero, so the policy-gradient
+term does nothing, and the run goes on (a hard start often has such steps). When no group is
+usable at all (every sample failed, was stale or was cancelled), ``generate_sequences`` raises
+:class:`NoUsableGroups` with the counts.
 
 Because groups are dropped and carried across steps, a batch is *not* row-aligned with the
 prompts of the call: it is self-contained (tensors in verl's padded layout plus each row's
@@ -26,6 +38,7 @@ loop that created it, while verl calls its managers both synchronously and with 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -36,13 +49,23 @@ from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
 from rollout.client.aio import RolloutClient
-from rollout.client.batcher import Batch, BatcherConfig, GroupBatcher
+from rollout.client.batcher import Batch, BatcherConfig, Group, GroupBatcher
 from rollout.trainer_adapters.verl.agent_loop import ServiceSettings
 from rollout.trainer_adapters.verl.job_mapping import _scalar, from_flat, job_for_sample, pad_batch
 
 _SOURCE_KEYS = ("uid", "raw_prompt", "extra_info", "index", "data_source", "reward_model",
                 "agent_name")
 """Per-row fields of verl's prompt batch that travel with a group into the batch it lands in."""
+
+
+class NoUsableGroups(RuntimeError):
+    """A step produced no group to train on (failed, stale or cancelled samples only)."""
+
+
+def version_of_step(global_steps: int) -> int:
+    """The label of the weights verl's step ``global_steps`` generates on (see the module
+    docstring): one less than the step, never below 0."""
+    return max(int(global_steps) - 1, 0)
 
 
 class _Feed:
@@ -77,6 +100,7 @@ class StreamingRolloutManager:
         self.pad_token_id = pad_token_id
         self.group_size = group_size
         self._batcher_config = batcher
+        self.dynamic_sampling = batcher.dynamic_sampling if batcher is not None else True
         self.client_id = client_id
         self.policy_version = 0
         self._sources: dict[str, dict[str, Any]] = {}
@@ -91,7 +115,20 @@ class StreamingRolloutManager:
     @classmethod
     def create(cls, config: Any, llm_client: Any = None, teacher_client: Any = None,
                reward_loop_worker_handles: Any = None, **kwargs: Any) -> StreamingRolloutManager:
-        """Build from a verl trainer config (the ``agent_loop_manager_class`` hook's call)."""
+        """Build from a verl trainer config (the ``agent_loop_manager_class`` hook's call).
+
+        Only for verl's legacy trainer path (``trainer.use_v1=false``), whose managers return
+        the batch as a DataProto. verl 0.9.1's V1 trainer (``trainer.use_v1``, its default)
+        wants a manager that writes its outputs into TransferQueue and returns nothing, which
+        this one does not do: it refuses that configuration instead of failing mid-run."""
+        trainer = config.get("trainer") or {}
+        if trainer.get("use_v1", False):
+            raise ValueError(
+                "StreamingRolloutManager returns DataProto batches (verl's legacy trainer path); "
+                "verl's V1 trainer (trainer.use_v1=true, the default in verl 0.9.1) expects an "
+                "agent loop manager that writes into TransferQueue. Set trainer.use_v1=false "
+                "for this manager, or keep V1 and use the per-sample agent loop "
+                "(actor_rollout_ref.rollout.agent.default_agent_loop=rollout_service).")
         rollout = config.actor_rollout_ref.rollout
         settings = ServiceSettings.resolve({}, config)
         block = config.get("rollout_service") or {}
@@ -149,6 +186,10 @@ class StreamingRolloutManager:
         cfg = self._batcher_config or BatcherConfig(
             groups_per_batch=groups_per_batch, group_size=self.group_size, max_rounds=1,
             min_group_size=min(2, self.group_size))
+        # Dynamic sampling happens here, per step, so a step whose groups all tied can still
+        # return them (see the module docstring); the batcher keeps every usable group.
+        self.dynamic_sampling = cfg.dynamic_sampling
+        cfg = dataclasses.replace(cfg, dynamic_sampling=False)
         if cfg.max_rounds != 1:
             # Prompts arrive one step at a time: a second generation round would wait for
             # prompts only the next call brings. Dropped groups are replaced from the next
@@ -169,8 +210,8 @@ class StreamingRolloutManager:
 
     async def _generate(self, prompts: DataProto) -> DataProto:
         step = prompts.meta_info.get("global_steps")
-        if step is not None and int(step) > self.policy_version:
-            await self._set_version(int(step))
+        if step is not None and version_of_step(step) > self.policy_version:
+            await self._set_version(version_of_step(step))
         rows = _rows(prompts)
         firsts: dict[str, dict[str, Any]] = {}
         for row in rows:
@@ -183,7 +224,37 @@ class StreamingRolloutManager:
             self._sources[uid] = {k: row[k] for k in _SOURCE_KEYS if k in row}
             self._feed.put(self._item(row))
         batch = await batcher.next_batch()
-        return self._to_dataproto(batch)
+        groups, stats = self._filter(batch)
+        return self._to_dataproto(groups, stats, batch.policy_version)
+
+    def _filter(self, batch: Batch) -> tuple[list[Group], dict[str, Any]]:
+        st = batch.stats
+        groups = list(batch.groups)
+        stats: dict[str, Any] = {
+            "groups_kept": st.groups_kept, "groups_dropped_equal": st.groups_dropped_equal,
+            "groups_dropped_stale": st.groups_dropped_stale,
+            "groups_cancelled": st.groups_cancelled, "stale_samples": st.stale_samples,
+            "failed_samples": st.failed_samples, "partial": st.partial,
+            "generation_rounds": st.generation_rounds, "wait_s": st.wait_s, "all_tied": False}
+        if self.dynamic_sampling and groups:
+            mixed = [g for g in groups if len(set(g.rewards)) > 1]
+            if mixed:
+                stats["groups_dropped_equal"] += len(groups) - len(mixed)
+                stats["partial"] = stats["partial"] or len(mixed) < len(groups)
+                groups = mixed
+            else:
+                stats["all_tied"] = True
+            stats["groups_kept"] = len(groups)
+        if not groups:
+            raise NoUsableGroups(
+                f"no usable group in this step: {st.failed_samples} samples failed, "
+                f"{st.stale_samples} were too stale (max_staleness), {st.groups_cancelled} "
+                f"groups were cancelled, {st.groups_dropped_small} groups had fewer than "
+                f"min_group_size usable samples. Failed jobs say why (`rollout jobs` / "
+                f"GetJob); BACKEND_UNAVAILABLE usually means no backend serves the version "
+                f"jobs ask for ({self.policy_version} - max_staleness): weights for step k "
+                f"are labelled k - 1.")
+        return groups, stats
 
     def _item(self, row: Mapping[str, Any]) -> dict[str, Any]:
         spec = job_for_sample(row, {}, environment=self.settings.environment,
@@ -198,9 +269,10 @@ class StreamingRolloutManager:
             item.pop(key, None)
         return item
 
-    def _to_dataproto(self, batch: Batch) -> DataProto:
+    def _to_dataproto(self, groups: list[Group], stats: dict[str, Any],
+                      policy_version: int) -> DataProto:
         samples, sources = [], []
-        for group in batch.groups:
+        for group in groups:
             uid = str(dict(group.prompt.get("metadata", {})).get("uid", group.group_id))
             source = self._sources.get(uid, {"uid": uid})
             for s in group.samples:
@@ -216,8 +288,7 @@ class StreamingRolloutManager:
                            pad_token_id=self.pad_token_id)
         tensors = {k: torch.tensor(v, dtype=torch.float32 if k in (
             "rollout_log_probs", "rm_scores") else torch.int64) for k, v in padded.items()}
-        if samples:
-            tensors["position_ids"] = compute_position_id_with_mask(tensors["attention_mask"])
+        tensors["position_ids"] = compute_position_id_with_mask(tensors["attention_mask"])
         non_tensors: dict[str, Any] = {}
         for key in _SOURCE_KEYS:
             if any(key in src for src in sources):
@@ -234,17 +305,9 @@ class StreamingRolloutManager:
             non_tensors[key] = np.array([s.extra_fields["reward_extra_info"][key]
                                          for s in samples])
         non_tensors["__num_turns__"] = np.array([s.num_turns for s in samples], dtype=np.int32)
-        st = batch.stats
-        meta = {"reward_extra_keys": info_keys, "policy_version": batch.policy_version,
-                "rollout_stats": {
-                    "groups_kept": st.groups_kept, "groups_dropped_equal": st.groups_dropped_equal,
-                    "groups_dropped_stale": st.groups_dropped_stale,
-                    "groups_cancelled": st.groups_cancelled, "stale_samples": st.stale_samples,
-                    "failed_samples": st.failed_samples, "partial": st.partial,
-                    "generation_rounds": st.generation_rounds, "wait_s": st.wait_s},
-                "timing": {"agent_loop/streaming/wait_s": st.wait_s}}
-        if not samples:
-            return DataProto(non_tensor_batch=non_tensors, meta_info=meta)
+        meta = {"reward_extra_keys": info_keys, "policy_version": policy_version,
+                "rollout_stats": stats,
+                "timing": {"agent_loop/streaming/wait_s": stats["wait_s"]}}
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
     async def _close(self) -> None:

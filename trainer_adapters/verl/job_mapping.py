@@ -13,6 +13,18 @@ What verl does with these fields, and why each rule below exists:
   ``reward_extra_info`` dicts are read with the first sample's keys. So every sample gets a score
   and the same keys (``REWARD_INFO_KEYS`` plus the configured component names), whether it
   succeeded or not.
+- A response longer than ``response_length`` is cut. The service stops an episode at
+  ``prompt_length + response_length`` tokens in all, so when the rendered prompt is shorter
+  than ``prompt_length`` the response can run past ``response_length``. The reward was earned
+  by the whole episode, perhaps by an answer in the cut part: by default (``overlong="mask"``)
+  a row that lost any model token is trained on nothing (``rollout_valid`` 0); a cut that
+  removed only tool output after the last generation loses nothing the model wrote, and the
+  row stays trainable. ``overlong="truncate"`` keeps the prefix with its mask and the reward,
+  as verl's own tool agent loop does (whose generation stops at the budget, so there the kept
+  part did earn it).
+- A prompt longer than ``prompt_length`` is a configuration error, not a sample to mask: the
+  service renders one prompt per task, so every sample would be masked. It raises, naming the
+  length to configure.
 - A failed or cancelled job has no genuine reward (the service reports 0). Scoring it 0 would
   teach the policy that whatever it did was wrong, when a sandbox crashed or a group was cut
   short; so its response mask is all zero (no token of it is trained on) and ``rollout_valid``
@@ -36,9 +48,14 @@ from rollout.v1 import job_pb2, trajectory_pb2
 REWARD_INFO_KEYS = ("reward", "rollout_valid", "truncated")
 """Keys every sample's ``reward_extra_info`` carries, before the configured components."""
 
-OVERLONG_POLICIES = ("truncate", "mask")
-"""What an over-long response keeps: its first ``response_length`` tokens with their mask
-(``truncate``, verl's own behaviour for its tool agent loop), or nothing to train on (``mask``)."""
+OVERLONG_POLICIES = ("mask", "truncate")
+"""What a response cut at ``response_length`` trains on: nothing when a model token was cut
+(``mask``, the default), or its first ``response_length`` tokens with their mask and the
+episode's reward (``truncate``). See the module docstring."""
+
+
+class PromptTooLong(ValueError):
+    """The service's rendered prompt does not fit ``prompt_length``."""
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:/-]")
 
@@ -60,7 +77,7 @@ class VerlSample:
 
 
 def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
-                   reward_components: Sequence[str] = (), overlong: str = "truncate",
+                   reward_components: Sequence[str] = (), overlong: str = "mask",
                    fallback_prompt_ids: Sequence[int] = ()) -> VerlSample:
     """Map a finished job (a :class:`rollout.trainer_adapters.job_runner.JobOutcome`:
     ``trajectory``, ``state``, ``error``) to verl's fields.
@@ -112,7 +129,7 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
 
 def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prompt_length: int,
               response_length: int, reward_components: Sequence[str] = (),
-              overlong: str = "truncate", fallback_prompt_ids: Sequence[int] = (),
+              overlong: str = "mask", fallback_prompt_ids: Sequence[int] = (),
               metrics: dict[str, float] | None = None, observations: int | None = None
               ) -> VerlSample:
     """The same mapping from a flattened trajectory (what the batcher's samples hold).
@@ -129,16 +146,19 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
     valid = succeeded and bool(response)
     truncated = False
     if len(prompt) > prompt_length:
-        # The response was sampled after the whole prompt; with its left part cut, no token of
-        # it has the logprob that was recorded. Keep the row (left-truncated, as verl does for
-        # its own prompts) but train on none of it.
-        prompt = prompt[-prompt_length:]
-        truncated, valid = True, False
+        if flat.token_ids:
+            raise PromptTooLong(
+                f"job {flat.job_id}: the service rendered a {len(prompt)}-token prompt, longer "
+                f"than rollout.prompt_length={prompt_length}; every sample of this task would "
+                f"train on nothing. Set actor_rollout_ref.rollout.prompt_length (and "
+                f"data.max_prompt_length) to at least {len(prompt)}.")
+        prompt = prompt[-prompt_length:]  # verl's own rendering, cut as verl cuts prompts
     if len(response) > response_length:
+        cut_model_tokens = any(mask[response_length:])
         response, mask = response[:response_length], mask[:response_length]
         logprobs = logprobs[:response_length]
         truncated = True
-        if overlong == "mask":
+        if overlong == "mask" and cut_model_tokens:
             valid = False
     if not valid:
         mask = [0] * len(mask)

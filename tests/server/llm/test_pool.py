@@ -217,3 +217,23 @@ async def test_rolling_update_records_versions_per_turn() -> None:
     assert after.policy_version == 5
     assert {i.policy_version for i in pool.backends()} == {5}
     await pool.close()
+
+
+async def test_group_affinity_table_keeps_only_recent_groups() -> None:
+    """One entry per group ever seen would grow without bound over a long run; the table keeps
+    the most recently used ones, and a group in use keeps its backend."""
+    engines = [FakeEngine(n) for n in "ab"]
+    pool = BackendPool(engines, health_interval_s=0, max_group_affinities=8)
+    for i in range(200):
+        await pool.generate(req(f"s{i}", group=f"G{i}"))
+        await pool.end_session(f"s{i}")
+    assert pool.group_affinities == 8
+    # A group used again moves to the front and survives newer groups.
+    first = await pool.generate(req("keep-0", group="G199"))
+    for i in range(200, 207):
+        await pool.generate(req(f"s{i}", group=f"G{i}"))
+    again = await pool.generate(req("keep-1", group="G199"))
+    assert pool.group_affinities == 8 and again.backend == first.backend
+    with pytest.raises(ValueError, match="max_group_affinities"):
+        BackendPool([], max_group_affinities=0)
+    await pool.close()

@@ -153,7 +153,6 @@ def test_token_logprobs_and_entropy_by_hand() -> None:
     assert abs(lp2.item() - math.log(1 / (1 + math.sqrt(3)))) < 1e-6
 
 
-VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
 VERL_SCRIPT = """
 import json, sys, torch
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
@@ -171,8 +170,7 @@ print(json.dumps({"loss": loss.item(), "clipfrac_lower": m["actor/pg_clipfrac_lo
 
 @pytest.mark.slow  # importing verl in its own venv takes a minute on this machine
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not VERL_PY.exists(), reason="verl venv (.venv-verl) not built")
-def test_matches_verl_policy_loss_on_identical_tensors() -> None:
+def test_matches_verl_policy_loss_on_identical_tensors(verl_venv: Path) -> None:
     torch.manual_seed(1)
     logp = torch.randn(6, 9, dtype=torch.float64) * 0.2 - 2
     old = logp + torch.randn(6, 9, dtype=torch.float64) * 0.6  # many clipped tokens
@@ -186,10 +184,8 @@ def test_matches_verl_policy_loss_on_identical_tensors() -> None:
     weights = importance_weights(old, rollout, 2.0)
     payload = {k: v.tolist() for k, v in dict(logp=logp, old=old, adv=adv, mask=mask,
                                                w=weights).items()}
-    proc = subprocess.run([str(VERL_PY), "-c", VERL_SCRIPT], input=json.dumps(payload),
+    proc = subprocess.run([str(verl_venv), "-c", VERL_SCRIPT], input=json.dumps(payload),
                           capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
-        pytest.skip(f"verl does not import: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert abs(ours.item() - theirs["loss"]) < 1e-6

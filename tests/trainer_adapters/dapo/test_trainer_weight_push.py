@@ -65,7 +65,8 @@ class TwoTurnHandler(AgentHandler):
             turns.append(Turn(prompt_ids=list(new), output_ids=list(result.output_ids),
                               output_logprobs=list(result.logprobs),
                               policy_version=result.policy_version,
-                              finish_reason=result.finish_reason))
+                              finish_reason=result.finish_reason,
+                              logprobs_kind=result.logprobs_kind))
             ids = ids + list(result.output_ids) + SEPARATOR
         await ctx.llm.end_session(spec.job_id)
         return RunOutcome(turns=turns, termination=TerminationReason.NO_TOOL_CALL)

@@ -64,7 +64,8 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
 
     config = RolloutServiceAgentConfig(host="127.0.0.1", port=0, entrypoint="gym_agent.py",
                                        name="rollout_service_agent", address=req["address"],
-                                       environment="episode")
+                                       environment="episode",
+                                       reward_components=req.get("reward_components", []))
     client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
                           global_config_dict=DictConfig({}))
     agent = RolloutServiceAgent(config=config, server_client=client)
@@ -107,22 +108,38 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
 
 def check_scaffold(root: Path, address: str) -> dict[str, Any]:
     """The directory NeMo Gym would launch: its config validates as the agent's config (with
-    the host, port and name Gym adds) and its app.py compiles and names the agent."""
-    from omegaconf import OmegaConf
+    the host, port and name Gym adds) and passes nemo-gym's own config parser with agents
+    without an environment server made an error (what it otherwise flags as deprecated); its
+    app.py compiles and names the agent; the agent asks Gym for no Ray cluster."""
+    from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from nemo_gym.server_utils import _server_uses_ray
+    from omegaconf import DictConfig, OmegaConf
 
-    from rollout.trainer_adapters.nemo_rl.gym_agent import RolloutServiceAgentConfig
+    from rollout.trainer_adapters.nemo_rl.gym_agent import (
+        RolloutServiceAgent,
+        RolloutServiceAgentConfig,
+    )
     from rollout.trainer_adapters.nemo_rl.scaffold import AGENT_NAME, scaffold
 
     server_dir = scaffold(root, address=address, environment="episode")
-    cfg = OmegaConf.to_container(OmegaConf.load(server_dir / "configs" / f"{AGENT_NAME}.yaml"))
+    config_path = server_dir / "configs" / f"{AGENT_NAME}.yaml"
+    cfg = OmegaConf.to_container(OmegaConf.load(config_path))
     entry = cfg[AGENT_NAME]["responses_api_agents"][AGENT_NAME]
     config = RolloutServiceAgentConfig.model_validate(
         {**entry, "host": "127.0.0.1", "port": 1, "name": AGENT_NAME})
+    initial = DictConfig({**GlobalConfigDictParserConfig.NO_MODEL_GLOBAL_CONFIG_DICT,
+                          "config_paths": [str(config_path)],
+                          "error_on_agent_without_environment_server": True})
+    parsed = GlobalConfigDictParser().parse(GlobalConfigDictParserConfig(
+        initial_global_config_dict=initial, skip_load_from_cli=True,
+        skip_load_from_dotenv=True, offline=True))
     app = (server_dir / "app.py").read_text()
     compile(app, str(server_dir / "app.py"), "exec")
     return {"address": config.address, "environment": config.environment,
             "entrypoint": config.entrypoint, "runs_agent": "RolloutServiceAgent.run_webserver()"
-            in app, "requirements": (server_dir / "requirements.txt").read_text().split()}
+            in app, "requirements": (server_dir / "requirements.txt").read_text().split(),
+            "parsed_servers": sorted(k for k in parsed if k.startswith("rollout_service")),
+            "uses_ray": _server_uses_ray(RolloutServiceAgent)}
 
 
 if __name__ == "__main__":

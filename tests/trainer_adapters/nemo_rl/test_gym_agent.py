@@ -17,25 +17,22 @@ from typing import Any
 
 import pytest
 
+from tests.trainer_adapters.venvs import GYM_PY, ROOT
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
     expected_flat,
     two_turn_tool_episode,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-GYM_PY = ROOT / ".venv-nemo-gym" / "bin" / "python"
 FIXTURE = Path(__file__).with_name("two_turn_message_log.json")
-pytestmark = [
-    pytest.mark.skipif(not GYM_PY.exists(),
-                       reason=".venv-nemo-gym is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.timeout(180),
-]
+pytestmark = [pytest.mark.usefixtures("gym_venv"), pytest.mark.timeout(180)]
 
 
-async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path,
+                    reward_components: list[str] | None = None) -> dict[str, Any]:
     (tmp / "req.json").write_text(json.dumps({"address": address, "rows": rows,
-                                              "scaffold_root": str(tmp / "gym")}))
+                                              "scaffold_root": str(tmp / "gym"),
+                                              "reward_components": reward_components or []}))
     proc = await asyncio.create_subprocess_exec(
         str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")), str(tmp / "req.json"),
         str(tmp / "out.json"), cwd=str(ROOT), env=dict(os.environ),
@@ -56,14 +53,16 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     sums = two_turn_tool_episode(base=200, version=1, reward=1.5)
     sums["components"] = {"exact": 1.0, "format": 0.5}  # parts that add up to the reward
     failed = two_turn_tool_episode(base=300, version=1, reward=1.0, fail="eval")
+    early = two_turn_tool_episode(base=400, version=1, reward=1.0, fail="init")
     h = episode_harness(tmp_path / "state")
     await h.start()
     try:
         res = await run_agent(h.address, [row(ok, 0), row(sums, 1), row(failed, 2), {
-            "responses_create_params": {"input": "no task here"}}], tmp_path)
+            "responses_create_params": {"input": "no task here"}}, row(early, 4)], tmp_path,
+            reward_components=["exact", "format"])
     finally:
         await h.stop()
-    r_ok, r_sums, r_failed, r_bad = res["results"]
+    r_ok, r_sums, r_failed, r_bad, r_early = res["results"]
 
     # The two-turn tool episode: NeMo RL's flattening of the /run answer, our converter on the
     # stored trajectory, and the hand-derived fixture all agree.
@@ -91,12 +90,24 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     assert items[2]["prompt_token_ids"][:len(items[0]["prompt_token_ids"])] == (
         items[0]["prompt_token_ids"])
     assert body["reward"] == 1.0 and body["mask_sample"] is False
-    # exact=1, format=0.5 do not add up to 1.0: they travel beside a summing reward_components.
+    # The service's components (exact, format) are measurements, not parts of the reward:
+    # they travel beside it, and reward_components has the same single key in every answer,
+    # whether the components happen to add up (r_sums) or the job failed (r_failed, r_early).
     assert body["reward_components"] == {"reward": 1.0}
     assert body["rollout_reward_components"] == {"exact": 1.0, "format": 0.5}
+    assert r_sums["body"]["reward_components"] == {"reward": 1.5}
+    assert r_sums["body"]["rollout_reward_components"] == {"exact": 1.0, "format": 0.5}
+    for r in (r_failed, r_early):
+        assert r["body"]["reward_components"] == {"reward": 0.0}
+        assert r["body"]["rollout_reward_components"] == {"exact": 0.0, "format": 0.0}
 
-    assert r_sums["body"]["reward_components"] == {"exact": 1.0, "format": 0.5}
-    assert r_sums["body"]["reward"] == 1.5
+    # A job that failed before any turn still answers with a token-carrying item, so NeMo
+    # RL's post-processing (which runs before it reads mask_sample) has a message log; the
+    # placeholder is masked out.
+    eb = r_early["body"]
+    assert eb["mask_sample"] is True and eb["rollout_state"] == "FAILED"
+    assert [i["generation_token_ids"] for i in eb["response"]["output"]] == [[0]]
+    assert [m["role"] for m in r_early["nemo_flatten"]] == ["user", "assistant"]
 
     # A failed job is masked out, with a failure kind from nemo-gym's vocabulary.
     fb = r_failed["body"]
@@ -109,9 +120,16 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
 
     assert res["responses"]["output"][0]["generation_token_ids"] == [110, 111, 112]
     # The server directory NeMo Gym launches: its config is the agent's config.
+    # Its config passes nemo-gym's parser with agents lacking an environment server made an
+    # error (the deprecated form), the agent starts no Ray cluster, and requirements.txt
+    # names what pip can install (this checkout; the name alone is not on PyPI).
     assert res["scaffold"] == {"address": h.address, "environment": "episode",
                                "entrypoint": "app.py", "runs_agent": True,
-                               "requirements": ["rollout-service"]}
-    # Gym's aggregation read the three answers, keyed by the row indices they echo.
-    assert [r["body"]["_ng_task_index"] for r in (r_ok, r_sums, r_failed)] == [0, 1, 2]
+                               "requirements": [str(ROOT)],
+                               "parsed_servers": ["rollout_service_agent",
+                                                  "rollout_service_environment_server"],
+                               "uses_ray": False}
+    # Gym's aggregation read the answers, keyed by the row indices they echo.
+    assert [r["body"]["_ng_task_index"] for r in (r_ok, r_sums, r_failed, r_early)] == [
+        0, 1, 2, 4]
     assert res["aggregate"] is not None

@@ -3,7 +3,8 @@
 Usage: drive_streaming.py REQUEST.json RESULT.json. Each step of the request is a list of
 groups (uid, task); the driver builds verl's prompt batch (each prompt repeated ``n`` times,
 interleaved, as verl's trainer does), calls ``generate_sequences`` with
-``meta_info["global_steps"]`` set to the step's policy version, and records what came back.
+``meta_info["global_steps"]`` set to the step's ``global_steps`` (verl counts from 1), and records
+what came back, or the error it raised.
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def main(req: dict[str, Any]) -> dict[str, Any]:
                                        dtype=object),
                 "uid": np.array([g["uid"] for g in rows], dtype=object),
                 "index": np.arange(len(rows)),
-            }, meta_info={"global_steps": step["version"]})
-            out = manager.generate_sequences(batch)
+            }, meta_info={"global_steps": step["global_steps"]})
+            try:
+                out = manager.generate_sequences(batch)
+            except Exception as exc:  # the test reads what was raised
+                steps.append({"error": type(exc).__name__, "message": str(exc)})
+                continue
             steps.append({
-                "tensors": {k: out.batch[k].tolist() for k in out.batch.keys()}
-                if out.batch is not None else {},
+                "tensors": {k: out.batch[k].tolist() for k in out.batch.keys()},
                 "uid": [str(u) for u in out.non_tensor_batch.get("uid", [])],
                 "min_global_steps": [int(v) for v in out.non_tensor_batch["min_global_steps"]],
                 "reward": [float(v) for v in out.non_tensor_batch.get("reward", [])],

@@ -9,7 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout.trainer_adapters.verl.job_mapping import job_for_sample, to_verl_sample
+from rollout.trainer_adapters.verl.job_mapping import (
+    PromptTooLong,
+    job_for_sample,
+    to_verl_sample,
+)
 from rollout.v1 import job_pb2, trajectory_pb2
 
 SUCCEEDED, FAILED = job_pb2.Job.State.STATE_SUCCEEDED, job_pb2.Job.State.STATE_FAILED
@@ -26,26 +30,42 @@ def outcome(turns: list[dict[str, Any]], *, state: int = SUCCEEDED, reward: floa
     return SimpleNamespace(trajectory=traj, state=state, error=None)
 
 
-def test_prompt_longer_than_prompt_length_is_cut_and_masked() -> None:
-    s = to_verl_sample(outcome([{"p": [1, 2, 3, 4, 5], "o": [6, 7]}]),
+def test_prompt_longer_than_prompt_length_raises_naming_the_length() -> None:
+    # Masking every row (the old behaviour) would train on nothing, silently.
+    with pytest.raises(PromptTooLong, match=r"5-token prompt.*prompt_length=3.*at least 5"):
+        to_verl_sample(outcome([{"p": [1, 2, 3, 4, 5], "o": [6, 7]}]),
                        prompt_length=3, response_length=8)
-    # Left-truncated like verl's own prompts, but the response was sampled after the whole
-    # prompt, so nothing of it is trained on.
-    assert s.prompt_ids == [3, 4, 5] and s.response_ids == [6, 7]
-    assert s.response_mask == [0, 0]
-    assert s.extra_fields["truncated"] is True and s.extra_fields["rollout_valid"] is False
+    # verl's own rendering of a job that produced no turn is cut as verl cuts prompts.
+    s = to_verl_sample(outcome([], state=FAILED), prompt_length=3, response_length=8,
+                       fallback_prompt_ids=[1, 2, 3, 4, 5])
+    assert s.prompt_ids == [3, 4, 5] and s.response_ids == []
 
 
-def test_overlong_mask_policy_trains_on_nothing() -> None:
+def test_overlong_default_trains_no_reward_on_a_cut_answer() -> None:
+    # Response: model [2, 3, 4], tool output [5, 6], model [8, 9] (after prompt delta [7]).
     job = outcome([{"p": [1], "o": [2, 3, 4], "obs": [5, 6]}, {"p": [7], "o": [8, 9]}])
-    kept = to_verl_sample(job, prompt_length=4, response_length=5)
-    assert kept.response_ids == [2, 3, 4, 5, 6] and kept.response_mask == [1, 1, 1, 0, 0]
-    assert kept.response_logprobs == [-1.0, -2.0, -3.0, 0.0, 0.0]
-    masked = to_verl_sample(job, prompt_length=4, response_length=5, overlong="mask")
-    assert masked.response_mask == [0] * 5 and masked.reward_score == 1.0
+    # Cut at 5: the second turn's answer (8, 9) is gone. By default nothing is trained.
+    masked = to_verl_sample(job, prompt_length=4, response_length=5)
+    assert masked.response_ids == [2, 3, 4, 5, 6] and masked.response_mask == [0] * 5
+    assert masked.reward_score == 1.0  # still reported, not trained
     assert masked.extra_fields["reward_extra_info"]["rollout_valid"] == 0.0
+    assert masked.extra_fields["truncated"] is True
+    # truncate: verl's tool-agent-loop behaviour, the prefix with its mask and the reward.
+    kept = to_verl_sample(job, prompt_length=4, response_length=5, overlong="truncate")
+    assert kept.response_mask == [1, 1, 1, 0, 0]
+    assert kept.response_logprobs == [-1.0, -2.0, -3.0, 0.0, 0.0]
+    assert kept.extra_fields["rollout_valid"] is True
     with pytest.raises(ValueError, match="overlong"):
         to_verl_sample(job, prompt_length=4, response_length=5, overlong="drop")
+
+
+def test_cut_of_tool_output_only_keeps_the_row_trainable() -> None:
+    # Model [2, 3] then tool output [4, 5, 6] after the last generation; cutting at 3 loses
+    # only tool output, so every model token is kept and the reward was earned by them.
+    job = outcome([{"p": [1], "o": [2, 3], "obs": [4, 5, 6]}])
+    s = to_verl_sample(job, prompt_length=4, response_length=3)
+    assert s.response_ids == [2, 3, 4] and s.response_mask == [1, 1, 0]
+    assert s.extra_fields["rollout_valid"] is True and s.extra_fields["truncated"] is True
 
 
 def test_failed_job_scores_zero_whatever_it_reported_and_keeps_fixed_keys() -> None:

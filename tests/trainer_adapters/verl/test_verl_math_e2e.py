@@ -18,13 +18,9 @@ from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from tests.client.conftest import make_config
 from tests.fixtures.tiny_model import tiny_model_dir
-from tests.trainer_adapters.verl.test_verl_worker import VERL_PY, run_verl
+from tests.trainer_adapters.verl.test_verl_worker import run_verl
 
-pytestmark = [
-    pytest.mark.skipif(not VERL_PY.exists(),
-                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [pytest.mark.usefixtures("verl_venv"), pytest.mark.timeout(300)]
 RIGHT, WRONG = "\\boxed{391}", "\\boxed{7}"
 QUESTION = "What is 17 \\times 23?"
 

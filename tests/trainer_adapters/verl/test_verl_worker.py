@@ -19,19 +19,14 @@ from typing import Any
 import pytest
 
 from tests.fixtures.tiny_model import tiny_model_dir
+from tests.trainer_adapters.venvs import ROOT, VERL_PY
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
     expected_flat,
     two_turn_tool_episode,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
-pytestmark = [
-    pytest.mark.skipif(not VERL_PY.exists(),
-                       reason=".venv-verl is missing: run scripts/setup_adapters.sh"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [pytest.mark.usefixtures("verl_venv"), pytest.mark.timeout(300)]
 
 PROMPT_LEN, RESPONSE_LEN = 8, 12
 
@@ -126,13 +121,16 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
         assert nt["__num_turns__"][row] == 4
 
     # The over-long trajectory is cut to RESPONSE_LEN, flagged, and did not crash the batch.
+    # Its third turn's model tokens were cut, and the reward may have come from them, so by
+    # default (overlong = "mask") none of it is trained on.
     exp = expected_flat(long)
     p = exp["prompt_len"][0]
     assert t["responses"][1] == exp["ids"][p:p + RESPONSE_LEN]
-    assert t["response_mask"][1] == exp["mask"][p:p + RESPONSE_LEN]
+    assert any(exp["mask"][p + RESPONSE_LEN:])
+    assert t["response_mask"][1] == [0] * RESPONSE_LEN
     assert t["rollout_log_probs"][1] == pytest.approx(exp["logprobs"][p:p + RESPONSE_LEN])
     assert t["rm_scores"][1][-1] == pytest.approx(0.5) and sum(t["rm_scores"][1]) == 0.5
-    assert nt["truncated"][1] is True and nt["rollout_valid"][1] is True
+    assert nt["truncated"][1] is True and nt["rollout_valid"][1] is False
     assert (nt["min_global_steps"][1], nt["max_global_steps"][1]) == (7, 7)
 
     # A failed sample is masked out (not scored 0 and trained on): its tokens stay visible.
@@ -152,7 +150,7 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     assert res["reward_extra_keys"] == ["reward", "rollout_valid", "truncated", "exact", "format"]
     assert nt["exact"] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert nt["format"] == [0.5, 0.0, 0.0, 0.5, 0.0, 0.5]
-    assert nt["rollout_valid"] == [True, True, False, True, False, True]
+    assert nt["rollout_valid"] == [True, False, False, True, False, True]
     # The sample's uid reached the service as the job's group.
     assert all(jid.startswith("verl/g1/") for jid in nt["rollout_job_id"][:2])
     assert all(jid.startswith("verl/g2/") for jid in nt["rollout_job_id"][2:4])
