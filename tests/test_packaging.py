@@ -57,9 +57,10 @@ def test_every_package_folder_is_in_the_wheel() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([name, *rel.parts]))
-        # data folders ship as data-only packages (listed, so that setuptools does not warn)
-        for data in (ROOT / folder).rglob("data"):
-            for d in [data, *(p for p in data.rglob("*") if p.is_dir())]:
-                if "__pycache__" not in d.parts:
-                    found.add(".".join([name, *d.relative_to(ROOT / folder).parts]))
+        # folders of data files (task sets, templates, presets) inside a package ship as
+        # data-only packages (listed, so that setuptools does not warn)
+        for d in (ROOT / folder).rglob("*"):
+            if (d.is_dir() and "__pycache__" not in d.parts and not (d / "__init__.py").exists()
+                    and any(f.is_file() for f in d.iterdir())):
+                found.add(".".join([name, *d.relative_to(ROOT / folder).parts]))
     assert found == listed

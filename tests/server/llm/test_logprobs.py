@@ -144,7 +144,9 @@ async def test_seeded_row_is_the_same_alone_and_in_a_batch_of_16(
     near_cut |= set(assert_logprobs_match_reference(engine.model, prompt, inside, params))
     for index, (lone, batched) in enumerate(zip(alone.logprobs, inside.logprobs, strict=True)):
         if index not in near_cut:
-            assert batched == pytest.approx(lone, abs=1e-5), index
+            # 1e-4, as the raw comparisons above: a 16-row left-padded matmul has been seen
+            # 2e-5 away from the lone one in float32 (the thread count changes the blocking)
+            assert batched == pytest.approx(lone, abs=1e-4), index
     other = await engine.generate(GenerateRequest(prompt, params, 20, "other-seed", seed=43))
     assert other.output_ids != alone.output_ids
 
