@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,26 +71,45 @@ FAMILIES = {"larger": _larger, "smaller": _smaller, "animal": _bigger_animal,
             "choice": _choice}
 
 
-def generate(n: int, seed: int, exclude: set[str] = frozenset()  # type: ignore[assignment]
-             ) -> Iterator[dict[str, Any]]:
-    """``n`` distinct job lines, cycling through the families, none of whose question is in
-    ``exclude``."""
+def distinct_draws(families: Mapping[str, Callable[[random.Random], tuple[Any, ...]]], n: int,
+                   seed: int, exclude: Iterable[str] = ()
+                   ) -> Iterator[tuple[str, int, tuple[Any, ...]]]:
+    """``(family, k, draw)`` for k = 1..n, cycling through the families in name order, each
+    draw's question (its first item) distinct and not in ``exclude``."""
     rng = random.Random(seed)
     seen = set(exclude)
-    names = sorted(FAMILIES)
+    names = sorted(families)
     made = tries = 0
     while made < n:
         tries += 1
         if tries > 100 * n:
             raise ValueError(f"cannot draw {n} distinct questions from the families")
         family = names[made % len(names)]
-        question, answer, distractors = FAMILIES[family](rng)
-        if question in seen:
+        draw = families[family](rng)
+        if draw[0] in seen:
             continue
-        seen.add(question)
+        seen.add(draw[0])
         made += 1
+        yield family, made, draw
+
+
+def write_split(generate: Callable[..., Iterator[dict[str, Any]]], train: int, heldout: int,
+                seeds: tuple[int, int], files: tuple[Path, Path]) -> None:
+    """Write a held-out file and a train file whose questions never repeat a held-out one."""
+    held = list(generate(heldout, seed=seeds[0]))
+    rows = list(generate(train, seed=seeds[1],
+                         exclude=frozenset(r["task"]["question"] for r in held)))
+    files[0].parent.mkdir(parents=True, exist_ok=True)
+    for path, lines in zip(files, (rows, held), strict=True):
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def generate(n: int, seed: int, exclude: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+    """``n`` distinct job lines, cycling through the families, none of whose question is in
+    ``exclude``."""
+    for family, k, (question, answer, distractors) in distinct_draws(FAMILIES, n, seed, exclude):
         yield {"environment": "short",
-               "task": {"id": f"{family}-{seed}-{made:04d}", "question": question,
+               "task": {"id": f"{family}-{seed}-{k:04d}", "question": question,
                         "answer": answer, "distractors": distractors},
                "metadata": {"family": family}}
 
@@ -100,11 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=600)
     parser.add_argument("--heldout", type=int, default=96)
     args = parser.parse_args(argv)
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
-    heldout = list(generate(args.heldout, seed=1))
-    train = list(generate(args.train, seed=2, exclude={r["task"]["question"] for r in heldout}))
-    for path, rows in ((TRAIN_FILE, train), (HELDOUT_FILE, heldout)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_split(generate, args.train, args.heldout, (1, 2), (TRAIN_FILE, HELDOUT_FILE))
     return 0
 
 

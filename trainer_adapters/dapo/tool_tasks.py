@@ -22,11 +22,12 @@ share no question.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from rollout.trainer_adapters.dapo.task_set import distinct_draws, write_split
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TRAIN_FILE = DATA_DIR / "tools_train.jsonl"
@@ -73,26 +74,12 @@ FAMILIES: dict[str, Callable[[random.Random], Question]] = {
     "crates": _crates, "tank": _tank}
 
 
-def generate(n: int, seed: int, exclude: frozenset[str] = frozenset()
-             ) -> Iterator[dict[str, Any]]:
+def generate(n: int, seed: int, exclude: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """``n`` distinct job lines, cycling through the families, none of whose question is in
     ``exclude``."""
-    rng = random.Random(seed)
-    seen = set(exclude)
-    names = sorted(FAMILIES)
-    made = tries = 0
-    while made < n:
-        tries += 1
-        if tries > 100 * n:
-            raise ValueError(f"cannot draw {n} distinct questions from the families")
-        family = names[made % len(names)]
-        question, answer = FAMILIES[family](rng)
-        if question in seen:
-            continue
-        seen.add(question)
-        made += 1
+    for family, k, (question, answer) in distinct_draws(FAMILIES, n, seed, exclude):
         yield {"environment": "math",
-               "task": {"id": f"{family}-{seed}-{made:04d}", "question": question,
+               "task": {"id": f"{family}-{seed}-{k:04d}", "question": question,
                         "answer": str(answer), "tools": ["python"]},
                "metadata": {"family": family}}
 
@@ -102,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=480)
     parser.add_argument("--heldout", type=int, default=96)
     args = parser.parse_args(argv)
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
-    heldout = list(generate(args.heldout, seed=11))
-    train = list(generate(args.train, seed=12,
-                          exclude=frozenset(r["task"]["question"] for r in heldout)))
-    for path, rows in ((TRAIN_FILE, train), (HELDOUT_FILE, heldout)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_split(generate, args.train, args.heldout, (11, 12), (TRAIN_FILE, HELDOUT_FILE))
     return 0
 
 
