@@ -27,6 +27,7 @@ from rollout.server.gateway.messages import (
     opt_int,
     read_stop,
     text_of,
+    tool_list,
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -37,7 +38,7 @@ def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
     if not isinstance(raw, list):
         raise BadRequest("messages must be a list", param="messages")
     tools = _tools(body.get("tools"))
-    check_counts([Message("user")] * len(raw), tools, limits)
+    check_counts(len(raw), len(tools), limits)
     messages: list[Message] = []
     system = body.get("system")
     if system is not None:
@@ -100,12 +101,8 @@ def _add(messages: list[Message], m: Any, param: str) -> None:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest("tools must be a list", param="tools")
     out = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(tool_list(raw)):
         if not isinstance(t, Mapping):
             raise BadRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
         if t.get("type") not in (None, "custom"):

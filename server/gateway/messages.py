@@ -14,7 +14,7 @@ Everything a client sends is bounded here (:class:`RequestLimits`); a value out 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,16 +196,25 @@ def function_schema(name: Any, description: Any, parameters: Any, param: str) ->
         "parameters": dict(parameters)}}
 
 
-def check_counts(messages: Sequence[Message], tools: Sequence[Any],
-                 limits: RequestLimits) -> None:
+def tool_list(raw: Any) -> list[Any]:
+    """A request's ``tools`` as a list (empty when absent); each API reads its own entries."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest("tools must be a list", param="tools")
+    return raw
+
+
+def check_counts(messages: int, tools: int, limits: RequestLimits) -> None:
+    """Refuse a request with no messages, or more messages or tools than ``limits`` allow."""
     if not messages:
         raise BadRequest("the request has no messages", param="messages")
-    if len(messages) > limits.max_messages:
-        raise BadRequest(f"the request has {len(messages)} messages; this gateway takes at "
+    if messages > limits.max_messages:
+        raise BadRequest(f"the request has {messages} messages; this gateway takes at "
                          f"most {limits.max_messages}", param="messages", status=413,
                          code="too_many_messages")
-    if len(tools) > limits.max_tools:
-        raise BadRequest(f"the request has {len(tools)} tools; at most {limits.max_tools}",
+    if tools > limits.max_tools:
+        raise BadRequest(f"the request has {tools} tools; at most {limits.max_tools}",
                          param="tools", status=413, code="too_many_tools")
 
 

@@ -21,6 +21,7 @@ from rollout.server.gateway.messages import (
     opt_int,
     read_stop,
     text_of,
+    tool_list,
 )
 
 MAX_TOKENS_FIELD = 1 << 24
@@ -31,7 +32,7 @@ def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
     if not isinstance(raw, list):
         raise BadRequest("messages must be a list of message objects", param="messages")
     tools = _tools(body.get("tools"))
-    check_counts([Message("user")] * len(raw) if raw else [], tools, limits)
+    check_counts(len(raw), len(tools), limits)
     messages = [_message(m, i) for i, m in enumerate(raw)]
     check_sampling(body)
     max_tokens = opt_int(body, "max_completion_tokens", 1, MAX_TOKENS_FIELD)
@@ -77,12 +78,8 @@ def _message(m: Any, i: int) -> Message:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest("tools must be a list", param="tools")
     out = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(tool_list(raw)):
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(
                 fn, Mapping):

@@ -31,6 +31,7 @@ from rollout.server.gateway.messages import (
     function_schema,
     opt_int,
     text_of,
+    tool_list,
 )
 
 
@@ -43,7 +44,7 @@ def parse(body: Mapping[str, Any], limits: RequestLimits,
     if not isinstance(items, list):
         raise BadRequest("input must be a string or a list of items", param="input")
     tools = _tools(body.get("tools"))
-    check_counts([Message("user")] * (len(items) + len(previous or [])) or [], tools, limits)
+    check_counts(len(items) + len(previous or []), len(tools), limits)
     messages: list[Message] = list(previous or [])
     instructions = body.get("instructions")
     if instructions is not None:
@@ -102,13 +103,10 @@ def _add_item(messages: list[Message], item: Any, param: str) -> None:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest("tools must be a list", param="tools")
     return [function_schema(t.get("name"), t.get("description"), t.get("parameters"),
                             f"tools[{i}]")
-            for i, t in enumerate(raw) if isinstance(t, Mapping) and t.get("type") == "function"]
+            for i, t in enumerate(tool_list(raw))
+            if isinstance(t, Mapping) and t.get("type") == "function"]
 
 
 def _tool_choice(raw: Any) -> str:
