@@ -12,7 +12,7 @@ Measured in one run on this machine, on one shipped task whose environment must 
 * EVAL of the gold patch on the warm environment: stop the agent, copy its workspace into a
   grading sandbox, fresh ``.git`` at base, restore, test patch, the named tests.
 
-The wheelhouse must hold the task's packages (``python -m rollout.runtime.envs.task_files prepare
+The wheelhouse must hold the task's packages (``python -m rollout.runtime.tasksets.shipped prepare
 runtime/envs/data/swe.jsonl`` fills it; registry access is needed only that once).
 """
 
@@ -34,11 +34,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
-from rollout.runtime.envs.taskenv import user_wheelhouses
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.envs.swe.taskenv import user_wheelhouses
 from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.tasksets.shipped import fill_wheelhouse, load_tasks
 from rollout.runtime.types import JobSpec, Limits
 
 

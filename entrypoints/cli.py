@@ -271,7 +271,7 @@ def _importable(name: str) -> bool:
 def _server_errors() -> tuple[type[BaseException], ...]:
     """The server's own error type, once a server command has imported it (the client never
     imports server code itself); ``except ()`` catches nothing."""
-    errors = sys.modules.get("rollout.server.errors")
+    errors = sys.modules.get("rollout.server.api.errors")
     return (errors.ServiceError,) if errors is not None else ()
 
 
@@ -370,7 +370,7 @@ def explain(err: RolloutError, settings: ClientSettings) -> CliError:
 
 _DELEGATED = {"llm-serve": "rollout.server.llm.http_server",
               "quickstart": "rollout.entrypoints.quickstart",
-              "tasks": "rollout.runtime.envs.task_files"}
+              "tasks": "rollout.runtime.tasksets.shipped"}
 
 
 def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:

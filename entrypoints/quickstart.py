@@ -24,7 +24,7 @@ from rollout.client.specs import job_spec
 from rollout.entrypoints.cli import ClientSettings
 from rollout.entrypoints.submit import submit_specs
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.task_files import job_line, load_tasks, read_task_file
+from rollout.runtime.tasksets.shipped import job_line, load_tasks, read_task_file
 from rollout.server.app import Server
 from rollout.server.config import load_config
 from rollout.v1 import job_pb2

@@ -86,7 +86,7 @@ async def _train(cfg: Any, state_dir: Path) -> Any:
 
 async def start_in_process_server(cfg: Any, model_dir: Path, state: Path) -> Any:
     """The production server on a free loopback port, state under the run directory."""
-    from rollout.runtime.envs.short_answer import ShortAnswerHandler
+    from rollout.runtime.envs.short.handler import ShortAnswerHandler
     from rollout.runtime.handler import HandlerRegistry
     from rollout.server.app import Server
     from rollout.server.config import load_config as load_server_config

@@ -1,7 +1,7 @@
 """Domain values shared by the server and the runtime.
 
 These are plain frozen dataclasses; proto conversion happens only at the gRPC edge
-(``server/proto_convert.py``). ``runtime`` defines them because it may not import ``server``.
+(``server/api/proto_convert.py``). ``runtime`` defines them because it may not import ``server``.
 """
 
 from __future__ import annotations

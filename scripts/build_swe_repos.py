@@ -24,8 +24,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.envs import swe_runners
-from rollout.runtime.envs.pytest_log import PASSING, files_of, outcome_of, parse_pytest_report
+from rollout.runtime.envs.grading.pytest_log import (
+    PASSING,
+    files_of,
+    outcome_of,
+    parse_pytest_report,
+)
+from rollout.runtime.envs.swe import runners as swe_runners
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "runtime" / "envs" / "data"
 _GIT_ENV = {
@@ -602,7 +607,7 @@ SPECS += [
 
 # Repositories with their own test runner, in the output formats of the real ones, so the
 # shipped tasks exercise the grader's Django-style and SymPy-style paths without those
-# projects (runtime.envs.swe_runners). Their FAIL_TO_PASS/PASS_TO_PASS name tests the way
+# projects (runtime.envs.swe.runners). Their FAIL_TO_PASS/PASS_TO_PASS name tests the way
 # SWE-bench's lists for django/django and sympy/sympy do.
 _DJ_RUNTESTS = (
     "#!/usr/bin/env python\n"

@@ -10,7 +10,7 @@ rm -f proto/rollout/v1/*_pb2.py proto/rollout/v1/*_pb2.pyi proto/rollout/v1/*_pb
   --python_out=proto --pyi_out=proto --grpc_python_out=proto \
   proto/rollout/v1/*.proto
 # The descriptor set with comments (source info) that server reflection serves, so that
-# `grpcurl describe` shows the documentation (server/reflection.py); with the vendored
+# `grpcurl describe` shows the documentation (server/api/reflection.py); with the vendored
 # google.rpc types, so reflection clients can decode error details. Python's google.rpc code
 # comes from googleapis-common-protos, so proto/google is not generated here.
 "$PY" -m grpc_tools.protoc -Iproto --include_imports --include_source_info \

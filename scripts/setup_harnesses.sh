@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the agent harnesses that the `harness` environment's presets run inside a job's
-# sandbox, so no job ever reaches a registry (runtime/envs/harnesses/*.toml):
+# sandbox, so no job ever reaches a registry (runtime/envs/harness/shipped/*.toml):
 #
 #   harness-mini-swe-agent-<key>   mini-swe-agent in a venv of its own (it pins litellm and
 #                                  friends that the server's venv must not carry), made from the

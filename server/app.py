@@ -24,15 +24,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rollout.runtime.envs.common import DATA_DIR, set_host_path_roots
-from rollout.runtime.envs.taskenv import set_sandbox_runtime
+from rollout.runtime.envs.swe.taskenv import set_sandbox_runtime
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.types import InvalidArgument
-from rollout.server import reflection as rollout_reflection
-from rollout.server.auth import Authenticator, server_credentials
+from rollout.server.api import reflection as rollout_reflection
+from rollout.server.api.interceptors import ServiceInterceptor
+from rollout.server.api.servicer import RolloutServicer
+from rollout.server.api.services import (
+    ROLLOUT_SERVICE_NAME,
+    add_backend_service,
+    add_rollout_service,
+)
 from rollout.server.config import Config
-from rollout.server.interceptors import ServiceInterceptor
 from rollout.server.scheduler import PipelineConfig, Scheduler
-from rollout.server.servicer import RolloutServicer
 from rollout.server.startup import (
     StartupError,
     StateDirLock,
@@ -43,11 +47,11 @@ from rollout.server.startup import (
 )
 from rollout.server.store import STORE_FILE, JobStore, check_store_file
 from rollout.server.store.file import damaged as store_damaged
-from rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
+from rollout.server.tenancy.auth import Authenticator, server_credentials
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = rollout_service_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+SERVICE_NAME = ROLLOUT_SERVICE_NAME
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -206,19 +210,12 @@ class Server:
             # gRPC turns SO_REUSEPORT on by default: a second server on a taken port would
             # start and receive every other request. Off, the bind fails as it should.
             options=[*channel_options(cfg.server.max_message_bytes), ("grpc.so_reuseport", 0)])
-        rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(self.scheduler, heartbeat_s=cfg.server.heartbeat_s,
-                            min_heartbeat_s=cfg.server.min_heartbeat_s,
-                            max_page_bytes=cfg.server.max_message_bytes // 2), server)
-        names = [SERVICE_NAME, health.SERVICE_NAME]
+        names = [add_rollout_service(server, RolloutServicer(
+            self.scheduler, heartbeat_s=cfg.server.heartbeat_s,
+            min_heartbeat_s=cfg.server.min_heartbeat_s,
+            max_page_bytes=cfg.server.max_message_bytes // 2)), health.SERVICE_NAME]
         if self.llm is not None and hasattr(self.llm, "add"):
-            from rollout.server.backends_servicer import BackendServicer
-            from rollout.v1 import backend_service_pb2, backend_service_pb2_grpc
-
-            backend_service_pb2_grpc.add_BackendServiceServicer_to_server(
-                BackendServicer(self.llm), server)
-            names.append(
-                backend_service_pb2.DESCRIPTOR.services_by_name["BackendService"].full_name)
+            names.append(add_backend_service(server, self.llm))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if cfg.server.reflection:
             # Our own reflection: v1 beside v1alpha, and descriptors that keep their comments.

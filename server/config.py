@@ -44,7 +44,7 @@ class ServerSection:
     an operator credential: admin role, may act as any client id (see ``clients`` to keep
     tenants apart)."""
     clients: list[dict[str, Any]] = field(default_factory=list)
-    """Per-client credentials, each bound to one client id (``server/auth.py``):
+    """Per-client credentials, each bound to one client id (``server/tenancy/auth.py``):
     ``{client_id = "a", token = "..." | token_sha256 = "<hex>" | tls_identity = "CN or SAN",
     roles = ["admin"]}``. A bound client sees, acknowledges and cancels only its own jobs;
     ``admin`` allows BackendService."""

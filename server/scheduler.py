@@ -43,7 +43,7 @@ Decisions:
   jobs that run (and a re-submit answers duplicate for a job that really is live). A job found
   stored-but-not-live (a duplicate answer for an id nobody runs, or after a failed commit) is
   adopted by a sweep, as start() adopts every live row.
-- Errors map through server/errors.py: Overloaded -> RESOURCE_EXHAUSTED, JobNotFound ->
+- Errors map through server/api/errors.py: Overloaded -> RESOURCE_EXHAUSTED, JobNotFound ->
   NOT_FOUND, NotCancellable -> FAILED_PRECONDITION, submit while stopping -> UNAVAILABLE,
   per-job InvalidArgument inside SubmitResult.error.
 """
@@ -61,14 +61,14 @@ from rollout.runtime.gateway import ModelGateway
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import InvalidArgument, JobError, JobSpec, JobState
-from rollout.server.cluster.node import LocalNode, NodeSet
-from rollout.server.errors import (
+from rollout.server.api.errors import (
     FailedPrecondition,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
+from rollout.server.cluster.node import LocalNode, NodeSet
 from rollout.server.metrics import SchedulerMetrics, SchedulerStatus
 from rollout.server.pipeline.delivery import Delivery
 from rollout.server.pipeline.delivery_budget import DeliveryBudget
@@ -87,7 +87,7 @@ from rollout.server.pipeline.subscription import (
 from rollout.server.store import GroupTaken, JobRecord, JobStore, PruneStats, now
 
 # The session's event types live in server/pipeline/subscription.py (the servicer and
-# server/stream_events.py import them there). JobFinished and TrajectoryReady stay listed
+# server/api/stream_events.py import them there). JobFinished and TrajectoryReady stay listed
 # because benchmarks/pipeline.py still imports them from here.
 __all__ = [
     "GROUP_FINISHED", "JobFinished", "JobNotFound", "JobRecord", "NotCancellable",

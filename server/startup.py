@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from rollout.server.errors import ServiceError
+from rollout.server.api.errors import ServiceError
 
 LOCK_FILE = "server.lock"
 

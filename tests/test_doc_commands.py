@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.tasksets.shipped import load_tasks
 from tests.docs import block
 from tests.runtime.envs.conftest import call
 from tests.util import scaled

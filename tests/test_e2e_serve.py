@@ -22,7 +22,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from rollout.runtime.envs.task_files import load_tasks, task_file
+from rollout.runtime.tasksets.shipped import load_tasks, task_file
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

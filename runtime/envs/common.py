@@ -20,6 +20,10 @@ from rollout.runtime.types import InvalidArgument
 DATA_DIR = Path(__file__).resolve().parent / "data"
 """Shipped task sets (``<env>.jsonl``) and the small repositories of the swe tasks."""
 
+IN_SANDBOX = Path(__file__).resolve().parent / "in_sandbox"
+"""Scripts that run inside sandboxes (standard library only). The package never imports them:
+a handler reads one as text and writes it into the sandbox that runs it."""
+
 SANDBOX_KEY = "env.sandbox"
 """``ctx.state`` key of the job's sandbox (opened in INIT, used by RUN and EVAL)."""
 

@@ -21,11 +21,11 @@ from urllib.parse import quote
 import jinja2
 from aiohttp import web
 
-from rollout.server.auth import Authenticator, owner_of
 from rollout.server.dashboard import live
 from rollout.server.dashboard.pages import PRINCIPAL, Pages
 from rollout.server.dashboard.sessions import Sessions
 from rollout.server.scheduler import Scheduler
+from rollout.server.tenancy.auth import Authenticator, owner_of
 
 log = logging.getLogger(__name__)
 

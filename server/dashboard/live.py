@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout.server.auth import Principal, owner_of
+from rollout.server.tenancy.auth import Principal, owner_of
 
 log = logging.getLogger(__name__)
 

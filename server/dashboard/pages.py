@@ -21,13 +21,13 @@ import jinja2
 from aiohttp import web
 
 from rollout.runtime.types import JobState, TerminationReason, Trajectory
-from rollout.server import proto_convert
-from rollout.server.auth import Principal, owner_of
+from rollout.server.api import proto_convert
+from rollout.server.api.token_text import TurnPieces, trajectory_pieces
 from rollout.server.dashboard import live, trajectory_view
 from rollout.server.scheduler import Scheduler
 from rollout.server.store import JobRecord
-from rollout.server.tenant_status import OwnerCounts
-from rollout.server.token_text import TurnPieces, trajectory_pieces
+from rollout.server.tenancy.auth import Principal, owner_of
+from rollout.server.tenancy.tenant_status import OwnerCounts
 
 PRINCIPAL = web.RequestKey("principal", Principal)
 PAGE_SIZE = 50

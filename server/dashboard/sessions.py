@@ -4,7 +4,8 @@ A browser cannot put an ``Authorization`` header on a plain navigation, so the t
 once into the login form and exchanged for a random session id in a cookie that is
 ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no other site's page or form sends it),
 ``Path=/`` and ``Secure`` when the dashboard speaks TLS. The session maps to the token's
-:class:`~rollout.server.auth.Principal`, so tenancy is the gRPC port's: a client sees its own
+:class:`~rollout.server.tenancy.auth.Principal`, so tenancy is the gRPC port's: a client sees its
+own
 jobs, an admin (or the single ``auth_token``) all of them. Scripts may send the
 ``Authorization: Bearer`` header instead of the cookie.
 
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from rollout.server import errors
-from rollout.server.auth import OPERATOR, Authenticator, Principal
+from rollout.server.api import errors
+from rollout.server.tenancy.auth import OPERATOR, Authenticator, Principal
 
 COOKIE = "rollout_dashboard"
 SESSION_TTL_S = 12 * 3600.0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.runtime.types import Trajectory
-from rollout.server.token_text import TurnPieces
+from rollout.server.api.token_text import TurnPieces
 
 SHADE_BOUNDS = (0.9, 0.7, 0.5, 0.3, 0.1)
 """Probability bounds of the logprob shades: a token sampled with p >= 0.9 is unshaded (class

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import Answer
+from rollout.server.gateway.conversation import ServedTurn
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -121,7 +121,7 @@ def _tool_choice(raw: Any) -> str:
     return {"any": "required", "none": "none"}.get(str(kind), "auto")
 
 
-def _blocks(answer: Answer) -> list[dict[str, Any]]:
+def _blocks(answer: ServedTurn) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if answer.content:
         out.append({"type": "text", "text": answer.content})
@@ -131,7 +131,7 @@ def _blocks(answer: Answer) -> list[dict[str, Any]]:
     return out
 
 
-def respond(answer: Answer, model: str) -> dict[str, Any]:
+def respond(answer: ServedTurn, model: str) -> dict[str, Any]:
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
             "model": model, "content": _blocks(answer),
             "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None,
@@ -139,7 +139,7 @@ def respond(answer: Answer, model: str) -> dict[str, Any]:
                       "output_tokens": answer.completion_tokens}}
 
 
-def events(answer: Answer, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def events(answer: ServedTurn, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
     message = {**respond(answer, model), "content": [], "stop_reason": None,
                "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": message}

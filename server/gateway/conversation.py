@@ -66,7 +66,7 @@ _LLAMA_CALL = re.compile(r'\{\s*"(name|function)"\s*:')
 
 
 @dataclass
-class Answer:
+class ServedTurn:
     """What one served request produced, for the API layer to write in its own format."""
 
     content: str
@@ -120,7 +120,7 @@ class JobConversation:
         # The last path component only: a sandboxed harness learns nothing of the host's paths.
         return os.path.basename(str(name).rstrip("/")) or "rollout-policy"
 
-    async def serve(self, request: ChatRequest) -> Answer:
+    async def serve(self, request: ChatRequest) -> ServedTurn:
         async with self._lock:
             if self._chat is None:
                 try:
@@ -156,7 +156,7 @@ class JobConversation:
         self._chat, self._fmt = chat, fmt
 
     # ------------------------------------------------------------------ one request
-    async def _serve(self, request: ChatRequest) -> Answer:
+    async def _serve(self, request: ChatRequest) -> ServedTurn:
         if len(self.capture.turns) >= self.spec.limits.max_turns:
             raise BadRequest(f"this job may make {self.spec.limits.max_turns} model requests "
                              "(its limits.max_turns); no more are served", code="max_turns")
@@ -321,7 +321,7 @@ class JobConversation:
                                  "mix policies", status=503, code="turn_preempted")
 
     def _answer(self, text: str, request: ChatRequest, result: GenerateResult, seg: _Segment,
-                turn: Turn, prompt_tokens: int) -> Answer:
+                turn: Turn, prompt_tokens: int) -> ServedTurn:
         visible = strip_reasoning(text, opened=seg.reasoning_opened)
         reasoning = text[:len(text) - len(visible)] if text.endswith(visible) else ""
         calls: list[CallItem] = []
@@ -334,7 +334,7 @@ class JobConversation:
         turn.tool_calls = [c.name for c in calls]
         finish = "tool_calls" if calls else (
             "length" if result.finish_reason in ("length", "deadline") else "stop")
-        return Answer(content=content.strip(), reasoning=reasoning, tool_calls=calls,
+        return ServedTurn(content=content.strip(), reasoning=reasoning, tool_calls=calls,
                       finish_reason=finish, prompt_tokens=prompt_tokens,
                       completion_tokens=len(result.output_ids), turn=turn)
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import Answer
+from rollout.server.gateway.conversation import ServedTurn
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -101,17 +101,17 @@ def _tool_choice(raw: Any) -> str:
                      "\"function\": {\"name\": ...}}", param="tool_choice")
 
 
-def _calls(answer: Answer) -> list[dict[str, Any]]:
+def _calls(answer: ServedTurn) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in answer.tool_calls]
 
 
-def _usage(answer: Answer) -> dict[str, int]:
+def _usage(answer: ServedTurn) -> dict[str, int]:
     return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
             "total_tokens": answer.prompt_tokens + answer.completion_tokens}
 
 
-def respond(answer: Answer, model: str) -> dict[str, Any]:
+def respond(answer: ServedTurn, model: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": answer.content or (
         None if answer.tool_calls else "")}
     if answer.tool_calls:
@@ -123,7 +123,7 @@ def respond(answer: Answer, model: str) -> dict[str, Any]:
             "usage": _usage(answer)}
 
 
-def chunks(answer: Answer, model: str, include_usage: bool) -> Iterator[dict[str, Any]]:
+def chunks(answer: ServedTurn, model: str, include_usage: bool) -> Iterator[dict[str, Any]]:
     """The answer as ``chat.completion.chunk`` objects, in the order OpenAI sends them: the
     role, the text, each call (id and name first, then its arguments), the finish reason, and
     the usage in a chunk of its own with no choices when ``stream_options`` asks for it."""

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import Answer
+from rollout.server.gateway.conversation import ServedTurn
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -119,7 +119,7 @@ def _tool_choice(raw: Any) -> str:
     return "auto"
 
 
-def output_items(answer: Answer) -> list[dict[str, Any]]:
+def output_items(answer: ServedTurn) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if answer.content:
         items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
@@ -134,7 +134,7 @@ def output_items(answer: Answer) -> list[dict[str, Any]]:
 
 
 def response_object(response_id: str, model: str, request: ChatRequest, status: str,
-                    output: list[dict[str, Any]], answer: Answer | None) -> dict[str, Any]:
+                    output: list[dict[str, Any]], answer: ServedTurn | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": int(time.time()),
         "model": model, "status": status, "output": output, "error": None,
@@ -157,7 +157,7 @@ def response_object(response_id: str, model: str, request: ChatRequest, status: 
 
 
 def events(response_id: str, model: str, request: ChatRequest,
-           answer: Answer) -> Iterator[dict[str, Any]]:
+           answer: ServedTurn) -> Iterator[dict[str, Any]]:
     seq = iter(range(1 << 30))
     items = output_items(answer)
     yield {"type": "response.created", "sequence_number": next(seq), "response":

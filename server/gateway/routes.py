@@ -14,12 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from rollout.server.gateway import anthropic, openai_chat, responses
-from rollout.server.gateway.conversation import Answer, JobConversation
+from rollout.server.gateway.conversation import JobConversation, ServedTurn
 from rollout.server.gateway.messages import BadRequest, Message, RequestLimits
 
 
 @dataclass(eq=False)
-class Lease:
+class LeaseResources:
     key: str
     conversation: JobConversation
     socket_path: str
@@ -31,7 +31,7 @@ class Lease:
     opened_at: float = field(default_factory=time.monotonic)
 
 
-Resolver = Callable[[str], Lease | None]
+Resolver = Callable[[str], LeaseResources | None]
 
 
 API_KEY = web.AppKey("resolve", object)
@@ -50,7 +50,7 @@ def build_app(resolve: Resolver, limits: RequestLimits) -> web.Application:
     return app
 
 
-Handler = Callable[[web.Request, Lease, Any], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.Request, LeaseResources, Any], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[int, str, str, str], dict[str, Any]]
 
 
@@ -125,13 +125,13 @@ def _data(payload: Any, event: str = "") -> bytes:
     return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-async def _models(request: web.Request, lease: Lease, _: Any) -> web.StreamResponse:
+async def _models(request: web.Request, lease: LeaseResources, _: Any) -> web.StreamResponse:
     name = lease.conversation.model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "rollout"}]})
 
 
-async def _chat(request: web.Request, lease: Lease, body: Any) -> web.StreamResponse:
+async def _chat(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
     parsed = openai_chat.parse(body, request.app[LIMITS_KEY])
     options = body.get("stream_options") or {}
     answer = await lease.conversation.serve(parsed)
@@ -147,7 +147,7 @@ async def _chat(request: web.Request, lease: Lease, body: Any) -> web.StreamResp
     return response
 
 
-async def _responses(request: web.Request, lease: Lease, body: Any) -> web.StreamResponse:
+async def _responses(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
     previous = None
     named = body.get("previous_response_id")
     if named is not None:
@@ -157,7 +157,7 @@ async def _responses(request: web.Request, lease: Lease, body: Any) -> web.Strea
                              status=404, code="response_not_found")
         previous = lease.last_response[1]
     parsed = responses.parse(body, request.app[LIMITS_KEY], previous)
-    answer: Answer = await lease.conversation.serve(parsed)
+    answer: ServedTurn = await lease.conversation.serve(parsed)
     response_id = f"resp_{secrets.token_hex(16)}"
     lease.last_response = (response_id, [
         *parsed.messages, Message("assistant", answer.content, tuple(answer.tool_calls))])
@@ -172,7 +172,7 @@ async def _responses(request: web.Request, lease: Lease, body: Any) -> web.Strea
     return stream
 
 
-async def _messages(request: web.Request, lease: Lease, body: Any) -> web.StreamResponse:
+async def _messages(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
     parsed = anthropic.parse(body, request.app[LIMITS_KEY])
     answer = await lease.conversation.serve(parsed)
     model = parsed.model or lease.conversation.model_name

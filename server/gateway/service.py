@@ -31,7 +31,7 @@ from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec
 from rollout.server.gateway.conversation import JobConversation
 from rollout.server.gateway.messages import RequestLimits
-from rollout.server.gateway.routes import Lease, build_app
+from rollout.server.gateway.routes import LeaseResources, build_app
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Gateway:
         self._state_dir = Path(state_dir)
         self._root: Path | None = None
         self._own_root = False
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, LeaseResources] = {}
         self.tcp_host = tcp_host
         self.tcp_port = tcp_port
         """``None``: no TCP listener; 0 picks a free port (read it back after :meth:`start`)."""
@@ -93,7 +93,7 @@ class Gateway:
         path = str(root / f"{secrets.token_hex(8)}.sock")
         conversation = JobConversation(spec, llm, deadline=deadline if deadline is not None
                                        else time.monotonic() + spec.limits.run_timeout_s)
-        lease = Lease(key, conversation, path)
+        lease = LeaseResources(key, conversation, path)
         runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
                                          self.limits), access_log=None)
         await runner.setup()
@@ -126,7 +126,7 @@ class Gateway:
         await self._close(found)
         return found.conversation.capture
 
-    async def _close(self, lease: Lease) -> None:
+    async def _close(self, lease: LeaseResources) -> None:
         lease.closed = True
         self._leases.pop(lease.key, None)
         tasks = [t for t in lease.tasks if not t.done()]

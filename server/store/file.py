@@ -20,7 +20,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from rollout.server.errors import FailedPrecondition
+from rollout.server.api.errors import FailedPrecondition
 
 STORE_FILE = "jobs.sqlite3"
 """The job store's name inside the state directory."""

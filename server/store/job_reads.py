@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from rollout.runtime.types import JobState, Stage, Trajectory
-from rollout.server.proto_convert import trajectory_from_bytes
+from rollout.server.api.proto_convert import trajectory_from_bytes
 from rollout.server.store.records import (
     JOB_COLUMNS,
     LIVE_STATES,

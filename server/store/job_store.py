@@ -21,7 +21,8 @@ Why this shape:
   A job waiting in a queue, or stopped by a graceful shutdown, is not charged.
 - ``owner`` (the client a job belongs to, SubmitRollout's ``rpc:<owner>#<job>`` channels
   unwrapped) is a column the store fills itself, indexed, so a tenant's list pages and counts
-  read that tenant's index entries instead of the whole job list (``server/tenant_status.py``).
+  read that tenant's index entries instead of the whole job list
+  (``server/tenancy/tenant_status.py``).
 """
 
 from __future__ import annotations

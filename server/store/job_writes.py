@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rollout.runtime.types import JobSpec, JobState, Stage
-from rollout.server.proto_convert import spec_to_bytes, trajectory_to_bytes
+from rollout.server.api.proto_convert import spec_to_bytes, trajectory_to_bytes
 from rollout.server.store.records import FinishRecord, GroupTaken, error_to_json, now
 from rollout.server.store.sqlite import Op, owner_sql
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.runtime.types import JobError, JobSpec, JobState, Stage, StageTimings, Trajectory
-from rollout.server.proto_convert import spec_from_bytes
+from rollout.server.api.proto_convert import spec_from_bytes
 
 LIVE_STATES = (JobState.QUEUED.value, JobState.RUNNING.value)
 """Stored states of a job that has not ended."""

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rollout.server.errors import Unavailable
+from rollout.server.api.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ CREATE TABLE IF NOT EXISTS closed_groups (
 
 def owner_sql(client_id: str) -> str:
     """SQL for the client a job belongs to, given the SQL of its stored client id: what
-    ``rollout.server.auth.owner_of`` computes (SubmitRollout's ``rpc:<owner>#<job>`` channel
+    ``rollout.server.tenancy.auth.owner_of`` computes (SubmitRollout's ``rpc:<owner>#<job>`` channel
     unwraps to ``<owner>``, an anonymous ``rpc:<job>`` to "", any other id is its own owner;
     tests/server/test_store_owner.py checks that the two agree). In SQL so the store fills
     ``jobs.owner`` itself, on insert and when it backfills rows an older release wrote."""

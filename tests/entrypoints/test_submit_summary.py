@@ -21,7 +21,7 @@ import pytest
 
 from rollout.entrypoints.cli import main
 from rollout.entrypoints.summary import JobOutcome, RunStats
-from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.math.handler import MathHandler
 from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
 from rollout.server.llm.scripted import ScriptedEngine

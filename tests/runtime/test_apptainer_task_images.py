@@ -26,14 +26,14 @@ from typing import Any
 import pytest
 
 from rollout.runtime.envs.common import DATA_DIR, PRIVATE_DIR, set_host_path_roots
-from rollout.runtime.envs.swe import SweHandler, named_tests
-from rollout.runtime.envs.task_files import load_tasks, prepare
-from rollout.runtime.envs.task_files import main as tasks_main
-from rollout.runtime.envs.taskenv import ENV_MOUNT, EnvSpec, set_sandbox_runtime
+from rollout.runtime.envs.swe.handler import SweHandler, named_tests
+from rollout.runtime.envs.swe.taskenv import ENV_MOUNT, EnvSpec, set_sandbox_runtime
 from rollout.runtime.handler import HandlerError, JobContext
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.apptainer import cached_sif
 from rollout.runtime.sandbox.base import runtime_of
+from rollout.runtime.tasksets.shipped import load_tasks, prepare
+from rollout.runtime.tasksets.shipped import main as tasks_main
 from rollout.runtime.types import InvalidArgument, JobSpec, Limits
 
 pytestmark = pytest.mark.timeout(120)

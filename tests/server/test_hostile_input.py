@@ -20,8 +20,8 @@ from google.protobuf.duration_pb2 import Duration
 from grpc_status import rpc_status
 
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

@@ -26,7 +26,7 @@ FOLDERS = {"rollout.client": "client", "rollout.server": "server", "rollout.runt
            "rollout.trainer_adapters": "trainer_adapters", "rollout.v1": "proto/rollout/v1",
            "rollout.entrypoints": "entrypoints", "rollout.benchmarks": "benchmarks"}
 ABOVE_THE_STORE = ("rollout.server.pipeline", "rollout.server.scheduler",
-                   "rollout.server.servicer", "rollout.server.backends_servicer",
+                   "rollout.server.api.servicer", "rollout.server.api.backends_servicer",
                    "rollout.server.app")
 COMPOSITION_ROOTS = ("rollout.entrypoints", "rollout.benchmarks")
 
@@ -189,3 +189,37 @@ def test_trainer_adapters_import_only_the_client() -> None:
     bad = _reaches_beyond("rollout.trainer_adapters",
                           ("rollout.v1", "rollout.client", "rollout.trainer_adapters"))
     assert not bad, bad
+
+
+IN_SANDBOX = "rollout.runtime.envs.in_sandbox"
+
+
+def test_nothing_imports_a_script_that_runs_inside_a_sandbox() -> None:
+    """``runtime/envs/in_sandbox/`` holds standard-library scripts that handlers read as text
+    and write into a sandbox: imported into the server they would run with its privileges, and
+    a third-party import added there would break inside the sandbox's bare interpreter."""
+    scripts = [m for m in MODULES if _under(m, IN_SANDBOX)]
+    assert {"swe_grade_tree", "pytest_report_plugin", "harness_launch", "code_runner"} <= {
+        m.rpartition(".")[2] for m in scripts}
+    bad = [(m, n) for m in MODULES for n, _ in _imports_of(m) if _under(n, IN_SANDBOX)]
+    assert not bad, f"modules importing an in-sandbox script: {bad}"
+    assert not (ROOT / "runtime/envs/in_sandbox/__init__.py").exists()
+    bad = [(m, n) for m in scripts for n, _ in _imports_of(m) if _under(n, "rollout")]
+    assert not bad, f"in-sandbox scripts importing the package: {bad}"
+
+
+def test_only_server_api_touches_the_generated_grpc_stubs() -> None:
+    """The servicer bases and ``add_*_to_server`` live in ``*_pb2_grpc``: the API edge
+    (``server/api``) is the one room of the server that speaks them."""
+    bad = [(m, n) for m in MODULES if _under(m, "rollout.server")
+           and not _under(m, "rollout.server.api")
+           for n, _ in _imports_of(m) if _under(n, "rollout.v1") and n.endswith("_pb2_grpc")]
+    assert not bad, f"server modules outside server/api importing gRPC stubs: {bad}"
+    seen = [n for n, _ in _imports_of("rollout.server.api.services")]
+    assert "rollout.v1.rollout_service_pb2_grpc" in seen
+
+
+def test_the_walker_sees_an_in_sandbox_import() -> None:
+    got = imports("from rollout.runtime.envs.in_sandbox import harness_launch\n",
+                  "rollout.runtime.envs.harness.handler")
+    assert _under(got[0][0], IN_SANDBOX)

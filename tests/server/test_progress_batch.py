@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from rollout.runtime.handler import JobContext
-from rollout.server.servicer import RolloutServicer
+from rollout.server.api.servicer import RolloutServicer
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
@@ -301,8 +301,8 @@ def test_turn_frames_carry_the_attempts_running_totals() -> None:
     """A RUN ``turn`` event becomes a frame with turns completed, tokens and tool calls so far;
     a handler that reports only its 0-based ``turn`` still gets a completed-turns count."""
     from rollout.runtime.types import Stage
+    from rollout.server.api.stream_events import progress_to_proto as _progress_to_proto
     from rollout.server.pipeline.subscription import StageProgress
-    from rollout.server.stream_events import progress_to_proto as _progress_to_proto
 
     loop_event = StageProgress("j", Stage.RUN, "turn", {
         "turn": 2, "turns_done": 3, "generated_tokens": 417, "tool_calls_total": 4})

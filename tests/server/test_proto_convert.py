@@ -18,7 +18,7 @@ from rollout.runtime.types import (
     Trajectory,
     Turn,
 )
-from rollout.server import proto_convert
+from rollout.server.api import proto_convert
 from rollout.v1 import job_pb2, trajectory_pb2
 
 

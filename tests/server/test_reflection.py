@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from rollout.server import reflection
+from rollout.server.api import reflection
 from tests.client.conftest import ServerHarness
 
 pytestmark = pytest.mark.timeout(90)

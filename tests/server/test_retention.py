@@ -9,8 +9,8 @@ import sqlite3
 import pytest
 
 from rollout.runtime.types import JobState, StageTimings
+from rollout.server.api.proto_convert import trajectory_to_bytes
 from rollout.server.pipeline.subscription import JobFinished
-from rollout.server.proto_convert import trajectory_to_bytes
 from rollout.server.store import FinishRecord, JobStore
 from tests.server.handlers import collect_finished, running_scheduler, spec
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from rollout.runtime.types import JobSpec, JobState, Stage, StageTimings
-from rollout.server.auth import owner_of
 from rollout.server.store import FinishRecord, JobStore
 from rollout.server.store.file import APPLICATION_ID
 from rollout.server.store.job_reads import OWNER_COUNTS_SQL, OWNER_LIVE_SQL, list_sql
 from rollout.server.store.sqlite import owner_sql
-from rollout.server.tenant_status import OwnerCounts
+from rollout.server.tenancy.auth import owner_of
+from rollout.server.tenancy.tenant_status import OwnerCounts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,7 +189,7 @@ CREATE INDEX jobs_by_client ON jobs (client_id, seq);
 
 def _insert_without_owner(path: Path, rows: list[tuple[str, str, str]]) -> None:
     """Rows as a release without the owner column inserts them (its column list)."""
-    from rollout.server.proto_convert import spec_to_bytes
+    from rollout.server.api.proto_convert import spec_to_bytes
 
     conn = sqlite3.connect(path)
     with conn:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rollout.server.servicer import RolloutServicer
+from rollout.server.api.servicer import RolloutServicer
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

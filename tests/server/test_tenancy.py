@@ -373,7 +373,7 @@ async def test_mtls_identity_is_the_client_id(pki: dict[str, Any]) -> None:
 
 def test_bad_client_entries_are_refused_with_the_key_to_fix() -> None:
     from rollout.runtime.types import InvalidArgument
-    from rollout.server.auth import Authenticator
+    from rollout.server.tenancy.auth import Authenticator
 
     for entry, words in (({"client_id": "a", "token": "short"}, "at least 16"),
                          ({"client_id": "a b", "token": "x" * 20}, "client_id"),
@@ -466,7 +466,7 @@ async def test_submit_rollout_jobs_are_their_owners_in_list_get_and_cancel(
 
 async def test_the_rpc_prefix_is_reserved(harness: ServerHarness) -> None:
     from rollout.runtime.types import InvalidArgument
-    from rollout.server.auth import Authenticator
+    from rollout.server.tenancy.auth import Authenticator
 
     with pytest.raises(InvalidArgument, match="reserved") as refused:
         Authenticator("", [{"client_id": "rpc:alice", "token": "x" * 20}])

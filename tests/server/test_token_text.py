@@ -1,4 +1,4 @@
-"""Per-token text pieces (server/token_text.py) against the tokenizer's own decode of the whole
+"""Per-token text pieces (server/api/token_text.py) against the tokenizer's own decode of the whole
 sequence: joining the pieces must give exactly the decoded text, whatever the ids."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from rollout.runtime.types import Trajectory, Turn
-from rollout.server.token_text import token_pieces, trajectory_pieces
+from rollout.server.api.token_text import token_pieces, trajectory_pieces
 from tests.runtime.doubles import smollm2_tokenizer
 
 TEXTS = ["<|im_start|>user\nHéllo wörld — 你好 🎉 def f(x):\n    return x<|im_end|>",

@@ -13,11 +13,11 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from rollout.runtime.envs.code import CodeHandler
-from rollout.runtime.envs.math import MathHandler
-from rollout.runtime.envs.swe import SweHandler
+from rollout.runtime.envs.code.handler import CodeHandler
+from rollout.runtime.envs.math.handler import MathHandler
+from rollout.runtime.envs.swe.handler import SweHandler
 from rollout.runtime.types import InvalidArgument
-from rollout.server import proto_convert, typed_tasks
+from rollout.server.api import proto_convert, typed_tasks
 from rollout.v1 import job_pb2, tasks_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct cannot add single digits reliably, but it can pick between two numbers
 or two animals and pick the member of a category part of the time; it often hedges by naming
 every option. Those are the skills RL can move in a few dozen CPU steps, so the set is made of
-them. Each line is a job line of the ``short`` environment (``runtime/envs/short_answer.py``:
+them. Each line is a job line of the ``short`` environment (``runtime/envs/short/handler.py``:
 a one-line instruction, one turn, no sandbox): a reply is right when it names the answer and
 none of the other options (``distractors``).
 

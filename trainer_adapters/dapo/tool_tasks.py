@@ -1,6 +1,7 @@
 """The ``tools`` task set: arithmetic a 135M model cannot do in its head, but can with Python.
 
-Each line is a job of the ``math`` environment (``runtime/envs/math.py``): the model sees the
+Each line is a job of the ``math`` environment (``runtime/envs/math/handler.py``): the model sees
+the
 question after two worked examples of the tool-integrated style (a ```python block, the tool's
 output, a boxed answer), runs code with the sandboxed ``python`` tool, reads the output in the
 next turn and answers. Without the tool none of these is within SmolLM2-135M's reach (5- and

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rollout.runtime.envs.harness import CAPTURE_KEY
+from rollout.runtime.envs.harness.handler import CAPTURE_KEY
 from rollout.runtime.gateway import GatewayLease, HarnessCapture
 from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.runtime.envs.answers import (
+from rollout.runtime.envs.math.answers import (
     answers_equivalent,
     extract_boxed,
     extract_stated_answer,

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import swe as swe_env
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.swe import handler as swe_env
 from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox.base import SandboxConfig, create_sandbox
+from rollout.runtime.tasksets.shipped import load_tasks
 from tests.runtime.envs.conftest import Rollout, call
 
 pytestmark = pytest.mark.timeout(240)

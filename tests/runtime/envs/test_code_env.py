@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.code import CodeHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.code.handler import CodeHandler
 from rollout.runtime.handler import JobContext
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import code as code_env
-from rollout.runtime.envs.code import MAX_REPLY_SOLUTION_BYTES, CodeHandler, reply_solution
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.code import handler as code_env
+from rollout.runtime.envs.code.handler import MAX_REPLY_SOLUTION_BYTES, CodeHandler, reply_solution
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 from tests.runtime.envs.test_code_exploits import SNOOP, SQUARE

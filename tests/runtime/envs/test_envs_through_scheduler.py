@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.code import CodeHandler
-from rollout.runtime.envs.math import MathHandler
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.code.handler import CodeHandler
+from rollout.runtime.envs.math.handler import MathHandler
+from rollout.runtime.envs.swe.handler import SweHandler
 from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import JobSpec, JobState, Limits, SamplingParams
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.server.pipeline.subscription import JobFinished, TrajectoryReady

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import harness_presets
-from rollout.runtime.envs.harness import CAPTURE_KEY, HarnessHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.handler import CAPTURE_KEY, HarnessHandler
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import Limits, SamplingParams, TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 from tests.runtime.envs.harness_helpers import (

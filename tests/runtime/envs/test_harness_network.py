@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.harness import HarnessHandler
+from rollout.runtime.envs.harness.handler import HarnessHandler
 from rollout.runtime.types import Limits, TerminationReason
 from tests.runtime.envs.conftest import Rollout
 from tests.runtime.envs.harness_helpers import PING_REPLY, PingGateway, harness_task

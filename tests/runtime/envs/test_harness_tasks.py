@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import harness_presets
-from rollout.runtime.envs.harness import HarnessHandler, launch_spec
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.handler import HarnessHandler, launch_spec
 from rollout.runtime.handler import JobContext
 from rollout.runtime.types import InvalidArgument, JobSpec, Limits, SamplingParams
 from tests.runtime.envs.conftest import Rollout

@@ -13,10 +13,10 @@ import pytest
 
 from rollout.client.aio import RolloutClient
 from rollout.client.trajectory import flatten_segments
-from rollout.runtime.envs import harness_presets
-from rollout.runtime.envs.harness import HarnessHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.handler import HarnessHandler
 from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.server.app import Server
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.answers import answers_equivalent
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.math import EXAMPLE, MathHandler
-from rollout.runtime.envs.task_files import load_tasks, read_task_file
+from rollout.runtime.envs.math.answers import answers_equivalent
+from rollout.runtime.envs.math.handler import EXAMPLE, MathHandler
+from rollout.runtime.tasksets.shipped import load_tasks, read_task_file
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 

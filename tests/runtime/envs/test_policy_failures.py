@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.code import CodeHandler
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.code.handler import CodeHandler
+from rollout.runtime.envs.swe.handler import SweHandler
 from rollout.runtime.handler import (
     AgentHandler,
     HandlerRegistry,
@@ -22,6 +21,7 @@ from rollout.runtime.handler import (
     RunOutcome,
 )
 from rollout.runtime.sandbox import SandboxError
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import (
     JobSpec,
     JobState,

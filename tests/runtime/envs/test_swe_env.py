@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
-from rollout.runtime.envs.taskenv import user_wheelhouses
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.envs.swe.taskenv import user_wheelhouses
 from rollout.runtime.handler import HandlerError, JobContext
+from rollout.runtime.tasksets.shipped import fill_wheelhouse, load_tasks
 from rollout.runtime.types import TerminationReason
 from tests.runtime.envs.conftest import Rollout, call
 

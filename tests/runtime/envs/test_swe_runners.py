@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import swe as swe_env
-from rollout.runtime.envs import swe_runners
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import load_tasks
+from rollout.runtime.envs.swe import handler as swe_env
+from rollout.runtime.envs.swe import runners as swe_runners
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs import swe as swe_env
-from rollout.runtime.envs.swe import SweHandler
-from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
-from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec, user_wheelhouses
+from rollout.runtime.envs.swe import handler as swe_env
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.envs.swe.taskenv import SHIPPED_WHEELHOUSE, EnvSpec, user_wheelhouses
 from rollout.runtime.handler import JobContext
+from rollout.runtime.tasksets.shipped import fill_wheelhouse, load_tasks
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call
 

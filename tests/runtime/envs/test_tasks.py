@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.code import CodeHandler
+from rollout.runtime.envs.code.handler import CodeHandler
 from rollout.runtime.envs.common import DATA_DIR
-from rollout.runtime.envs.math import MathHandler
-from rollout.runtime.envs.pytest_log import judge, parse_pytest_report
-from rollout.runtime.envs.swe import SweHandler, patched_files
-from rollout.runtime.envs.task_files import job_lines, load_tasks, main, read_task_file
+from rollout.runtime.envs.grading.pytest_log import judge, parse_pytest_report
+from rollout.runtime.envs.math.handler import MathHandler
+from rollout.runtime.envs.swe.handler import SweHandler, patched_files
 from rollout.runtime.handler import HandlerRegistry
+from rollout.runtime.tasksets.shipped import job_lines, load_tasks, main, read_task_file
 from rollout.runtime.types import InvalidArgument
 
 pytestmark = pytest.mark.timeout(60)

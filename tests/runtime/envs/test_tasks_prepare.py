@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.envs import task_files as tasks_mod
-from rollout.runtime.envs import taskenv
-from rollout.runtime.envs.pip_requirements import requirement
-from rollout.runtime.envs.task_files import fill_wheelhouse, load_tasks
+from rollout.runtime.envs.swe import taskenv
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.tasksets import shipped as tasks_mod
+from rollout.runtime.tasksets.requirements import requirement
+from rollout.runtime.tasksets.shipped import fill_wheelhouse, load_tasks
 from rollout.runtime.types import InvalidArgument
 
 pytestmark = [pytest.mark.timeout(300),

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from rollout.client.aio import RolloutClient
-from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.math.handler import MathHandler
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.server.app import Server

@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout.server.auth import OPERATOR, Principal
 from rollout.server.dashboard import live
 from rollout.server.dashboard.sessions import COOKIE
+from rollout.server.tenancy.auth import OPERATOR, Principal
 from tests.server.dashboard.conftest import (
     ALICE,
     BOB,

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from rollout.client.errors import RolloutError
 from rollout.entrypoints import cli
-from rollout.server.backends_servicer import BackendServicer
+from rollout.server.api.backends_servicer import BackendServicer
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.http_server import serve
 from rollout.server.llm.transformers_engine import TransformersEngine

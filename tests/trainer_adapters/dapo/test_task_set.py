@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout.runtime.envs.short_answer import ShortAnswerHandler, names, score
+from rollout.runtime.envs.short.handler import ShortAnswerHandler, names, score
 from rollout.runtime.types import InvalidArgument
 from rollout.trainer_adapters.dapo import task_set
 

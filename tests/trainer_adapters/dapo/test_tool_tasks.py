@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.math.handler import MathHandler
 from rollout.trainer_adapters.dapo import tool_tasks
 from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import episode_budget

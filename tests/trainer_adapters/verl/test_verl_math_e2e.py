@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollout.client.aio import RolloutClient
-from rollout.runtime.envs.math import MathHandler
+from rollout.runtime.envs.math.handler import MathHandler
 from rollout.runtime.handler import HandlerRegistry
 from rollout.server.app import Server
 from rollout.server.llm.backend_pool import BackendPool

@@ -99,7 +99,7 @@ def to_task(instance: Mapping[str, Any], repos: Path,
 
 async def validate(task: Mapping[str, Any], sandbox_factory: Any) -> str:
     """"" when the instance behaves as SWE-bench promises, else why not."""
-    from rollout.runtime.envs.swe import SweHandler
+    from rollout.runtime.envs.swe.handler import SweHandler
 
     handler = SweHandler()
     try:

@@ -3,7 +3,8 @@ owner filter directly: ``Scheduler.list(owner=...)``).
 
 A client's jobs are stored under two kinds of client id: its own (jobs of its StreamRollouts
 sessions) and one private delivery channel per job it submitted with SubmitRollout
-(``rpc:<owner>#<job>``, see ``server/auth.py``). The store keeps the owner of each row in its
+(``rpc:<owner>#<job>``, see ``server/tenancy/auth.py``). The store keeps the owner of each row in
+its
 own indexed column, so counting one tenant's jobs reads that tenant's index entries, never the
 job list.
 """

@@ -1,7 +1,8 @@
 """RolloutService: translates frames and requests to scheduler calls and events back to frames.
 
-Thin on purpose: validation lives in ``server/proto_convert.py``, policy in the scheduler, and the
-exception -> status mapping in ``server/errors.py`` (applied by the interceptor).
+Thin on purpose: validation lives in ``server/api/proto_convert.py``, policy in the scheduler, and
+the
+exception -> status mapping in ``server/api/errors.py`` (applied by the interceptor).
 """
 
 from __future__ import annotations
@@ -15,14 +16,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from rollout.runtime.types import InvalidArgument, JobState
-from rollout.server import auth, errors, proto_convert, tenant_status, typed_tasks
-from rollout.server.cluster.node import NodeStatus
-from rollout.server.ownership import Ownership, job_id_taken
-from rollout.server.pipeline.subscription import JobFinished, StageProgress, TrajectoryReady
-from rollout.server.scheduler import Scheduler
-from rollout.server.store import JobRecord
-from rollout.server.stream_events import ProgressBatch, finished_to_proto, progress_to_proto
-from rollout.server.stream_session import (
+from rollout.server.api import errors, proto_convert, typed_tasks
+from rollout.server.api.stream_events import ProgressBatch, finished_to_proto, progress_to_proto
+from rollout.server.api.stream_session import (
     DEFAULT_MAX_UNACKED,
     VERSION,
     StreamSession,
@@ -30,7 +26,13 @@ from rollout.server.stream_session import (
     accepted_state,
     result_pruned,
 )
-from rollout.server.token_text import trajectory_pieces
+from rollout.server.api.token_text import trajectory_pieces
+from rollout.server.cluster.node import NodeStatus
+from rollout.server.pipeline.subscription import JobFinished, StageProgress, TrajectoryReady
+from rollout.server.scheduler import Scheduler
+from rollout.server.store import JobRecord
+from rollout.server.tenancy import auth, tenant_status
+from rollout.server.tenancy.ownership import Ownership, job_id_taken
 from rollout.v1 import job_pb2, rollout_service_pb2_grpc
 from rollout.v1 import rollout_service_pb2 as pb
 

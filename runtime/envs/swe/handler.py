@@ -20,7 +20,7 @@ Task format: a SWE-bench instance plus where to find the repository without netw
       "pytest_plugins": ["xdist"],               # optional: -p NAME for each
       "pytest_plugin_autoload": false,           # optional: entry-point plugins (default off)
       "version": "0.3",                          # with "spec": the task's own environment,
-      "spec": {"pip_packages": ["pytest==8.3.5"], "install": "..."}   # see runtime.envs.taskenv
+      "spec": {"pip_packages": ["pytest==8.3.5"], "install": "..."}   # see runtime.envs.swe.taskenv
     }                                            # (or "spec": {"image": "docker://..."} under
                                                  # Apptainer: one image per instance)
 
@@ -28,21 +28,20 @@ INIT builds or reuses the task's environment (when it has a ``spec``), copies th
 the sandbox, checks out ``base_commit`` as branch ``main`` in the workspace and then deletes
 every other ref and prunes unreachable objects, so the agent cannot read the fix from later
 history. The agent gets bash, the editor and submit; the end of RUN kills every process it
-started. The test patch stays on the host until EVAL, which grades where the agent cannot
-reach (:mod:`rollout.runtime.envs.grading`): a fresh sandbox (its own uid when the server is
+started. The test patch stays on the host until EVAL, which grades where the agent cannot reach
+(:mod:`rollout.runtime.envs.grading.isolated`): a fresh sandbox (its own uid when the server is
 root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file a
 test runner loads by configuration, the test directories of the named tests and of the test
-patch, and the runner's own files are put back to ``base_commit``, the agent's diff is
-screened for code that reaches into the test framework or the grader, then the test patch
-applied (:mod:`rollout.runtime.envs.swe_grade_tree`). pytest runs only the named tests (their
+patch, and the runner's own files are put back to ``base_commit``, the agent's diff is screened
+for code that reaches into the test framework or the grader, then the test patch applied
+(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`). pytest runs only the named tests (their
 node ids), with plugin autoload off; their outcomes come from a report file
-(:mod:`rollout.runtime.envs.pytest_report_plugin`) read after every process of the run is
-dead, never from stdout, and the plugin checks the runner's own functions while the tests run.
-Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
-their logs (:mod:`rollout.runtime.envs.swe_runners`). Reward 1 iff every FAIL_TO_PASS and
-every PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found
-tampering; docs/grading.md lists the checks and what they cannot stop.
-"""
+(:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every process of the
+run is dead, never from stdout, and the plugin checks the runner's own functions while the tests
+run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
+their logs (:mod:`rollout.runtime.envs.swe.runners`). Reward 1 iff every FAIL_TO_PASS and every
+PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found tampering;
+docs/grading.md lists the checks and what they cannot stop. """
 
 from __future__ import annotations
 
@@ -58,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
-from rollout.runtime.envs import swe_runners
 from rollout.runtime.envs.common import (
+    IN_SANDBOX,
     SANDBOX_KEY,
     check_task_object,
     host_path,
@@ -71,17 +70,18 @@ from rollout.runtime.envs.common import (
     string_env,
     write_private,
 )
-from rollout.runtime.envs.grading import end_agent, open_grader
-from rollout.runtime.envs.pytest_log import (
+from rollout.runtime.envs.grading.isolated import end_agent, open_grader
+from rollout.runtime.envs.grading.pytest_log import (
     PASSING,
     files_of,
     judge,
     outcome_of,
     parse_plugin_report,
 )
-from rollout.runtime.envs.repo_cut import cut_at_base
-from rollout.runtime.envs.swe_runners import Runner
-from rollout.runtime.envs.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
+from rollout.runtime.envs.swe import runners as swe_runners
+from rollout.runtime.envs.swe.repo_cut import cut_at_base
+from rollout.runtime.envs.swe.runners import Runner
+from rollout.runtime.envs.swe.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
 from rollout.runtime.tools.submit import SubmitTool
@@ -125,8 +125,8 @@ rm -rf -- "$(dirname -- "$src")"
 git rev-parse HEAD
 """
 
-GRADE_TREE_SOURCE = Path(__file__).with_name("swe_grade_tree.py")
-REPORT_PLUGIN_SOURCE = Path(__file__).with_name("pytest_report_plugin.py")
+GRADE_TREE_SOURCE = IN_SANDBOX / "swe_grade_tree.py"
+REPORT_PLUGIN_SOURCE = IN_SANDBOX / "pytest_report_plugin.py"
 REPORT_PLUGIN = "rollout_pytest_report"
 _PATCH_FAILED = 97
 # ``python -m pytest`` would put the repository first on sys.path before pytest is imported:

@@ -1,6 +1,6 @@
 """gRPC ``rollout.v1.BackendService``: a thin translation between proto and the backend pool.
 
-Every failure ends through ``server.errors`` (``google.rpc.Status`` with an ``ErrorInfo``,
+Every failure ends through ``server.api.errors`` (``google.rpc.Status`` with an ``ErrorInfo``,
 domain ``rollout.v1``), so it works with or without the server's error-mapping interceptor.
 """
 
@@ -18,7 +18,7 @@ import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from rollout.runtime.types import InvalidArgument
-from rollout.server import errors
+from rollout.server.api import errors
 from rollout.server.llm.backend_pool import BackendInfo, BackendPool
 from rollout.server.llm.engine import Engine, EngineError
 from rollout.server.llm.http_engine import HttpEngine

@@ -37,8 +37,8 @@ from typing import Any
 import grpc
 
 from rollout.runtime.types import InvalidArgument
-from rollout.server import errors
-from rollout.server.proto_convert import ID_RE
+from rollout.server.api import errors
+from rollout.server.api.proto_convert import ID_RE
 
 ADMIN = "admin"
 _ROLES = {ADMIN}

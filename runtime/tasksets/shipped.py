@@ -113,7 +113,7 @@ def fill_wheelhouse(tasks: Iterable[Mapping[str, Any]], wheelhouse: Path, *,
     downloads binary wheels only (``--only-binary=:all:``, registry access needed then, and only
     then). What has no wheel is handed to ``build``, which builds it in a sandbox; without one,
     it is an error. Returns the packages that were fetched or built."""
-    from rollout.runtime.envs.taskenv import SHIPPED_WHEELHOUSE, EnvSpec
+    from rollout.runtime.envs.swe.taskenv import SHIPPED_WHEELHOUSE, EnvSpec
 
     wheelhouse.mkdir(parents=True, exist_ok=True)
     fetched: list[str] = []
@@ -168,9 +168,9 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     import os
     import time
 
-    from rollout.runtime.envs.repo_cut import cut_at_base
-    from rollout.runtime.envs.swe import check_out, read_source, resolve_source
-    from rollout.runtime.envs.taskenv import (
+    from rollout.runtime.envs.swe.handler import check_out, read_source, resolve_source
+    from rollout.runtime.envs.swe.repo_cut import cut_at_base
+    from rollout.runtime.envs.swe.taskenv import (
         EnvSpec,
         build_wheels,
         ensure_env,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["prepare"]:
         return _prepare_main(argv[1:])
     if argv[:1] == ["import-swebench"]:
-        from rollout.runtime.envs.swebench_import import main as import_main
+        from rollout.runtime.tasksets.swebench_import import main as import_main
 
         return import_main(argv[1:])
     parser = argparse.ArgumentParser(prog="rollout tasks",
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_main(argv: list[str]) -> int:
-    from rollout.runtime.envs.taskenv import cache_dir, image_cache_dir, user_wheelhouses
+    from rollout.runtime.envs.swe.taskenv import cache_dir, image_cache_dir, user_wheelhouses
     from rollout.runtime.handler import HandlerError
     from rollout.runtime.sandbox.base import SandboxError
     from rollout.runtime.types import InvalidArgument

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
-from rollout.runtime.envs.answers import extract_boxed
 from rollout.runtime.envs.common import check_task_object, invalid, require_str
+from rollout.runtime.envs.math.answers import extract_boxed
 from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.types import Reward
 

@@ -2,7 +2,7 @@
 
 The shape is etcd's ``serverWatchStream`` (``recvLoop`` / ``sendLoop``): the call is a session
 object whose loops each own their part of the state and meet only at one bounded queue of typed
-items (:data:`rollout.server.stream_events.StreamEvent`):
+items (:data:`rollout.server.api.stream_events.StreamEvent`):
 
 - :meth:`StreamSession.recv_loop` reads the client's frames (submit, ack, cancel), calls the
   scheduler, and queues one answer per job (a bad frame of one job never ends the session);
@@ -29,8 +29,18 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rollout.runtime.types import InvalidArgument
-from rollout.server import auth, errors, proto_convert, typed_tasks
-from rollout.server.ownership import Ownership, job_id_taken
+from rollout.server.api import errors, proto_convert, typed_tasks
+from rollout.server.api.stream_events import (
+    Beat,
+    Failed,
+    HalfClosed,
+    ProgressBatch,
+    RequestReply,
+    StreamEvent,
+    finished_to_proto,
+    job_of,
+    progress_to_proto,
+)
 from rollout.server.pipeline.records import SubmitResult
 from rollout.server.pipeline.subscription import (
     JobAccepted,
@@ -40,17 +50,8 @@ from rollout.server.pipeline.subscription import (
     TrajectoryReady,
 )
 from rollout.server.scheduler import Scheduler
-from rollout.server.stream_events import (
-    Answer,
-    Beat,
-    Failed,
-    HalfClosed,
-    ProgressBatch,
-    StreamEvent,
-    finished_to_proto,
-    job_of,
-    progress_to_proto,
-)
+from rollout.server.tenancy import auth
+from rollout.server.tenancy.ownership import Ownership, job_id_taken
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
@@ -296,9 +297,9 @@ class StreamSession:
 
     def _event_frame(self, item: StreamEvent) -> pb.StreamRolloutsResponse | None:
         match item:
-            case Answer(job_id=job_id, body=pb.JobAccepted() as accepted):
+            case RequestReply(job_id=job_id, body=pb.JobAccepted() as accepted):
                 return self._frame(job_id, accepted=accepted)
-            case Answer(job_id=job_id, body=pb.JobRejected() as rejected_):
+            case RequestReply(job_id=job_id, body=pb.JobRejected() as rejected_):
                 return self._frame(job_id, rejected=rejected_)
             case Beat(heartbeat=hb):
                 return self._frame(heartbeat=hb)
@@ -333,7 +334,7 @@ class StreamSession:
 
     async def _answer(self, job_id: str, error: BaseException) -> None:
         """A ``rejected`` frame; the id is cut short so a huge one is not echoed back."""
-        await self._out.put(Answer(job_id[:128], rejected(error)))
+        await self._out.put(RequestReply(job_id[:128], rejected(error)))
 
     async def _handle(self, req: pb.StreamRolloutsRequest) -> None:
         kind = req.WhichOneof("kind")
@@ -421,6 +422,7 @@ class StreamSession:
             return
         state = (proto_convert.state_to_proto(rec.state) if rec is not None
                  else await accepted_state(self._scheduler, r))
-        await self._out.put(Answer(r.job_id, pb.JobAccepted(duplicate=r.duplicate, state=state)))
+        accepted = pb.JobAccepted(duplicate=r.duplicate, state=state)
+        await self._out.put(RequestReply(r.job_id, accepted))
         if announce is not None:
             announce()  # after the answer, so `accepted` precedes the trajectory frame

@@ -33,7 +33,7 @@ from rollout.runtime.types import (
     Trajectory,
     Turn,
 )
-from rollout.server import typed_tasks
+from rollout.server.api import typed_tasks
 from rollout.v1 import job_pb2, trajectory_pb2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")

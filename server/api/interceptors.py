@@ -3,9 +3,9 @@ exception -> status mapping.
 
 One interceptor wraps every method handler so these hold for unary and streaming RPCs alike.
 Health stays open without a credential (load balancers), and so does reflection while it is
-enabled (``server.reflection``), so grpcurl's ``list`` works on a locked-down server.
+enabled (``server.api.reflection``), so grpcurl's ``list`` works on a locked-down server.
 
-Who the caller is (``server.auth``) is decided inside the call, where the TLS peer is known,
+Who the caller is (``server.tenancy.auth``) is decided inside the call, where the TLS peer is known,
 and kept in ``auth.current`` for the servicers. BackendService needs the admin role.
 
 A request the deserializer cannot parse becomes INVALID_ARGUMENT here, logged at debug level:
@@ -26,7 +26,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from rollout.runtime.types import InvalidArgument
-from rollout.server import auth, errors
+from rollout.server.api import errors
+from rollout.server.tenancy import auth
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        # Reflection is only registered while server.reflection is on; off, its methods do
+        # Reflection is only registered while server.api.reflection is on; off, its methods do
         # not exist and gRPC answers UNIMPLEMENTED before any handler runs.
         if handler is None or details.method.startswith(_OPEN_PREFIXES):
             return handler

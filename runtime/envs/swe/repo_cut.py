@@ -85,7 +85,8 @@ async def cut_at_base(kind: str, data: bytes, base: str,
                       sandbox_factory: Callable[..., Awaitable[Any]] | None, *,
                       timeout: float = 300.0) -> tuple[str, bytes]:  # noqa: ASYNC109
     """``("bundle", bytes)`` of a bundle holding ``base`` and its history only, from a source
-    as :func:`rollout.runtime.envs.swe.read_source` returns it. REPO_CHECKOUT_FAILED when the
+    as :func:`rollout.runtime.envs.swe.handler.read_source` returns it. REPO_CHECKOUT_FAILED when
+    the
     source holds no repository or not ``base``."""
     if sandbox_factory is None:
         raise HandlerError("this server has no sandbox runtime configured", "NO_SANDBOX")

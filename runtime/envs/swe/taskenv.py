@@ -12,7 +12,7 @@ A task opts in with a ``spec`` object (the harness's spec fields)::
       "install": "python -m pip install --no-build-isolation --no-deps -e .",  # optional
       "test_cmd": "pytest -rA"             # optional: pytest, ./tests/runtests.py (Django),
                                            # bin/test (SymPy) or python -m unittest; only
-                                           # its options are kept (runtime.envs.swe_runners)
+                                           # its options are kept (runtime.envs.swe.runners)
     }
 
 The environment is a venv built once per (repository, version, spec) in a build sandbox with no
@@ -61,10 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
-from rollout.runtime.envs.pip_requirements import requirement
-from rollout.runtime.envs.swe_runners import split_test_cmd
+from rollout.runtime.envs.swe.runners import split_test_cmd
 from rollout.runtime.handler import HandlerError
 from rollout.runtime.sandbox.view import interpreter_binds
+from rollout.runtime.tasksets.requirements import requirement
 
 ENV_MOUNT = "/.rollout-env"
 VENV = f"{ENV_MOUNT}/venv"

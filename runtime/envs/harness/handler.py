@@ -7,7 +7,7 @@ Task format::
     {
       "environment": "swe",            # the inner environment: swe, code or math
       "task": {...},                   # its task, exactly as that environment takes it
-      "harness": "mini-swe-agent",     # a preset (runtime/envs/harness_presets.py), or
+      "harness": "mini-swe-agent",     # a preset (runtime/envs/harness/presets.py), or
                                        # {"preset": NAME, "env": {...}}, or a command spec
                                        # {"command": [...], "install": DIR, "env": {...},
                                        #  "files": {...}, "port": 4000}
@@ -19,7 +19,8 @@ harness's install directory bound read-only at :data:`INSTALL_MOUNT` in the job'
 
 RUN opens a lease on the server's model gateway (:mod:`rollout.runtime.gateway`): a key for this
 job alone and a Unix socket on the host. One launch of the sandbox gets the socket bound at
-:data:`GATEWAY_SOCKET` and runs :mod:`harness_launch <rollout.runtime.envs.harness_launch>`,
+:data:`GATEWAY_SOCKET` and runs :mod:`harness_launch
+<rollout.runtime.envs.in_sandbox.harness_launch>`,
 which relays ``127.0.0.1:PORT`` of the launch's own network namespace to that socket and runs
 the harness with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``ANTHROPIC_BASE_URL`` /
 ``ANTHROPIC_API_KEY`` set, under the RUN deadline. The sandbox has no other network: no host
@@ -43,14 +44,19 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, SEED_KEY, TURNS_KEY
-from rollout.runtime.envs import harness_presets
-from rollout.runtime.envs.common import SANDBOX_KEY, check_task_object, invalid, sandbox_of
-from rollout.runtime.envs.grading import end_agent
-from rollout.runtime.envs.harness_presets import HarnessSpec
+from rollout.runtime.envs.common import (
+    IN_SANDBOX,
+    SANDBOX_KEY,
+    check_task_object,
+    invalid,
+    sandbox_of,
+)
+from rollout.runtime.envs.grading.isolated import end_agent
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.presets import HarnessSpec
 from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
@@ -60,7 +66,7 @@ ENV = "harness"
 INNER = ("swe", "code", "math")
 INSTALL_MOUNT = "/.rollout-harness"
 GATEWAY_SOCKET = "/.rollout-gateway.sock"
-LAUNCH_SOURCE = Path(__file__).with_name("harness_launch.py")
+LAUNCH_SOURCE = IN_SANDBOX / "harness_launch.py"
 ANSWER_FILE = "answer.txt"
 SPEC_KEY = "harness.spec"
 CAPTURE_KEY = "harness.capture"
@@ -72,13 +78,13 @@ _MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}"
 def inner_handler(name: str) -> AgentHandler:
     """The inner environment's handler (imported on use: a math job never loads swe's)."""
     if name == "swe":
-        from rollout.runtime.envs.swe import SweHandler
+        from rollout.runtime.envs.swe.handler import SweHandler
         return SweHandler()
     if name == "code":
-        from rollout.runtime.envs.code import CodeHandler
+        from rollout.runtime.envs.code.handler import CodeHandler
         return CodeHandler()
     if name == "math":
-        from rollout.runtime.envs.math import MathHandler
+        from rollout.runtime.envs.math.handler import MathHandler
         return MathHandler()
     raise invalid(f"harness task field 'environment' must be one of {list(INNER)}, got "
                   f"{name!r}", "environment")
@@ -239,7 +245,7 @@ def task_prompt(ctx: JobContext, workspace: str) -> str:
     if inner == "swe":
         return str(task["problem_statement"])
     if inner == "code":
-        from rollout.runtime.envs.code import task_prompt as code_prompt
+        from rollout.runtime.envs.code.handler import task_prompt as code_prompt
         return code_prompt(task, workspace)
     return (f"{task['question']}\n\nWhen you have the final answer, write it (the answer "
             f"alone) to the file {workspace.rstrip('/')}/{ANSWER_FILE}.")

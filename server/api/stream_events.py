@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.runtime.types import Stage
-from rollout.server import proto_convert
+from rollout.server.api import proto_convert
 from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
@@ -26,7 +26,7 @@ _PROGRESS_EVENTS = {"started": pb.StageProgress.EVENT_STARTED,
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class RequestReply:
     """The request reader's answer to a submit, ack or cancel: one ``accepted`` or
     ``rejected`` frame (``job_id`` empty for a rejected ack)."""
 
@@ -56,13 +56,13 @@ class Failed:
 
 SessionEvent = JobAccepted | StageProgress | TrajectoryReady | JobFinished
 """What the scheduler's subscription yields (``server/pipeline/subscription.py``)."""
-StreamEvent = Answer | Beat | HalfClosed | Failed | SessionEvent
+StreamEvent = RequestReply | Beat | HalfClosed | Failed | SessionEvent
 
 
 def job_of(event: StreamEvent) -> str:
     """The job an item is about ("" for session-level items)."""
     match event:
-        case Answer(job_id=job_id):
+        case RequestReply(job_id=job_id):
             return job_id
         case JobAccepted(job_id=job_id) | StageProgress(job_id=job_id):
             return job_id

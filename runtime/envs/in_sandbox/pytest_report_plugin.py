@@ -33,7 +33,7 @@ What this cannot stop: code under test runs in this same process and could, on p
 reach the plugin's saved fingerprints, or overwrite the file at exit. The grader restores
 every file pytest loads by configuration (conftest, ini files, ``.pth``) and the test
 directories, and screens the agent's diff for code that reaches into the runner or the grader
-before the run (:mod:`rollout.runtime.envs.swe_grade_tree`); docs/grading.md says what
+before the run (:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`); docs/grading.md says what
 remains.
 """
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from rollout.runtime.envs.common import host_path, invalid
 
-SHIPPED_DIR = Path(__file__).with_name("harnesses")
+SHIPPED_DIR = Path(__file__).with_name("shipped")
 PLACEHOLDERS = ("install", "base_url", "origin", "api_key", "model", "prompt", "prompt_file",
                 "workspace", "home", "max_steps", "max_tokens")
 _PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
@@ -65,7 +65,8 @@ class HarnessSpec:
     name: str
     command: tuple[str, ...]
     install: Path | None
-    """Host directory bound read-only at :data:`rollout.runtime.envs.harness.INSTALL_MOUNT`."""
+    """Host directory bound read-only at
+    :data:`rollout.runtime.envs.harness.handler.INSTALL_MOUNT`."""
     env: Mapping[str, str] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)
     port: int = DEFAULT_PORT

@@ -14,7 +14,7 @@ The agent computes with ``python`` (a tagged tool call or a fenced ```python blo
 by calling ``submit(answer)`` or, without a submit call, by ending its last message with
 ``\\boxed{...}`` or a line stating it ("The answer is 43."); a submitted answer wins over
 boxed text, a box over a stated line. EVAL compares with
-:func:`rollout.runtime.envs.answers.answers_equivalent` (``0.75 == 3/4 == \\frac{3}{4}``,
+:func:`rollout.runtime.envs.math.answers.answers_equivalent` (``0.75 == 3/4 == \\frac{3}{4}``,
 ``1,048,576 == 1048576``, ``\\frac{\\sqrt{3}}{2} == sqrt(3)/2``) on the host: scoring needs no
 sandbox. A task with ``"tools": []`` never opens a sandbox at all.
 """
@@ -26,11 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
-from rollout.runtime.envs.answers import (
-    answers_equivalent,
-    extract_boxed,
-    extract_stated_answer,
-)
 from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
@@ -38,6 +33,11 @@ from rollout.runtime.envs.common import (
     require_str,
     sandbox_of,
     sandbox_tools,
+)
+from rollout.runtime.envs.math.answers import (
+    answers_equivalent,
+    extract_boxed,
+    extract_stated_answer,
 )
 from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.tools.submit import SUBMITTED_ANSWER_KEY, SubmitTool

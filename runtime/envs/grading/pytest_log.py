@@ -1,7 +1,8 @@
 """Per-test outcomes of a pytest run, and the SWE-bench style verdict over them.
 
 The swe grader runs only the named tests (their node ids) and reads the outcomes from the JSON
-report of :mod:`rollout.runtime.envs.pytest_report_plugin` (:func:`parse_plugin_report`), never
+report of :mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`
+(:func:`parse_plugin_report`), never
 from stdout. The test files the named tests live in are restored to the base commit before the
 run, so their ids exist; an id pytest cannot find aborts the session and every test counts as
 ``MISSING``, which is a failure. :func:`parse_pytest_report` reads the short test summary of

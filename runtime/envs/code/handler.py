@@ -20,8 +20,9 @@ Task format (JSON object; the task sets in ``data/code.jsonl`` follow it)::
 
 INIT opens the sandbox; RUN gives the agent bash, the editor and submit, and its end kills every
 process the agent started. EVAL copies the workspace into a grading sandbox of its own
-(:mod:`rollout.runtime.envs.grading`), sends the tests to
-:mod:`rollout.runtime.envs.code_runner` there on stdin, and runs every test in its own limited
+(:mod:`rollout.runtime.envs.grading.isolated`), sends the tests to
+:mod:`rollout.runtime.envs.in_sandbox.code_runner` there on stdin, and runs every test in its own
+limited
 process. A function-mode test passes only on a completion token the harness writes after the
 test code returned (``os._exit(0)`` is not a pass); stdio outputs compare line by line ignoring
 trailing whitespace.
@@ -51,11 +52,11 @@ import posixpath
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from rollout.runtime.agent_loop import run_agent_loop
 from rollout.runtime.envs.common import (
+    IN_SANDBOX,
     SANDBOX_KEY,
     check_task_object,
     invalid,
@@ -68,7 +69,7 @@ from rollout.runtime.envs.common import (
     sandbox_tools,
     write_private,
 )
-from rollout.runtime.envs.grading import end_agent, open_grader
+from rollout.runtime.envs.grading.isolated import end_agent, open_grader
 from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.sandbox import hostfs
 from rollout.runtime.toolcalls import THINK_CLOSE, THINK_OPEN, strip_reasoning
@@ -76,7 +77,7 @@ from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
 
 ENV = "code"
-RUNNER_SOURCE = Path(__file__).with_name("code_runner.py")
+RUNNER_SOURCE = IN_SANDBOX / "code_runner.py"
 
 INSTRUCTIONS = (
     "You are an expert Python programmer working in a Linux sandbox. Solve the programming "

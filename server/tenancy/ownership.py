@@ -1,6 +1,6 @@
 """Whose job or group this is: the tenancy checks the RPCs and the stream session share.
 
-A client bound to a credential (``server/auth.py``) sees and cancels only what it owns.
+A client bound to a credential (``server/tenancy/auth.py``) sees and cancels only what it owns.
 Permission is checked before existence, so a bound client gets the same PERMISSION_DENIED for a
 job or group that does not exist as for another client's: it cannot probe for other tenants'
 ids. Joining a group is decided where the job is inserted (``Scheduler.submit(own_groups=)``,
@@ -9,8 +9,9 @@ in the store's transaction), so two tenants racing for a fresh group id cannot b
 
 from __future__ import annotations
 
-from rollout.server import auth, errors
+from rollout.server.api import errors
 from rollout.server.scheduler import Scheduler
+from rollout.server.tenancy import auth
 
 
 def job_id_taken(job_id: str) -> errors.AlreadyExists:
