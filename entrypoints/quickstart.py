@@ -34,7 +34,10 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens_per_turn": 128,
             "total_token_budget": 4096}
 # RUN gets ten minutes: on a 2-core machine shared with other work, the first turns of a batch
 # (prefill of every job's prompt) alone have taken five.
-LIMITS = {"max_turns": 4, "init_timeout": "120s", "run_timeout": "600s", "eval_timeout": "180s"}
+# A tool call gets 20 s: a small model's endless loop then costs a job 20 s per call, not the
+# 60 s default, and the batch ends in about the time of its other jobs.
+LIMITS = {"max_turns": 4, "init_timeout": "120s", "run_timeout": "600s", "eval_timeout": "180s",
+          "tool_timeout": "20s"}
 SEED_STRIDE = 1_000_003
 """Job i samples with ``seed + i * SEED_STRIDE`` (turn k adds k), as ``rollout submit
 --samples`` does, so no two jobs share a random stream and one seed reproduces the batch."""

@@ -154,12 +154,14 @@ class Limits:
     init_timeout_s: float = 120.0
     run_timeout_s: float = 600.0
     eval_timeout_s: float = 300.0
+    tool_timeout_s: float = 60.0
+    """Longest one tool call may run; a timeout the model asks for is capped at it."""
 
     def validate(self) -> None:
         if self.max_turns <= 0:
             raise InvalidArgument(f"limits.max_turns must be > 0, got {self.max_turns}",
                                   "INVALID_LIMITS", "limits.max_turns")
-        for name in ("init_timeout_s", "run_timeout_s", "eval_timeout_s"):
+        for name in ("init_timeout_s", "run_timeout_s", "eval_timeout_s", "tool_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"limits.{name} must be > 0", "INVALID_LIMITS",
                                       f"limits.{name}")

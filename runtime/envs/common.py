@@ -143,8 +143,10 @@ def quote(*parts: str) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def sandbox_tools(sandbox: Any, names: Sequence[str]) -> list[Any]:
-    """The named sandbox tools (``bash``, ``python``, ``editor``) from ``runtime.tools``."""
+def sandbox_tools(sandbox: Any, names: Sequence[str], ctx: JobContext) -> list[Any]:
+    """The named sandbox tools (``bash``, ``python``, ``editor``) from ``runtime.tools``, each
+    call capped at the job's ``limits.tool_timeout_s``."""
     from rollout.runtime.tools import make_tools
 
-    return list(make_tools(sandbox, names=list(names)))
+    return list(make_tools(sandbox, names=list(names),
+                           tool_timeout_s=ctx.spec.limits.tool_timeout_s))

@@ -10,12 +10,16 @@ from rollout.runtime.tools.base import Tool, ToolCall, ToolCallError, ToolResult
 DEFAULT_TOOLS = ("bash", "python", "editor")
 
 
-def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, **options: Any) -> list[Tool]:
+def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, *,
+               tool_timeout_s: float | None = None, **options: Any) -> list[Tool]:
     """Build the named tools bound to ``sandbox`` (processes start lazily on first call).
 
-    ``options`` are passed by name prefix: ``bash_timeout`` -> BashTool(default_timeout=...),
+    ``tool_timeout_s`` (the job's ``limits.tool_timeout``) caps every call, whatever timeout
+    the model asks for: a runaway command must not eat the whole RUN deadline. ``options`` are
+    passed by name prefix: ``bash_timeout`` -> BashTool(default_timeout=...),
     ``python_timeout`` -> IPythonTool(default_timeout=...).
     """
+    cap = {} if tool_timeout_s is None else {"max_timeout": tool_timeout_s}
     from rollout.runtime.tools.bash import BashTool
     from rollout.runtime.tools.editor import EditorTool
     from rollout.runtime.tools.ipython import IPythonTool
@@ -23,10 +27,12 @@ def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, **options: An
     tools: list[Tool] = []
     for name in names:
         if name == "bash":
-            tools.append(BashTool(sandbox, default_timeout=options.get("bash_timeout", 60.0)))
+            tools.append(BashTool(sandbox, default_timeout=options.get("bash_timeout", 60.0),
+                                  **cap))
         elif name in ("python", "ipython"):
             tools.append(IPythonTool(sandbox,
-                                     default_timeout=options.get("python_timeout", 60.0)))
+                                     default_timeout=options.get("python_timeout", 60.0),
+                                     **cap))
         elif name in ("editor", "str_replace_editor"):
             tools.append(EditorTool(sandbox))
         else:

@@ -426,14 +426,15 @@ class IPythonTool:
     }
 
     def __init__(self, sandbox: Any, default_timeout: float = 60.0,
-                 max_output: int = 16 * 1024) -> None:
+                 max_output: int = 16 * 1024, max_timeout: float = 600.0) -> None:
         self.sandbox = sandbox
         self.default_timeout = default_timeout
         self.max_output = max_output
+        self.max_timeout = max_timeout
 
     async def run(self, code: str, timeout: float | None = None) -> CellResult:  # noqa: ASYNC109
         kernel = await self.sandbox.ipython()
-        return await kernel.execute(code, timeout or self.default_timeout)
+        return await kernel.execute(code, min(timeout or self.default_timeout, self.max_timeout))
 
     async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
         code = arguments.get("code")

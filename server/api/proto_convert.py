@@ -228,7 +228,7 @@ def chat_to_proto(c: ChatOptions) -> job_pb2.ChatOptions:
 
 def limits_from_proto(p: job_pb2.Limits) -> Limits:
     base = Limits()
-    for name in ("init_timeout", "run_timeout", "eval_timeout"):
+    for name in ("init_timeout", "run_timeout", "eval_timeout", "tool_timeout"):
         d = getattr(p, name)
         if d.seconds < 0 or d.nanos < 0:
             raise InvalidArgument(f"limits.{name} must be positive", "INVALID_LIMITS",
@@ -238,6 +238,7 @@ def limits_from_proto(p: job_pb2.Limits) -> Limits:
         init_timeout_s=_duration_s(p.init_timeout, base.init_timeout_s),
         run_timeout_s=_duration_s(p.run_timeout, base.run_timeout_s),
         eval_timeout_s=_duration_s(p.eval_timeout, base.eval_timeout_s),
+        tool_timeout_s=_duration_s(p.tool_timeout, base.tool_timeout_s),
     )
     limits.validate()
     return limits
@@ -248,7 +249,8 @@ def limits_to_proto(limits: Limits) -> job_pb2.Limits:
         max_turns=limits.max_turns,
         init_timeout=seconds_to_duration(limits.init_timeout_s),
         run_timeout=seconds_to_duration(limits.run_timeout_s),
-        eval_timeout=seconds_to_duration(limits.eval_timeout_s))
+        eval_timeout=seconds_to_duration(limits.eval_timeout_s),
+        tool_timeout=seconds_to_duration(limits.tool_timeout_s))
 
 
 def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:

@@ -191,11 +191,17 @@ async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Rende
         await response.prepare(request)
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
+        # The first update is the page's whole live state, whatever the log says: a browser
+        # that reconnects (EventSource does after a dropped stream) holds a page rendered
+        # before the events it missed, and nothing in the log after ``watcher.seq`` says so.
+        first = True
         while not watcher.closed:
-            await watcher.wait(refresh_s or KEEPALIVE_S)
+            if not first:
+                await watcher.wait(refresh_s or KEEPALIVE_S)
             if watcher.closed:
                 break
-            changes = watcher.take()
+            changes = Changes(frozenset(), True) if first else watcher.take()
+            first = False
             update = await render(changes) if changes or refresh_s else Update([])
             if update.parts:
                 data = json.dumps([{"id": i, "html": h} for i, h in update.parts])

@@ -252,7 +252,7 @@ class Pages:
         async def render(_: live.Changes) -> live.Update:
             ctx = await self.job_ctx(principal, job_id)
             parts = [("job-live", self.render("job_live.html", **ctx))]
-            if not ctx["job"].state.terminal:
+            if not job_page_complete(ctx):
                 return live.Update(parts)
             parts.append(("trajectory", self.render("trajectory.html", **ctx)))
             return live.Update(parts, last=True)
@@ -315,3 +315,14 @@ def timeline(rec: JobRecord) -> list[dict[str, Any]]:
                     "stage": t.stage.name if t.stage is not None else "",
                     "seconds": max(0.0, end - t.at)})
     return out
+
+
+def job_page_complete(ctx: Mapping[str, Any]) -> bool:
+    """Whether a job page's live stream has shown everything it ever will.
+
+    A job's state turns terminal while it is still live, before the store has committed its
+    trajectory (``get_trajectory`` answers None until then). A stream that ended on the state
+    alone would end without the trajectory, and no later event would bring it: the page waits
+    for the trajectory itself.
+    """
+    return bool(ctx["job"].state.terminal) and ctx.get("traj") is not None

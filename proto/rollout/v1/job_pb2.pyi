@@ -56,16 +56,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., total_token_budget: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[LogprobsKind, str]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_turns", "init_timeout", "run_timeout", "eval_timeout")
+    __slots__ = ("max_turns", "init_timeout", "run_timeout", "eval_timeout", "tool_timeout")
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     INIT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     RUN_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     EVAL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     max_turns: int
     init_timeout: _duration_pb2.Duration
     run_timeout: _duration_pb2.Duration
     eval_timeout: _duration_pb2.Duration
-    def __init__(self, max_turns: _Optional[int] = ..., init_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    tool_timeout: _duration_pb2.Duration
+    def __init__(self, max_turns: _Optional[int] = ..., init_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., run_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., eval_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tool_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("group_id", "size", "finish_after")

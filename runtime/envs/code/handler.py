@@ -135,7 +135,7 @@ class CodeHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         sandbox = sandbox_of(ctx)
-        tools = [*sandbox_tools(sandbox, ["bash", "editor"]),
+        tools = [*sandbox_tools(sandbox, ["bash", "editor"], ctx),
                  SubmitTool(ctx.state, answer_description="A one-line summary of your solution.")]
         messages = [{"role": "system", "content": INSTRUCTIONS},
                     {"role": "user", "content": task_prompt(ctx.spec.task,

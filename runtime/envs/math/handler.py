@@ -97,7 +97,7 @@ class MathHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         names = list(ctx.spec.task.get("tools", ["python"]))
-        tools: list[Any] = sandbox_tools(sandbox_of(ctx), names) if names else []
+        tools: list[Any] = sandbox_tools(sandbox_of(ctx), names, ctx) if names else []
         tools.append(SubmitTool(ctx.state, answer_description="The final answer only."))
         example = list(EXAMPLE) if "python" in names else []
         messages = [{"role": "system", "content": INSTRUCTIONS}, *example,

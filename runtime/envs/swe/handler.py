@@ -229,7 +229,7 @@ class SweHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         sandbox = sandbox_of(ctx)
-        tools = [*sandbox_tools(sandbox, ["bash", "editor"]),
+        tools = [*sandbox_tools(sandbox, ["bash", "editor"], ctx),
                  SubmitTool(ctx.state, answer_description="A one-line summary of your fix.")]
         messages = [
             {"role": "system",
