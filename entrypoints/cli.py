@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cancel a group's other jobs once this many succeeded")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="live progress bars per stage")
+    p.add_argument("--on-interrupt", choices=("ask", "cancel", "keep"), default="ask",
+                   help="on Ctrl-C, the jobs this run submitted that are still unfinished: "
+                        "ask (when a terminal can answer; otherwise keep and print how to "
+                        "cancel), cancel them, or keep them running (re-run the command to "
+                        "collect their trajectories)")
     ids = p.add_mutually_exclusive_group()
     ids.add_argument("--job-prefix", metavar="PREFIX",
                      help="ids become PREFIX-<line> (PREFIX-<job_id> for lines that name their "
@@ -217,10 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--text", action="store_true",
                    help="decode the tokens with the server's tokenizer (no model needed "
                         "here); generated tokens are shaded by probability")
-    q = jobs.add_parser("cancel")
+    q = jobs.add_parser("cancel", help="cancel one job, a group's unfinished jobs, or every "
+                                       "unfinished job of a client id (--all-mine)")
     _client_flags(q)
     q.add_argument("job_id", nargs="?", default="")
     q.add_argument("--group", default="")
+    q.add_argument("--all-mine", action="store_true",
+                   help="every queued or running job submitted under --client-id (the id "
+                        "`rollout submit` prints; env ROLLOUT_CLIENT_ID)")
+    q.add_argument("--client-id", help="with --all-mine: whose jobs (env ROLLOUT_CLIENT_ID)")
 
     p = sub.add_parser("status", help="per-stage queues, latencies, job counts and nodes")
     _client_flags(p)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -13,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout.client.aio import RolloutClient
+from rollout.client.errors import RolloutError
 from rollout.entrypoints.tables import cli_console, compact_table
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
@@ -66,14 +69,45 @@ async def jobs(args: argparse.Namespace, settings: Any, console: Console | None 
             resp = await client.get_job(args.job_id, include_trajectory=args.trajectory)
             console.print_json(json_format.MessageToJson(resp, preserving_proto_field_name=True))
         else:
-            if bool(args.job_id) == bool(args.group):
-                from rollout.entrypoints.cli import CliError
+            from rollout.entrypoints.cli import CliError
 
+            if sum(map(bool, (args.job_id, args.group, args.all_mine))) != 1:
                 raise CliError("INVALID_ARGUMENT", "MISSING_FIELD",
-                               "name a job id or --group (exactly one)")
-            ids = await client.cancel(job_id=args.job_id, group_id=args.group)
+                               "name a job id, --group or --all-mine (exactly one)")
+            if args.all_mine:
+                if not settings.client_id:
+                    raise CliError("INVALID_ARGUMENT", "MISSING_FIELD",
+                                   "--all-mine needs --client-id (the id `rollout submit` "
+                                   "printed) or ROLLOUT_CLIENT_ID")
+                ids = await cancel_unfinished(client, settings.client_id)
+            else:
+                ids = await client.cancel(job_id=args.job_id, group_id=args.group)
             console.print(f"cancelled {len(ids)} job(s)" + (": " + ", ".join(ids) if ids else ""))
     return 0
+
+
+async def cancel_unfinished(client: RolloutClient, client_id: str) -> list[str]:
+    """Cancel every queued or running job of ``client_id``; returns the ids cancelled (a job
+    that finished meanwhile is skipped, not an error)."""
+    ids = [job.job_id for state in ("QUEUED", "RUNNING")
+           async for job in client.list_jobs(state=state, client_id=client_id)]
+    return await cancel_each(client, ids)
+
+
+async def cancel_each(client: RolloutClient, job_ids: list[str]) -> list[str]:
+    """Cancel ``job_ids`` (16 calls in flight at most); returns those actually cancelled."""
+    gate = asyncio.Semaphore(16)
+
+    async def one(job_id: str) -> list[str]:
+        async with gate:
+            try:
+                return await client.cancel(job_id=job_id)
+            except RolloutError as err:  # finished meanwhile, or pruned: nothing to cancel
+                if err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    return []
+                raise
+
+    return [i for ids in await asyncio.gather(*(one(j) for j in job_ids)) for i in ids]
 
 
 async def status(settings: Any, console: Console | None = None) -> int:

@@ -142,7 +142,11 @@ async def run(args: argparse.Namespace, console: Console) -> int:
     specs = build_specs(args.mix, run_id, seed)
     settings = ClientSettings(address=server.address, token=cfg.server.auth_token or None,
                               client_id=f"quickstart-{run_id}")
-    submit_args: Any = SimpleNamespace(out=str(traj_path), progress=True)
+    # A fresh file each run (the summary says "written to", not "appended to"). Ctrl-C
+    # cancels what is unfinished: the state directory outlives this run, and a job left there
+    # would be recovered and run again by the next quickstart's server.
+    submit_args: Any = SimpleNamespace(out=str(traj_path), progress=True, appending=False,
+                                       on_interrupt="cancel")
     try:
         with traj_path.open("a") as out:
             code = await submit_specs(submit_args, settings, console, specs, out)

@@ -14,7 +14,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import sys
+import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
 
@@ -85,6 +88,39 @@ def load_specs(path: str, samples: int = 1, finish_after: int = 0,
     return specs
 
 
+class _Waiting:
+    """What the run still waits for, one line under the bars: the unfinished jobs heard from
+    least recently, with their stage and turns, so a slow tail says what it is doing."""
+
+    SHOWN = 3
+
+    def __init__(self, specs: list[job_pb2.JobSpec]) -> None:
+        now = time.monotonic()
+        self.jobs: dict[str, tuple[str, int, float]] = {
+            s.job_id: ("queued", 0, now) for s in specs}
+        """Unfinished job -> (stage, turns done, when last heard of)."""
+
+    def heard(self, job_id: str, stage: int | None = None, turns: int | None = None) -> None:
+        if job_id not in self.jobs:
+            return
+        old_stage, old_turns, _ = self.jobs[job_id]
+        name = job_pb2.Stage.Name(stage).removeprefix("STAGE_") if stage else old_stage
+        self.jobs[job_id] = (name, old_turns if turns is None else turns, time.monotonic())
+
+    def done(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+
+    def line(self) -> str:
+        if not self.jobs:
+            return ""
+        now = time.monotonic()
+        quiet = sorted(self.jobs.items(), key=lambda kv: kv[1][2])[:self.SHOWN]
+        parts = [f"{job_id} ({stage}, {turns} turns, last heard {now - at:.0f} s ago)"
+                 for job_id, (stage, turns, at) in quiet]
+        more = len(self.jobs) - len(quiet)
+        return "waiting on " + "; ".join(parts) + (f"; +{more} more" if more > 0 else "")
+
+
 class _Bars:
     """One bar per stage (jobs past that stage), one for finished jobs by outcome; the RUN bar's
     label counts agent turns, generated tokens and tool calls as turns finish, so it moves while
@@ -142,6 +178,29 @@ class _Bars:
             self.p.update(self.done, advance=1, description=self._done_label())
 
 
+@contextlib.asynccontextmanager
+async def _waiting_line(progress: Progress | None, waiting: _Waiting) -> AsyncIterator[None]:
+    """Refresh the "waiting on" line once a second (it ages while nothing happens)."""
+    if progress is None:
+        yield
+        return
+    task = progress.add_task("", total=None, start=False)
+
+    async def refresh() -> None:
+        while True:
+            progress.update(task, description=waiting.line())
+            await asyncio.sleep(1.0)
+
+    ticker = asyncio.create_task(refresh())
+    try:
+        yield
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+        progress.update(task, description=waiting.line(), visible=bool(waiting.jobs))
+
+
 def run_submit(args: argparse.Namespace, settings: ClientSettings,
                console: Console | None = None) -> int:
     console = console or cli_console()
@@ -158,9 +217,52 @@ def run_submit(args: argparse.Namespace, settings: ClientSettings,
 
 async def submit_specs(args: argparse.Namespace, settings: ClientSettings, console: Console,
                        specs: list[job_pb2.JobSpec], out: TextIO) -> int:
-    """Submit, show live progress, append each trajectory to ``out`` and ack it once written.
-    ``args`` needs ``out`` and ``progress``; also used by ``rollout quickstart``."""
+    """Submit, show live progress, write each trajectory to ``out`` and ack it once written.
+    ``args`` needs ``out`` and ``progress``, and may set ``appending`` (False: ``out`` is a
+    fresh file, and the summary says "written to") and ``on_interrupt`` (``ask``, ``cancel``
+    or ``keep``: what Ctrl-C does with the unfinished jobs); also used by ``rollout
+    quickstart``."""
     client_id = settings.client_id or default_client_id(args.out)
+    waiting = _Waiting(specs)
+    try:
+        return await _submit(args, settings, console, specs, out, client_id, waiting)
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us, then raises it
+        await _on_interrupt(args, settings, console, client_id, sorted(waiting.jobs))
+        raise
+
+
+async def _on_interrupt(args: argparse.Namespace, settings: ClientSettings, console: Console,
+                        client_id: str, unfinished: list[str]) -> None:
+    """Say what Ctrl-C leaves behind, and cancel it when asked: the jobs keep running on the
+    server otherwise (a re-run of the same command collects them)."""
+    if not unfinished:
+        return
+    mode = getattr(args, "on_interrupt", "ask")
+    if mode == "ask" and sys.stdin.isatty():
+        try:
+            answer = await asyncio.to_thread(
+                input, f"\n{len(unfinished)} job(s) of this run are unfinished on the server. "
+                       "Cancel them? [y/N] ")
+        except (EOFError, KeyboardInterrupt):
+            answer = ""
+        mode = "cancel" if answer.strip().lower() in ("y", "yes") else "keep"
+    if mode == "cancel":
+        from rollout.entrypoints.job_commands import cancel_each
+
+        async with RolloutClient(settings.address, token=settings.token) as client:
+            cancelled = await cancel_each(client, unfinished)
+        console.print(f"cancelled {len(cancelled)} unfinished job(s) of this run",
+                      markup=False, highlight=False)
+        return
+    console.print(f"{len(unfinished)} job(s) of this run keep running on the server; re-run "
+                  "the same command to collect their trajectories, or cancel them with: "
+                  f"rollout jobs cancel --all-mine --client-id {client_id}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
+async def _submit(args: argparse.Namespace, settings: ClientSettings, console: Console,
+                  specs: list[job_pb2.JobSpec], out: TextIO, client_id: str,
+                  waiting: _Waiting) -> int:
     stats = RunStats(specs)
     earlier = EarlierRuns()
     progress = (Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
@@ -172,7 +274,8 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
         # stopped server or a missing token would otherwise surface only after its retries.
         await client.status()
     async with RolloutClient(settings.address, token=settings.token) as client, \
-            client.session(client_id, progress=bool(args.progress)) as session:
+            client.session(client_id, progress=bool(args.progress)) as session, \
+            _waiting_line(progress, waiting):
         with progress or contextlib.nullcontext():
             for i in range(0, len(specs), SUBMIT_BATCH):
                 await session.submit(specs[i:i + SUBMIT_BATCH])
@@ -186,23 +289,31 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
                     earlier.trajectory_written(frame.trajectory.trajectory.job_id)
                     await session.ack([frame.trajectory.delivery_id])
                 elif kind == "finished":
+                    waiting.done(frame.job_id)
                     stats.finished(frame.job_id, frame.finished)
                     earlier.job_finished(frame.job_id)
                     bars.job_done(frame.job_id, stats.jobs[frame.job_id].outcome)
-                elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_FINISHED:
-                    bars.stage_finished(frame.job_id, frame.progress.stage)
-                elif kind == "progress" and frame.progress.event == pb.StageProgress.EVENT_TURN:
-                    bars.turn(frame.job_id, frame.progress)
+                elif kind == "progress":
+                    p = frame.progress
+                    waiting.heard(frame.job_id, p.stage, p.turns if p.turns else None)
+                    if p.event == pb.StageProgress.EVENT_FINISHED:
+                        bars.stage_finished(frame.job_id, p.stage)
+                    elif p.event == pb.StageProgress.EVENT_TURN:
+                        bars.turn(frame.job_id, p)
                 elif kind == "accepted":
                     earlier.accepted(frame.job_id, frame.accepted)
+                    waiting.heard(frame.job_id)
                     if frame.accepted.state in _TERMINAL:
+                        waiting.done(frame.job_id)
                         stats.already_done += 1  # finished in an earlier run of this command
                         bars.job_done(frame.job_id, "ok" if frame.accepted.state
                                       == job_pb2.Job.STATE_SUCCEEDED else "fail")
                 elif kind == "rejected" and frame.rejected.reason == ID_TAKEN:
+                    waiting.done(frame.job_id)
                     earlier.taken_by_another(frame.job_id)  # reported below, with what to do
                     bars.job_done(frame.job_id, "earlier")
                 elif kind == "rejected":
+                    waiting.done(frame.job_id)
                     stats.rejected.append(frame.job_id)
                     bars.job_done(frame.job_id, "fail")
                     err = RolloutError.from_rejected(frame.rejected)
@@ -214,7 +325,8 @@ async def submit_specs(args: argparse.Namespace, settings: ClientSettings, conso
         console.print(note, markup=False, highlight=False)
     for note in stats.starved_notes():
         console.print(note, markup=False, highlight=False)
-    console.print(f"{stats.written} trajectories appended to {args.out} "
+    verb = "appended to" if getattr(args, "appending", True) else "written to"
+    console.print(f"{stats.written} trajectories {verb} {args.out} "
                   f"(client id {client_id}); {stats.already_done} finished in an earlier run; "
                   f"{len(stats.rejected)} rejected")
     rule = id_rule(getattr(args, "file", None), getattr(args, "job_prefix", None))

@@ -208,6 +208,8 @@ def test_the_quickstart_command_as_documented(shell_factory) -> None:
     out = shell.cwd / "quickstart-out"
     trajectories = (out / "trajectories.jsonl").read_text().splitlines()
     assert len(trajectories) == 14, "8 math, 4 code and 2 SWE jobs, as the README says"
+    # Each run writes a fresh file, and says so (it once said "appended" while replacing it).
+    assert "14 trajectories written to" in " ".join(said.split()), said[-2000:]
     assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "state" / "jobs.sqlite3").exists(), "its state in quickstart-out/state"
     assert not (shell.cwd / ".rollout").exists(), "a rollout serve beside it keeps ./.rollout"
