@@ -19,7 +19,7 @@ def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, *,
     passed by name prefix: ``bash_timeout`` -> BashTool(default_timeout=...),
     ``python_timeout`` -> IPythonTool(default_timeout=...).
     """
-    cap = {} if tool_timeout_s is None else {"max_timeout": tool_timeout_s}
+    cap = 600.0 if tool_timeout_s is None else tool_timeout_s
     from rollout.runtime.tools.bash import BashTool
     from rollout.runtime.tools.editor import EditorTool
     from rollout.runtime.tools.ipython import IPythonTool
@@ -28,11 +28,11 @@ def make_tools(sandbox: Any, names: Iterable[str] = DEFAULT_TOOLS, *,
     for name in names:
         if name == "bash":
             tools.append(BashTool(sandbox, default_timeout=options.get("bash_timeout", 60.0),
-                                  **cap))
+                                  max_timeout=cap))
         elif name in ("python", "ipython"):
             tools.append(IPythonTool(sandbox,
                                      default_timeout=options.get("python_timeout", 60.0),
-                                     **cap))
+                                     max_timeout=cap))
         elif name in ("editor", "str_replace_editor"):
             tools.append(EditorTool(sandbox))
         else:
