@@ -9,3 +9,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _raise_open_file_limit() -> None:
+    """The suite's one process opens many real servers, sandboxes and kernels in turn, and a
+    few descriptors outlive their test until the garbage collector runs. A soft limit of 1024
+    (a common default) was reached once on a busy machine: use the hard limit, as servers do."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+_raise_open_file_limit()
