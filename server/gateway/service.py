@@ -58,7 +58,8 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
         if self.tcp_port is not None and self._tcp is None:
-            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None)
+            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None,
+                                   handler_cancellation=True)
             await runner.setup()
             site = web.TCPSite(runner, self.tcp_host, self.tcp_port)
             await site.start()
@@ -96,7 +97,7 @@ class Gateway:
                                        options=options or GatewayOptions())
         lease = LeaseResources(key, conversation, path)
         runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
-                                         self.limits), access_log=None)
+                                         self.limits), access_log=None, handler_cancellation=True)
         await runner.setup()
         try:
             await web.UnixSite(runner, path).start()
@@ -139,7 +140,7 @@ class Gateway:
         if tasks and abort is not None:
             with contextlib.suppress(Exception):
                 await abort(lease.conversation.spec.job_id)
-        lease.conversation.finish()
+        await lease.conversation.close()
         if lease.runner is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(lease.runner.cleanup(), 5.0)
