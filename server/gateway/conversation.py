@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -196,7 +197,7 @@ class JobConversation:
             if flight is None:
                 prepared = await self._prepare(request, ident, keys)
                 flight = _Flight(asyncio.ensure_future(self._run(prepared, request)))
-                flight.task.add_done_callback(lambda _, p=prepared: self._abandon(p))
+                flight.task.add_done_callback(functools.partial(self._settle, prepared))
                 self._flights[ident] = flight
         flight.waiters += 1
         try:
@@ -342,6 +343,9 @@ class JobConversation:
             self._flights.pop(prepared.ident, None)
         return self._commit(prepared, request, result, retries, time.monotonic() - started)
 
+    def _settle(self, prepared: _Prepared, _: asyncio.Task[ServedTurn]) -> None:
+        self._abandon(prepared)
+
     def _abandon(self, prepared: _Prepared) -> None:
         """The request gets no turn: undo what preparing it appended. Also the task's done
         callback, for a task cancelled before it ran (then no ``finally`` of it runs)."""
@@ -455,6 +459,12 @@ class JobConversation:
                 else:
                     out.append({"role": self._observation_role, "content": block,
                                 "_merged": True})
+            elif m.role == "system" and (out or not first):
+                # A system message inside the conversation (Claude Code's reminders): many
+                # templates refuse a system turn that is not first, so it is said as a user
+                # turn; an empty one (a directive without text) says nothing.
+                if m.content:
+                    out.append({"role": "user", "content": m.content})
             else:
                 out.append({"role": m.role, "content": m.content})
         for entry in out:

@@ -102,6 +102,8 @@ class ChatRequest:
     stream: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     """The request's ``metadata`` object, string values only (what side-call rules read)."""
+    include_usage: bool = False
+    """A stream ends with the usage (chat's ``stream_options.include_usage``)."""
     logprobs: int | None = None
     """``None``: no logprobs in the answer; ``k``: the sampled tokens' logprobs, each with up
     to ``k`` alternatives (only the sampled token is known, so at most that one)."""

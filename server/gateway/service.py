@@ -15,7 +15,6 @@ system's temporary directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -129,23 +128,8 @@ class Gateway:
         return found.conversation.capture
 
     async def _close(self, lease: LeaseResources) -> None:
-        lease.closed = True
         self._leases.pop(lease.key, None)
-        tasks = [t for t in lease.tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
-        abort = getattr(lease.conversation.llm, "abort", None)
-        if tasks and abort is not None:
-            with contextlib.suppress(Exception):
-                await abort(lease.conversation.spec.job_id)
-        await lease.conversation.close()
-        if lease.runner is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.runner.cleanup(), 5.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lease.socket_path)
+        await lease.close()
 
     def _socket_root(self) -> Path:
         if self._root is None:

@@ -151,8 +151,10 @@ async def _interleaving(ops: list[tuple[str, int, bool]]) -> None:
         elif op == "compact" and main.last is not None:
             main.messages = [system, Message("user", f"Summary {next(uid)} of the work so far.")]
             main.rewritten = True
-        elif op == "edit" and main.last is not None:
-            k = 1 + n % (len(main.last) - 1)  # a message the chain already holds
+        elif op == "edit" and main.last is not None and min(len(main.last),
+                                                            len(main.messages)) > 1:
+            # A message the chain already holds (or the compacted history's).
+            k = 1 + n % (min(len(main.last), len(main.messages)) - 1)
             old = main.messages[k]
             main.messages[k] = Message(old.role, old.content + f" (edited {next(uid)})",
                                        old.tool_calls, old.tool_call_id, old.name)
