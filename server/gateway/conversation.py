@@ -258,6 +258,7 @@ class JobConversation:
     async def _prepare(self, request: ChatRequest, ident: Ident, keys: list[Key]) -> _Prepared:
         """Choose the request's chain and render its prompt there (under the job's lock)."""
         if self.capture.requests + len(self._flights) >= self.spec.limits.max_turns:
+            self.capture.refused = "max_turns"
             raise BadRequest(f"this job may make {self.spec.limits.max_turns} model requests "
                              "(its limits.max_turns); no more are served", code="max_turns")
         tools_key, side, _ = ident
@@ -300,6 +301,8 @@ class JobConversation:
                              previous)
         if limit - total <= 0:
             self._abandon(prepared)
+            self.capture.refused = ("token_budget" if limit == self.spec.sampling.total_token_budget
+                                    else "context_length")
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",
                              param="messages", code="context_length_exceeded")
