@@ -41,7 +41,7 @@ class RequestLimits:
     max_tools: int = 256
     max_stop: int = 16
     max_pending: int = 8
-    """Requests of one job waiting or running at once (a job's turns are served in order);
+    """Requests of one job in flight at once (waiting for a generation slot or generating);
     more get 429 so a runaway harness cannot pile up work and memory in the server."""
 
 
