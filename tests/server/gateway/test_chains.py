@@ -102,7 +102,7 @@ class Thread:
 
 OPS = st.lists(st.tuples(st.sampled_from(
     ["main", "main", "sub_start", "sub_step", "sub_step", "sub_end", "compact", "edit",
-     "retry", "burst"]), st.integers(0, 7), st.booleans()), min_size=1, max_size=14)
+     "retry", "burst", "fork"]), st.integers(0, 7), st.booleans()), min_size=1, max_size=14)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -174,6 +174,15 @@ async def _interleaving(ops: list[tuple[str, int, bool]]) -> None:
         elif op == "burst":
             ready = [main, *open_subs]
             await asyncio.gather(*(send(t) for t in ready))
+        elif op == "fork" and main.last is not None and not main.rewritten:
+            # Two calls at once from the main history (say, two tools' follow-ups): one
+            # extends the main chain, the other is a parallel chain; the main thread goes on
+            # with the first, whichever chain it landed in.
+            other = Thread([*main.messages, Message("user", f"Other branch {next(uid)}.")],
+                           last=[])
+            main.messages.append(Message("user", f"This branch {next(uid)}."))
+            await asyncio.gather(send(main), send(other))
+            lines += 1
     await conv.close()
     check_tree(conv, llm)
     assert len(conv.capture.segments) == lines
