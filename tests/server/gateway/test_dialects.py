@@ -183,6 +183,12 @@ async def test_logprobs_and_usage_are_the_trajectorys(gateway: Gateway,
     plain = await client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hello"}])
     assert plain.choices[0].logprobs is None
+    # The same request retried with logprobs: the same generation, now with its logprobs.
+    again = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], logprobs=True)
+    assert [c.logprob for c in again.choices[0].logprobs.content] == pytest.approx(
+        capture.turns[1].output_logprobs[:-1])
+    assert len(capture.turns) == 2
 
 
 async def test_a_stopped_gateway_holds_nothing(tmp_path: Path, llm: PromptPolicy) -> None:
