@@ -15,7 +15,6 @@ system's temporary directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from rollout.runtime.gateway import GatewayLease, HarnessCapture
+from rollout.runtime.gateway import GatewayLease, GatewayOptions, HarnessCapture
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec
 from rollout.server.gateway.conversation import JobConversation
@@ -58,7 +57,8 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
         if self.tcp_port is not None and self._tcp is None:
-            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None)
+            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None,
+                                   handler_cancellation=True)
             await runner.setup()
             site = web.TCPSite(runner, self.tcp_host, self.tcp_port)
             await site.start()
@@ -84,7 +84,7 @@ class Gateway:
         return f"http://{self.tcp_host}:{self.tcp_port}/v1" if self._tcp is not None else ""
 
     # ------------------------------------------------------------------ ModelGateway
-    async def open(self, spec: JobSpec, llm: LLMClient, *,
+    async def open(self, spec: JobSpec, llm: LLMClient, *, options: GatewayOptions | None = None,
                    deadline: float | None = None) -> GatewayLease:
         """``deadline`` (``time.monotonic()`` time): when the job's RUN ends; by default its
         ``limits.run_timeout_s`` from now."""
@@ -92,10 +92,11 @@ class Gateway:
         root = await asyncio.to_thread(self._socket_root)
         path = str(root / f"{secrets.token_hex(8)}.sock")
         conversation = JobConversation(spec, llm, deadline=deadline if deadline is not None
-                                       else time.monotonic() + spec.limits.run_timeout_s)
+                                       else time.monotonic() + spec.limits.run_timeout_s,
+                                       options=options or GatewayOptions())
         lease = LeaseResources(key, conversation, path)
         runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
-                                         self.limits), access_log=None)
+                                         self.limits), access_log=None, handler_cancellation=True)
         await runner.setup()
         try:
             await web.UnixSite(runner, path).start()
@@ -127,23 +128,8 @@ class Gateway:
         return found.conversation.capture
 
     async def _close(self, lease: LeaseResources) -> None:
-        lease.closed = True
         self._leases.pop(lease.key, None)
-        tasks = [t for t in lease.tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
-        abort = getattr(lease.conversation.llm, "abort", None)
-        if tasks and abort is not None:
-            with contextlib.suppress(Exception):
-                await abort(lease.conversation.spec.job_id)
-        lease.conversation.finish()
-        if lease.runner is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.runner.cleanup(), 5.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lease.socket_path)
+        await lease.close()
 
     def _socket_root(self) -> Path:
         if self._root is None:
