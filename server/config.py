@@ -123,6 +123,11 @@ class StoreSection:
     transactions (never corrupting the store): a trajectory already sent may then be lost from
     the store, its job runs again, and the trainer receives it a second time, possibly under a
     delivery id it has already seen."""
+    drop_damaged_wal: bool = False
+    """Start even when the write-ahead log is damaged in front of committed transactions
+    (``STORE_WAL_DAMAGED``): the log is cut to what SQLite can replay, the whole log is kept
+    beside the store, and the server logs how many frames and which job ids it dropped. Off:
+    such a start is refused (``--drop-damaged-wal`` turns it on for one start)."""
 
 
 HOST_VIEWS = ("minimal", "host")

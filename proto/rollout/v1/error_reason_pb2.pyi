@@ -118,6 +118,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_RESERVED_CLIENT_ID: _ClassVar[ErrorReason]
     ERROR_REASON_NO_TOKENIZER: _ClassVar[ErrorReason]
     ERROR_REASON_NO_GATEWAY: _ClassVar[ErrorReason]
+    ERROR_REASON_STORE_WAL_DAMAGED: _ClassVar[ErrorReason]
+    ERROR_REASON_OS_ERROR: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_OPEN_REQUIRED: ErrorReason
 ERROR_REASON_DUPLICATE_OPEN: ErrorReason
@@ -230,3 +232,5 @@ ERROR_REASON_NODE_STATE_LOST: ErrorReason
 ERROR_REASON_RESERVED_CLIENT_ID: ErrorReason
 ERROR_REASON_NO_TOKENIZER: ErrorReason
 ERROR_REASON_NO_GATEWAY: ErrorReason
+ERROR_REASON_STORE_WAL_DAMAGED: ErrorReason
+ERROR_REASON_OS_ERROR: ErrorReason
