@@ -54,6 +54,7 @@ from rollout.runtime.toolcalls import (
 )
 from rollout.runtime.tools.base import ToolCall
 from rollout.runtime.types import JobSpec, Segment, SegmentReason, Turn
+from rollout.server.gateway import budget
 from rollout.server.gateway.messages import BadRequest, CallItem, ChatRequest, Message
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class JobConversation:
                     raise BadRequest(f"the served model's chat template cannot be used: "
                                      f"{type(exc).__name__}: {exc}", status=500,
                                      code="template_error") from exc
+            await budget.admit(self.spec, self.llm, request)  # before anything is tokenized
             return await self._serve(request)
 
     def finish(self) -> None:
@@ -342,7 +344,8 @@ class JobConversation:
 async def _rendering(call: Any) -> Any:
     """Await a render; a template that rejects the messages is the request's fault (400)."""
     try:
-        return await call
+        async with budget.fair_turn():
+            return await call
     except BadRequest:
         raise
     except Exception as exc:  # jinja2 errors, raise_exception(...) in templates, ChatTemplateError

@@ -29,6 +29,7 @@ from aiohttp import web
 from rollout.runtime.gateway import GatewayLease, HarnessCapture
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec
+from rollout.server.gateway import connections
 from rollout.server.gateway.conversation import JobConversation
 from rollout.server.gateway.messages import RequestLimits
 from rollout.server.gateway.routes import LeaseResources, build_app
@@ -57,10 +58,13 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
+        connections.quiet_accept_errors()
         if self.tcp_port is not None and self._tcp is None:
-            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None)
+            runner = web.AppRunner(connections.guard(build_app(self._leases.get, self.limits)),
+                                   access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, self.tcp_host, self.tcp_port)
+            site = connections.tcp_site(runner, self.tcp_host, self.tcp_port,
+                                        "gateway TCP port", connections.TCP_LIMITS)
             await site.start()
             self._tcp = runner
             server = getattr(site, "_server", None)
@@ -94,11 +98,12 @@ class Gateway:
         conversation = JobConversation(spec, llm, deadline=deadline if deadline is not None
                                        else time.monotonic() + spec.limits.run_timeout_s)
         lease = LeaseResources(key, conversation, path)
-        runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
-                                         self.limits), access_log=None)
+        runner = web.AppRunner(connections.guard(build_app(
+            lambda k: lease if _same(k, lease.key) else None, self.limits)), access_log=None)
         await runner.setup()
         try:
-            await web.UnixSite(runner, path).start()
+            await connections.unix_site(runner, path, f"gateway socket of job {spec.job_id}"
+                                        ).start()
             os.chmod(path, 0o600)
         except BaseException:
             await runner.cleanup()
