@@ -250,7 +250,8 @@ class Server:
             dashboard = Dashboard(self.scheduler, Authenticator(cfg.server.auth_token,
                                                                 cfg.server.clients),
                                   tls_cert_file=cfg.server.tls_cert_file,
-                                  tls_key_file=cfg.server.tls_key_file)
+                                  tls_key_file=cfg.server.tls_key_file,
+                                  allow_open=cfg.server.dashboard_allow_open)
             try:
                 await dashboard.start(cfg.server.host, cfg.server.dashboard_port)
             except OSError:

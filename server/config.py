@@ -74,6 +74,9 @@ class ServerSection:
     """The web dashboard (docs/dashboard.md) on this port of ``host``, with the same tokens and
     tenancy as the gRPC port (and its TLS certificate, when set); -1 (the default) disables it,
     0 picks a free port (the start-up line names it)."""
+    dashboard_allow_open: bool = False
+    """Serve the dashboard without credentials on a non-loopback ``host``. Off (the default):
+    such a start is refused, since anyone who can reach the port would see every job."""
     grace_s: float = 10.0
     """On shutdown: health flips to NOT_SERVING, then RPCs get this long to finish."""
     max_message_bytes: int = 64 << 20

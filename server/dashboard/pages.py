@@ -26,6 +26,7 @@ from rollout.server.api.token_text import TurnPieces, trajectory_pieces
 from rollout.server.dashboard import live, trajectory_view
 from rollout.server.scheduler import Scheduler
 from rollout.server.store import JobRecord
+from rollout.server.tenancy import ownership
 from rollout.server.tenancy.auth import Principal, owner_of
 from rollout.server.tenancy.tenant_status import OwnerCounts
 
@@ -101,15 +102,15 @@ class Pages:
 
     @staticmethod
     def tenant(principal: Principal) -> str | None:
-        """The client id a principal is confined to (None: sees every job)."""
-        return principal.client_id if principal.bound and not principal.admin else None
+        """The client id a principal's job lists are confined to (None: sees every job);
+        one meaning with gRPC (``server/tenancy/ownership.py``)."""
+        return ownership.job_scope(principal)
 
     async def visible_job(self, principal: Principal, job_id: str) -> JobRecord:
         if not proto_convert.ID_RE.fullmatch(job_id):
             raise web.HTTPNotFound(text="no such job")
         rec = await self.scheduler.get(job_id, history=True)
-        tenant = self.tenant(principal)
-        if rec is None or (tenant is not None and not principal.owns(rec.client_id)):
+        if rec is None or not ownership.sees_job(principal, rec.client_id):
             # The same answer for "missing" and "someone else's": ids cannot be probed.
             raise web.HTTPNotFound(text=f"no job {job_id!r} is visible to you")
         return rec
@@ -134,7 +135,7 @@ class Pages:
 
     async def overview_ctx(self, principal: Principal) -> dict[str, Any]:
         st = self.scheduler.status()
-        tenant = self.tenant(principal)
+        tenant = None if ownership.sees_server_figures(principal) else principal.client_id
         if tenant is not None:
             by_state = {s.name: n for s, n in (await self._owner_counts.get(tenant)).items()}
         else:
@@ -266,8 +267,8 @@ class Pages:
         if not proto_convert.ID_RE.fullmatch(group_id):
             raise web.HTTPNotFound(text="no such group")
         recs, _ = await self.scheduler.list(page_size=GROUP_LIMIT, group_id=group_id)
-        if not recs or (self.tenant(principal) is not None
-                        and not all(principal.owns(r.client_id) for r in recs)):
+        if not recs or not ownership.sees_group(
+                principal, await ownership.group_owners(self.scheduler, group_id)):
             raise web.HTTPNotFound(text=f"no group {group_id!r} is visible to you")
         samples: list[dict[str, Any]] = []
         rewards: list[float] = []
