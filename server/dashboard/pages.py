@@ -35,6 +35,12 @@ PAGE_SIZE = 50
 SCAN_LIMIT = 2000
 """Jobs a filtered jobs page reads at most to fill itself (environment and termination are
 not indexed): a sparse filter gives a short page with a link to scan further."""
+TRAJECTORY_SCAN_LIMIT = 200
+"""Trajectories a termination-filtered jobs page reads at most (each is a store read and a
+decode): past it the page is short and links on, like ``SCAN_LIMIT``."""
+SCANS_AT_ONCE = 1
+"""Filtered scans running at once, all viewers together: the store has one reader thread, so
+scans queue behind each other here instead of in front of gRPC's reads there."""
 GROUP_LIMIT = 256
 TEXT_CACHE = 16
 """Decoded trajectories kept (a job page, its reloads and its live update share one)."""
@@ -84,6 +90,7 @@ class Pages:
         self.min_interval_s = min_interval_s
         self._owner_counts = OwnerCounts(scheduler.store, self._live_state)
         self._texts: OrderedDict[str, list[TurnPieces]] = OrderedDict()
+        self._scans = asyncio.Semaphore(SCANS_AT_ONCE)
 
     def _live_state(self, job_id: str) -> JobState | None:
         job = self.scheduler.jobs.get(job_id)
@@ -180,7 +187,17 @@ class Pages:
             return [], "", 0  # a tenant's view holds its own jobs only
         owner = tenant if tenant is not None else (f.client or None)
         state = JobState[f.state] if f.state else None
-        token, out, scanned = f.page_token, [], 0
+        if not (f.environment or f.termination):  # served by the store's indexes alone
+            recs, token = await self.scheduler.list(
+                page_size=PAGE_SIZE, page_token=f.page_token, state=state,
+                group_id=f.group or None, owner=owner)
+            return recs, token, len(recs)
+        async with self._scans:
+            return await self._scan(f, state, owner)
+
+    async def _scan(self, f: JobFilter, state: JobState | None, owner: str | None
+                    ) -> tuple[list[JobRecord], str, int]:
+        token, out, scanned, read = f.page_token, [], 0, 0
         while True:
             recs, token = await self.scheduler.list(
                 page_size=PAGE_SIZE, page_token=token, state=state,
@@ -190,11 +207,15 @@ class Pages:
                 if f.environment and rec.spec.environment != f.environment:
                     continue
                 if f.termination:
+                    if not rec.state.terminal:
+                        continue  # no trajectory yet: nothing to read
+                    read += 1
                     traj = await self.scheduler.get_trajectory(rec.job_id)
                     if traj is None or traj.termination.name != f.termination:
                         continue
                 out.append(rec)
-            if len(out) >= PAGE_SIZE or not token or scanned >= SCAN_LIMIT:
+            if (len(out) >= PAGE_SIZE or not token or scanned >= SCAN_LIMIT
+                    or read >= TRAJECTORY_SCAN_LIMIT):
                 return out, token, scanned
 
     async def jobs_ctx(self, principal: Principal, f: JobFilter) -> dict[str, Any]:

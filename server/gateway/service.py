@@ -59,6 +59,7 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
         connections.quiet_accept_errors()
+        await asyncio.to_thread(self._sweep_stale_sockets)
         if self.tcp_port is not None and self._tcp is None:
             runner = web.AppRunner(connections.guard(build_app(self._leases.get, self.limits)),
                                    access_log=None)
@@ -149,6 +150,21 @@ class Gateway:
                 await asyncio.wait_for(lease.runner.cleanup(), 5.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lease.socket_path)
+
+    def _sweep_stale_sockets(self) -> int:
+        """Remove the socket files a killed server left (one server holds a state directory
+        at a time, so none of them is served)."""
+        root = self._state_dir / "gateway"
+        if self._leases or not root.is_dir():
+            return 0
+        swept = 0
+        for stale in root.glob("*.sock"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                swept += 1
+        if swept:
+            log.info("removed %d gateway socket(s) a previous server left in %s", swept, root)
+        return swept
 
     def _socket_root(self) -> Path:
         if self._root is None:
