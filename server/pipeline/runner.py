@@ -135,7 +135,7 @@ class StageRunner:
         in the store and runs again on the next start)."""
         self.precommit_bytes = 0
         """Trajectories built and not yet committed (queued for the store's writer, or waiting
-        for a retry), as :func:`held_bytes` sizes them: counted against the delivery budget."""
+        for a retry), as :func:`held_bytes` sizes them, the delivery budget's unit."""
         self.precommit_peak = 0
         self._committed = asyncio.Event()
 
@@ -415,8 +415,10 @@ class StageRunner:
 
     @property
     def precommit_limit(self) -> int:
-        """Bytes of built, uncommitted trajectories past which stage workers wait: half the
-        delivery budget (the other half stays for sessions' undelivered trajectories)."""
+        """Bytes of built, uncommitted trajectories past which stage workers wait: half of
+        ``delivery_memory_bytes``, beside the budget itself (which sessions' undelivered
+        trajectories use whole): trajectories in memory stay under one and a half budgets,
+        plus one per stage worker."""
         budget = self.delivery.budget
         return budget.total_bytes // 2 if budget is not None else 1 << 62
 
@@ -432,13 +434,9 @@ class StageRunner:
     def _precommit(self, size: int) -> None:
         self.precommit_bytes += size
         self.precommit_peak = max(self.precommit_peak, self.precommit_bytes)
-        if self.delivery.budget is not None:
-            self.delivery.budget.charge(size)
 
     def _committed_one(self, size: int) -> None:
         self.precommit_bytes = max(0, self.precommit_bytes - size)
-        if self.delivery.budget is not None:
-            self.delivery.budget.release(size)
         self._committed.set()
         self._committed = asyncio.Event()
 

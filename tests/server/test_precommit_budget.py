@@ -1,4 +1,4 @@
-"""Trajectories built but not yet committed count against the delivery budget: when the
+"""Trajectories built but not yet committed are bounded by the delivery budget: when the
 environments produce faster than the store commits, stage workers wait instead of piling
 trajectories up in memory, and every job still finishes once the store catches up."""
 
@@ -64,8 +64,6 @@ async def test_a_store_slower_than_the_environments_holds_back_the_workers(
         await asyncio.sleep(1.0)
         assert len(pending) <= limit_jobs + 1 + 4, len(pending)
         assert runner.precommit_bytes == len(pending) * size
-        assert sched.delivery.budget is not None
-        assert sched.delivery.budget.held >= runner.precommit_bytes
         gate.set()
         finished: dict[str, Any] = {}
         async with asyncio.timeout(90):
