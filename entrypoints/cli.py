@@ -46,6 +46,9 @@ BENCHES = {
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
     "stalled": "sessions that stop reading while long trajectories finish: server RSS against "
                "the memory budget and a ceiling, and every trajectory delivered once on resume",
+    "hostile": "well-behaved tenants beside a hostile one (gateway connection floods, ~8 MiB "
+               "bodies, unread dashboard pages, cut clients, a SIGKILL): jobs/s and p99 "
+               "gateway latency against a run without it, peak RSS and fds",
 }
 """What ``rollout bench NAME`` runs (``benchmarks/NAME.py``); written here because the help
 must work where the server extra is not installed."""
