@@ -21,7 +21,7 @@ Printed: the good tenant's jobs/s and gateway latency (p50, p99) in each run and
 (goal: within 1.5x), the server's peak RSS and open descriptors, and the server log's size
 (no log flood). Keep it short on a shared machine: the defaults take about a minute.
 
-Run: ``rollout bench hostile [--jobs 24 --calls 4 --hostile 2 --flood 2000 --pages 30]``.
+Run: ``rollout bench hostile [--jobs 48 --calls 6 --hostile 2 --flood 2000 --pages 30]``.
 """
 
 from __future__ import annotations
@@ -376,6 +376,8 @@ async def _run(args: argparse.Namespace, root: Path, hostile: bool) -> RunResult
     background.append(asyncio.create_task(sampler()))
     async with RolloutClient(address, token=GOOD) as good, \
             RolloutClient(address, token=EVIL) as evil:
+        await _finish(good, {"job_id": "warm-up", "environment": "gw-good",  # not timed
+                             "task": {"calls": 2, "latency_file": str(root / "warm-up")}})
         if hostile:
             for i in range(args.hostile):
                 background.append(asyncio.create_task(_drain(evil.submit_rollout({
@@ -387,7 +389,7 @@ async def _run(args: argparse.Namespace, root: Path, hostile: bool) -> RunResult
             result.notes.append(f"hostile: {args.hostile} flooding jobs ({args.flood} "
                                 f"half-sent requests each, ~8 MiB bodies), {served} of "
                                 f"{args.pages} unread live pages served, cut clients")
-            await asyncio.sleep(2.0)  # let the floods build up before timing
+            await asyncio.sleep(3.0)  # let the floods build up before timing
         t0 = time.monotonic()
         ids = [f"good-{i}" for i in range(args.jobs)]
         ends = await asyncio.gather(*(_finish(good, {
@@ -492,8 +494,8 @@ async def _main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout bench hostile", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("--jobs", type=int, default=24, help="good tenant's jobs per run")
-    p.add_argument("--calls", type=int, default=4, help="gateway requests per good job")
+    p.add_argument("--jobs", type=int, default=48, help="good tenant's jobs per run")
+    p.add_argument("--calls", type=int, default=6, help="gateway requests per good job")
     p.add_argument("--hostile", type=int, default=2, help="flooding harness jobs")
     p.add_argument("--flood", type=int, default=2000,
                    help="half-sent connections each flooding job opens (and re-opens)")

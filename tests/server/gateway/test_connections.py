@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -96,3 +97,25 @@ async def test_a_connection_flood_leaves_other_jobs_answered_and_the_log_quiet(
     lines = (tmp_path / "gateway.log").read_text().splitlines()
     assert len(lines) < 40, "\n".join(lines[:40])
     assert not any("Traceback" in line for line in lines), "\n".join(lines[:40])
+
+
+async def test_failed_accepts_are_logged_once_per_interval_with_a_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from rollout.server.gateway import connections
+
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    seen: list[str] = []
+    loop.set_exception_handler(lambda lp, ctx: seen.append(str(ctx.get("message"))))
+    try:
+        connections.quiet_accept_errors(loop)
+        caplog.set_level(logging.WARNING, logger="rollout.server.gateway.connections")
+        for _ in range(1000):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                         "exception": OSError(24, "Too many open files")})
+        loop.call_exception_handler({"message": "something else"})
+    finally:
+        loop.set_exception_handler(previous)
+    lines = [r.getMessage() for r in caplog.records if "accept" in r.getMessage()]
+    assert len(lines) <= 1
+    assert seen == ["something else"]  # every other report still goes where it went
