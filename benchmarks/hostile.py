@@ -10,8 +10,8 @@ on fresh state, for the same well-behaved work:
   conversation, timing every request as the harness sees it);
 - **hostile tenant**, second run only, all at once:
   - ``gw-hostile`` jobs whose RUN starts a separate process that floods the job's own gateway
-    socket with ``--flood`` half-sent requests and keeps posting chat bodies just under the
-    8 MiB cap;
+    socket with ``--flood`` half-sent requests (every other job: keeps posting chat bodies just
+    under the 8 MiB cap from four connections);
   - ``--pages`` live dashboard pages opened with its token and never read;
   - cut clients: sessions that submit jobs and drop their connection, over and over;
   - at the end, one SIGKILL of the server and a restart on the same state, after which every
@@ -50,6 +50,7 @@ GIANT = 8 * 1024 * 1024 - 4096
 FLOOD_SCRIPT = r'''
 import json, socket, sys, threading, time
 path, key, count, giant = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mode = sys.argv[5]
 held = []
 def flood():
     for _ in range(count):
@@ -78,7 +79,11 @@ def giants():
             s.close()
         except OSError:
             time.sleep(0.05)
-threading.Thread(target=giants, daemon=True).start()
+if mode == "giant":
+    for _ in range(4):
+        threading.Thread(target=giants, daemon=True).start()
+    while True:
+        time.sleep(1.0)
 while True:
     flood()
     time.sleep(1.0)
@@ -149,6 +154,7 @@ class HostileHarness(AgentHandler):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", FLOOD_SCRIPT, lease.socket_path, lease.api_key,
             str(int(ctx.spec.task.get("flood", 2000))), str(GIANT),
+            str(ctx.spec.task.get("mode", "flood")),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
         try:
@@ -254,6 +260,16 @@ class ServerProcess:
                     self.peak.rss_mb = max(self.peak.rss_mb, int(line.split()[1]) / 1024)
             self.peak.fds = max(self.peak.fds, len(os.listdir(f"/proc/{pid}/fd")))
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system)."""
+        if self.proc is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def kill(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -344,6 +360,7 @@ class RunResult:
     rss_mb: float = 0.0
     fds: int = 0
     log_bytes: int = 0
+    cpu_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def pct(self, q: float) -> float:
@@ -353,11 +370,22 @@ class RunResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _run(args: argparse.Namespace, root: Path, hostile: bool) -> RunResult:
+def _merged(a: RunResult, b: RunResult) -> RunResult:
+    """Two baseline runs as one: their jobs, time, latencies and CPU added, peaks the larger."""
+    return RunResult("baseline", jobs=a.jobs + b.jobs, succeeded=a.succeeded + b.succeeded,
+                     seconds=a.seconds + b.seconds, latencies=a.latencies + b.latencies,
+                     rss_mb=max(a.rss_mb, b.rss_mb), fds=max(a.fds, b.fds),
+                     log_bytes=max(a.log_bytes, b.log_bytes), cpu_s=a.cpu_s + b.cpu_s,
+                     notes=[f"baseline runs before and after the hostile one: "
+                            f"{a.jobs / a.seconds:.2f} and {b.jobs / b.seconds:.2f} jobs/s"])
+
+
+async def _run(args: argparse.Namespace, root: Path, hostile: bool,
+               again: bool = False) -> RunResult:
     from rollout.client.aio import RolloutClient
 
     label = "with hostile tenant" if hostile else "baseline"
-    state = root / ("hostile" if hostile else "baseline")
+    state = root / ("hostile" if hostile else "baseline-2" if again else "baseline")
     log = root / f"{state.name}.log"
     server = ServerProcess(state, _free_port(), log)
     await server.start()
@@ -382,20 +410,25 @@ async def _run(args: argparse.Namespace, root: Path, hostile: bool) -> RunResult
             for i in range(args.hostile):
                 background.append(asyncio.create_task(_drain(evil.submit_rollout({
                     "job_id": f"hostile-{i}", "environment": "gw-hostile",
-                    "task": {"flood": args.flood, "seconds": 3600},
+                    "task": {"flood": args.flood, "seconds": 3600,
+                             "mode": "giant" if i % 2 else "flood"},
                     "limits": {"run_timeout_s": 3600}}, progress=False))))
             background.append(asyncio.create_task(_cut_clients(address, stop)))
             served = await _unread_pages(server.dashboard_port, args.pages, held)
-            result.notes.append(f"hostile: {args.hostile} flooding jobs ({args.flood} "
-                                f"half-sent requests each, ~8 MiB bodies), {served} of "
-                                f"{args.pages} unread live pages served, cut clients")
+            floods, giants = (args.hostile + 1) // 2, args.hostile // 2
+            result.notes.append(f"hostile: {floods} job(s) flooding their socket with "
+                                f"{args.flood} half-sent requests each, {giants} job(s) "
+                                "posting ~8 MiB chat bodies from 4 connections without "
+                                f"pause, {served} of {args.pages} unread live pages served "
+                                "(the per-identity cap), clients cutting their sessions")
             await asyncio.sleep(3.0)  # let the floods build up before timing
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), server.cpu_s()
         ids = [f"good-{i}" for i in range(args.jobs)]
         ends = await asyncio.gather(*(_finish(good, {
             "job_id": job_id, "environment": "gw-good",
             "task": {"calls": args.calls, "latency_file": str(latency_file)}}) for job_id in ids))
         result.seconds = time.monotonic() - t0
+        result.cpu_s = server.cpu_s() - cpu0
         result.jobs = len(ids)
         result.succeeded = sum(1 for e in ends if e == "STATE_SUCCEEDED")
         if hostile:  # the good tenant's dashboard page is served beside the unread ones
@@ -462,7 +495,7 @@ def _table(base: RunResult, hostile: RunResult) -> str:
         return f"| {name} | {a} | {b} | {ratio} |"
 
     jps_a, jps_b = base.jobs / base.seconds, hostile.jobs / hostile.seconds
-    lines = ["| good tenant | baseline | with hostile tenant | ratio |",
+    lines = ["| good tenant | baseline (two runs) | with hostile tenant | ratio |",
              "| --- | --- | --- | --- |",
              row("jobs SUCCEEDED", f"{base.succeeded}/{base.jobs}",
                  f"{hostile.succeeded}/{hostile.jobs}"),
@@ -472,6 +505,7 @@ def _table(base: RunResult, hostile: RunResult) -> str:
              row("gateway p99 latency", f"{base.pct(0.99) * 1e3:.1f} ms",
                  f"{hostile.pct(0.99) * 1e3:.1f} ms",
                  f"{hostile.pct(0.99) / base.pct(0.99):.2f}x"),
+             row("server CPU while timed", f"{base.cpu_s:.1f} s", f"{hostile.cpu_s:.1f} s"),
              row("server peak RSS", f"{base.rss_mb:.0f} MB", f"{hostile.rss_mb:.0f} MB"),
              row("server peak open fds", str(base.fds), str(hostile.fds)),
              row("server log", f"{base.log_bytes / 1024:.1f} KiB",
@@ -482,8 +516,11 @@ def _table(base: RunResult, hostile: RunResult) -> str:
 async def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="rollout-hostile-") as tmp:
         root = Path(tmp)
-        base = await _run(args, root, hostile=False)
+        # Baseline on both sides of the hostile run: on a shared machine the load drifts.
+        first = await _run(args, root, hostile=False)
         hostile = await _run(args, root, hostile=True)
+        second = await _run(args, root, hostile=False, again=True)
+        base = _merged(first, second)
         print(f"rollout bench hostile: {args.jobs} good jobs x {args.calls} gateway calls; "
               f"load average {os.getloadavg()[0]:.2f}")
         print(_table(base, hostile))
@@ -496,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         "\n\n")[0])
     p.add_argument("--jobs", type=int, default=48, help="good tenant's jobs per run")
     p.add_argument("--calls", type=int, default=6, help="gateway requests per good job")
-    p.add_argument("--hostile", type=int, default=2, help="flooding harness jobs")
+    p.add_argument("--hostile", type=int, default=2,
+                   help="hostile harness jobs (half flood connections, half post ~8 MiB bodies)")
     p.add_argument("--flood", type=int, default=2000,
                    help="half-sent connections each flooding job opens (and re-opens)")
     p.add_argument("--pages", type=int, default=30, help="unread live dashboard pages")

@@ -137,6 +137,7 @@ def budget() -> ConnectionBudget:
 
 
 refused = EveryInterval("connections refused (listener or process connection budget full)")
+cut_off = EveryInterval("requests cut off by their client (connection lost mid-request)")
 
 
 class Listener:
@@ -291,6 +292,12 @@ async def _track(request: web.Request, handler: Callable[[web.Request],
     except web.HTTPException as exc:
         status = exc.status
         raise
+    except ConnectionError as exc:
+        # The client went away mid-request (a body cut off, a connection dropped): nothing
+        # is owed to it, and aiohttp would log a traceback for each one.
+        cut_off(str(exc))
+        status = 400
+        return web.Response(status=400, text="the connection was lost")
     finally:
         conn.request_done(status)
 

@@ -69,8 +69,14 @@ async def test_a_connection_flood_leaves_other_jobs_answered_and_the_log_quiet(
         leases = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
                   for _ in range(2)]
         tcp_port = int(await asyncio.wait_for(proc.stdout.readline(), 10))
-        (hostile, _), (good, good_key) = leases
+        (hostile, hostile_key), (good, good_key) = leases
         assert await _chat(good, good_key, "hello") == 200
+        # Requests whose body the client cuts off: no traceback each.
+        cut = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " \
+            + hostile_key.encode() + b"\r\nContent-Length: 999\r\n\r\n{\"messages\": "
+        for s in await asyncio.to_thread(_flood, socket.AF_UNIX, hostile, 6, cut):
+            await asyncio.sleep(0.2)  # its handler is reading the body when the client goes
+            s.close()
         base = _fds(proc.pid)
         half = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 99"
         held += await asyncio.to_thread(_flood, socket.AF_UNIX, hostile, FLOOD, half)
