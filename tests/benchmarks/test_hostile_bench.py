@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def test_the_smallest_mixed_soak_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code = hostile.main(["--jobs", "3", "--calls", "2", "--hostile", "1", "--flood", "200",
+    code = hostile.main(["--jobs", "3", "--calls", "2", "--hostile", "1", "--flood", "1000",
                          "--pages", "12"])
     out = capsys.readouterr().out
     assert code == 0, out
