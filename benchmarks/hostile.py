@@ -21,7 +21,7 @@ Printed: the good tenant's jobs/s and gateway latency (p50, p99) in each run and
 (goal: within 1.5x), the server's peak RSS and open descriptors, and the server log's size
 (no log flood). Keep it short on a shared machine: the defaults take about a minute.
 
-Run: ``rollout bench hostile [--jobs 48 --calls 6 --hostile 2 --flood 2000 --pages 30]``.
+Run: ``rollout bench hostile [--jobs 120 --calls 8 --hostile 2 --flood 2000 --pages 30]``.
 """
 
 from __future__ import annotations
@@ -531,8 +531,8 @@ async def _main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout bench hostile", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("--jobs", type=int, default=48, help="good tenant's jobs per run")
-    p.add_argument("--calls", type=int, default=6, help="gateway requests per good job")
+    p.add_argument("--jobs", type=int, default=120, help="good tenant's jobs per run")
+    p.add_argument("--calls", type=int, default=8, help="gateway requests per good job")
     p.add_argument("--hostile", type=int, default=2,
                    help="hostile harness jobs (half flood connections, half post ~8 MiB bodies)")
     p.add_argument("--flood", type=int, default=2000,

@@ -110,3 +110,31 @@ def test_max_chars_per_token_of_the_real_tokenizer(tok: Any) -> None:
     assert 8 <= longest <= 200
     text = "#" * 1000 + " hello world" * 100
     assert len(tok.encode(text, add_special_tokens=False)) >= len(text) / longest
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(rig: Any, monkeypatch: Any) -> None:
+    """An ~8 MiB body would hold the event loop (every other job's requests) while it parses."""
+    import json as json_module
+    import threading
+
+    import aiohttp
+
+    from rollout.server.gateway import routes
+
+    threads: list[str] = []
+    real = json_module.loads
+
+    def loads(raw: Any, *a: Any, **k: Any) -> Any:
+        if len(raw) > routes.PARSE_OFF_LOOP:
+            threads.append(threading.current_thread().name)
+        return real(raw, *a, **k)
+
+    monkeypatch.setattr(routes.json, "loads", loads)
+    lease = await rig.open("big", ["fine"])
+    text = "lorem ipsum " * (routes.PARSE_OFF_LOOP // 6)
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=lease.socket_path),
+                                     headers={"Authorization": f"Bearer {lease.api_key}"}) as h:
+        async with h.post("http://gw/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": text}]}) as r:
+            assert r.status == 400  # it cannot fit the job's room
+    assert threads and threading.main_thread().name not in threads
