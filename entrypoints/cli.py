@@ -46,6 +46,9 @@ BENCHES = {
             "(lost, duplicated after ack, re-issued ids, failed by restarts) must balance",
     "stalled": "sessions that stop reading while long trajectories finish: server RSS against "
                "the memory budget and a ceiling, and every trajectory delivered once on resume",
+    "hostile": "well-behaved tenants beside a hostile one (gateway connection floods, ~8 MiB "
+               "bodies, unread dashboard pages, cut clients, a SIGKILL): jobs/s and p99 "
+               "gateway latency against a run without it, peak RSS and fds",
 }
 """What ``rollout bench NAME`` runs (``benchmarks/NAME.py``); written here because the help
 must work where the server extra is not installed."""
@@ -167,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the web dashboard on this port of --host, with the same "
                         "tokens and tenancy (default -1: off; 0 picks a free port; "
                         "docs/dashboard.md)")
+    p.add_argument("--drop-damaged-wal", action="store_true", default=None,
+                   help="start even if the job store's write-ahead log is damaged in front "
+                        "of committed jobs: drop the damaged tail and log which job ids it "
+                        "held (store.drop_damaged_wal; default: refuse, STORE_WAL_DAMAGED)")
 
     p = sub.add_parser(
         "submit", help="run the jobs of a JSONL file, write trajectories",
@@ -296,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
                       ("metrics_port", "server.metrics_port"),
                       ("gateway_port", "server.gateway_port"),
                       ("dashboard_port", "server.dashboard_port"), ("ray", "cluster.ray"),
+                      ("drop_damaged_wal", "store.drop_damaged_wal"),
                       ("workers", "cluster.workers")):
         value = getattr(args, flag)
         if value is not None:

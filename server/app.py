@@ -140,7 +140,8 @@ class Server:
             check_port_free(cfg.server.host, cfg.server.dashboard_port, "the dashboard",
                             "--dashboard-port")
         # A corrupt or foreign store is refused before a model loads for a minute.
-        await asyncio.to_thread(check_store_file, state / STORE_FILE)
+        await asyncio.to_thread(functools.partial(
+            check_store_file, state / STORE_FILE, drop_damaged_wal=cfg.store.drop_damaged_wal))
         # Host paths a task may name (a swe task's repo_source): operator-chosen roots only.
         self._prev_roots = set_host_path_roots(
             cfg.server.task_path_roots or [DATA_DIR, state / "tasks"])
@@ -249,7 +250,8 @@ class Server:
             dashboard = Dashboard(self.scheduler, Authenticator(cfg.server.auth_token,
                                                                 cfg.server.clients),
                                   tls_cert_file=cfg.server.tls_cert_file,
-                                  tls_key_file=cfg.server.tls_key_file)
+                                  tls_key_file=cfg.server.tls_key_file,
+                                  allow_open=cfg.server.dashboard_allow_open)
             try:
                 await dashboard.start(cfg.server.host, cfg.server.dashboard_port)
             except OSError:

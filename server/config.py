@@ -74,6 +74,9 @@ class ServerSection:
     """The web dashboard (docs/dashboard.md) on this port of ``host``, with the same tokens and
     tenancy as the gRPC port (and its TLS certificate, when set); -1 (the default) disables it,
     0 picks a free port (the start-up line names it)."""
+    dashboard_allow_open: bool = False
+    """Serve the dashboard without credentials on a non-loopback ``host``. Off (the default):
+    such a start is refused, since anyone who can reach the port would see every job."""
     grace_s: float = 10.0
     """On shutdown: health flips to NOT_SERVING, then RPCs get this long to finish."""
     max_message_bytes: int = 64 << 20
@@ -123,6 +126,11 @@ class StoreSection:
     transactions (never corrupting the store): a trajectory already sent may then be lost from
     the store, its job runs again, and the trainer receives it a second time, possibly under a
     delivery id it has already seen."""
+    drop_damaged_wal: bool = False
+    """Start even when the write-ahead log is damaged in front of committed transactions
+    (``STORE_WAL_DAMAGED``): the log is cut to what SQLite can replay, the whole log is kept
+    beside the store, and the server logs how many frames and which job ids it dropped. Off:
+    such a start is refused (``--drop-damaged-wal`` turns it on for one start)."""
 
 
 HOST_VIEWS = ("minimal", "host")

@@ -31,7 +31,7 @@ from rollout.server.cluster.node import NodeStatus
 from rollout.server.pipeline.subscription import JobFinished, StageProgress, TrajectoryReady
 from rollout.server.scheduler import Scheduler
 from rollout.server.store import JobRecord
-from rollout.server.tenancy import auth, tenant_status
+from rollout.server.tenancy import auth, ownership, tenant_status
 from rollout.server.tenancy.ownership import Ownership, job_id_taken
 from rollout.v1 import job_pb2, rollout_service_pb2_grpc
 from rollout.v1 import rollout_service_pb2 as pb
@@ -308,7 +308,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         st = self._scheduler.status()
         principal = auth.current.get()
         # A tenant sees its own jobs; how many other tenants run what is an admin's business.
-        tenant = principal.client_id if principal.bound and not principal.admin else None
+        tenant = None if ownership.sees_server_figures(principal) else principal.client_id
         resp = pb.GetServerStatusResponse(
             version=VERSION,
             uptime=proto_convert.seconds_to_duration(time.monotonic() - self._started),

@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import grpc
 import jinja2
 from aiohttp import web
 
 from rollout.server.dashboard import live
 from rollout.server.dashboard.pages import PRINCIPAL, Pages
-from rollout.server.dashboard.sessions import Sessions
+from rollout.server.dashboard.sessions import Sessions, is_loopback
+from rollout.server.gateway import connections
 from rollout.server.scheduler import Scheduler
+from rollout.server.startup import StartupError
 from rollout.server.tenancy.auth import Authenticator, owner_of
 
 log = logging.getLogger(__name__)
@@ -61,22 +64,31 @@ class Dashboard:
 
     def __init__(self, scheduler: Scheduler, authenticator: Authenticator, *,
                  tls_cert_file: str = "", tls_key_file: str = "",
-                 min_interval_s: float = 0.25) -> None:
+                 min_interval_s: float = 0.25, allow_open: bool = False) -> None:
         self.scheduler = scheduler
         self.hub = live.Hub(scheduler.delivery.observe)
         self._tls = (tls_cert_file, tls_key_file) if tls_cert_file and tls_key_file else None
         self._authenticator = authenticator
         self._min_interval_s = min_interval_s
+        self._allow_open = allow_open
+        """Serve without credentials on a non-loopback address (``server.dashboard_allow_open``)."""
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.url = ""
         self.sessions: Sessions | None = None
 
     async def start(self, host: str, port: int) -> int:
+        if not self._authenticator.enabled and not is_loopback(host) and not self._allow_open:
+            raise StartupError(
+                grpc.StatusCode.FAILED_PRECONDITION, "BAD_CONFIG",
+                f"the dashboard would serve every job without a log-in on {host!r}, which is "
+                "not a loopback address: configure tokens (server.auth_token or "
+                "server.clients), listen on 127.0.0.1, or set server.dashboard_allow_open = "
+                "true if the network is trusted", "server.dashboard_allow_open")
         self.sessions = Sessions(self._authenticator, host, secure=self._tls is not None)
         pages = Pages(self.scheduler, template_env(), self.hub,
                       min_interval_s=self._min_interval_s)
-        app = web.Application(middlewares=[self._guard])
+        app = connections.guard(web.Application(middlewares=[self._guard]))
         app[PAGES] = pages
         app.router.add_get("/login", self._login_form)
         app.router.add_post("/login", self._login)
@@ -97,7 +109,8 @@ class Dashboard:
         # Live pages end on their own when the hub closes; a short timeout is plenty.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=ctx, reuse_port=False)
+        site = connections.tcp_site(runner, host, port, "dashboard", connections.DASHBOARD_LIMITS,
+                                    ssl_context=ctx)
         try:
             await site.start()
         except BaseException:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout.server.tenancy.auth import Principal, owner_of
+from rollout.server.tenancy.auth import Principal, identity_of
+from rollout.server.tenancy.ownership import sees_job
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,23 @@ LOG_SIZE = 4096
 """Change-log entries kept for pages that have not read them yet."""
 MAX_WATCHERS = 64
 """Open live pages at once; more are refused with 503 (each costs a little per event)."""
+MAX_WATCHERS_PER_IDENTITY = 8
+"""Open live pages of one identity (a client id, or the operator): one tenant's pages cannot
+take the others' slots."""
+ADMIN_RESERVED = 8
+"""Of ``MAX_WATCHERS``, slots only an admin (or the operator) may take: however many tenants
+hold pages open, the operator can still watch."""
 WRITE_TIMEOUT_S = 10.0
+"""A write (an update or a keep-alive) that the browser has not taken within this is a stalled
+stream: it is closed and its slot freed."""
 KEEPALIVE_S = 15.0
+MAX_STREAM_S = 600.0
+"""A live stream ends after this long; the browser's EventSource reconnects at once (and is
+counted again), so a page left open by a client that never reads holds its slot for at most
+this long even if its socket keeps accepting bytes."""
+SEND_BUFFER_BYTES = 32 * 1024
+"""The kernel's send buffer of a live stream: small, so a browser that stops reading shows as
+a stalled write soon (the default buffers megabytes of keep-alives without a sign)."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +111,21 @@ class Hub:
     def observing(self) -> bool:
         return self._unobserve is not None
 
+    def refusal(self, watcher: Watcher) -> str:
+        """Why ``watcher`` may not open now ("" when it may)."""
+        if self.closing:
+            return "the dashboard is stopping"
+        mine = sum(1 for w in self._watchers if w.identity == watcher.identity)
+        if mine >= MAX_WATCHERS_PER_IDENTITY:
+            return (f"you already have {mine} live dashboard pages open (at most "
+                    f"{MAX_WATCHERS_PER_IDENTITY}); close some")
+        cap = MAX_WATCHERS if watcher.principal.admin else MAX_WATCHERS - ADMIN_RESERVED
+        if len(self._watchers) >= cap:
+            return "too many open dashboard pages on this server; try again later"
+        return ""
+
     def add(self, watcher: Watcher) -> bool:
-        if self.closing or len(self._watchers) >= MAX_WATCHERS:
+        if self.refusal(watcher):
             return False
         self._watchers.add(watcher)
         watcher.seq = self.seq
@@ -125,6 +155,7 @@ class Watcher:
         self.hub = hub
         self.principal = principal
         self.job_id = job_id
+        self.identity = identity_of(principal)
         self.seq = 0
         """The log position this page has read up to."""
         self._wake = asyncio.Event()
@@ -133,8 +164,7 @@ class Watcher:
     def _visible(self, client_id: str, job_id: str) -> bool:
         if self.job_id and job_id != self.job_id:
             return False
-        return not (self.principal.bound and not self.principal.admin
-                    and owner_of(client_id) != self.principal.client_id)
+        return sees_job(self.principal, client_id)
 
     def wake(self) -> None:
         self._wake.set()
@@ -182,20 +212,22 @@ async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Rende
     ``refresh_s``: also render this often without events (throughput and latency change
     without any event of the page's own jobs); 0 = only on events.
     """
-    if not hub.add(watcher):
-        raise web.HTTPServiceUnavailable(text="too many open dashboard pages; close some")
+    refusal = hub.refusal(watcher)
+    if refusal or not hub.add(watcher):
+        raise web.HTTPServiceUnavailable(text=refusal or "too many open dashboard pages")
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no"})
     try:
+        _small_send_buffer(request)
         await response.prepare(request)
         loop = asyncio.get_running_loop()
-        idle_since = loop.time()
+        idle_since = opened = loop.time()
         # The first update is the page's whole live state, whatever the log says: a browser
         # that reconnects (EventSource does after a dropped stream) holds a page rendered
         # before the events it missed, and nothing in the log after ``watcher.seq`` says so.
         first = True
-        while not watcher.closed:
+        while not watcher.closed and loop.time() - opened < MAX_STREAM_S:
             if not first:
                 await watcher.wait(refresh_s or KEEPALIVE_S)
             if watcher.closed:
@@ -205,13 +237,13 @@ async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Rende
             update = await render(changes) if changes or refresh_s else Update([])
             if update.parts:
                 data = json.dumps([{"id": i, "html": h} for i, h in update.parts])
-                await _write(response, f"event: parts\ndata: {data}\n\n".encode())
+                await _write(response, f"event: parts\ndata: {data}\n\n".encode(), request)
                 idle_since = loop.time()
             if update.last:
-                await _write(response, b"event: done\ndata: {}\n\n")
+                await _write(response, b"event: done\ndata: {}\n\n", request)
                 break
             if not update.parts and loop.time() - idle_since >= KEEPALIVE_S:
-                await _write(response, b": keep-alive\n\n")
+                await _write(response, b": keep-alive\n\n", request)
                 idle_since = loop.time()
             # Coalesce: whatever happens meanwhile goes out in the next update.
             await asyncio.sleep(min_interval_s)
@@ -222,8 +254,25 @@ async def stream(request: web.Request, hub: Hub, watcher: Watcher, render: Rende
     return response
 
 
-async def _write(response: web.StreamResponse, data: bytes) -> None:
-    await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
+async def _write(response: web.StreamResponse, data: bytes, request: web.Request) -> None:
+    """Write and wait until the browser has taken what is buffered: a write that stays in the
+    buffer for ``WRITE_TIMEOUT_S`` is a stalled stream (``TimeoutError``), keep-alives
+    included (aiohttp itself waits only once its own buffer passes 64 KiB)."""
+    async with asyncio.timeout(WRITE_TIMEOUT_S):
+        await response.write(data)
+        transport = request.transport
+        while transport is not None and not transport.is_closing() and \
+                transport.get_write_buffer_size() > 0:
+            await asyncio.sleep(min(0.1, WRITE_TIMEOUT_S / 10))
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the browser went away")
+
+
+def _small_send_buffer(request: web.Request) -> None:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
 
 def turn_counters(detail: Mapping[str, Any] | None) -> dict[str, int]:

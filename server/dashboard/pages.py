@@ -26,6 +26,7 @@ from rollout.server.api.token_text import TurnPieces, trajectory_pieces
 from rollout.server.dashboard import live, trajectory_view
 from rollout.server.scheduler import Scheduler
 from rollout.server.store import JobRecord
+from rollout.server.tenancy import ownership
 from rollout.server.tenancy.auth import Principal, owner_of
 from rollout.server.tenancy.tenant_status import OwnerCounts
 
@@ -34,6 +35,12 @@ PAGE_SIZE = 50
 SCAN_LIMIT = 2000
 """Jobs a filtered jobs page reads at most to fill itself (environment and termination are
 not indexed): a sparse filter gives a short page with a link to scan further."""
+TRAJECTORY_SCAN_LIMIT = 200
+"""Trajectories a termination-filtered jobs page reads at most (each is a store read and a
+decode): past it the page is short and links on, like ``SCAN_LIMIT``."""
+SCANS_AT_ONCE = 1
+"""Filtered scans running at once, all viewers together: the store has one reader thread, so
+scans queue behind each other here instead of in front of gRPC's reads there."""
 GROUP_LIMIT = 256
 TEXT_CACHE = 16
 """Decoded trajectories kept (a job page, its reloads and its live update share one)."""
@@ -83,6 +90,7 @@ class Pages:
         self.min_interval_s = min_interval_s
         self._owner_counts = OwnerCounts(scheduler.store, self._live_state)
         self._texts: OrderedDict[str, list[TurnPieces]] = OrderedDict()
+        self._scans = asyncio.Semaphore(SCANS_AT_ONCE)
 
     def _live_state(self, job_id: str) -> JobState | None:
         job = self.scheduler.jobs.get(job_id)
@@ -101,15 +109,15 @@ class Pages:
 
     @staticmethod
     def tenant(principal: Principal) -> str | None:
-        """The client id a principal is confined to (None: sees every job)."""
-        return principal.client_id if principal.bound and not principal.admin else None
+        """The client id a principal's job lists are confined to (None: sees every job);
+        one meaning with gRPC (``server/tenancy/ownership.py``)."""
+        return ownership.job_scope(principal)
 
     async def visible_job(self, principal: Principal, job_id: str) -> JobRecord:
         if not proto_convert.ID_RE.fullmatch(job_id):
             raise web.HTTPNotFound(text="no such job")
         rec = await self.scheduler.get(job_id, history=True)
-        tenant = self.tenant(principal)
-        if rec is None or (tenant is not None and not principal.owns(rec.client_id)):
+        if rec is None or not ownership.sees_job(principal, rec.client_id):
             # The same answer for "missing" and "someone else's": ids cannot be probed.
             raise web.HTTPNotFound(text=f"no job {job_id!r} is visible to you")
         return rec
@@ -134,7 +142,7 @@ class Pages:
 
     async def overview_ctx(self, principal: Principal) -> dict[str, Any]:
         st = self.scheduler.status()
-        tenant = self.tenant(principal)
+        tenant = None if ownership.sees_server_figures(principal) else principal.client_id
         if tenant is not None:
             by_state = {s.name: n for s, n in (await self._owner_counts.get(tenant)).items()}
         else:
@@ -179,7 +187,17 @@ class Pages:
             return [], "", 0  # a tenant's view holds its own jobs only
         owner = tenant if tenant is not None else (f.client or None)
         state = JobState[f.state] if f.state else None
-        token, out, scanned = f.page_token, [], 0
+        if not (f.environment or f.termination):  # served by the store's indexes alone
+            recs, token = await self.scheduler.list(
+                page_size=PAGE_SIZE, page_token=f.page_token, state=state,
+                group_id=f.group or None, owner=owner)
+            return recs, token, len(recs)
+        async with self._scans:
+            return await self._scan(f, state, owner)
+
+    async def _scan(self, f: JobFilter, state: JobState | None, owner: str | None
+                    ) -> tuple[list[JobRecord], str, int]:
+        token, out, scanned, read = f.page_token, [], 0, 0
         while True:
             recs, token = await self.scheduler.list(
                 page_size=PAGE_SIZE, page_token=token, state=state,
@@ -189,11 +207,15 @@ class Pages:
                 if f.environment and rec.spec.environment != f.environment:
                     continue
                 if f.termination:
+                    if not rec.state.terminal:
+                        continue  # no trajectory yet: nothing to read
+                    read += 1
                     traj = await self.scheduler.get_trajectory(rec.job_id)
                     if traj is None or traj.termination.name != f.termination:
                         continue
                 out.append(rec)
-            if len(out) >= PAGE_SIZE or not token or scanned >= SCAN_LIMIT:
+            if (len(out) >= PAGE_SIZE or not token or scanned >= SCAN_LIMIT
+                    or read >= TRAJECTORY_SCAN_LIMIT):
                 return out, token, scanned
 
     async def jobs_ctx(self, principal: Principal, f: JobFilter) -> dict[str, Any]:
@@ -266,8 +288,8 @@ class Pages:
         if not proto_convert.ID_RE.fullmatch(group_id):
             raise web.HTTPNotFound(text="no such group")
         recs, _ = await self.scheduler.list(page_size=GROUP_LIMIT, group_id=group_id)
-        if not recs or (self.tenant(principal) is not None
-                        and not all(principal.owns(r.client_id) for r in recs)):
+        if not recs or not ownership.sees_group(
+                principal, await ownership.group_owners(self.scheduler, group_id)):
             raise web.HTTPNotFound(text=f"no group {group_id!r} is visible to you")
         samples: list[dict[str, Any]] = []
         rewards: list[float] = []

@@ -15,14 +15,19 @@ stops a forged login that would sign the browser into someone else's session.
 
 With no credentials configured the gRPC port is open and so is the dashboard, but a web page
 elsewhere could still reach a loopback server through DNS rebinding; so an open dashboard
-answers only requests whose ``Host`` is a loopback name or the address it listens on.
+answers only requests whose ``Host`` names what it is bound to (:meth:`Sessions.host_allowed`):
+its own address, loopback names only when it is bound to loopback, and only address literals
+(never a DNS name) when it is bound to every interface. An open dashboard on a non-loopback
+address is refused at start unless the operator allows it (``server.dashboard_allow_open``).
 
 Sessions live in memory (a restart logs everyone out), expire after ``SESSION_TTL_S`` and are
-bounded in number (the oldest is dropped first).
+bounded per identity (``MAX_SESSIONS_PER_IDENTITY``, the identity's oldest dropped first), so a
+token holder logging in over and over logs out only its own other sessions.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import time
 from collections import OrderedDict
@@ -31,12 +36,23 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from rollout.server.api import errors
-from rollout.server.tenancy.auth import OPERATOR, Authenticator, Principal
+from rollout.server.tenancy.auth import OPERATOR, Authenticator, Principal, identity_of
 
 COOKIE = "rollout_dashboard"
 SESSION_TTL_S = 12 * 3600.0
-MAX_SESSIONS = 1024
+MAX_SESSIONS_PER_IDENTITY = 32
+"""Log-in sessions one identity (a client id, or the operator's token) may hold."""
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]") in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -65,9 +81,14 @@ class Sessions:
 
     def start(self, principal: Principal) -> str:
         sid = secrets.token_urlsafe(32)
-        self._sessions[sid] = Session(principal, time.monotonic() + SESSION_TTL_S)
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        now = time.monotonic()
+        for old in [k for k, v in self._sessions.items() if v.expires < now]:
+            del self._sessions[old]
+        who = identity_of(principal)
+        mine = [k for k, v in self._sessions.items() if identity_of(v.principal) == who]
+        for old in mine[:max(0, len(mine) - MAX_SESSIONS_PER_IDENTITY + 1)]:
+            del self._sessions[old]  # its own oldest: never another identity's
+        self._sessions[sid] = Session(principal, now + SESSION_TTL_S)
         return sid
 
     def end(self, sid: str) -> None:
@@ -93,15 +114,26 @@ class Sessions:
         return session.principal
 
     def host_allowed(self, request: web.Request) -> bool:
-        """An open dashboard answers loopback names and its own address only (DNS rebinding)."""
+        """An open dashboard answers a ``Host`` that names what it is bound to (DNS
+        rebinding): its own address; loopback names too when bound to loopback; any address
+        literal, but no DNS name, when bound to every interface."""
         if not self.open:
             return True
         host = request.host
         if host.startswith("["):  # [::1]:8080
             host = host[:host.find("]") + 1]
-        elif ":" in host:
+        elif host.count(":") == 1:
             host = host.rsplit(":", 1)[0]
-        return host in _LOOPBACK_NAMES or host in (self._listen_host, f"[{self._listen_host}]")
+        bare, listen = host.strip("[]"), self._listen_host.strip("[]")
+        if bare == listen:
+            return True
+        if listen in _WILDCARDS:
+            try:
+                ipaddress.ip_address(bare)
+                return True
+            except ValueError:
+                return host == "localhost"
+        return is_loopback(listen) and host in _LOOPBACK_NAMES
 
     @staticmethod
     def same_origin(request: web.Request) -> bool:

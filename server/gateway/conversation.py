@@ -68,6 +68,7 @@ from rollout.runtime.toolcalls import (
 )
 from rollout.runtime.tools.base import ToolCall
 from rollout.runtime.types import JobSpec, Segment, SegmentReason, Turn
+from rollout.server.gateway import budget
 from rollout.server.gateway.messages import BadRequest, CallItem, ChatRequest, Message
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class JobConversation:
                           keys: list[Key]) -> ServedTurn:
         async with self._lock:
             await self._ensure_chat()
+            await budget.admit(self.spec, self.llm, request)  # before anything is tokenized
             for chain in self._chains:
                 if chain.tip is not None and chain.tip[0] == ident:
                     return chain.tip[1]
@@ -225,6 +227,7 @@ class JobConversation:
         """How many tokens ``request``'s prompt is when rendered on its own."""
         async with self._lock:
             await self._ensure_chat()
+            await budget.admit(self.spec, self.llm, request)
         ledger, _ = await _rendering(asyncio.to_thread(self._fresh, request))
         return len(ledger.token_ids)
 
@@ -557,7 +560,8 @@ class JobConversation:
 async def _rendering(call: Any) -> Any:
     """Await a render; a template that rejects the messages is the request's fault (400)."""
     try:
-        return await call
+        async with budget.fair_turn():
+            return await call
     except BadRequest:
         raise
     except Exception as exc:  # jinja2 errors, raise_exception(...) in templates, ChatTemplateError

@@ -15,6 +15,7 @@ system's temporary directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from aiohttp import web
 from rollout.runtime.gateway import GatewayLease, GatewayOptions, HarnessCapture
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec
+from rollout.server.gateway import connections
 from rollout.server.gateway.conversation import JobConversation
 from rollout.server.gateway.messages import RequestLimits
 from rollout.server.gateway.routes import LeaseResources, build_app
@@ -56,11 +58,14 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
+        connections.quiet_accept_errors()
+        await asyncio.to_thread(self._sweep_stale_sockets)
         if self.tcp_port is not None and self._tcp is None:
-            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None,
-                                   handler_cancellation=True)
+            runner = web.AppRunner(connections.guard(build_app(self._leases.get, self.limits)),
+                                   access_log=None, handler_cancellation=True)
             await runner.setup()
-            site = web.TCPSite(runner, self.tcp_host, self.tcp_port)
+            site = connections.tcp_site(runner, self.tcp_host, self.tcp_port,
+                                        "gateway TCP port", connections.TCP_LIMITS)
             await site.start()
             self._tcp = runner
             server = getattr(site, "_server", None)
@@ -95,11 +100,13 @@ class Gateway:
                                        else time.monotonic() + spec.limits.run_timeout_s,
                                        options=options or GatewayOptions())
         lease = LeaseResources(key, conversation, path)
-        runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
-                                         self.limits), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(connections.guard(build_app(
+            lambda k: lease if _same(k, lease.key) else None, self.limits)), access_log=None,
+            handler_cancellation=True)
         await runner.setup()
         try:
-            await web.UnixSite(runner, path).start()
+            await connections.unix_site(runner, path, f"gateway socket of job {spec.job_id}"
+                                        ).start()
             os.chmod(path, 0o600)
         except BaseException:
             await runner.cleanup()
@@ -130,6 +137,21 @@ class Gateway:
     async def _close(self, lease: LeaseResources) -> None:
         self._leases.pop(lease.key, None)
         await lease.close()
+
+    def _sweep_stale_sockets(self) -> int:
+        """Remove the socket files a killed server left (one server holds a state directory
+        at a time, so none of them is served)."""
+        root = self._state_dir / "gateway"
+        if self._leases or not root.is_dir():
+            return 0
+        swept = 0
+        for stale in root.glob("*.sock"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                swept += 1
+        if swept:
+            log.info("removed %d gateway socket(s) a previous server left in %s", swept, root)
+        return swept
 
     def _socket_root(self) -> Path:
         if self._root is None:

@@ -22,16 +22,18 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.runtime.types import JobError, JobState, Stage, TerminationReason
+from rollout.runtime.types import JobError, JobState, Stage, TerminationReason, Trajectory
 from rollout.server.cluster.node import NodeLost, NodeSet
 from rollout.server.metrics import SchedulerMetrics, StageStats, StageStatus
 from rollout.server.pipeline.delivery import Delivery
+from rollout.server.pipeline.delivery_budget import held_bytes
 from rollout.server.pipeline.groups import GROUP_FINISHED
 from rollout.server.pipeline.job_registry import JobRegistry
 from rollout.server.pipeline.stage_pool import LiveJob, StagePool
@@ -131,6 +133,11 @@ class StageRunner:
         self._closing = False
         """Set by :meth:`drain`: failed terminal writes stop being retried (the job stays live
         in the store and runs again on the next start)."""
+        self.precommit_bytes = 0
+        """Trajectories built and not yet committed (queued for the store's writer, or waiting
+        for a retry), as :func:`held_bytes` sizes them, the delivery budget's unit."""
+        self.precommit_peak = 0
+        self._committed = asyncio.Event()
 
     def queue(self, job: LiveJob) -> None:
         """Start a live job from INIT (new, recovered, or adopted)."""
@@ -280,6 +287,7 @@ class StageRunner:
                 self.finish(job, JobState.SUCCEEDED, None, result.reward)
             else:
                 self.finish(job, JobState.FAILED, result.error, None)
+            await self._room_to_commit()  # this worker takes no new job meanwhile
         except Exception as exc:  # a bug of ours must not strand the job forever
             log.exception("internal error running %s of job %s", stage.value, job.job_id)
             if not job.finishing:
@@ -405,8 +413,37 @@ class StageRunner:
         except Exception as exc:  # the closure is re-derived from succeeded counts at start
             log.warning("could not persist the closure of group %s: %s", group_id, exc)
 
+    @property
+    def precommit_limit(self) -> int:
+        """Bytes of built, uncommitted trajectories past which stage workers wait: half of
+        ``delivery_memory_bytes``, beside the budget itself (which sessions' undelivered
+        trajectories use whole): trajectories in memory stay under one and a half budgets,
+        plus one per stage worker."""
+        budget = self.delivery.budget
+        return budget.total_bytes // 2 if budget is not None else 1 << 62
+
+    async def _room_to_commit(self) -> None:
+        """Wait while the trajectories waiting for the store pass :attr:`precommit_limit`:
+        environments that produce faster than the store commits then slow to its pace,
+        instead of piling trajectories up in memory (the stage queues count jobs, not
+        bytes). Each wait is short and re-checked; a cancelled job stops waiting."""
+        while self.precommit_bytes > self.precommit_limit and not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._committed.wait(), 1.0)
+
+    def _precommit(self, size: int) -> None:
+        self.precommit_bytes += size
+        self.precommit_peak = max(self.precommit_peak, self.precommit_bytes)
+
+    def _committed_one(self, size: int) -> None:
+        self.precommit_bytes = max(0, self.precommit_bytes - size)
+        self._committed.set()
+        self._committed = asyncio.Event()
+
     def _commit_finish(self, job: LiveJob, rec: FinishRecord, traj: Any, failures: int) -> None:
         """Write the end of ``job``; announce it only once that write committed."""
+        if failures == 0:
+            self._precommit(_size(traj))
         try:
             fut = self.store.finish(rec)
         except Exception as exc:  # the writer is dead or the store closed: same as a failure
@@ -418,6 +455,7 @@ class StageRunner:
                         fut: asyncio.Future[Any]) -> None:
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if exc is None:
+            self._committed_one(_size(traj))
             self._announce(job, rec, int(fut.result()), traj)
             return
         # Nothing of it is durable (its savepoint or its batch rolled back), so nothing may be
@@ -426,6 +464,7 @@ class StageRunner:
         if self._closing:
             log.error("end of job %s not stored (%s); it runs again after the restart",
                       job.job_id, exc)
+            self._committed_one(_size(traj))
             job.mark_done()
             return
         first, longest = self.config.finish_retry_s
@@ -481,3 +520,7 @@ class StageRunner:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+
+def _size(traj: Any) -> int:
+    return held_bytes(traj) if isinstance(traj, Trajectory) else 0

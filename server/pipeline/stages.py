@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import re
 from collections.abc import Mapping
@@ -57,7 +58,9 @@ class StageResult:
 
 
 def _upper_snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+    """``ValueError`` -> ``VALUE_ERROR``; a run of capitals is one word (``OSError`` ->
+    ``OS_ERROR``, ``HTTPError`` -> ``HTTP_ERROR``)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).upper()
 
 
 async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
@@ -125,6 +128,10 @@ def _unfinished_run(outcome: RunOutcome) -> JobError | None:
 
 def _handler_error(exc: BaseException, stage: Stage) -> JobError:
     log.warning("%s stage raised %s: %s", stage.value, type(exc).__name__, exc)
+    if type(exc) is OSError:  # the subclasses name themselves (FILE_NOT_FOUND_ERROR, ...)
+        code = errno.errorcode.get(exc.errno or 0, "")
+        return JobError("HANDLER_ERROR", "OS_ERROR", f"{code + ': ' if code else ''}{exc}",
+                        stage)
     return JobError("HANDLER_ERROR", _upper_snake(type(exc).__name__),
                     str(exc) or type(exc).__name__, stage)
 

@@ -17,10 +17,14 @@ tables), and ``PRAGMA user_version`` must not be newer than this release knows.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 
 from rollout.server.api.errors import FailedPrecondition
+from rollout.server.store import wal
+
+log = logging.getLogger(__name__)
 
 STORE_FILE = "jobs.sqlite3"
 """The job store's name inside the state directory."""
@@ -40,11 +44,13 @@ class StoreFileError(FailedPrecondition):
     default_reason = "STORE_FILE_INVALID"
 
 
-def check_store_file(path: Path) -> bool:
-    """Raise :class:`StoreFileError` unless ``path`` is absent or a job store of ours.
-    Returns whether the file still needs the application_id stamp (new or older store)."""
+def check_store_file(path: Path, *, drop_damaged_wal: bool = False) -> bool:
+    """Raise :class:`StoreFileError` unless ``path`` is absent or a job store of ours (its
+    write-ahead log checked first: :func:`check_wal`). Returns whether the file still needs
+    the application_id stamp (new or older store)."""
     if not path.exists():
         return True
+    check_wal(path, drop_damaged=drop_damaged_wal)
     what = f"the job store {path}"
     fix = ("Move it out of the state directory (or point server.state_dir elsewhere) and "
            "start again; restore it from a backup if it held unacknowledged results")
@@ -103,3 +109,38 @@ def damaged(path: Path, exc: sqlite3.DatabaseError) -> StoreFileError:
     return StoreFileError(f"the job store {path} is damaged ({exc}): move it out of the state "
                           "directory and start again, or restore it from a backup",
                           "STORE_FILE_CORRUPT", "server.state_dir")
+
+
+def check_wal(path: Path, *, drop_damaged: bool = False) -> None:
+    """Refuse (``STORE_WAL_DAMAGED``) a write-ahead log whose replay would silently drop
+    committed transactions, before SQLite replays it; with ``drop_damaged`` (the operator's
+    ``store.drop_damaged_wal``) cut the log to its replayable prefix instead and log, in one
+    line, how many frames and which job ids were dropped (``server/store/wal.py``)."""
+    wal_path = Path(f"{path}-wal")
+    try:
+        if not path.exists() or not wal_path.exists() or wal_path.stat().st_size == 0:
+            return
+        verdict = wal.check(wal_path.read_bytes())
+    except OSError as e:
+        raise StoreFileError(f"cannot read the job store's write-ahead log {wal_path}: "
+                             f"{e.strerror}", "STORE_FILE_UNREADABLE", "server.state_dir"
+                             ) from None
+    if not verdict.damaged:
+        return
+    if not drop_damaged:
+        raise StoreFileError(
+            f"the job store's write-ahead log {wal_path} is damaged: {verdict.damaged}; "
+            f"replaying it would silently drop {verdict.dropped_frames} frame(s) of committed "
+            "jobs. Restore the state directory from a backup, or start once with "
+            "--drop-damaged-wal (store.drop_damaged_wal = true) to start without the damaged "
+            "tail (the server then names the job ids it dropped)", "STORE_WAL_DAMAGED",
+            "store.drop_damaged_wal")
+    dropped = wal.drop_damaged_tail(path, verdict)
+    named = (", ".join(dropped.jobs[:50]) + (" ..." if len(dropped.jobs) > 50 else "")
+             if dropped.jobs else "none")
+    log.warning("STORE_WAL_DAMAGED: started without the damaged tail of %s (%s): dropped %d "
+                "frame(s) holding %s job(s): %s; the whole log is kept at %s", wal_path,
+                verdict.damaged, dropped.frames,
+                "unknown" if dropped.jobs is None else len(dropped.jobs),
+                named if dropped.jobs is not None else "(the damaged frames cannot be read)",
+                dropped.kept_at)

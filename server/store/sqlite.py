@@ -288,7 +288,10 @@ class Writer(threading.Thread):
                     results.append((fut, value, None))
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
-            log.error("job store commit failed (%d ops lost): %s", len(batch), exc)
+            log.error("job store commit failed: %d write(s) of this batch were not stored and "
+                      "their callers are told so (a finished job's result is written again, "
+                      "a client's request is answered UNAVAILABLE for it to retry): %s",
+                      len(batch), exc)
             if conn.in_transaction:
                 try:
                     conn.execute("ROLLBACK")

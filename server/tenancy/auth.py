@@ -107,6 +107,13 @@ def owner_of(stored_client_id: str) -> str:
     return owner if sep else ""
 
 
+def identity_of(principal: Principal) -> str:
+    """Whose dashboard sessions and live pages count together: a client id, or the operator's
+    credential."""
+    return principal.client_id if principal.client_id is not None else \
+        f"operator:{principal.source}"
+
+
 def check_not_reserved(client_id: str, field_name: str) -> None:
     """Refuse a client id in the server's own ``rpc:`` namespace (INVALID_ARGUMENT)."""
     if client_id.startswith(RPC_PREFIX):

@@ -116,12 +116,16 @@ async def test_a_tenant_cannot_open_another_tenants_job(dash: DashServer, browse
     async with aiohttp.ClientSession(cookies=cookies) as http:
         async with http.get(dash.url + "/live/job/a-job") as r:
             assert r.status == 404
-    # Bob's overview counts his own job only; the admin sees both, and Alice's text.
+    # Bob's overview counts his own job only. The admin sees the server-wide figures (both
+    # jobs counted, the backends) but, as on the gRPC port, not another tenant's job.
     await page.goto(dash.url + "/")
     assert await page.inner_text("#job-counts [data-state=SUCCEEDED]") == "1"
     assert await page.locator("#backends").count() == 0  # the pool is an admin's business
-    admin = await login(await browser.new_page(), dash.url, OPS, "/jobs/a-job")
-    assert SECRET in await admin.inner_text("#turns")
+    admin = await login(await browser.new_page(), dash.url, OPS, "/")
+    assert await admin.inner_text("#job-counts [data-state=SUCCEEDED]") == "2"
+    assert await admin.locator("#backends").count() == 1
+    response = await admin.goto(dash.url + "/jobs/a-job")
+    assert response.status == 404 and SECRET not in await admin.content()
 
 
 async def test_an_open_dashboard_answers_loopback_names_only(tmp_path: Path) -> None:
@@ -149,9 +153,11 @@ async def test_an_open_dashboard_answers_loopback_names_only(tmp_path: Path) -> 
 
 async def test_a_page_reads_a_bounded_log_at_its_own_pace() -> None:
     hub = live.Hub()
-    pages = [live.Watcher(hub, OPERATOR) for _ in range(live.MAX_WATCHERS)]
-    assert all(hub.add(p) for p in pages)
-    assert not hub.add(live.Watcher(hub, OPERATOR))  # bounded number of pages
+    pages = [live.Watcher(hub, OPERATOR if i == 0 else Principal(f"tenant-{i}"))
+             for i in range(live.MAX_WATCHERS)]
+    assert all(hub.add(p) for p in pages[:-live.ADMIN_RESERVED])
+    assert not hub.add(pages[-1])  # bounded number of pages, the admin's slots kept
+    pages = pages[:-live.ADMIN_RESERVED]
     hub("c", "job-lost")  # pushed out of the log by what follows, before any page read it
     for _ in range(2 * live.LOG_SIZE):
         hub("c", "job-1")
@@ -183,10 +189,12 @@ def test_a_page_sees_only_its_tenants_jobs() -> None:
     hub.seq += 1
     assert alice.take().jobs == {"j"}
     admin = live.Watcher(hub, Principal("ops", frozenset({"admin"})))
-    assert hub.add(admin)
-    hub._log.append(("bob", "b"))
-    hub.seq += 1
-    assert admin.take().jobs == {"b"}
+    operator = live.Watcher(hub, OPERATOR)
+    assert hub.add(admin) and hub.add(operator)
+    hub._log.extend([("bob", "b"), ("ops", "o")])
+    hub.seq += 2
+    assert admin.take().jobs == {"o"}  # the admin role opens no other tenant's job
+    assert operator.take().jobs == {"b", "o"}
 
 
 async def test_a_browser_that_stops_reading_is_dropped(
