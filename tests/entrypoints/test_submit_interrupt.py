@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(autouse=True)
-def _plain_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _plain_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("COLUMNS", "200")
     for name in ("ROLLOUT_ADDRESS", "ROLLOUT_TOKEN", "ROLLOUT_CLIENT_ID", "ROLLOUT_CONFIG"):
         monkeypatch.delenv(name, raising=False)
+    # As in a fresh `rollout` process: asyncio.run turns SIGINT into a cancel only while
+    # Python's default handler is installed, and an earlier test in this process may have left
+    # another one (a server's signal handling).
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 def _states(address: str, *job_ids: str) -> list[str]:
