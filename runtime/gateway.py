@@ -13,14 +13,16 @@ arrives later (a harness process that outlived RUN) is refused.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec, Segment, SegmentReason, Turn
 
-__all__ = ["SEGMENTS_KEY", "GatewayLease", "HarnessCapture", "ModelGateway", "Segment",
-           "SegmentReason"]
+__all__ = ["SEGMENTS_KEY", "GatewayLease", "GatewayOptions", "HarnessCapture", "ModelGateway",
+           "Segment", "SegmentReason", "SideCallRule"]
 
 SEGMENTS_KEY = "gateway.segments"
 """``ctx.state`` key of the live segment list (beside ``agent_loop.TURNS_KEY``'s turns), so a
@@ -40,6 +42,69 @@ class HarnessCapture:
 
 
 @dataclass(frozen=True)
+class SideCallRule:
+    """Which requests of a harness are side calls: not the agent's work (a title for the
+    session, a summary for display, a quota probe), so never trained with the task's reward.
+
+    A matching request gets a chain of its own whose turns carry loss mask 0 on their output
+    (``Segment.side_call``). Every field given must match; a rule with no field is refused
+    (it would match everything). Patterns are Python regular expressions.
+    """
+
+    model: str = ""
+    """Matched in full against the request's ``model`` field (``claude-3-5-haiku.*``)."""
+    system: str = ""
+    """Searched for in the request's system prompt (its system messages, joined by a blank
+    line), e.g. ``"(?i)generate a (short )?title"``."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    """``(key, pattern)`` pairs: the request's ``metadata`` object (OpenAI chat, Anthropic
+    Messages) must hold each key with a string value matching its pattern in full."""
+
+    def __post_init__(self) -> None:
+        if not (self.model or self.system or self.metadata):
+            raise ValueError("a side-call rule needs model, system or metadata: an empty "
+                             "rule would mark every request untrained")
+        for pattern in (self.model, self.system, *(p for _, p in self.metadata)):
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"side-call pattern {pattern!r} is not a regular "
+                                 f"expression: {exc}") from None
+
+    def matches(self, model: str, system: str, metadata: Mapping[str, str]) -> bool:
+        if self.model and not re.fullmatch(self.model, model):
+            return False
+        if self.system and not re.search(self.system, system):
+            return False
+        for key, pattern in self.metadata:
+            value = metadata.get(key)
+            if not isinstance(value, str) or not re.fullmatch(pattern, value):
+                return False
+        return True
+
+
+MAX_CONCURRENT_DEFAULT = 4
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """What a harness environment (its preset) tells the gateway about one job."""
+
+    side_calls: tuple[SideCallRule, ...] = ()
+    """A request matching any of these is a side call (see :class:`SideCallRule`)."""
+    max_concurrent: int = MAX_CONCURRENT_DEFAULT
+    """Generations of this job that may run at once; more wait (a harness's parallel
+    sub-agents overlap up to this many)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_concurrent <= 64:
+            raise ValueError(f"max_concurrent must be in [1, 64], got {self.max_concurrent}")
+
+    def is_side_call(self, model: str, system: str, metadata: Mapping[str, str]) -> bool:
+        return any(rule.matches(model, system, metadata) for rule in self.side_calls)
+
+
+@dataclass(frozen=True)
 class GatewayLease:
     """One job's way to the gateway."""
 
@@ -55,8 +120,11 @@ class GatewayLease:
 class ModelGateway(Protocol):
     """What a harness handler needs from the server's model gateway."""
 
-    async def open(self, spec: JobSpec, llm: LLMClient) -> GatewayLease:
-        """Start serving ``spec``'s job; its requests generate through ``llm``."""
+    async def open(self, spec: JobSpec, llm: LLMClient, *,
+                   options: GatewayOptions | None = None) -> GatewayLease:
+        """Start serving ``spec``'s job; its requests generate through ``llm``; ``options``
+        (default: none) say which requests are side calls and how many may generate at
+        once."""
         ...
 
     def capture(self, lease: GatewayLease) -> HarnessCapture:

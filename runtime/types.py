@@ -255,10 +255,13 @@ class Turn:
     logprobs_kind: str = ""
     """``processed`` or ``raw`` as the engine reported it; not carried by the proto per turn
     (the trajectory carries the common kind)."""
+    trained: bool = True
+    """False for a side call's turn (a request a harness preset marks as not the agent's
+    work, e.g. title generation): its output keeps its ids and logprobs but loss mask 0."""
 
     @property
     def loss_mask(self) -> list[int]:
-        return ([0] * len(self.prompt_ids) + [1] * len(self.output_ids)
+        return ([0] * len(self.prompt_ids) + [int(self.trained)] * len(self.output_ids)
                 + [0] * len(self.observation_ids))
 
 
@@ -268,21 +271,42 @@ class SegmentReason(enum.Enum):
     FIRST = "first"
     """The job's first request."""
     HISTORY_REWRITTEN = "history_rewritten"
-    """The request's prompt does not extend what the job already sent and generated (the
+    """The request shares its leading messages with a chain but does not extend it (the
     harness summarised, dropped or edited a message), so its tokens start a new sequence."""
+    NEW_CONVERSATION = "new_conversation"
+    """The request shares no leading message with any chain of the job (a sub-agent with its
+    own system prompt, a side call)."""
+    PARALLEL = "parallel"
+    """The request extends a chain that another request of the job was generating on at that
+    moment (a harness sending several calls at once from one history)."""
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One run of turns whose prompts each extend the previous turn's prompt and output.
+    """One chain: a run of turns whose prompts each extend the previous turn's prompt and
+    output.
 
     A segment's token sequence is the concatenation of its turns' ``prompt_ids + output_ids +
     observation_ids``; its first turn's ``prompt_ids`` is the segment's whole first prompt.
+    Segments are contiguous, in chain-creation order: a harness whose requests alternate
+    between chains (a main thread and its sub-agent) still gets each chain's turns together.
+    Every sampled token belongs to exactly one turn of one segment, the only place it carries
+    loss mask 1; context a chain repeats from another one is prompt there (mask 0).
     """
 
     first_turn: int
     """Index into the trajectory's turns of the segment's first turn."""
     reason: SegmentReason
+    parent: int | None = None
+    """Index into the trajectory's segments of the chain this one branched from (the one it
+    shares the most leading messages with); None when it shares none."""
+    branch_point: int = 0
+    """How many of the parent's turns (from its first) this chain's first prompt repeats as
+    context: it branched after the parent's turn ``branch_point - 1`` (0: it shares only part
+    of the parent's first prompt, e.g. its system message)."""
+    side_call: bool = False
+    """A request a harness preset marked as not the agent's work (``SideCallRule``): its
+    turns are kept for the record with loss mask 0 on their output."""
 
 
 @dataclass

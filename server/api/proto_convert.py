@@ -410,7 +410,15 @@ def turn_from_proto(p: trajectory_pb2.Turn) -> Turn:
         policy_version=p.policy_version,
         finish_reason=_FINISH_FROM_PROTO.get(p.finish_reason, ""), backend=p.backend,
         latency_s=_duration_s(p.latency, 0.0), tool_calls=list(p.tool_calls),
-        preempted_retries=p.preempted_retries)
+        preempted_retries=p.preempted_retries, trained=_output_trained(p))
+
+
+def _output_trained(p: trajectory_pb2.Turn) -> bool:
+    """False when the turn's loss mask holds 0 on every output token (a side call's turn)."""
+    if not p.output_ids or not p.loss_mask:
+        return True
+    start = len(p.prompt_ids)
+    return any(p.loss_mask[start:start + len(p.output_ids)])
 
 
 def trajectory_to_proto(t: Trajectory) -> trajectory_pb2.Trajectory:
@@ -421,9 +429,7 @@ def trajectory_to_proto(t: Trajectory) -> trajectory_pb2.Trajectory:
         metadata=t.metadata, labels=t.labels,
         state=state_to_proto(t.state) if t.state else job_pb2.Job.STATE_UNSPECIFIED,
         logprobs_kind=logprobs_kind_to_proto(t.logprobs_kind),
-        segments=[trajectory_pb2.Segment(first_turn=s.first_turn,
-                                         reason=_SEGMENT_TO_PROTO[s.reason])
-                  for s in t.segments])
+        segments=[segment_to_proto(s) for s in t.segments])
     err = job_error_to_proto(t.error)
     if err is not None:
         p.error.CopyFrom(err)
@@ -442,14 +448,30 @@ def trajectory_from_proto(p: trajectory_pb2.Trajectory) -> Trajectory:
         error=job_error_from_proto(p.error) if p.HasField("error") else None,
         seed=p.seed if p.HasField("seed") else None,
         logprobs_kind=logprobs_kind_from_proto(p.logprobs_kind),
-        segments=[Segment(s.first_turn, _SEGMENT_FROM_PROTO.get(
-            s.reason, SegmentReason.HISTORY_REWRITTEN)) for s in p.segments])
+        segments=[segment_from_proto(s) for s in p.segments])
 
 
-_SEGMENT_TO_PROTO = {SegmentReason.FIRST: trajectory_pb2.Segment.REASON_FIRST,
-                     SegmentReason.HISTORY_REWRITTEN:
-                         trajectory_pb2.Segment.REASON_HISTORY_REWRITTEN}
+_SEGMENT_TO_PROTO = {
+    SegmentReason.FIRST: trajectory_pb2.Segment.REASON_FIRST,
+    SegmentReason.HISTORY_REWRITTEN: trajectory_pb2.Segment.REASON_HISTORY_REWRITTEN,
+    SegmentReason.NEW_CONVERSATION: trajectory_pb2.Segment.REASON_NEW_CONVERSATION,
+    SegmentReason.PARALLEL: trajectory_pb2.Segment.REASON_PARALLEL}
 _SEGMENT_FROM_PROTO = {v: k for k, v in _SEGMENT_TO_PROTO.items()}
+
+
+def segment_to_proto(s: Segment) -> trajectory_pb2.Segment:
+    p = trajectory_pb2.Segment(first_turn=s.first_turn, reason=_SEGMENT_TO_PROTO[s.reason],
+                               branch_point=s.branch_point, side_call=s.side_call)
+    if s.parent is not None:
+        p.parent = s.parent
+    return p
+
+
+def segment_from_proto(p: trajectory_pb2.Segment) -> Segment:
+    return Segment(p.first_turn, _SEGMENT_FROM_PROTO.get(p.reason,
+                                                         SegmentReason.HISTORY_REWRITTEN),
+                   parent=p.parent if p.HasField("parent") else None,
+                   branch_point=p.branch_point, side_call=p.side_call)
 
 
 def trajectory_to_bytes(t: Trajectory) -> bytes:

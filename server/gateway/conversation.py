@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.runtime.agent_loop import MAX_DRAWN_SEED, MAX_PREEMPTED_RETRIES, context_length_of
-from rollout.runtime.gateway import HarnessCapture
+from rollout.runtime.gateway import GatewayOptions, HarnessCapture
 from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable
 from rollout.runtime.tokens import ChatLedger, ChatTokenizer
 from rollout.runtime.toolcalls import (
@@ -97,8 +97,10 @@ class _Segment:
 class JobConversation:
     """The gateway's state for one job (one lease). Requests are served one at a time."""
 
-    def __init__(self, spec: JobSpec, llm: LLMClient, *, deadline: float) -> None:
+    def __init__(self, spec: JobSpec, llm: LLMClient, *, deadline: float,
+                 options: GatewayOptions | None = None) -> None:
         self.spec = spec
+        self.options = options or GatewayOptions()
         self.llm = llm
         self.deadline = deadline
         """``time.monotonic()`` time the job's RUN ends."""

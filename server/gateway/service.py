@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from rollout.runtime.gateway import GatewayLease, HarnessCapture
+from rollout.runtime.gateway import GatewayLease, GatewayOptions, HarnessCapture
 from rollout.runtime.llm import LLMClient
 from rollout.runtime.types import JobSpec
 from rollout.server.gateway.conversation import JobConversation
@@ -84,7 +84,7 @@ class Gateway:
         return f"http://{self.tcp_host}:{self.tcp_port}/v1" if self._tcp is not None else ""
 
     # ------------------------------------------------------------------ ModelGateway
-    async def open(self, spec: JobSpec, llm: LLMClient, *,
+    async def open(self, spec: JobSpec, llm: LLMClient, *, options: GatewayOptions | None = None,
                    deadline: float | None = None) -> GatewayLease:
         """``deadline`` (``time.monotonic()`` time): when the job's RUN ends; by default its
         ``limits.run_timeout_s`` from now."""
@@ -92,7 +92,8 @@ class Gateway:
         root = await asyncio.to_thread(self._socket_root)
         path = str(root / f"{secrets.token_hex(8)}.sock")
         conversation = JobConversation(spec, llm, deadline=deadline if deadline is not None
-                                       else time.monotonic() + spec.limits.run_timeout_s)
+                                       else time.monotonic() + spec.limits.run_timeout_s,
+                                       options=options or GatewayOptions())
         lease = LeaseResources(key, conversation, path)
         runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
                                          self.limits), access_log=None)

@@ -149,17 +149,27 @@ class Trajectory(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., termination_reason: _Optional[_Union[TerminationReason, str]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[_job_pb2.Job.State, str]] = ..., error: _Optional[_Union[_job_pb2.JobError, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., logprobs_kind: _Optional[_Union[_job_pb2.LogprobsKind, str]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("first_turn", "reason")
+    __slots__ = ("first_turn", "reason", "parent", "branch_point", "side_call")
     class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         REASON_UNSPECIFIED: _ClassVar[Segment.Reason]
         REASON_FIRST: _ClassVar[Segment.Reason]
         REASON_HISTORY_REWRITTEN: _ClassVar[Segment.Reason]
+        REASON_NEW_CONVERSATION: _ClassVar[Segment.Reason]
+        REASON_PARALLEL: _ClassVar[Segment.Reason]
     REASON_UNSPECIFIED: Segment.Reason
     REASON_FIRST: Segment.Reason
     REASON_HISTORY_REWRITTEN: Segment.Reason
+    REASON_NEW_CONVERSATION: Segment.Reason
+    REASON_PARALLEL: Segment.Reason
     FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_POINT_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CALL_FIELD_NUMBER: _ClassVar[int]
     first_turn: int
     reason: Segment.Reason
-    def __init__(self, first_turn: _Optional[int] = ..., reason: _Optional[_Union[Segment.Reason, str]] = ...) -> None: ...
+    parent: int
+    branch_point: int
+    side_call: bool
+    def __init__(self, first_turn: _Optional[int] = ..., reason: _Optional[_Union[Segment.Reason, str]] = ..., parent: _Optional[int] = ..., branch_point: _Optional[int] = ..., side_call: _Optional[bool] = ...) -> None: ...

@@ -57,7 +57,7 @@ from rollout.runtime.envs.common import (
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.presets import HarnessSpec
-from rollout.runtime.gateway import SEGMENTS_KEY
+from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
@@ -168,7 +168,8 @@ class HarnessHandler(AgentHandler):
             raise HandlerError("this server has no model backend", "NO_LLM")
         deadline = time.monotonic() + max(0.0, ctx.spec.limits.run_timeout_s
                                           - DEADLINE_MARGIN_S)
-        lease = await gateway.open(ctx.spec, ctx.llm)
+        lease = await gateway.open(ctx.spec, ctx.llm,
+                                   options=GatewayOptions(side_calls=harness.side_calls))
         result = None
         try:
             # The live capture: a RUN cut by the scheduler still hands over these turns.

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.envs.common import host_path, invalid
+from rollout.runtime.gateway import SideCallRule
 
 SHIPPED_DIR = Path(__file__).with_name("shipped")
 PLACEHOLDERS = ("install", "base_url", "origin", "api_key", "model", "prompt", "prompt_file",
@@ -70,6 +71,8 @@ class HarnessSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)
     port: int = DEFAULT_PORT
+    side_calls: tuple[SideCallRule, ...] = ()
+    """Requests of this harness that are not the agent's work (never trained)."""
 
 
 def setup_cache() -> Path:

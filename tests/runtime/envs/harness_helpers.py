@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from rollout.runtime.envs.harness.handler import CAPTURE_KEY
-from rollout.runtime.gateway import GatewayLease, HarnessCapture
+from rollout.runtime.gateway import GatewayLease, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, JobContext, RunOutcome
 from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable
 from rollout.runtime.types import JobSpec, Limits, Reward, SamplingParams
@@ -32,7 +32,8 @@ class PingGateway:
     leases: dict[str, tuple[web.AppRunner, str]] = field(default_factory=dict)
     seen: list[str] = field(default_factory=list)
 
-    async def open(self, spec: JobSpec, llm: LLMClient) -> GatewayLease:
+    async def open(self, spec: JobSpec, llm: LLMClient, *,
+                   options: GatewayOptions | None = None) -> GatewayLease:
         key = secrets.token_hex(16)
 
         async def models(request: web.Request) -> web.Response:
