@@ -14,6 +14,12 @@
     over: every prompt again), for a harness that only appends and one that compacts its
     history every ``--compact-every`` turns (a new segment each time).
 
+(c) a sub-agent-heavy harness — a main thread and two sub-agents (each its own system prompt)
+    whose requests alternate (main, sub-agent 1, sub-agent 2, main, ...): the tokens a trainer
+    receives with one chain per line of conversation (this gateway), with one current segment
+    that every switch re-renders from scratch (one segment per rewrite: the gateway before
+    chains), and with one sequence per request.
+
 The model is the scripted policy over the SmolLM2 tokenizer (no weights run), so the numbers are
 the gateway's own cost; ``--latency-ms`` adds a fixed generation time to both sides.
 """
@@ -67,9 +73,9 @@ def pct(values: list[float], q: float) -> float:
 class Episode:
     """One harness conversation over a lease, speaking raw HTTP (no client library cost)."""
 
-    def __init__(self, lease: GatewayLease) -> None:
+    def __init__(self, lease: GatewayLease, system: dict[str, Any] = SYSTEM) -> None:
         self.lease = lease
-        self.messages: list[dict[str, Any]] = [SYSTEM, TASK]
+        self.messages: list[dict[str, Any]] = [system, TASK]
 
     async def turn(self, session: aiohttp.ClientSession, index: int, *, stream: bool
                    ) -> tuple[float, float]:
@@ -183,6 +189,64 @@ async def bench_tokens(gateway: Gateway, pool: BackendPool, turns: int,
     return out
 
 
+async def bench_sub_agents(gateway: Gateway, pool: BackendPool, rounds: int,
+                           ) -> tuple[int, int, int, int, int, int]:
+    """(chains tokens, sequences), (one segment per rewrite), (one sequence per request)."""
+    job = "tokens-sub-agents"
+    lease = await gateway.open(JobSpec(job, "bench", {}, sampling=SamplingParams(
+        seed=1, total_token_budget=1 << 20), limits=Limits(max_turns=3 * rounds + 1)), pool)
+    threads = [Episode(lease), *(Episode(lease, {
+        "role": "system", "content": f"You are sub-agent {k}: explore and report. " * 6})
+        for k in (1, 2))]
+    order: list[int] = []
+    async with aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=lease.socket_path)) as session:
+        for r in range(rounds):
+            for k, thread in enumerate(threads):
+                await thread.turn(session, r, stream=False)
+                order.append(k)
+    capture = await gateway.close(lease)
+    await pool.end_session(job)
+    if len(capture.segments) != len(threads):
+        raise RuntimeError(f"expected {len(threads)} chains, got {len(capture.segments)}")
+    return sub_agent_tokens(capture, order)
+
+
+def sub_agent_tokens(capture: HarnessCapture, order: list[int],
+                     ) -> tuple[int, int, int, int, int, int]:
+    """Trainer tokens and sequences of three shapes of one capture whose chain ``k`` served
+    the requests marked ``k`` in ``order`` (request order): chains; one current segment that
+    each switch of chain starts again from a whole prompt; one sequence per request."""
+    chains = [capture.turns[a:b] for a, b in zip(
+        [s.first_turn for s in capture.segments],
+        [*(s.first_turn for s in capture.segments[1:]), len(capture.turns)], strict=True)]
+    full: list[list[int]] = []  # per chain, each turn's whole prompt length
+    for turns in chains:
+        lengths, so_far = [], 0
+        for t in turns:
+            so_far += len(t.prompt_ids)
+            lengths.append(so_far)
+            so_far += len(t.output_ids) + len(t.observation_ids)
+        full.append(lengths)
+    merged = sum(len(t.prompt_ids) + len(t.output_ids) + len(t.observation_ids)
+                 for t in capture.turns)
+    seen = [0] * len(chains)
+    rewrite = per_request = rewrite_sequences = 0
+    previous = -1
+    for k in order:
+        j = seen[k]
+        turn = chains[k][j]
+        per_request += full[k][j] + len(turn.output_ids)
+        if k == previous:  # extends the one current segment
+            rewrite += len(chains[k][j - 1].observation_ids) + len(turn.prompt_ids)
+        else:  # a switch: the whole conversation again, as a new segment
+            rewrite += full[k][j]
+            rewrite_sequences += 1
+        rewrite += len(turn.output_ids)
+        seen[k], previous = j + 1, k
+    return (merged, len(chains), rewrite, rewrite_sequences, per_request, len(order))
+
+
 async def _main(args: argparse.Namespace, console: Console) -> None:
     from transformers import AutoTokenizer
 
@@ -199,6 +263,7 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
             await bench_overhead(gateway, pool, engine, 1, 2)  # warm-up: template, imports
             o = await bench_overhead(gateway, pool, engine, args.episodes, args.turns)
             t = await bench_tokens(gateway, pool, args.turns, args.compact_every)
+            sub = await bench_sub_agents(gateway, pool, args.turns)
         finally:
             await gateway.stop()
             await pool.close()
@@ -227,6 +292,18 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
                        f"{per_request:,} tokens in {requests} sequences",
                        f"{per_request / merged:.2f}x")
     console.print(tokens)
+    chained, chain_n, rewrite, rewrite_n, per_request, requests = sub
+    agents = Table(title=f"(c) sub-agent-heavy harness: main thread and 2 sub-agents "
+                         f"alternating, {requests} requests")
+    for column in ("trajectory shape", "tokens a trainer receives", "sequences", "vs chains"):
+        agents.add_column(column)
+    agents.add_row("one chain per line of conversation (this gateway)", f"{chained:,}",
+                   str(chain_n), "1.00x")
+    agents.add_row("one current segment, a new one per switch", f"{rewrite:,}",
+                   str(rewrite_n), f"{rewrite / chained:.2f}x")
+    agents.add_row("one sequence per request", f"{per_request:,}", str(requests),
+                   f"{per_request / chained:.2f}x")
+    console.print(agents)
     console.print(f"mean direct {statistics.mean(base) * 1e3:.2f} ms over {n} turns")
 
 

@@ -39,6 +39,10 @@ class HarnessCapture:
     """Model requests served (a refused or failed request is not a turn)."""
     seed: int | None = None
     """The seed the job's first request was sampled with (request k: seed + k)."""
+    refused: str = ""
+    """Why the gateway last refused a request for the job's limits: ``max_turns``,
+    ``token_budget`` or ``context_length`` ("" if it never did), so the environment can say
+    why a harness stopped."""
 
 
 @dataclass(frozen=True)

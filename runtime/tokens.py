@@ -256,6 +256,17 @@ def _overlap(output_ids: list[int], tail: list[int], bound: int) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class LedgerMark:
+    """A point of a :class:`ChatLedger` to roll back to."""
+
+    tokens: int
+    messages: int
+    awaiting_output: bool
+    last_output: tuple[int, ...]
+    append_only: bool
+
+
 @dataclass
 class ChatLedger:
     """One conversation as token ids, grown turn by turn by appending only.
@@ -307,6 +318,21 @@ class ChatLedger:
         self.append_only = self.append_only and delta.append_only
         self._awaiting_output = add_generation_prompt
         return delta
+
+    def mark(self) -> LedgerMark:
+        """The ledger's state now, to :meth:`rollback` to if the turn about to start never
+        happens (its generation failed or was cancelled)."""
+        return LedgerMark(len(self.token_ids), len(self.messages), self._awaiting_output,
+                          tuple(self._last_output), self.append_only)
+
+    def rollback(self, mark: LedgerMark) -> None:
+        """Drop everything appended since ``mark`` (only appends happen, so truncating
+        restores it)."""
+        del self.token_ids[mark.tokens:]
+        del self.messages[mark.messages:]
+        self._awaiting_output = mark.awaiting_output
+        self._last_output = list(mark.last_output)
+        self.append_only = mark.append_only
 
     def strip_end_of_turn(self, output_ids: Sequence[int]) -> list[int]:
         """The output without trailing end-of-turn / special tokens (an engine may stop on any

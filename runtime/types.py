@@ -68,6 +68,9 @@ class TerminationReason(enum.Enum):
     EVAL_TIMEOUT = "eval_timeout"
     """Grading the policy's work ran past the EVAL stage's limit (code under test that hangs):
     reward 0, the job SUCCEEDED."""
+    HARNESS_ERROR = "harness_error"
+    """An agent harness exited non-zero (or by a signal) before the deadline, after its first
+    model request: the job SUCCEEDED and EVAL graded the workspace it left."""
 
 
 LOGPROBS_MODES = ("processed", "raw")

@@ -1,10 +1,15 @@
-"""Anthropic Messages (``POST /v1/messages``): ``tool_use`` / ``tool_result`` blocks.
+"""Anthropic Messages (``POST /v1/messages``): the dialect's four role functions (``parse``,
+``respond``, ``stream``, ``error_body``; see ``routes.DIALECTS``), plus ``count_tokens``.
 
 A user message's ``tool_result`` blocks become tool results (in order, before its text), an
-assistant message's ``tool_use`` blocks its tool calls; ``thinking`` blocks are dropped.
-Streaming sends ``message_start``, per block ``content_block_start`` / ``_delta`` (``text_delta``
-or ``input_json_delta``) / ``_stop``, ``message_delta`` with the stop reason and usage, then
-``message_stop``, each as a named server-sent event.
+assistant message's ``tool_use`` blocks its tool calls; ``thinking`` / ``redacted_thinking``
+blocks are dropped (the model's reasoning is in its exact ids already). A ``system`` message
+inside ``messages`` (Claude Code puts its reminders there, anywhere in the conversation) is a
+system message at that place; one with no text (a directive-only entry) carries nothing to
+render. An answer whose model reasoned (``<think>``) starts with a ``thinking`` block.
+Streaming sends ``message_start``, per block ``content_block_start`` / ``_delta``
+(``thinking_delta``, ``text_delta`` or ``input_json_delta``) / ``_stop``, ``message_delta``
+with the stop reason and usage, then ``message_stop``, each as a named server-sent event.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from rollout.server.gateway.messages import (
     check_sampling,
     function_schema,
     opt_int,
+    read_metadata,
     read_stop,
     text_of,
     tool_list,
@@ -33,7 +39,13 @@ from rollout.server.gateway.messages import (
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
+def new_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def parse(body: Mapping[str, Any], limits: RequestLimits,
+          previous: list[Message] | None = None, *, count_only: bool = False) -> ChatRequest:
+    """``count_only``: a ``count_tokens`` body (no ``max_tokens``)."""
     raw = body.get("messages")
     if not isinstance(raw, list):
         raise BadRequest("messages must be a list", param="messages")
@@ -47,21 +59,29 @@ def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
         _add(messages, m, f"messages[{i}]")
     check_sampling(body)
     max_tokens = opt_int(body, "max_tokens", 1, 1 << 24)
-    if max_tokens is None:
+    if max_tokens is None and not count_only:
         raise BadRequest("max_tokens is required", param="max_tokens")
+    thinking = body.get("thinking")
+    if thinking is not None and not isinstance(thinking, Mapping):
+        raise BadRequest("thinking must be an object", param="thinking")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", param="stream")
     return ChatRequest(messages=messages, tools=tools, tool_choice=_tool_choice(
         body.get("tool_choice")), max_tokens=max_tokens,
         stop=read_stop(body.get("stop_sequences"), limits, "stop_sequences"),
-        model=str(body.get("model") or ""), stream=stream)
+        model=str(body.get("model") or ""), stream=stream,
+        metadata=read_metadata(body.get("metadata")))
 
 
 def _add(messages: list[Message], m: Any, param: str) -> None:
-    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-        raise BadRequest(f"{param} must be an object with role user or assistant", param=param)
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+        raise BadRequest(f"{param} must be an object with role user, assistant or system",
+                         param=param)
     role, content = m["role"], m.get("content")
+    if role == "system":
+        messages.append(Message("system", _system_text(content, f"{param}.content")))
+        return
     if isinstance(content, str):
         messages.append(Message(role, content))
         return
@@ -100,6 +120,15 @@ def _add(messages: list[Message], m: Any, param: str) -> None:
         messages.append(Message(role, "".join(texts), tuple(calls)))
 
 
+def _system_text(content: Any, param: str) -> str:
+    """A system message's text: a string or text blocks (others, e.g. a directive-only
+    entry's, carry nothing to render)."""
+    if isinstance(content, list):
+        return text_of([b for b in content if isinstance(b, Mapping)
+                        and b.get("type", "text") == "text"], param)
+    return text_of(content, param)
+
+
 def _tools(raw: Any) -> list[dict[str, Any]]:
     out = []
     for i, t in enumerate(tool_list(raw)):
@@ -123,6 +152,9 @@ def _tool_choice(raw: Any) -> str:
 
 def _blocks(answer: ServedTurn) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    if answer.reasoning:
+        out.append({"type": "thinking", "thinking": _unwrap(answer.reasoning),
+                    "signature": ""})
     if answer.content:
         out.append({"type": "text", "text": answer.content})
     for c in answer.tool_calls:
@@ -131,21 +163,34 @@ def _blocks(answer: ServedTurn) -> list[dict[str, Any]]:
     return out
 
 
-def respond(answer: ServedTurn, model: str) -> dict[str, Any]:
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+def _unwrap(reasoning: str) -> str:
+    """The reasoning's text without the template's think tags."""
+    text = reasoning.strip()
+    for tag in ("<think>", "</think>"):
+        text = text.replace(tag, "")
+    return text.strip()
+
+
+def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+            ) -> dict[str, Any]:
+    return {"id": answer_id, "type": "message", "role": "assistant",
             "model": model, "content": _blocks(answer),
             "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None,
             "usage": {"input_tokens": answer.prompt_tokens,
                       "output_tokens": answer.completion_tokens}}
 
 
-def events(answer: ServedTurn, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    message = {**respond(answer, model), "content": [], "stop_reason": None,
+def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+           ) -> Iterator[tuple[str, dict[str, Any]]]:
+    message = {**respond(answer, request, model, answer_id), "content": [], "stop_reason": None,
                "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": message}
     for index, block in enumerate(_blocks(answer)):
         start: dict[str, Any]
-        if block["type"] == "text":
+        if block["type"] == "thinking":
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+        elif block["type"] == "text":
             start = {"type": "text", "text": ""}
             delta = {"type": "text_delta", "text": block["text"]}
         else:

@@ -1,31 +1,45 @@
-"""One job's side of the gateway: its requests become exact token ids, turns and segments.
+"""One job's side of the gateway: its requests become exact token ids, turns and chains.
 
 The harness resends its whole conversation with every request. Rendering that again and
 tokenizing it would re-tokenize the model's own output (BPE has many spellings of one string),
-so the trainer would score tokens the policy never sampled. Instead, per job:
+so the trainer would score tokens the policy never sampled. Instead, per job, the gateway keeps
+several **chains**, each an exact token sequence (a :class:`~rollout.runtime.tokens.ChatLedger`)
+with the messages that produced it and the assistant messages it answered with:
 
-- the ids of the last prompt plus the model's output are kept exactly (a
-  :class:`~rollout.runtime.tokens.ChatLedger` per segment), with the messages that produced
-  them and the assistant message the gateway answered with;
-- a request whose messages start with exactly those messages (compared by
-  :meth:`Message.key`) extends the segment: only its new messages are rendered and appended
-  (:meth:`ChatLedger.add_messages`, the same delta rule as the built-in agent loop);
-- anything else (the harness summarised, dropped or edited a message, or changed its tools)
-  starts a new segment from a fresh render, recorded as
-  :attr:`~rollout.runtime.types.SegmentReason.HISTORY_REWRITTEN`;
-- a request that repeats the messages of one whose generation failed (a client retry) reuses
-  that prompt, so a transient failure does not split the trajectory.
+- a request whose messages start with exactly a chain's recorded messages (compared by
+  :meth:`Message.key`: role, text, tool calls by name and arguments) and whose tools list is
+  the chain's extends that chain: only its new messages are rendered and appended (the same
+  delta rule as the built-in agent loop), so a main thread that resumes after a sub-agent
+  continues its own chain;
+- a request that extends none (a rewritten history, a sub-agent's own conversation, a side
+  call, a second call from a history another call is generating on) starts a new chain from a
+  fresh render, recording the chain it shares the most leading messages with (its parent) and
+  after which of the parent's turns it branched;
+- a request identical to the last one answered on a chain is a retry whose answer never
+  reached the harness: it gets that answer again, and no new turn; an identical request whose
+  generation is still running waits for it rather than generating twice;
+- a generation that fails or is cancelled (the client disconnected, the lease closed) rolls
+  its chain back: it leaves no turn and no tokens.
 
-Turns follow the house convention (``runtime.types.Turn``): a segment's first turn carries its
+Only preparation (matching and rendering) is serialised by the job's lock; generations of one
+job overlap, up to ``GatewayOptions.max_concurrent``; a commit runs without awaiting, so it is
+atomic. Each chain is one :class:`~rollout.runtime.types.Segment`; the capture's turns are kept
+grouped by chain (chains in the order they began), so every segment is a contiguous run of
+turns whatever the order requests arrived in. Every sampled token is the output of exactly one
+turn, the only place it carries loss mask 1: context a chain repeats from another one is
+prompt there.
+
+Turns follow the house convention (``runtime.types.Turn``): a chain's first turn carries its
 whole prompt, later turns the ids appended before them (the closing of the previous assistant
 turn and the new messages go to the previous turn's ``observation_ids``, the generation prompt
-to the turn's ``prompt_ids``), so each segment's ids are the concatenation of its turns'.
+to the turn's ``prompt_ids``), so each chain's ids are the concatenation of its turns'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -34,13 +48,13 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.runtime.agent_loop import MAX_DRAWN_SEED, MAX_PREEMPTED_RETRIES, context_length_of
 from rollout.runtime.gateway import GatewayOptions, HarnessCapture
 from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable
-from rollout.runtime.tokens import ChatLedger, ChatTokenizer
+from rollout.runtime.tokens import ChatLedger, ChatTokenizer, LedgerMark
 from rollout.runtime.toolcalls import (
     MISTRAL_TAG,
     OPEN,
@@ -64,6 +78,10 @@ reaches the harness (and the trajectory) before the scheduler cancels RUN."""
 
 _LLAMA_CALL = re.compile(r'\{\s*"(name|function)"\s*:')
 
+Key = tuple[Any, ...]
+Ident = tuple[str, bool, tuple[Key, ...]]
+"""What makes two requests the same request: tools, side-call flag, messages."""
+
 
 @dataclass
 class ServedTurn:
@@ -76,26 +94,61 @@ class ServedTurn:
     """``stop``, ``length`` (max tokens, or the job's deadline cut the turn) or
     ``tool_calls``."""
     prompt_tokens: int
+    """The whole prompt the model saw (the chain's ids before this turn's output)."""
     completion_tokens: int
     turn: Turn
+    sampled: list[tuple[str, float]] = field(default_factory=list)
+    """Each output token's text and logprob, end-of-turn tokens left out (for ``logprobs``)."""
 
 
-@dataclass
-class _Segment:
+@dataclass(eq=False)
+class _Chain:
+    order: int
+    """Creation number: segments are in this order."""
     ledger: ChatLedger
-    expected: list[tuple[Any, ...]]
-    """Keys of the messages a request must start with to extend this segment."""
     tools_key: str
+    side_call: bool
     reasoning_opened: bool
-    pending: list[tuple[Any, ...]] | None = None
-    """Keys of a request whose prompt is in the ledger but whose generation failed."""
-    pending_prompt: list[int] = dataclasses.field(default_factory=list)
-    counted: bool = False
-    """Whether the segment has a turn (and so an entry in the capture's segments)."""
+    reason: SegmentReason
+    parent: _Chain | None
+    branch_point: int
+    expected: list[Key] = field(default_factory=list)
+    """Keys of the messages a request must start with to extend this chain: every request
+    and answer it has committed."""
+    turns: list[Turn] = field(default_factory=list)
+    requests: list[list[Key]] = field(default_factory=list)
+    """Each turn's request keys."""
+    busy: bool = False
+    """A generation is running on it (its ledger awaits that output)."""
+    tip: tuple[Ident, ServedTurn] | None = None
+    """The last request answered on it and the answer, for a retry of that request."""
+
+
+@dataclass(eq=False)
+class _Prepared:
+    chain: _Chain
+    ident: Ident
+    keys: list[Key]
+    prompt_ids: list[int]
+    total: int
+    max_tokens: int
+    index: int
+    """The request's number in the job (its seed is the job's seed plus this)."""
+    mark: LedgerMark | None
+    """Where to roll the chain back to; None for a new chain (dropped instead)."""
+    previous_observation: list[int]
+    settled: bool = False
+    """Committed or abandoned (each happens once)."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    task: asyncio.Task[ServedTurn]
+    waiters: int = 0
 
 
 class JobConversation:
-    """The gateway's state for one job (one lease). Requests are served one at a time."""
+    """The gateway's state for one job (one lease)."""
 
     def __init__(self, spec: JobSpec, llm: LLMClient, *, deadline: float,
                  options: GatewayOptions | None = None) -> None:
@@ -109,11 +162,17 @@ class JobConversation:
         self._seed = seed if seed is not None else random.SystemRandom().randint(
             0, MAX_DRAWN_SEED)
         self._lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(self.options.max_concurrent)
         self._chat: ChatTokenizer | None = None
         self._fmt = ""
         self._observation_role = "tool"
-        self._segment: _Segment | None = None
+        self._chains: list[_Chain] = []
+        self._flights: dict[Ident, _Flight] = {}
+        self._requests = 0
+        """Requests given a generation so far (failed ones included: seeds never repeat)."""
         self._context_length = context_length_of(llm)
+        self.generating = 0
+        """Generations of this job running now (what the concurrency test watches)."""
 
     @property
     def model_name(self) -> str:
@@ -123,28 +182,66 @@ class JobConversation:
         return os.path.basename(str(name).rstrip("/")) or "rollout-policy"
 
     async def serve(self, request: ChatRequest) -> ServedTurn:
+        """Answer one request: from a retry's earlier answer, from a generation already
+        running for the same request, or from a new generation on the chain it extends."""
+        keys = [m.key() for m in request.messages]
+        side = self.options.is_side_call(request.model, request.system_text(),
+                                         request.metadata)
+        ident: Ident = (request.tools_key(), side, tuple(keys))
         async with self._lock:
-            if self._chat is None:
-                try:
-                    await asyncio.to_thread(self._load_chat)
-                except BadRequest:
-                    raise
-                except Exception as exc:  # a template unfit for token-exact rendering
-                    raise BadRequest(f"the served model's chat template cannot be used: "
-                                     f"{type(exc).__name__}: {exc}", status=500,
-                                     code="template_error") from exc
-            return await self._serve(request)
+            await self._ensure_chat()
+            for chain in self._chains:
+                if chain.tip is not None and chain.tip[0] == ident:
+                    return chain.tip[1]
+            flight = self._flights.get(ident)
+            if flight is None:
+                prepared = await self._prepare(request, ident, keys)
+                flight = _Flight(asyncio.ensure_future(self._run(prepared, request)))
+                flight.task.add_done_callback(functools.partial(self._settle, prepared))
+                self._flights[ident] = flight
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.task)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if flight.task.cancelled() and task is not None and not task.cancelling():
+                raise BadRequest("the job's generation was cancelled (the job is ending)",
+                                 status=503, code="aborted") from None
+            raise
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                # Nobody waits for this answer any more (the client went away): stop
+                # generating it; the chain rolls back and no turn is recorded.
+                flight.task.cancel()
 
-    def finish(self) -> None:
-        """The lease is closing: drop the delta of a request that never got its turn (a
-        failed or cut generation), so each segment ends with what the model produced."""
-        self._drop_pending_delta()
-        self._segment = None
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """How many tokens ``request``'s prompt is when rendered on its own."""
+        async with self._lock:
+            await self._ensure_chat()
+        ledger, _ = await _rendering(asyncio.to_thread(self._fresh, request))
+        return len(ledger.token_ids)
 
-    def _drop_pending_delta(self) -> None:
-        seg = self._segment
-        if seg is not None and seg.pending is not None and seg.counted and self.capture.turns:
-            self.capture.turns[-1].observation_ids = []
+    async def close(self) -> None:
+        """The lease is closing: stop every generation still running (each rolls its chain
+        back, so every chain ends with what the model produced)."""
+        flights = [f.task for f in self._flights.values() if not f.task.done()]
+        for task in flights:
+            task.cancel()
+        if flights:
+            await asyncio.wait(flights, timeout=5.0)
+
+    async def _ensure_chat(self) -> None:
+        if self._chat is not None:
+            return
+        try:
+            await asyncio.to_thread(self._load_chat)
+        except BadRequest:
+            raise
+        except Exception as exc:  # a template unfit for token-exact rendering
+            raise BadRequest(f"the served model's chat template cannot be used: "
+                             f"{type(exc).__name__}: {exc}", status=500,
+                             code="template_error") from exc
 
     def _load_chat(self) -> None:
         chat = ChatTokenizer(self.llm.tokenizer,
@@ -158,82 +255,172 @@ class JobConversation:
         self._chat, self._fmt = chat, fmt
 
     # ------------------------------------------------------------------ one request
-    async def _serve(self, request: ChatRequest) -> ServedTurn:
-        if len(self.capture.turns) >= self.spec.limits.max_turns:
+    async def _prepare(self, request: ChatRequest, ident: Ident, keys: list[Key]) -> _Prepared:
+        """Choose the request's chain and render its prompt there (under the job's lock)."""
+        if self.capture.requests + len(self._flights) >= self.spec.limits.max_turns:
+            self.capture.refused = "max_turns"
             raise BadRequest(f"this job may make {self.spec.limits.max_turns} model requests "
                              "(its limits.max_turns); no more are served", code="max_turns")
-        keys = [m.key() for m in request.messages]
-        tools_key = request.tools_key()
-        seg = self._segment
-        new_segment = True
-        prompt_ids: list[int] = []
-        if seg is not None and seg.tools_key == tools_key:
-            if seg.pending is not None and keys == seg.pending:
-                new_segment, prompt_ids = False, seg.pending_prompt
-            elif (seg.pending is None and len(keys) >= len(seg.expected)
-                  and keys[:len(seg.expected)] == seg.expected):
-                new_segment = False
+        tools_key, side, _ = ident
+        extends = [c for c in self._chains if c.turns and c.tools_key == tools_key
+                   and c.side_call == side and len(keys) > len(c.expected)
+                   and keys[:len(c.expected)] == c.expected]
+        joined = max(extends, key=lambda c: len(c.expected), default=None)
+        mark: LedgerMark | None = None
+        previous: list[int] = []
+        if joined is not None and not joined.busy:
+            chain = joined
+            mark, previous = chain.ledger.mark(), chain.turns[-1].observation_ids
+            chain.busy = True
+            try:
                 prompt_ids = await _rendering(asyncio.to_thread(
-                    self._extend, seg, request, request.messages[len(seg.expected):]))
-        if new_segment:
-            self._drop_pending_delta()
-            seg = await _rendering(asyncio.to_thread(self._fresh, request, tools_key))
-            self._segment = seg
-            prompt_ids = list(seg.ledger.token_ids)
-        assert seg is not None
-        seg.pending, seg.pending_prompt = keys, prompt_ids
-        total = len(seg.ledger.token_ids)
+                    self._extend, chain, request, request.messages[len(chain.expected):]))
+            except BaseException:
+                chain.ledger.rollback(mark)
+                chain.turns[-1].observation_ids = previous
+                chain.busy = False
+                raise
+        else:
+            if joined is not None:
+                parent: _Chain | None = joined
+                reason, branch = SegmentReason.PARALLEL, len(joined.turns)
+            else:
+                parent, reason, branch = self._branch_of(keys)
+            ledger, opened = await _rendering(asyncio.to_thread(self._fresh, request))
+            chain = _Chain(order=max((c.order for c in self._chains), default=-1) + 1,
+                           ledger=ledger, tools_key=tools_key, side_call=side,
+                           reasoning_opened=opened, reason=reason, parent=parent,
+                           branch_point=branch, busy=True)
+            self._chains.append(chain)
+            prompt_ids = list(ledger.token_ids)
+        total = len(chain.ledger.token_ids)
         limit = self.spec.sampling.total_token_budget
         if self._context_length:
             limit = min(limit, self._context_length)
-        room = limit - total
-        if room <= 0:
-            self._drop_pending_delta()
-            self._segment = None  # nothing of this prompt can be generated from
+        prepared = _Prepared(chain, ident, keys, prompt_ids, total, 0, self._requests, mark,
+                             previous)
+        if limit - total <= 0:
+            self._abandon(prepared)
+            self.capture.refused = ("token_budget" if limit == self.spec.sampling.total_token_budget
+                                    else "context_length")
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",
                              param="messages", code="context_length_exceeded")
         wanted = request.max_tokens or self.spec.sampling.max_tokens_per_turn
-        max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn, room))
-        started = time.monotonic()
-        index = len(self.capture.turns)
-        result, retries = await self._generate(seg.ledger.token_ids, request, max_tokens, index)
-        turn = Turn(prompt_ids=list(prompt_ids), output_ids=list(result.output_ids),
+        prepared.max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn,
+                                         limit - total))
+        self._requests += 1
+        return prepared
+
+    def _branch_of(self, keys: list[Key]) -> tuple[_Chain | None, SegmentReason, int]:
+        """The chain a new one branches from: the one sharing the most leading messages, and
+        how many of its turns the shared part covers."""
+        best, shared = None, 0
+        for chain in self._chains:
+            if not chain.turns:
+                continue
+            n = _common_prefix(keys, chain.expected)
+            if n > shared:
+                best, shared = chain, n
+        if best is None:
+            return None, SegmentReason.NEW_CONVERSATION, 0
+        # Turn t's context ends with its answer: request t's messages plus one.
+        covered = sum(1 for r in best.requests if len(r) + 1 <= shared)
+        return best, SegmentReason.HISTORY_REWRITTEN, covered
+
+    async def _run(self, prepared: _Prepared, request: ChatRequest) -> ServedTurn:
+        try:
+            async with self._slots:
+                self.generating += 1
+                started = time.monotonic()
+                try:
+                    result, retries = await self._generate(
+                        prepared.chain.ledger.token_ids, request, prepared.max_tokens,
+                        prepared.index)
+                finally:
+                    self.generating -= 1
+        except BaseException:
+            self._abandon(prepared)
+            raise
+        finally:
+            self._flights.pop(prepared.ident, None)
+        return self._commit(prepared, request, result, retries, time.monotonic() - started)
+
+    def _settle(self, prepared: _Prepared, _: asyncio.Task[ServedTurn]) -> None:
+        self._abandon(prepared)
+
+    def _abandon(self, prepared: _Prepared) -> None:
+        """The request gets no turn: undo what preparing it appended. Also the task's done
+        callback, for a task cancelled before it ran (then no ``finally`` of it runs)."""
+        if prepared.settled:
+            return
+        prepared.settled = True
+        if self._flights.get(prepared.ident) is not None and (
+                self._flights[prepared.ident].task.done()):
+            self._flights.pop(prepared.ident, None)
+        chain = prepared.chain
+        chain.busy = False
+        if prepared.mark is None:
+            self._chains.remove(chain)
+            return
+        chain.ledger.rollback(prepared.mark)
+        chain.turns[-1].observation_ids = prepared.previous_observation
+
+    def _commit(self, prepared: _Prepared, request: ChatRequest, result: GenerateResult,
+                retries: int, latency_s: float) -> ServedTurn:
+        """Record the turn; no await inside, so a commit is never interleaved."""
+        prepared.settled = True
+        chain = prepared.chain
+        turn = Turn(prompt_ids=list(prepared.prompt_ids), output_ids=list(result.output_ids),
                     output_logprobs=list(result.logprobs), policy_version=result.policy_version,
                     finish_reason=result.finish_reason, backend=result.backend,
-                    latency_s=time.monotonic() - started, preempted_retries=retries,
-                    logprobs_kind=result.logprobs_kind)
-        text = await asyncio.to_thread(seg.ledger.add_output, turn.output_ids)
-        answer = self._answer(text, request, result, seg, turn, total)
-        if not seg.counted:
-            reason = SegmentReason.FIRST if not self.capture.turns else \
-                SegmentReason.HISTORY_REWRITTEN
-            self.capture.segments.append(Segment(len(self.capture.turns), reason))
-            seg.counted = True
+                    latency_s=latency_s, preempted_retries=retries,
+                    logprobs_kind=result.logprobs_kind, trained=not chain.side_call)
+        text = chain.ledger.add_output(turn.output_ids)
+        answer = self._answer(text, request, result, chain, turn, prepared.total)
+        chain.turns.append(turn)
+        chain.requests.append(prepared.keys)
+        chain.expected = [*prepared.keys, Message("assistant", answer.content,
+                                                  tuple(answer.tool_calls)).key()]
+        chain.tip = (prepared.ident, answer)
+        chain.busy = False
         if self.capture.seed is None:
             self.capture.seed = self._seed
-        self.capture.turns.append(turn)
         self.capture.requests += 1
-        seg.pending, seg.pending_prompt = None, []
-        seg.expected = [*keys, Message("assistant", answer.content,
-                                       tuple(answer.tool_calls)).key()]
+        self._publish()
         return answer
 
-    def _fresh(self, request: ChatRequest, tools_key: str) -> _Segment:
+    def _publish(self) -> None:
+        """Lay the chains out in the capture's lists (in place: a handler holds them live):
+        each chain's turns together, chains in creation order."""
+        chains = sorted((c for c in self._chains if c.turns), key=lambda c: c.order)
+        number = {id(c): i for i, c in enumerate(chains)}
+        turns: list[Turn] = []
+        segments: list[Segment] = []
+        for chain in chains:
+            parent = number.get(id(chain.parent)) if chain.parent is not None else None
+            segments.append(Segment(
+                len(turns), SegmentReason.FIRST if not segments else chain.reason,
+                parent=parent, branch_point=chain.branch_point if parent is not None else 0,
+                side_call=chain.side_call))
+            turns.extend(chain.turns)
+        self.capture.turns[:] = turns
+        self.capture.segments[:] = segments
+
+    def _fresh(self, request: ChatRequest) -> tuple[ChatLedger, bool]:
         chat = self._chat
         assert chat is not None
         messages, template_tools = self._template(request.messages, request, first=True)
         ledger = ChatLedger(chat, messages, template_tools)
         ledger.start()
         generation = chat.render(messages, add_generation_prompt=True, tools=template_tools)
-        return _Segment(ledger, [], tools_key, generation.rstrip().endswith(THINK_OPEN))
+        return ledger, generation.rstrip().endswith(THINK_OPEN)
 
-    def _extend(self, seg: _Segment, request: ChatRequest,
+    def _extend(self, chain: _Chain, request: ChatRequest,
                 new_messages: Sequence[Message]) -> list[int]:
         converted, _ = self._template(new_messages, request, first=False)
-        delta = seg.ledger.add_messages(converted)
-        if self.capture.turns and seg.counted:
-            self.capture.turns[-1].observation_ids = list(delta.observation_ids)
+        delta = chain.ledger.add_messages(converted)
+        chain.turns[-1].observation_ids = list(delta.observation_ids)
         return list(delta.prompt_ids)
 
     def _template(self, messages: Sequence[Message], request: ChatRequest, *, first: bool,
@@ -275,6 +462,12 @@ class JobConversation:
                 else:
                     out.append({"role": self._observation_role, "content": block,
                                 "_merged": True})
+            elif m.role == "system" and (out or not first):
+                # A system message inside the conversation (Claude Code's reminders): many
+                # templates refuse a system turn that is not first, so it is said as a user
+                # turn; an empty one (a directive without text) says nothing.
+                if m.content:
+                    out.append({"role": "user", "content": m.content})
             else:
                 out.append({"role": m.role, "content": m.content})
         for entry in out:
@@ -322,9 +515,9 @@ class JobConversation:
                 raise BadRequest(f"weight swaps cut this turn {retries} times; its tokens would "
                                  "mix policies", status=503, code="turn_preempted")
 
-    def _answer(self, text: str, request: ChatRequest, result: GenerateResult, seg: _Segment,
+    def _answer(self, text: str, request: ChatRequest, result: GenerateResult, chain: _Chain,
                 turn: Turn, prompt_tokens: int) -> ServedTurn:
-        visible = strip_reasoning(text, opened=seg.reasoning_opened)
+        visible = strip_reasoning(text, opened=chain.reasoning_opened)
         reasoning = text[:len(text) - len(visible)] if text.endswith(visible) else ""
         calls: list[CallItem] = []
         if request.tools and request.tool_choice != "none":
@@ -336,9 +529,15 @@ class JobConversation:
         turn.tool_calls = [c.name for c in calls]
         finish = "tool_calls" if calls else (
             "length" if result.finish_reason in ("length", "deadline") else "stop")
-        return ServedTurn(content=content.strip(), reasoning=reasoning, tool_calls=calls,
-                      finish_reason=finish, prompt_tokens=prompt_tokens,
-                      completion_tokens=len(result.output_ids), turn=turn)
+        sampled: list[tuple[str, float]] = []
+        if request.logprobs is not None:
+            chat = chain.ledger.chat
+            kept = chain.ledger.strip_end_of_turn(turn.output_ids)
+            sampled = [(chat.decode([i]), lp)
+                       for i, lp in zip(kept, turn.output_logprobs, strict=False)]
+        return ServedTurn(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls,
+                          finish_reason=finish, prompt_tokens=prompt_tokens,
+                          completion_tokens=len(result.output_ids), turn=turn, sampled=sampled)
 
 
 async def _rendering(call: Any) -> Any:
@@ -351,6 +550,15 @@ async def _rendering(call: Any) -> Any:
         raise BadRequest(f"the model's chat template cannot render these messages: "
                          f"{type(exc).__name__}: {exc}", param="messages",
                          code="template_error") from exc
+
+
+def _common_prefix(a: Sequence[Key], b: Sequence[Key]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _json(call: ToolCall) -> str:

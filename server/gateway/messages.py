@@ -41,7 +41,7 @@ class RequestLimits:
     max_tools: int = 256
     max_stop: int = 16
     max_pending: int = 8
-    """Requests of one job waiting or running at once (a job's turns are served in order);
+    """Requests of one job in flight at once (waiting for a generation slot or generating);
     more get 429 so a runaway harness cannot pile up work and memory in the server."""
 
 
@@ -100,9 +100,30 @@ class ChatRequest:
     seed: int | None = None
     model: str = ""
     stream: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    """The request's ``metadata`` object, string values only (what side-call rules read)."""
+    include_usage: bool = False
+    """A stream ends with the usage (chat's ``stream_options.include_usage``)."""
+    logprobs: int | None = None
+    """``None``: no logprobs in the answer; ``k``: the sampled tokens' logprobs, each with up
+    to ``k`` alternatives (only the sampled token is known, so at most that one)."""
 
     def tools_key(self) -> str:
         return json.dumps(self.tools, sort_keys=True)
+
+    def system_text(self) -> str:
+        """The request's system prompt: its system messages, joined by a blank line."""
+        return "\n\n".join(m.content for m in self.messages if m.role == "system")
+
+
+def read_metadata(value: Any) -> dict[str, str]:
+    """A request's ``metadata`` object; entries whose value is not a string are left out
+    (nothing here acts on them)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadRequest("metadata must be an object", param="metadata")
+    return {str(k): v for k, v in list(value.items())[:64] if isinstance(v, str)}
 
 
 # ----------------------------------------------------------------------------- field readers

@@ -1,4 +1,10 @@
-"""OpenAI Chat Completions (``POST /v1/chat/completions``): request reading, answers, chunks."""
+"""OpenAI Chat Completions (``POST /v1/chat/completions``): the dialect's four role functions
+(``parse``, ``respond``, ``stream``, ``error_body``; see ``routes.DIALECTS``).
+
+``logprobs`` / ``top_logprobs`` give each sampled token's own logprob (what the trajectory
+records); the policy's alternatives are not known to the gateway, so ``top_logprobs`` lists the
+sampled token alone.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from rollout.server.gateway.messages import (
     check_sampling,
     function_schema,
     opt_int,
+    read_metadata,
     read_stop,
     text_of,
     tool_list,
@@ -27,7 +34,9 @@ from rollout.server.gateway.messages import (
 MAX_TOKENS_FIELD = 1 << 24
 
 
-def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
+def parse(body: Mapping[str, Any], limits: RequestLimits,
+          previous: list[Message] | None = None) -> ChatRequest:
+    """``previous`` is the Responses API's; a chat request carries its whole history."""
     raw = body.get("messages")
     if not isinstance(raw, list):
         raise BadRequest("messages must be a list of message objects", param="messages")
@@ -41,10 +50,36 @@ def parse(body: Mapping[str, Any], limits: RequestLimits) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise BadRequest("stream_options must be an object", param="stream_options")
     return ChatRequest(messages=messages, tools=tools, tool_choice=_tool_choice(
         body.get("tool_choice")), max_tokens=max_tokens, stop=read_stop(body.get("stop"), limits),
         seed=opt_int(body, "seed", -(2**63), 2**63 - 1), model=str(body.get("model") or ""),
-        stream=stream)
+        stream=stream, metadata=read_metadata(body.get("metadata")),
+        include_usage=bool(options.get("include_usage")), logprobs=_logprobs(body))
+
+
+def _logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest("logprobs must be a boolean", param="logprobs")
+    top = opt_int(body, "top_logprobs", 0, 20)
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _logprob_content(answer: ServedTurn, request: ChatRequest) -> dict[str, Any] | None:
+    """Each sampled token's own logprob; its alternatives are unknown here, so a request for
+    ``top_logprobs`` gets the sampled token alone."""
+    if request.logprobs is None:
+        return None
+    out = []
+    for text, lp in answer.sampled:
+        entry = {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        out.append({**entry, "top_logprobs": [entry] if request.logprobs else []})
+    return {"content": out, "refusal": None}
 
 
 def _message(m: Any, i: int) -> Message:
@@ -111,39 +146,47 @@ def _usage(answer: ServedTurn) -> dict[str, int]:
             "total_tokens": answer.prompt_tokens + answer.completion_tokens}
 
 
-def respond(answer: ServedTurn, model: str) -> dict[str, Any]:
+def new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+            ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": answer.content or (
         None if answer.tool_calls else "")}
     if answer.tool_calls:
         message["tool_calls"] = _calls(answer)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+    return {"id": answer_id, "object": "chat.completion",
             "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": answer.finish_reason,
-                         "logprobs": None}],
+                         "logprobs": _logprob_content(answer, request)}],
             "usage": _usage(answer)}
 
 
-def chunks(answer: ServedTurn, model: str, include_usage: bool) -> Iterator[dict[str, Any]]:
-    """The answer as ``chat.completion.chunk`` objects, in the order OpenAI sends them: the
-    role, the text, each call (id and name first, then its arguments), the finish reason, and
-    the usage in a chunk of its own with no choices when ``stream_options`` asks for it."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+           ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The answer as ``chat.completion.chunk`` objects (unnamed events), in the order OpenAI
+    sends them: the role, the text, each call (id and name first, then its arguments), the
+    finish reason, and the usage in a chunk of its own with no choices when
+    ``stream_options.include_usage`` asks for it. The route ends the stream with ``[DONE]``."""
+    base = {"id": answer_id, "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                     "logprobs": None}]}
+    def chunk(delta: dict[str, Any], finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        return "", {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                         "logprobs": logprobs}]}
 
     yield chunk({"role": "assistant", "content": ""})
     if answer.content:
-        yield chunk({"content": answer.content})
+        yield chunk({"content": answer.content}, logprobs=_logprob_content(answer, request))
     for i, c in enumerate(answer.tool_calls):
         yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
                                      "function": {"name": c.name, "arguments": ""}}]})
         yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
     yield chunk({}, answer.finish_reason)
-    if include_usage:
-        yield {**base, "choices": [], "usage": _usage(answer)}
+    if request.include_usage:
+        yield "", {**base, "choices": [], "usage": _usage(answer)}
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:

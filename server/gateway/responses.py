@@ -1,4 +1,5 @@
-"""OpenAI Responses (``POST /v1/responses``), the API Codex CLI speaks.
+"""OpenAI Responses (``POST /v1/responses``), the API Codex CLI speaks: the dialect's four role
+functions (``parse``, ``respond``, ``stream``, ``error_body``; see ``routes.DIALECTS``).
 
 Input items become messages: ``message`` items by role, ``function_call`` items join the
 assistant message before them (as its tool calls), ``function_call_output`` items become tool
@@ -33,6 +34,7 @@ from rollout.server.gateway.messages import (
     text_of,
     tool_list,
 )
+from rollout.server.gateway.openai_chat import error_body as openai_error_body
 
 
 def parse(body: Mapping[str, Any], limits: RequestLimits,
@@ -119,6 +121,16 @@ def _tool_choice(raw: Any) -> str:
     return "auto"
 
 
+def new_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+            ) -> dict[str, Any]:
+    return response_object(answer_id, model, request, "completed", output_items(answer),
+                           answer)
+
+
 def output_items(answer: ServedTurn) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if answer.content:
@@ -156,8 +168,15 @@ def response_object(response_id: str, model: str, request: ChatRequest, status: 
     return body
 
 
-def events(response_id: str, model: str, request: ChatRequest,
-           answer: ServedTurn) -> Iterator[dict[str, Any]]:
+def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
+           ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The API's event sequence, each event named by its type."""
+    for event in _events(answer_id, model, request, answer):
+        yield event["type"], event
+
+
+def _events(response_id: str, model: str, request: ChatRequest,
+            answer: ServedTurn) -> Iterator[dict[str, Any]]:
     seq = iter(range(1 << 30))
     items = output_items(answer)
     yield {"type": "response.created", "sequence_number": next(seq), "response":
@@ -195,3 +214,8 @@ def events(response_id: str, model: str, request: ChatRequest,
     final = response_object(response_id, model, request, "completed", items, answer)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield {"type": kind, "sequence_number": next(seq), "response": final}
+
+
+def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:
+    """The Responses API's errors are OpenAI's."""
+    return openai_error_body(status, code, message, param)

@@ -1,13 +1,24 @@
-"""The gateway's HTTP app: the four routes over one lease (or, on the TCP listener, over
-whichever open lease a request's key names), key checks, body bounds and SSE framing."""
+"""The gateway's HTTP app: one route function over a table of dialects (OpenAI chat, Responses,
+Anthropic Messages), key checks, body bounds and SSE framing, and the one object that holds
+(and frees) everything a lease owns.
+
+Every dialect module has the same four role functions: ``parse`` (body to
+:class:`ChatRequest`), ``respond`` (an answer as the API's JSON), ``stream`` (the answer as
+named or unnamed SSE events) and ``error_body`` (the API's own error JSON). :func:`_route`
+turns any exception into that error (a bug is a 500 in the API's JSON, never aiohttp's text
+page), and the app runs with handler cancellation, so a client that disconnects cancels its
+handler, which cancels its generation unless another request waits for the same one.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import secrets
+import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,24 +26,81 @@ from aiohttp import web
 
 from rollout.server.gateway import anthropic, openai_chat, responses
 from rollout.server.gateway.conversation import JobConversation, ServedTurn
-from rollout.server.gateway.messages import BadRequest, Message, RequestLimits
+from rollout.server.gateway.messages import BadRequest, ChatRequest, Message, RequestLimits
+
+log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 5.0
+"""How long closing a lease waits for its handlers and its server to wind down."""
 
 
 @dataclass(eq=False)
 class LeaseResources:
+    """Everything one lease holds; :meth:`close` is the only way any of it is freed."""
+
     key: str
     conversation: JobConversation
     socket_path: str
     runner: web.AppRunner | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    """Handlers serving this lease now."""
     closed: bool = False
     last_response: tuple[str, list[Message]] | None = None
     """The Responses API's last answer: (id, the conversation it ended)."""
     opened_at: float = field(default_factory=time.monotonic)
 
+    async def close(self) -> None:
+        """Refuse the key, cancel the handlers (their generations stop, their chains roll
+        back), stop the server, remove the socket. Idempotent."""
+        if self.closed and self.runner is None:
+            return
+        self.closed = True
+        tasks = [t for t in self.tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        await self.conversation.close()
+        abort = getattr(self.conversation.llm, "abort", None)
+        if tasks and abort is not None:
+            with contextlib.suppress(Exception):
+                await abort(self.conversation.spec.job_id)
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runner.cleanup(), CLOSE_WAIT_S)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
 
 Resolver = Callable[[str], LeaseResources | None]
+ErrorBody = Callable[[int, str, str, str], dict[str, Any]]
 
+
+@dataclass(frozen=True)
+class Dialect:
+    """One wire format: its role functions, and how its stream ends."""
+
+    name: str
+    parse: Callable[..., ChatRequest]
+    """``(body, limits, previous)``: ``previous`` is the conversation a Responses request's
+    ``previous_response_id`` names (None for the others)."""
+    respond: Callable[[ServedTurn, ChatRequest, str, str], dict[str, Any]]
+    stream: Callable[[ServedTurn, ChatRequest, str, str], Iterator[tuple[str, dict[str, Any]]]]
+    error_body: ErrorBody
+    new_id: Callable[[], str]
+    stream_end: bytes = b""
+
+
+CHAT = Dialect("openai-chat", openai_chat.parse, openai_chat.respond, openai_chat.stream,
+               openai_chat.error_body, openai_chat.new_id, b"data: [DONE]\n\n")
+RESPONSES = Dialect("openai-responses", responses.parse, responses.respond, responses.stream,
+                    responses.error_body, responses.new_id)
+MESSAGES = Dialect("anthropic-messages", anthropic.parse, anthropic.respond, anthropic.stream,
+                   anthropic.error_body, anthropic.new_id)
+DIALECTS = {"/v1/chat/completions": CHAT, "/v1/responses": RESPONSES,
+            "/v1/messages": MESSAGES}
+"""The generating routes, by path."""
 
 API_KEY = web.AppKey("resolve", object)
 LIMITS_KEY = web.AppKey("limits", RequestLimits)
@@ -43,22 +111,24 @@ def build_app(resolve: Resolver, limits: RequestLimits) -> web.Application:
     app = web.Application(client_max_size=limits.max_body_bytes + 1)
     app[API_KEY] = resolve
     app[LIMITS_KEY] = limits
-    app.router.add_post("/v1/chat/completions", _route(_chat, openai_chat.error_body))
-    app.router.add_post("/v1/responses", _route(_responses, openai_chat.error_body))
-    app.router.add_post("/v1/messages", _route(_messages, anthropic.error_body))
-    app.router.add_get("/v1/models", _route(_models, openai_chat.error_body))
+    for path, dialect in DIALECTS.items():
+        app.router.add_post(path, _route(_generate, dialect))
+    app.router.add_post("/v1/messages/count_tokens", _route(_count_tokens, MESSAGES))
+    app.router.add_get("/v1/models", _route(_models, CHAT))
     return app
 
 
-Handler = Callable[[web.Request, LeaseResources, Any], Awaitable[web.StreamResponse]]
-ErrorBody = Callable[[int, str, str, str], dict[str, Any]]
+Action = Callable[[web.Request, LeaseResources, Any, Dialect], Awaitable[web.StreamResponse]]
 
 
-def _route(handler: Handler, error_body: ErrorBody) -> Callable[[web.Request],
-                                                                  Awaitable[web.StreamResponse]]:
+def _route(action: Action, dialect: Dialect) -> Callable[[web.Request],
+                                                          Awaitable[web.StreamResponse]]:
+    """The one request path: key, bounds, body, the action; every exception becomes the
+    dialect's error JSON."""
     async def serve(request: web.Request) -> web.StreamResponse:
         def fail(status: int, code: str, message: str, param: str = "") -> web.Response:
-            return web.json_response(error_body(status, code, message, param), status=status)
+            return web.json_response(dialect.error_body(status, code, message, param),
+                                     status=status)
 
         key = _key_of(request)
         lease = request.app[API_KEY](key) if key else None  # type: ignore[operator]
@@ -67,8 +137,8 @@ def _route(handler: Handler, error_body: ErrorBody) -> Callable[[web.Request],
                         "this job's gateway lease was given")
         if len(lease.tasks) >= request.app[LIMITS_KEY].max_pending:
             return fail(429, "too_many_requests", "this job already has "
-                        f"{len(lease.tasks)} requests in flight; its turns are served one at "
-                        "a time, so wait for an answer before sending more")
+                        f"{len(lease.tasks)} requests in flight; wait for an answer before "
+                        "sending more")
         task = asyncio.current_task()
         if task is not None:
             lease.tasks.add(task)
@@ -76,9 +146,17 @@ def _route(handler: Handler, error_body: ErrorBody) -> Callable[[web.Request],
             body: Any = None
             if request.method == "POST":
                 body = await _read_json(request, request.app[LIMITS_KEY])
-            return await handler(request, lease, body)
+            return await action(request, lease, body, dialect)
         except BadRequest as exc:
             return fail(exc.status, exc.code, str(exc), exc.param)
+        except web.HTTPException as exc:
+            return fail(exc.status, "http_error", exc.reason)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client is gone; nothing to answer
+        except Exception as exc:
+            log.exception("gateway %s request failed", dialect.name)
+            return fail(500, "internal_error", f"the gateway failed on this request: "
+                        f"{type(exc).__name__}")
         finally:
             if task is not None:
                 lease.tasks.discard(task)
@@ -108,6 +186,8 @@ async def _read_json(request: web.Request, limits: RequestLimits) -> Any:
         body = json.loads(raw)
     except ValueError as exc:
         raise BadRequest(f"the body is not JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("the body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object", code="invalid_json")
     return body
@@ -125,61 +205,48 @@ def _data(payload: Any, event: str = "") -> bytes:
     return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-async def _models(request: web.Request, lease: LeaseResources, _: Any) -> web.StreamResponse:
+async def _models(request: web.Request, lease: LeaseResources, _: Any,
+                  dialect: Dialect) -> web.StreamResponse:
     name = lease.conversation.model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "rollout"}]})
 
 
-async def _chat(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
-    parsed = openai_chat.parse(body, request.app[LIMITS_KEY])
-    options = body.get("stream_options") or {}
+async def _generate(request: web.Request, lease: LeaseResources, body: Any,
+                    dialect: Dialect) -> web.StreamResponse:
+    parsed = dialect.parse(body, request.app[LIMITS_KEY], _previous(lease, body, dialect))
     answer = await lease.conversation.serve(parsed)
+    answer_id = dialect.new_id()
+    if dialect is RESPONSES:
+        lease.last_response = (answer_id, [
+            *parsed.messages, Message("assistant", answer.content, tuple(answer.tool_calls))])
     model = parsed.model or lease.conversation.model_name
     if not parsed.stream:
-        return web.json_response(openai_chat.respond(answer, model))
-    response = await _sse(request)
-    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    for chunk in openai_chat.chunks(answer, model, include_usage):
-        await response.write(_data(chunk))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-async def _responses(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
-    previous = None
-    named = body.get("previous_response_id")
-    if named is not None:
-        if lease.last_response is None or lease.last_response[0] != named:
-            raise BadRequest(f"previous_response_id {named!r} is not this job's last response "
-                             "(only the last one is kept)", param="previous_response_id",
-                             status=404, code="response_not_found")
-        previous = lease.last_response[1]
-    parsed = responses.parse(body, request.app[LIMITS_KEY], previous)
-    answer: ServedTurn = await lease.conversation.serve(parsed)
-    response_id = f"resp_{secrets.token_hex(16)}"
-    lease.last_response = (response_id, [
-        *parsed.messages, Message("assistant", answer.content, tuple(answer.tool_calls))])
-    model = parsed.model or lease.conversation.model_name
-    if not parsed.stream:
-        return web.json_response(responses.response_object(
-            response_id, model, parsed, "completed", responses.output_items(answer), answer))
+        return web.json_response(dialect.respond(answer, parsed, model, answer_id))
     stream = await _sse(request)
-    for event in responses.events(response_id, model, parsed, answer):
-        await stream.write(_data(event, event["type"]))
-    await stream.write_eof()
-    return stream
-
-
-async def _messages(request: web.Request, lease: LeaseResources, body: Any) -> web.StreamResponse:
-    parsed = anthropic.parse(body, request.app[LIMITS_KEY])
-    answer = await lease.conversation.serve(parsed)
-    model = parsed.model or lease.conversation.model_name
-    if not parsed.stream:
-        return web.json_response(anthropic.respond(answer, model))
-    stream = await _sse(request)
-    for name, event in anthropic.events(answer, model):
+    for name, event in dialect.stream(answer, parsed, model, answer_id):
         await stream.write(_data(event, name))
+    if dialect.stream_end:
+        await stream.write(dialect.stream_end)
     await stream.write_eof()
     return stream
+
+
+def _previous(lease: LeaseResources, body: Mapping[str, Any],
+              dialect: Dialect) -> list[Message] | None:
+    """The conversation a Responses request's ``previous_response_id`` names."""
+    named = body.get("previous_response_id") if dialect is RESPONSES else None
+    if named is None:
+        return None
+    if lease.last_response is None or lease.last_response[0] != named:
+        raise BadRequest(f"previous_response_id {named!r} is not this job's last response "
+                         "(only the last one is kept)", param="previous_response_id",
+                         status=404, code="response_not_found")
+    return lease.last_response[1]
+
+
+async def _count_tokens(request: web.Request, lease: LeaseResources, body: Any,
+                        dialect: Dialect) -> web.StreamResponse:
+    """Anthropic's ``count_tokens``: the prompt's length rendered on its own (no turn)."""
+    parsed = anthropic.parse(body, request.app[LIMITS_KEY], None, count_only=True)
+    return web.json_response({"input_tokens": await lease.conversation.count_tokens(parsed)})

@@ -15,7 +15,6 @@ system's temporary directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -58,7 +57,8 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Gateway:
         if self.tcp_port is not None and self._tcp is None:
-            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None)
+            runner = web.AppRunner(build_app(self._leases.get, self.limits), access_log=None,
+                                   handler_cancellation=True)
             await runner.setup()
             site = web.TCPSite(runner, self.tcp_host, self.tcp_port)
             await site.start()
@@ -96,7 +96,7 @@ class Gateway:
                                        options=options or GatewayOptions())
         lease = LeaseResources(key, conversation, path)
         runner = web.AppRunner(build_app(lambda k: lease if _same(k, lease.key) else None,
-                                         self.limits), access_log=None)
+                                         self.limits), access_log=None, handler_cancellation=True)
         await runner.setup()
         try:
             await web.UnixSite(runner, path).start()
@@ -128,23 +128,8 @@ class Gateway:
         return found.conversation.capture
 
     async def _close(self, lease: LeaseResources) -> None:
-        lease.closed = True
         self._leases.pop(lease.key, None)
-        tasks = [t for t in lease.tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
-        abort = getattr(lease.conversation.llm, "abort", None)
-        if tasks and abort is not None:
-            with contextlib.suppress(Exception):
-                await abort(lease.conversation.spec.job_id)
-        lease.conversation.finish()
-        if lease.runner is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.runner.cleanup(), 5.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lease.socket_path)
+        await lease.close()
 
     def _socket_root(self) -> Path:
         if self._root is None:

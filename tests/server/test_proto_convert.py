@@ -110,3 +110,20 @@ def test_a_seed_whose_turn_seeds_could_overflow_is_rejected(seed: int) -> None:
     assert e.value.field == "sampling.seed"
     p.sampling.seed = 2**62 - 1
     assert proto_convert.spec_from_proto(p).sampling.seed == 2**62 - 1
+
+
+def test_chains_and_side_calls_survive_the_proto() -> None:
+    from rollout.runtime.types import Segment, SegmentReason
+
+    turns = [Turn([1, 2], [3], [-0.5]), Turn([4], [5, 6], [-0.1, -0.2]),
+             Turn([7, 8], [9], [-0.3], trained=False)]
+    segments = [Segment(0, SegmentReason.FIRST),
+                Segment(1, SegmentReason.PARALLEL, parent=0, branch_point=1),
+                Segment(2, SegmentReason.NEW_CONVERSATION, side_call=True)]
+    traj = Trajectory(job_id="j", turns=turns, segments=segments)
+    proto = proto_convert.trajectory_to_proto(traj)
+    assert not proto.segments[0].HasField("parent") and proto.segments[1].parent == 0
+    assert list(proto.turns[2].loss_mask) == [0, 0, 0]
+    back = proto_convert.trajectory_from_proto(proto)
+    assert back.segments == segments
+    assert [t.trained for t in back.turns] == [True, True, False]

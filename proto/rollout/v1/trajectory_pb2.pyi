@@ -34,6 +34,7 @@ class TerminationReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TERMINATION_REASON_WORKSPACE_TOO_LARGE: _ClassVar[TerminationReason]
     TERMINATION_REASON_WORKSPACE_UNGRADABLE: _ClassVar[TerminationReason]
     TERMINATION_REASON_EVAL_TIMEOUT: _ClassVar[TerminationReason]
+    TERMINATION_REASON_HARNESS_ERROR: _ClassVar[TerminationReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -52,6 +53,7 @@ TERMINATION_REASON_ERROR: TerminationReason
 TERMINATION_REASON_WORKSPACE_TOO_LARGE: TerminationReason
 TERMINATION_REASON_WORKSPACE_UNGRADABLE: TerminationReason
 TERMINATION_REASON_EVAL_TIMEOUT: TerminationReason
+TERMINATION_REASON_HARNESS_ERROR: TerminationReason
 
 class Turn(_message.Message):
     __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "backend", "latency", "tool_calls", "finish_reason", "preempted_retries")

@@ -57,7 +57,7 @@ from rollout.runtime.envs.common import (
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.presets import HarnessSpec
-from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions
+from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import SandboxLimits, limits_of, runtime_of
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
@@ -212,10 +212,9 @@ class HarnessHandler(AgentHandler):
         if capture.turns:
             metadata["final_text"] = await asyncio.to_thread(
                 _decode, ctx.llm.tokenizer, capture.turns[-1].output_ids)
+        ended = termination(result, capture, ctx.spec.limits.max_turns)
         await self._collect_answer(ctx)
-        return RunOutcome(list(capture.turns),
-                          termination(result, capture.requests, ctx.spec.limits.max_turns),
-                          metadata, segments=list(capture.segments))
+        return RunOutcome(list(capture.turns), ended, metadata, segments=list(capture.segments))
 
     async def _collect_answer(self, ctx: JobContext) -> None:
         """math: the answer the harness wrote to ``answer.txt`` counts as submitted."""
@@ -300,14 +299,32 @@ def limits_metadata(limits: SandboxLimits | None) -> dict[str, str]:
                               f"processes={limits.processes} open_files={limits.open_files}"}
 
 
-def termination(result: Any, requests: int, max_steps: int) -> TerminationReason:
-    """Why the harness stopped, as far as the outside can tell: the deadline, its step limit
-    (as many requests as ``limits.max_turns``), a clean exit (it finished), or a failure."""
+def termination(result: Any, capture: HarnessCapture, max_steps: int) -> TerminationReason:
+    """Why the harness stopped, as far as the outside can tell. Whatever it is, the workspace
+    is graded (docs/failures.md): the deadline, its step limit (as many requests as
+    ``limits.max_turns``, or the gateway refused one more), the job's token budget or the
+    model's context (the gateway refused the prompt), a clean exit (it finished), or another
+    exit (:attr:`TerminationReason.HARNESS_ERROR`).
+
+    Only a harness that exits non-zero before its first model request is the service's
+    failure (a missing install, a broken preset, a launcher that cannot run it): nothing the
+    policy produced can have caused it, so :class:`HandlerError` ``HARNESS_NOT_STARTED``.
+    """
     if result is None or result.timed_out:
         return TerminationReason.DEADLINE
-    if requests >= max_steps:
+    if result.exit_code != 0 and capture.requests == 0 and not capture.refused:
+        raise HandlerError(f"the harness exited with status {result.exit_code} before its "
+                           "first model request (is it installed, is its preset right?): "
+                           f"{result.output[-_LOG_TAIL:]}", "HARNESS_NOT_STARTED")
+    if capture.refused == "max_turns" or capture.requests >= max_steps:
         return TerminationReason.MAX_TURNS
-    return TerminationReason.SUBMITTED if result.exit_code == 0 else TerminationReason.ERROR
+    if result.exit_code == 0:
+        return TerminationReason.SUBMITTED
+    if capture.refused == "token_budget":
+        return TerminationReason.TOKEN_BUDGET
+    if capture.refused == "context_length":
+        return TerminationReason.CONTEXT_LENGTH
+    return TerminationReason.HARNESS_ERROR
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:

@@ -125,10 +125,13 @@ async def test_the_jobs_request_limit_is_max_turns(rig: Rig) -> None:
 
     lease = await rig.open("job-turns", ["a", "b", "c"], limits=Limits(max_turns=2))
     client = openai_client(lease)
-    for _ in range(2):
-        await client.chat.completions.create(model="m", messages=TASK)
+    # Distinct requests (an identical one would be a retry, answered again without a turn).
+    for n in range(2):
+        await client.chat.completions.create(
+            model="m", messages=[*TASK, {"role": "user", "content": f"try {n}"}])
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model="m", messages=TASK)
+        await client.chat.completions.create(
+            model="m", messages=[*TASK, {"role": "user", "content": "try 2"}])
     assert info.value.body["code"] == "max_turns"
 
 

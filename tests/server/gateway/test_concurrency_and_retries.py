@@ -1,0 +1,143 @@
+"""Parallel calls of one job overlap; a client that goes away cancels its generation; a retry
+never splits a rollout. Over a real gateway socket, with a gated policy double."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rollout.runtime.gateway import GatewayOptions
+from rollout.runtime.types import JobSpec, Limits, SamplingParams, SegmentReason
+from rollout.server.gateway import Gateway
+from tests.server.gateway.conftest import openai_client
+from tests.server.gateway.policy_double import PromptPolicy
+from tests.util import assert_eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def llm(tok: Any) -> PromptPolicy:
+    return PromptPolicy(tok, tok.convert_tokens_to_ids("<|im_end|>"), gate=asyncio.Event())
+
+
+@pytest.fixture
+async def gateway(tmp_path: Any) -> Any:
+    gw = await Gateway(tmp_path / "state").start()
+    yield gw
+    await gw.stop()
+
+
+def spec(job_id: str) -> JobSpec:
+    return JobSpec(job_id=job_id, environment="harness", task={},
+                   sampling=SamplingParams(seed=1, max_tokens_per_turn=32),
+                   limits=Limits(max_turns=16))
+
+
+def conversation(k: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"You are sub-agent {k}."},
+            {"role": "user", "content": f"Look at file {k}."}]
+
+
+async def test_parallel_calls_of_one_job_generate_at_once(gateway: Gateway,
+                                                          llm: PromptPolicy) -> None:
+    """N sub-agents calling at once: the backend holds all N generations at the same time
+    (so they finish in about the time of one), and each becomes a chain of its own."""
+    n = 4
+    lease = await gateway.open(spec("job-par"), llm, options=GatewayOptions(max_concurrent=n))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(n)]
+    await assert_eventually(lambda: llm.in_flight == n)
+    assert llm.gate is not None
+    llm.gate.set()
+    answers = await asyncio.gather(*calls)
+    assert len({a.choices[0].message.content for a in answers}) == n
+    capture = await gateway.close(lease)
+    assert llm.peak == n
+    assert [s.reason for s in capture.segments] == [
+        SegmentReason.FIRST, *[SegmentReason.NEW_CONVERSATION] * (n - 1)]
+    assert len(capture.turns) == n
+
+
+async def test_a_jobs_generations_are_bounded(gateway: Gateway, llm: PromptPolicy) -> None:
+    lease = await gateway.open(spec("job-bound"), llm, options=GatewayOptions(max_concurrent=2))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(4)]
+    await assert_eventually(lambda: llm.in_flight == 2)
+    await asyncio.sleep(0.2)  # the other two wait for a slot, not for the backend
+    assert llm.in_flight == 2 and llm.started == 2
+    assert llm.gate is not None
+    llm.gate.set()
+    await asyncio.gather(*calls)
+    await gateway.close(lease)
+    assert llm.peak == 2
+
+
+async def test_a_client_that_disconnects_cancels_its_generation_and_leaves_no_turn(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    lease = await gateway.open(spec("job-gone"), llm)
+    client = openai_client(lease)
+    first = await _answered(client, llm, conversation(0))
+    history = [*conversation(0), {"role": "assistant", "content": first},
+               {"role": "user", "content": "And the next file?"}]
+    assert llm.gate is not None
+    llm.gate.clear()
+    abandoned = asyncio.ensure_future(client.chat.completions.create(model="m",
+                                                                      messages=history))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    abandoned.cancel()  # the client gives up: its connection closes
+    await assert_eventually(lambda: llm.cancelled == 1)
+    assert len(gateway.capture(lease).turns) == 1
+    # The harness retries the same request: it extends the chain, no spurious segment.
+    llm.gate.set()
+    again = await client.chat.completions.create(model="m", messages=history)
+    assert again.choices[0].message.content
+    capture = await gateway.close(lease)
+    assert [s.reason for s in capture.segments] == [SegmentReason.FIRST]
+    assert len(capture.turns) == 2 and len(llm.calls) == 2
+
+
+async def test_a_retry_of_an_answered_request_gets_the_same_answer_and_no_turn(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    lease = await gateway.open(spec("job-retry"), llm)
+    client = openai_client(lease)
+    first = await _answered(client, llm, conversation(0))
+    again = await client.chat.completions.create(model="m", messages=conversation(0))
+    assert again.choices[0].message.content == first
+    assert again.usage.completion_tokens == len(llm.calls[0][1])
+    capture = await gateway.close(lease)
+    assert len(capture.turns) == 1 and len(llm.calls) == 1 and capture.requests == 1
+
+
+async def test_a_retry_while_the_first_try_still_generates_shares_it(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """The client timed out and retried before the server noticed: both get the one
+    generation's answer; the first going away does not cancel it while the retry waits."""
+    lease = await gateway.open(spec("job-share"), llm)
+    client = openai_client(lease)
+    one = asyncio.ensure_future(client.chat.completions.create(model="m",
+                                                                messages=conversation(0)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    two = asyncio.ensure_future(client.chat.completions.create(model="m",
+                                                                messages=conversation(0)))
+    await asyncio.sleep(0.1)
+    one.cancel()
+    await asyncio.sleep(0.1)
+    assert llm.cancelled == 0 and llm.started == 1
+    assert llm.gate is not None
+    llm.gate.set()
+    answer = await two
+    assert answer.choices[0].message.content
+    capture = await gateway.close(lease)
+    assert len(capture.turns) == 1 and llm.started == 1
+
+
+async def _answered(client: Any, llm: PromptPolicy, messages: list[dict[str, str]]) -> str:
+    assert llm.gate is not None
+    llm.gate.set()
+    answer = await client.chat.completions.create(model="m", messages=messages)
+    return str(answer.choices[0].message.content)
