@@ -194,6 +194,7 @@ class RoutedEngine:
 
         self.choose = choose
         self.prompts: list[str] = []
+        self.calls: list[tuple[GenerateRequest, GenerateResult]] = []
         self._pending: list[str] = []
         self.engine = ScriptedEngine(tokenizer, self._next)
 
@@ -213,7 +214,9 @@ class RoutedEngine:
         self.prompts.append(text)
         # ScriptedEngine.generate asks for the message before its first await.
         self._pending.append(self.choose(text))
-        return await self.engine.generate(request)
+        result = await self.engine.generate(request)
+        self.calls.append((request, result))
+        return result
 
     async def release_session(self, session_id: str) -> None:
         await self.engine.release_session(session_id)
@@ -256,3 +259,41 @@ async def routed_rollout(handler: AgentHandler, task: dict[str, Any], choose: An
         finally:
             await handler.cleanup(ctx)
     return RoutedResult(reward, ctx.outcome, ctx, engine)
+
+
+def assert_each_token_owned_once(result: Any) -> None:
+    """With several chains (a sub-agent, a side call): each turn is one generation, its prompt
+    exactly its chain's tokens so far, and every sampled token is trained in exactly one
+    turn (none of a side call's)."""
+    calls = result.llm.calls if hasattr(result, "llm") else result.engine.calls
+    turns, segments = result.outcome.turns, result.outcome.segments
+    assert len(turns) == len(calls)
+    bounds = [s.first_turn for s in segments] + [len(turns)]
+    unmatched = list(calls)
+    trained = 0
+    for segment, start, end in zip(segments, bounds, bounds[1:], strict=False):
+        sequence: list[int] = []
+        for turn in turns[start:end]:
+            sequence += turn.prompt_ids
+            match = [c for c in unmatched if list(c[0].prompt_ids) == sequence
+                     and list(c[1].output_ids) == turn.output_ids]
+            assert match, f"turn {turns.index(turn)}: no generation had this prompt and output"
+            unmatched.remove(match[0])
+            mask = turn.loss_mask
+            assert mask[:len(turn.prompt_ids)] == [0] * len(turn.prompt_ids)
+            assert sum(mask) == (0 if segment.side_call else len(turn.output_ids))
+            trained += sum(mask)
+            sequence += turn.output_ids + turn.observation_ids
+    assert not unmatched
+    assert trained == sum(len(r.output_ids) for req, r in calls
+                          if not _side_call_prompt(req, turns, segments))
+
+
+def _side_call_prompt(request: Any, turns: list[Any], segments: list[Any]) -> bool:
+    bounds = [s.first_turn for s in segments] + [len(turns)]
+    for segment, start, end in zip(segments, bounds, bounds[1:], strict=False):
+        if segment.side_call and any(
+                list(request.prompt_ids)[-len(t.prompt_ids):] == t.prompt_ids
+                for t in turns[start:end]):
+            return True
+    return False

@@ -157,5 +157,5 @@ async def test_a_preset_raises_its_sandbox_limits_within_the_servers_ceilings(
 async def test_a_sandbox_above_the_servers_ceilings_is_refused(sandbox_factory: Any) -> None:
     from rollout.runtime.sandbox.base import SandboxError, SandboxLimits
 
-    with pytest.raises(SandboxError, match="ceilings.*processes 100000 > 4096"):
+    with pytest.raises(SandboxError, match=r"ceilings.*processes 100000 > 4096"):
         await sandbox_factory(limits=SandboxLimits(processes=100_000))
