@@ -14,6 +14,11 @@ shipped ones of the same name)::
     MSWEA_COST_TRACKING = "ignore_errors"
     [files]                                      # written before the command starts
     "{home}/.codex/config.toml" = '''model_provider = "rollout" ...'''
+    [limits]                                     # optional: sandbox rlimits it needs, cut to
+    address_space = "32GiB"                      # the server's ceilings (sandbox.max_*)
+    processes = 1024                             # processes and threads together
+    [[side_call]]                                # optional: requests never trained (a title)
+    system = "(?i)title generator"               # model / system / metadata = {key = regex}
 
 A task may instead carry the same fields itself (``"harness": {"command": [...], ...}``), or
 name a preset and override ``env`` entries (``{"preset": "codex", "env": {...}}``), so a user

@@ -8,6 +8,8 @@ gold fix earns 1, a reply without an edit 0; with a real model every token is ca
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -88,3 +90,17 @@ async def test_tiny_model_through_aider_has_every_token_captured(
         sampling=SamplingParams(temperature=1.0, max_tokens_per_turn=24, seed=11))
     assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
     assert_every_token_captured(result)
+
+
+def test_aider_starts_in_a_root_that_holds_only_its_install() -> None:
+    """Its own loader and C libraries: no /usr, no /lib, nothing of an image (so it runs in a
+    task's own image whatever that holds)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    install = harness_presets.resolve("aider").install
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--tmpfs", "/", "--ro-bind",
+            str(install), "/.rollout-harness", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp", "--setenv", "HOME", "/tmp",
+            "/.rollout-harness/python/bin/python", *["-c", "import ssl, sqlite3, aider.main"]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

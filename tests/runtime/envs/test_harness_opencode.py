@@ -9,6 +9,8 @@ without a change 0; with a real model every token is captured."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -101,3 +103,17 @@ async def test_tiny_model_through_opencode_has_every_token_captured(
                                 total_token_budget=16384))
     assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
     assert_each_token_owned_once(result)
+
+
+def test_opencode_starts_in_a_root_that_holds_only_its_install() -> None:
+    """Its own loader and C libraries: no /usr, no /lib, nothing of an image (so it runs in a
+    task's own image whatever that holds)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    install = harness_presets.resolve("opencode").install
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--tmpfs", "/", "--ro-bind",
+            str(install), "/.rollout-harness", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp", "--setenv", "HOME", "/tmp",
+            "/.rollout-harness/node_modules/opencode-ai/bin/opencode.exe", *["--version"]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
