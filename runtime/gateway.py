@@ -31,12 +31,14 @@ RUN cut by its timeout or a cancel still delivers the captured turns split as ca
 
 @dataclass
 class HarnessCapture:
-    """Everything the gateway recorded for one job, in request order."""
+    """Everything the gateway recorded for one job: its turns grouped by chain (one segment
+    each, chains in the order they began), so ``turns`` is not in request order."""
 
     turns: list[Turn] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     requests: int = 0
-    """Model requests served (a refused or failed request is not a turn)."""
+    """Model requests served with a generation (a refused, failed or cancelled request is not
+    a turn; a retry answered with an earlier generation is not counted again)."""
     seed: int | None = None
     """The seed the job's first request was sampled with (request k: seed + k)."""
     refused: str = ""

@@ -1,8 +1,9 @@
 """Anthropic Messages (``POST /v1/messages``): the dialect's four role functions (``parse``,
 ``respond``, ``stream``, ``error_body``; see ``routes.DIALECTS``), plus ``count_tokens``.
 
-A user message's ``tool_result`` blocks become tool results (in order, before its text), an
-assistant message's ``tool_use`` blocks its tool calls; ``thinking`` / ``redacted_thinking``
+A user message's ``tool_result`` blocks become tool results (in order, before its text; their
+image, document or tool-reference parts said in words), an assistant message's ``tool_use``
+blocks its tool calls; ``thinking`` / ``redacted_thinking``
 blocks are dropped (the model's reasoning is in its exact ids already). A ``system`` message
 inside ``messages`` (Claude Code puts its reminders there, anywhere in the conversation) is a
 system message at that place; one with no text (a directive-only entry) carries nothing to
@@ -107,7 +108,7 @@ def _add(messages: list[Message], m: Any, param: str) -> None:
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
                 raise BadRequest(f"{where}.tool_use_id must be a string", param=where)
-            text = text_of(block.get("content"), f"{where}.content")
+            text = text_of(_result_parts(block.get("content")), f"{where}.content")
             if block.get("is_error"):
                 text = f"Error: {text}"
             messages.append(Message("tool", text, tool_call_id=call_id))
@@ -118,6 +119,24 @@ def _add(messages: list[Message], m: Any, param: str) -> None:
                              "and tool_result blocks", param=where, code="unsupported_content")
     if texts or calls or role == "assistant":
         messages.append(Message(role, "".join(texts), tuple(calls)))
+
+
+def _result_parts(content: Any) -> Any:
+    """A tool result's content with its non-text parts (an image a tool read, a tool
+    reference from a tool search) said in words: a text model cannot take them, and refusing
+    the request would end the harness over what a tool returned."""
+    if not isinstance(content, list):
+        return content
+    out: list[Any] = []
+    for part in content:
+        kind = part.get("type", "text") if isinstance(part, Mapping) else "text"
+        if kind == "tool_reference" and isinstance(part.get("tool_name"), str):
+            out.append({"type": "text", "text": f"[tool {part['tool_name']}]"})
+        elif kind in ("image", "document", "search_result", "tool_reference"):
+            out.append({"type": "text", "text": f"[{kind} omitted]"})
+        else:
+            out.append(part)
+    return out
 
 
 def _system_text(content: Any, param: str) -> str:

@@ -98,7 +98,8 @@ class ServedTurn:
     completion_tokens: int
     turn: Turn
     sampled: list[tuple[str, float]] = field(default_factory=list)
-    """Each output token's text and logprob, end-of-turn tokens left out (for ``logprobs``)."""
+    """Each output token's text and logprob, end-of-turn tokens left out; filled only for a
+    request that asks for ``logprobs``."""
 
 
 @dataclass(eq=False)
@@ -188,6 +189,11 @@ class JobConversation:
         side = self.options.is_side_call(request.model, request.system_text(),
                                          request.metadata)
         ident: Ident = (request.tools_key(), side, tuple(keys))
+        answer = await self._answer_for(request, ident, keys)
+        return self._with_logprobs(answer) if request.logprobs is not None else answer
+
+    async def _answer_for(self, request: ChatRequest, ident: Ident,
+                          keys: list[Key]) -> ServedTurn:
         async with self._lock:
             await self._ensure_chat()
             for chain in self._chains:
@@ -529,15 +535,23 @@ class JobConversation:
         turn.tool_calls = [c.name for c in calls]
         finish = "tool_calls" if calls else (
             "length" if result.finish_reason in ("length", "deadline") else "stop")
-        sampled: list[tuple[str, float]] = []
-        if request.logprobs is not None:
-            chat = chain.ledger.chat
-            kept = chain.ledger.strip_end_of_turn(turn.output_ids)
-            sampled = [(chat.decode([i]), lp)
-                       for i, lp in zip(kept, turn.output_logprobs, strict=False)]
         return ServedTurn(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls,
                           finish_reason=finish, prompt_tokens=prompt_tokens,
-                          completion_tokens=len(result.output_ids), turn=turn, sampled=sampled)
+                          completion_tokens=len(result.output_ids), turn=turn)
+
+    def _with_logprobs(self, answer: ServedTurn) -> ServedTurn:
+        """``answer`` with each sampled token's text and logprob (the end-of-turn tokens left
+        out), for a request that asks for ``logprobs``."""
+        chat = self._chat
+        if answer.sampled or chat is None:
+            return answer
+        ends = chat.end_of_turn_ids | chat.special_ids
+        kept = list(answer.turn.output_ids)
+        while kept and kept[-1] in ends:
+            kept.pop()
+        return dataclasses.replace(answer, sampled=[
+            (chat.decode([i]), lp)
+            for i, lp in zip(kept, answer.turn.output_logprobs, strict=False)])
 
 
 async def _rendering(call: Any) -> Any:

@@ -182,3 +182,21 @@ def test_final_text_drops_any_trailing_special_token(tok: Any) -> None:
     # Not the template's closing token, so the whole closing follows it.
     assert tok.decode(delta.observation_ids).startswith("<|im_end|>\n<|im_start|>user")
     assert ledger.token_ids[-len(delta.prompt_ids) - len(delta.observation_ids) - 1] == endoftext
+
+
+def test_a_rolled_back_turn_leaves_the_ledger_as_it_was(tok: Any) -> None:
+    """A turn whose generation never happened (cancelled, failed) is undone exactly, and the
+    same messages appended again give the same ids."""
+    ledger = ChatLedger(ChatTokenizer(tok), [{"role": "user", "content": "task"}])
+    ledger.start()
+    ledger.add_output([*ids(tok, "first"), tok.convert_tokens_to_ids("<|im_end|>")])
+    before = (list(ledger.token_ids), list(ledger.messages))
+    mark = ledger.mark()
+    delta = ledger.add_messages([{"role": "user", "content": "next"}])
+    grown = list(ledger.token_ids)
+    ledger.rollback(mark)
+    assert (ledger.token_ids, ledger.messages) == before
+    again = ledger.add_messages([{"role": "user", "content": "next"}])
+    assert ledger.token_ids == grown and again.prompt_ids == delta.prompt_ids
+    with pytest.raises(RuntimeError):  # awaiting output again, as after the first append
+        ledger.add_messages([{"role": "user", "content": "more"}])

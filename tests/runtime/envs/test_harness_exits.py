@@ -10,7 +10,7 @@ import pytest
 
 from rollout.runtime.envs.harness.handler import HarnessHandler
 from rollout.runtime.handler import HandlerError
-from rollout.runtime.types import Limits, TerminationReason
+from rollout.runtime.types import Limits, SamplingParams, TerminationReason
 from rollout.server.pipeline.stages import _unfinished_run
 from tests.runtime.envs.conftest import Rollout
 from tests.runtime.envs.harness_helpers import GatewayRig, harness_task
@@ -20,10 +20,11 @@ pytestmark = pytest.mark.timeout(120)
 # A harness that asks the model {requests} times, writes the right answer, then ends {how}.
 HARNESS = r'''
 import json, os, signal, sys, urllib.error, urllib.request
-requests, how = int(sys.argv[1]), sys.argv[2]
+requests, how, pad = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 def ask(n):
+    # A later request may carry a long text (a harness that pastes a whole log).
     body = json.dumps({"model": "m", "messages": [
-        {"role": "user", "content": f"What is 1 + 1? (try {n})"}]}).encode()
+        {"role": "user", "content": f"What is 1 + 1? (try {n})" + " log" * (pad * n)}]}).encode()
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body,
         headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
                  "Content-Type": "application/json"})
@@ -42,8 +43,8 @@ sys.exit(int(how))
 MATH = {"question": "What is 1 + 1?", "answer": "2", "tools": []}
 
 
-def harness(requests: int, how: str) -> dict[str, Any]:
-    return {"command": ["python", "{home}/h.py", str(requests), how],
+def harness(requests: int, how: str, pad: int = 0) -> dict[str, Any]:
+    return {"command": ["python", "{home}/h.py", str(requests), how, str(pad)],
             "files": {"{home}/h.py": HARNESS}}
 
 
@@ -65,6 +66,18 @@ async def test_a_harness_that_ends_any_way_is_graded(
     assert _unfinished_run(result.outcome) is None
     assert result.reward.value == 1.0, result.reward.info
     assert result.ctx.state["harness.capture"].requests == min(requests, max_turns)
+
+
+async def test_a_harness_whose_prompt_outgrows_the_budget_is_graded(
+        rollout: Rollout, gateway_rig: GatewayRig) -> None:
+    task = harness_task("math", MATH, harness(2, "1", pad=400))
+    result = await rollout(HarnessHandler(), task, ["I think it is 2."] * 2,
+                           gateway=gateway_rig.gateway,
+                           limits=Limits(max_turns=4, run_timeout_s=60),
+                           sampling=SamplingParams(total_token_budget=200))
+    assert result.outcome.termination is TerminationReason.TOKEN_BUDGET
+    assert "context_length_exceeded" in result.outcome.metadata["harness_log"]
+    assert result.reward.value == 1.0
 
 
 async def test_a_harness_that_never_starts_is_the_services_failure(

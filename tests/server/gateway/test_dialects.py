@@ -183,6 +183,12 @@ async def test_logprobs_and_usage_are_the_trajectorys(gateway: Gateway,
     plain = await client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hello"}])
     assert plain.choices[0].logprobs is None
+    # The same request retried with logprobs: the same generation, now with its logprobs.
+    again = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], logprobs=True)
+    assert [c.logprob for c in again.choices[0].logprobs.content] == pytest.approx(
+        capture.turns[1].output_logprobs[:-1])
+    assert len(capture.turns) == 2
 
 
 async def test_a_stopped_gateway_holds_nothing(tmp_path: Path, llm: PromptPolicy) -> None:
@@ -207,3 +213,20 @@ async def test_a_stopped_gateway_holds_nothing(tmp_path: Path, llm: PromptPolicy
     pending = [t for t in before if not t.done() and t is not asyncio.current_task()
                and t not in calls]
     assert not pending, pending
+
+
+async def test_a_tool_result_with_an_image_is_said_in_words(gateway: Gateway,
+                                                            llm: PromptPolicy) -> None:
+    lease = await gateway.open(spec(), llm)
+    client = anthropic_client(lease)
+    await client.messages.create(model="m", max_tokens=10, messages=[
+        {"role": "user", "content": "Look at the plot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                           "input": {"file_path": "plot.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "plot.png:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}},
+            {"type": "tool_reference", "tool_name": "WebFetch"}]}]}])
+    prompt = llm.tok.decode(llm.calls[0][0])
+    assert "plot.png:[image omitted][tool WebFetch]" in prompt
