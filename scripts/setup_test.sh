@@ -14,6 +14,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 # tmux: the baseline of `rollout bench tools`.
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
+# The harness set-up gives Claude Code, OpenCode and aider their own C runtime with it.
+command -v patchelf >/dev/null 2>&1 || need_apt+=(patchelf)
 [ -n "${ROLLOUT_SKIP_NODE:-}" ] || command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 # The generated Go client's test builds offline against Debian's Go packages (GOPATH mode: the
 # Go module proxy may be unreachable). ROLLOUT_SKIP_GO=1 skips them; that test then skips.

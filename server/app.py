@@ -310,21 +310,25 @@ class Server:
 def build_sandbox_factory(cfg: Config) -> Any:
     """The configured sandbox runtime as a ``JobContext.sandbox_factory``; also reaps what a
     crashed predecessor left behind under the state directory."""
-    from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+    from rollout.runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
 
     image = cfg.sandbox.image or None
+    ceilings = SandboxLimits(address_space_bytes=cfg.sandbox.max_address_space_bytes,
+                             processes=cfg.sandbox.max_processes,
+                             open_files=cfg.sandbox.max_open_files)
     if cfg.sandbox.runtime == "bwrap":
         sb_cfg = SandboxConfig(runtime="bwrap", state_dir=cfg.state_path,
                                rootfs=Path(image) if image else None,
                                host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                visible_paths=tuple(cfg.sandbox.visible_paths),
                                disk_bytes=cfg.sandbox.disk_bytes,
-                               memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp)
+                               memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp,
+                               max_limits=ceilings)
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image,
                                host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                disk_bytes=cfg.sandbox.disk_bytes,
-                               memory_bytes=cfg.sandbox.memory_bytes)
+                               memory_bytes=cfg.sandbox.memory_bytes, max_limits=ceilings)
     else:
         raise InvalidArgument(f"sandbox.runtime must be 'bwrap' or 'apptainer', got "
                               f"{cfg.sandbox.runtime!r}", "BAD_CONFIG", "sandbox.runtime")

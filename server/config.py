@@ -164,6 +164,15 @@ class SandboxSection:
     0 = half of physical memory; -1 = no cap."""
     seccomp: bool = True
     """bwrap: a seccomp filter (no namespaces, mounts, kernel modules, bpf, keyrings)."""
+    max_address_space_bytes: int = 32 << 30
+    """The most RLIMIT_AS (per process) a job may ask for (a harness preset's ``[limits]``;
+    the default is 4 GiB). An address-space limit is not memory use: the memory cap above
+    bounds that."""
+    max_processes: int = 4096
+    """The most RLIMIT_NPROC (processes and threads of a sandbox) a job may ask for (the
+    default is 256)."""
+    max_open_files: int = 65536
+    """The most RLIMIT_NOFILE a job may ask for (the default is 1024)."""
 
 
 @dataclass
@@ -263,6 +272,10 @@ def _check(cfg: Config) -> None:
             f"config key 'sandbox.host_view': {cfg.sandbox.host_view!r} is not allowed; use "
             "minimal (the default: a sandbox sees only what its job needs) or host (the whole "
             "host root read-only, for trusted workloads)", "BAD_CONFIG", "sandbox.host_view")
+    for key in ("max_address_space_bytes", "max_processes", "max_open_files"):
+        if getattr(cfg.sandbox, key) < 1:
+            raise InvalidArgument(f"config key 'sandbox.{key}' must be a positive integer",
+                                  "BAD_CONFIG", f"sandbox.{key}")
     for path in cfg.sandbox.visible_paths:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgument(f"config key 'sandbox.visible_paths': {path!r} is not an "

@@ -76,6 +76,21 @@ class SandboxLimits:
                 f"--nproc={pair(self.processes)}", f"--nofile={pair(self.open_files)}",
                 f"--fsize={pair(self.file_size_bytes)}"]
 
+    def above(self, ceilings: SandboxLimits) -> list[str]:
+        """The rlimits of these limits that exceed ``ceilings`` ('name value > ceiling')."""
+        return [f"{name} {getattr(self, name)} > {getattr(ceilings, name)}"
+                for name in RAISABLE_LIMITS if getattr(self, name) > getattr(ceilings, name)]
+
+
+RAISABLE_LIMITS = ("address_space_bytes", "processes", "open_files")
+"""The limits a job may ask to change (a harness preset's ``[limits]``), within the server's
+:attr:`SandboxConfig.max_limits`."""
+DEFAULT_MAX_LIMITS = SandboxLimits(address_space_bytes=32 << 30, processes=4096,
+                                   open_files=65536)
+"""The ceilings a server has unless configured: what a job may raise its limits to. An address
+space limit is not memory use (a JIT runtime reserves tens of GiB it never touches); the
+sandboxes' memory cgroup bounds what they really use."""
+
 
 @dataclass(frozen=True)
 class SandboxConfig:
@@ -117,6 +132,9 @@ class SandboxConfig:
     uid_lock_dir: Path = Path("/run/lock/rollout-sandbox-uids")
     """Host-wide (not per state dir) so two servers on one host never share a uid."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    max_limits: SandboxLimits = DEFAULT_MAX_LIMITS
+    """The most a sandbox's own ``limits`` (``create_sandbox(limits=...)``) may ask for in
+    :data:`RAISABLE_LIMITS`; a request above them is refused."""
     python: str = ""
     """Interpreter used inside the sandbox for the IPython kernel ('' = the server's own)."""
     disk_bytes: int = 2 << 30
@@ -492,6 +510,23 @@ def check_binds(binds: Sequence[tuple[str, str, bool]], workspace: str,
     return tuple(checked)
 
 
+def config_of(factory: Any) -> SandboxConfig | None:
+    """The config of a ``functools.partial(create_sandbox, cfg)`` factory, else None."""
+    if isinstance(factory, functools.partial) and factory.func is create_sandbox:
+        return factory.args[0] if factory.args else factory.keywords.get(
+            "config") or SandboxConfig()
+    return None
+
+
+def limits_of(factory: Any) -> tuple[SandboxLimits, SandboxLimits]:
+    """A factory's default limits and its ceilings (another factory, a test's own: the
+    defaults), so a handler can ask for more within what the server allows."""
+    config = config_of(factory)
+    if config is None:
+        return SandboxLimits(), DEFAULT_MAX_LIMITS
+    return config.limits, config.max_limits
+
+
 def runtime_of(factory: Any) -> str | None:
     """The runtime (``bwrap`` / ``apptainer``) a ``functools.partial(create_sandbox, cfg)``
     factory starts, or None for any other factory (a test's own), so a handler can refuse an
@@ -516,6 +551,10 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
     Per-sandbox options: ``binds=`` ((host dir, sandbox path, writable) triples) on both
     runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image)."""
     config = config or SandboxConfig()
+    if limits is not None and (above := limits.above(config.max_limits)):
+        raise SandboxError(f"sandbox limits above this server's ceilings ({', '.join(above)}); "
+                           "the server's sandbox.max_* settings raise them",
+                           "INVALID_SANDBOX_OPTIONS")
     if network not in ("none", "loopback"):
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
                            "INVALID_SANDBOX_OPTIONS")

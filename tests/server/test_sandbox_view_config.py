@@ -29,8 +29,18 @@ def test_host_view_and_visible_paths_reach_the_sandbox_config(tmp_path: Path) ->
 
 @pytest.mark.parametrize(("override", "field"), [
     ("sandbox.host_view=everything", "sandbox.host_view"),
-    ('sandbox.visible_paths=["relative/dir"]', "sandbox.visible_paths")])
+    ('sandbox.visible_paths=["relative/dir"]', "sandbox.visible_paths"),
+    ("sandbox.max_processes=0", "sandbox.max_processes")])
 def test_bad_values_are_refused(override: str, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         load_config(None, [override], environ={})
     assert err.value.reason == "BAD_CONFIG" and err.value.field == field
+
+
+def test_limit_ceilings_reach_the_sandbox_config(tmp_path: Path) -> None:
+    """What a harness preset's [limits] may raise a job's sandbox to (sandbox.max_*)."""
+    cfg = load_config(None, [f"server.state_dir={tmp_path}", "sandbox.max_processes=2000",
+                             f"sandbox.max_address_space_bytes={8 << 30}"], environ={})
+    ceilings = build_sandbox_factory(cfg).args[0].max_limits
+    assert (ceilings.processes, ceilings.address_space_bytes, ceilings.open_files) == (
+        2000, 8 << 30, 65536)

@@ -59,7 +59,7 @@ from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.presets import HarnessSpec
 from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from rollout.runtime.sandbox.base import runtime_of
+from rollout.runtime.sandbox.base import SandboxLimits, limits_of, runtime_of
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
 
 ENV = "harness"
@@ -69,6 +69,8 @@ GATEWAY_SOCKET = "/.rollout-gateway.sock"
 LAUNCH_SOURCE = IN_SANDBOX / "harness_launch.py"
 ANSWER_FILE = "answer.txt"
 SPEC_KEY = "harness.spec"
+LIMITS_KEY = "harness.limits"
+"""``ctx.state`` key: the sandbox limits the preset asked for, clamped (None: the defaults)."""
 CAPTURE_KEY = "harness.capture"
 """``ctx.state`` key: the gateway's capture of this job (for tests and metadata)."""
 _LOG_TAIL = 2000
@@ -144,9 +146,13 @@ class HarnessHandler(AgentHandler):
                                f"runs {runtime}", "INVALID_SANDBOX_OPTIONS")
         binds = ([(str(harness.install), INSTALL_MOUNT, False)]
                  if harness.install is not None else [])
+        limits = sandbox_limits(harness, factory)
+        ctx.state[LIMITS_KEY] = limits
 
         async def with_harness(**options: Any) -> Any:
             options["binds"] = [*options.get("binds", ()), *binds]
+            if limits is not None:
+                options["limits"] = limits
             return await factory(**options)
 
         inner = inner_context(ctx)
@@ -201,6 +207,7 @@ class HarnessHandler(AgentHandler):
         metadata = {"harness": harness.name, "harness_requests": str(capture.requests),
                     "harness_segments": str(len(capture.segments)),
                     "harness_exit": str(result.exit_code),
+                    **limits_metadata(ctx.state.get(LIMITS_KEY)),
                     "harness_log": result.output[-_LOG_TAIL:]}
         if capture.turns:
             metadata["final_text"] = await asyncio.to_thread(
@@ -273,6 +280,23 @@ def launch_spec(ctx: JobContext, harness: HarnessSpec, api_key: str, workspace: 
     return {"socket": GATEWAY_SOCKET, "port": harness.port, "cwd": workspace, "env": env,
             "files": files,
             "argv": [harness_presets.render(a, values) for a in harness.command]}
+
+
+def sandbox_limits(harness: HarnessSpec, factory: Any) -> SandboxLimits | None:
+    """The sandbox limits the harness's preset asks for, each clamped to the server's ceiling
+    (a preset written for a bigger server still runs); None when it asks for none."""
+    if not harness.limits:
+        return None
+    defaults, ceilings = limits_of(factory)
+    return dataclasses.replace(defaults, **{
+        name: min(value, getattr(ceilings, name)) for name, value in harness.limits.items()})
+
+
+def limits_metadata(limits: SandboxLimits | None) -> dict[str, str]:
+    if limits is None:
+        return {}
+    return {"harness_limits": f"address_space_bytes={limits.address_space_bytes} "
+                              f"processes={limits.processes} open_files={limits.open_files}"}
 
 
 def termination(result: Any, capture: HarnessCapture, max_steps: int) -> TerminationReason:

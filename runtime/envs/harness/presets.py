@@ -14,6 +14,11 @@ shipped ones of the same name)::
     MSWEA_COST_TRACKING = "ignore_errors"
     [files]                                      # written before the command starts
     "{home}/.codex/config.toml" = '''model_provider = "rollout" ...'''
+    [limits]                                     # optional: sandbox rlimits it needs, cut to
+    address_space = "32GiB"                      # the server's ceilings (sandbox.max_*)
+    processes = 1024                             # processes and threads together
+    [[side_call]]                                # optional: requests never trained (a title)
+    system = "(?i)title generator"               # model / system / metadata = {key = regex}
 
 A task may instead carry the same fields itself (``"harness": {"command": [...], ...}``), or
 name a preset and override ``env`` entries (``{"preset": "codex", "env": {...}}``), so a user
@@ -54,7 +59,13 @@ SHIPPED_DIR = Path(__file__).with_name("shipped")
 PLACEHOLDERS = ("install", "base_url", "origin", "api_key", "model", "prompt", "prompt_file",
                 "workspace", "home", "max_steps", "max_tokens")
 _PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
-_FIELDS = ("description", "install", "install_hint", "command", "port", "env", "files")
+_FIELDS = ("description", "install", "install_hint", "command", "port", "env", "files",
+           "side_call", "limits")
+LIMIT_FIELDS = {"address_space": "address_space_bytes", "processes": "processes",
+                "open_files": "open_files"}
+"""``[limits]`` keys -> the sandbox limit each sets (:data:`rollout.runtime.sandbox.base.
+RAISABLE_LIMITS`)."""
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 DEFAULT_PORT = 4000
 
@@ -73,6 +84,9 @@ class HarnessSpec:
     port: int = DEFAULT_PORT
     side_calls: tuple[SideCallRule, ...] = ()
     """Requests of this harness that are not the agent's work (never trained)."""
+    limits: Mapping[str, int] = field(default_factory=dict)
+    """Sandbox limits the harness needs (``SandboxLimits`` field -> value), as asked: the
+    handler clamps them to the server's ceilings."""
 
 
 def setup_cache() -> Path:
@@ -166,8 +180,67 @@ def resolve(value: Any) -> HarnessSpec:
         if not _PLACEHOLDER.sub("/x", path).startswith("/"):
             raise invalid(f"harness {name!r}: file paths must be absolute (or start with "
                           f"{{home}} / {{workspace}}), got {path!r}", "harness.files")
+    side_calls = _side_calls(name, data.get("side_call", []))
+    limits = _limits(name, data.get("limits", {}))
     install = _install_dir(name, data, from_task)
-    return HarnessSpec(name, tuple(command), install, env, files, port)
+    return HarnessSpec(name, tuple(command), install, env, files, port, side_calls, limits)
+
+
+def _side_calls(name: str, value: Any) -> tuple[SideCallRule, ...]:
+    """``[[side_call]]`` tables: ``model`` / ``system`` patterns, ``metadata = {key =
+    pattern}``."""
+    where = f"harness {name!r}: 'side_call'"
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise invalid(f"{where} must be a list of tables ([[side_call]] with model, system "
+                      "or metadata)", "harness.side_call")
+    rules = []
+    for i, rule in enumerate(value):
+        unknown = sorted(set(rule) - {"model", "system", "metadata"})
+        if unknown:
+            raise invalid(f"{where} #{i + 1} has unknown fields {unknown}; known: model, "
+                          "system, metadata", "harness.side_call")
+        model, system = rule.get("model", ""), rule.get("system", "")
+        metadata = rule.get("metadata", {})
+        if not isinstance(model, str) or not isinstance(system, str):
+            raise invalid(f"{where} #{i + 1}: 'model' and 'system' are regular expressions "
+                          "(strings)", "harness.side_call")
+        try:
+            rules.append(SideCallRule(model, system, tuple(sorted(
+                _strings(metadata, "harness.side_call.metadata").items()))))
+        except ValueError as e:
+            raise invalid(f"{where} #{i + 1}: {e}", "harness.side_call") from None
+    return tuple(rules)
+
+
+def _limits(name: str, value: Any) -> dict[str, int]:
+    """``[limits]``: ``address_space`` (bytes, or a size such as ``"16GiB"``), ``processes``
+    (processes and threads together), ``open_files``."""
+    where = f"harness {name!r}: 'limits'"
+    if not isinstance(value, Mapping):
+        raise invalid(f"{where} must be a table ({', '.join(LIMIT_FIELDS)})", "harness.limits")
+    unknown = sorted(set(value) - set(LIMIT_FIELDS))
+    if unknown:
+        raise invalid(f"{where} has unknown fields {unknown}; known: {list(LIMIT_FIELDS)}",
+                      "harness.limits")
+    limits = {}
+    for key, raw in value.items():
+        amount = _size(raw) if key == "address_space" else raw
+        if isinstance(amount, bool) or not isinstance(amount, int) or amount < 1:
+            raise invalid(f"{where}: {key} must be a positive integer"
+                          + (" of bytes or a size such as \"16GiB\"" if key == "address_space"
+                             else "") + f", got {raw!r}", f"harness.limits.{key}")
+        limits[LIMIT_FIELDS[key]] = amount
+    return limits
+
+
+def _size(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    match = _SIZE.fullmatch(raw)
+    if match is None:
+        return raw
+    unit = (match.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(match.group(1)) << (10 * "_KMGT".index(unit or "_"))
 
 
 def _strings(value: Any, field_name: str) -> dict[str, str]:

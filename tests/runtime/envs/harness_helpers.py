@@ -180,3 +180,120 @@ def assert_every_token_captured(result: ModelResult) -> None:
         sequence += turn.output_ids + turn.observation_ids
         mask = turn.loss_mask
         assert sum(mask) == len(turn.output_ids)
+
+
+class RoutedEngine:
+    """TEST DOUBLE: a scripted policy that answers each request by what it shows, for harnesses
+    that interleave their calls (a side call beside the main thread, a sub-agent): ``choose``
+    gets the request's prompt text and returns the assistant message. Wraps the real
+    :class:`ScriptedEngine`, so tokenization, the end-of-turn token and ``max_tokens`` are as
+    a model's."""
+
+    def __init__(self, tokenizer: Any, choose: Any) -> None:
+        from rollout.server.llm.scripted import ScriptedEngine
+
+        self.choose = choose
+        self.prompts: list[str] = []
+        self.calls: list[tuple[GenerateRequest, GenerateResult]] = []
+        self._pending: list[str] = []
+        self.engine = ScriptedEngine(tokenizer, self._next)
+
+    def _next(self, session_id: str, turn: int) -> str:
+        return self._pending.pop()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def requests(self) -> list[GenerateRequest]:
+        return self.engine.requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        text = str(self.engine.tokenizer.decode(list(request.prompt_ids)))
+        self.prompts.append(text)
+        # ScriptedEngine.generate asks for the message before its first await.
+        self._pending.append(self.choose(text))
+        result = await self.engine.generate(request)
+        self.calls.append((request, result))
+        return result
+
+    async def release_session(self, session_id: str) -> None:
+        await self.engine.release_session(session_id)
+
+
+@dataclass
+class RoutedResult:
+    reward: Reward
+    outcome: RunOutcome
+    ctx: JobContext
+    engine: RoutedEngine
+
+    @property
+    def capture(self) -> HarnessCapture:
+        return self.ctx.state[CAPTURE_KEY]
+
+    @property
+    def log(self) -> str:
+        return str(self.outcome.metadata.get("harness_log", ""))
+
+
+async def routed_rollout(handler: AgentHandler, task: dict[str, Any], choose: Any, *,
+                         tokenizer: Any, sandbox_factory: Any, gateway: Any,
+                         limits: Limits) -> RoutedResult:
+    """One harness job's three stages and cleanup against a :class:`RoutedEngine`."""
+    from tests.runtime.doubles import EngineClient
+
+    engine = RoutedEngine(tokenizer, choose)
+    spec = JobSpec(job_id=f"harness-routed-{next(_jobs)}", environment=handler.name, task=task,
+                   sampling=SamplingParams(temperature=0.0, max_tokens_per_turn=4096,
+                                           total_token_budget=200_000), limits=limits)
+    ctx = JobContext(spec=spec, llm=EngineClient(engine),  # type: ignore[arg-type]
+                     sandbox_factory=sandbox_factory, gateway=gateway)
+    async with ctx.resources:
+        try:
+            handler.validate_task(spec.task)
+            await handler.init(ctx)
+            ctx.outcome = await handler.run(ctx)
+            reward = await handler.eval(ctx)
+        finally:
+            await handler.cleanup(ctx)
+    return RoutedResult(reward, ctx.outcome, ctx, engine)
+
+
+def assert_each_token_owned_once(result: Any) -> None:
+    """With several chains (a sub-agent, a side call): each turn is one generation, its prompt
+    exactly its chain's tokens so far, and every sampled token is trained in exactly one
+    turn (none of a side call's)."""
+    calls = result.llm.calls if hasattr(result, "llm") else result.engine.calls
+    turns, segments = result.outcome.turns, result.outcome.segments
+    assert len(turns) == len(calls)
+    bounds = [s.first_turn for s in segments] + [len(turns)]
+    unmatched = list(calls)
+    trained = 0
+    for segment, start, end in zip(segments, bounds, bounds[1:], strict=False):
+        sequence: list[int] = []
+        for turn in turns[start:end]:
+            sequence += turn.prompt_ids
+            match = [c for c in unmatched if list(c[0].prompt_ids) == sequence
+                     and list(c[1].output_ids) == turn.output_ids]
+            assert match, f"turn {turns.index(turn)}: no generation had this prompt and output"
+            unmatched.remove(match[0])
+            mask = turn.loss_mask
+            assert mask[:len(turn.prompt_ids)] == [0] * len(turn.prompt_ids)
+            assert sum(mask) == (0 if segment.side_call else len(turn.output_ids))
+            trained += sum(mask)
+            sequence += turn.output_ids + turn.observation_ids
+    assert not unmatched
+    assert trained == sum(len(r.output_ids) for req, r in calls
+                          if not _side_call_prompt(req, turns, segments))
+
+
+def _side_call_prompt(request: Any, turns: list[Any], segments: list[Any]) -> bool:
+    bounds = [s.first_turn for s in segments] + [len(turns)]
+    for segment, start, end in zip(segments, bounds, bounds[1:], strict=False):
+        if segment.side_call and any(
+                list(request.prompt_ids)[-len(t.prompt_ids):] == t.prompt_ids
+                for t in turns[start:end]):
+            return True
+    return False

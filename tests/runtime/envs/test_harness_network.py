@@ -195,3 +195,51 @@ async def test_a_launch_bind_lands_only_on_a_new_top_level_name(sandbox_factory:
         assert write.exit_code != 0 and source.read_text() == "x"
     finally:
         await sandbox.destroy()
+
+
+BURST = r'''
+import os, socket, sys, urllib.request
+n = int(sys.argv[1])
+key = os.environ["OPENAI_API_KEY"]
+request = ("GET /v1/models HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer " + key
+           + "\r\nConnection: close\r\n\r\n").encode()
+socks = []
+for _ in range(n):  # all open at once: more than the sandbox's thread limit could relay
+    s = socket.create_connection(("127.0.0.1", 4000), timeout=20)
+    s.sendall(request)
+    socks.append(s)
+answered = 0
+for s in socks:
+    body = b""
+    try:
+        while chunk := s.recv(65536):
+            body += chunk
+    except OSError as e:
+        print("BURST-STALLED", answered, e)
+        break
+    finally:
+        s.close()
+    answered += b"relay-ok" in body
+print("BURST-ANSWERED", answered)
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
+                             headers={"Authorization": "Bearer " + key})
+print("AFTER", urllib.request.urlopen(req, timeout=20).read().decode())
+'''
+
+
+async def test_the_relay_survives_a_burst_of_connections(rollout: Rollout) -> None:
+    """Several hundred connections open at once (a harness's parallel tool calls, an SDK's
+    pool): each is answered, and a request after the burst still is."""
+    n = 400
+    harness = {"command": ["python", "{home}/burst.py", str(n)],
+               "files": {"{home}/burst.py": BURST}}
+    task = harness_task("math", {"question": "What is 1 + 1?", "answer": "2", "tools": []},
+                        harness)
+    gateway = PingGateway()
+    result = await rollout(HarnessHandler(), task, [], gateway=gateway,
+                           limits=Limits(max_turns=4, run_timeout_s=100))
+    log = result.outcome.metadata["harness_log"]
+    assert f"BURST-ANSWERED {n}" in log, log
+    assert "AFTER " in log and json.loads(log.split("AFTER ", 1)[1].splitlines()[0]) \
+        == PING_REPLY, log
+    assert len(gateway.seen) == n + 1

@@ -42,6 +42,22 @@ def refused(task: Any) -> InvalidArgument:
     (harness_task("math", MATH, {"command": ["x"]}, model="bad model name"), "task.model",
      "model name"),
     ({**harness_task("math", MATH, {"command": ["x"]}), "extra": 1}, "task", "unknown fields"),
+    (harness_task("math", MATH, {"command": ["x"], "limits": {"threads": 9}}),
+     "task.harness.limits", "unknown fields ['threads']"),
+    (harness_task("math", MATH, {"command": ["x"], "limits": {"address_space": "4 parsecs"}}),
+     "task.harness.limits.address_space", "16GiB"),
+    (harness_task("math", MATH, {"command": ["x"], "limits": {"processes": 0}}),
+     "task.harness.limits.processes", "positive integer"),
+    (harness_task("math", MATH, {"command": ["x"], "limits": 5}), "task.harness.limits",
+     "must be a table"),
+    (harness_task("math", MATH, {"command": ["x"], "side_call": [{}]}),
+     "task.harness.side_call", "needs model, system or metadata"),
+    (harness_task("math", MATH, {"command": ["x"], "side_call": [{"model": "("}]}),
+     "task.harness.side_call", "not a regular expression"),
+    (harness_task("math", MATH, {"command": ["x"], "side_call": [{"modle": "x"}]}),
+     "task.harness.side_call", "unknown fields ['modle']"),
+    (harness_task("math", MATH, {"command": ["x"], "side_call": {"model": "x"}}),
+     "task.harness.side_call", "list of tables"),
 ])
 def test_bad_tasks_are_refused_naming_the_field(task: Any, field: str, words: str) -> None:
     error = refused(task)
@@ -98,3 +114,48 @@ async def test_a_users_preset_directory_adds_a_harness(
     log = result.outcome.metadata["harness_log"]
     assert json.loads(log.split("MODELS ", 1)[1].splitlines()[0]) == PING_REPLY
     assert result.reward.value == 1.0
+
+
+def test_side_call_rules_and_limits_are_read_from_a_preset() -> None:
+    spec = harness_presets.resolve({
+        "command": ["x"], "limits": {"address_space": "16GiB", "processes": 1024},
+        "side_call": [{"model": "claude-.*-haiku.*"},
+                      {"system": "(?i)title", "metadata": {"purpose": "title"}}]})
+    assert spec.limits == {"address_space_bytes": 16 << 30, "processes": 1024}
+    first, second = spec.side_calls
+    assert first.matches("claude-3-5-haiku-20241022", "", {})
+    assert not first.matches("policy", "", {})
+    assert second.matches("m", "Write a TITLE", {"purpose": "title"})
+    assert not second.matches("m", "Write a TITLE", {})
+
+
+async def test_a_preset_raises_its_sandbox_limits_within_the_servers_ceilings(
+        rollout: Rollout) -> None:
+    """The harness and everything it starts run under the limits its preset asks for, each
+    cut to the server's ceiling; other jobs keep the defaults."""
+    from rollout.runtime.sandbox.base import DEFAULT_MAX_LIMITS, SandboxLimits
+
+    probe = ["bash", "-c", "grep -E 'address space|processes|open files' /proc/self/limits; "
+             "echo 2 > answer.txt"]
+    harness = {"command": probe, "limits": {"address_space": "1024GiB", "processes": 1000,
+                                            "open_files": 4096}}
+    result = await rollout(HarnessHandler(), harness_task("math", MATH, harness), [],
+                           gateway=PingGateway(), limits=Limits(max_turns=2, run_timeout_s=60))
+    log = result.outcome.metadata["harness_log"]
+    rows = {line.split("  ")[0]: line.split()[-3] for line in log.splitlines()
+            if line.startswith("Max ")}
+    assert rows == {"Max address space": str(DEFAULT_MAX_LIMITS.address_space_bytes),
+                    "Max processes": "1000", "Max open files": "4096"}, log
+    assert "processes=1000" in result.outcome.metadata["harness_limits"]
+    plain = await rollout(HarnessHandler(), harness_task("math", MATH, {"command": probe}), [],
+                          gateway=PingGateway(), limits=Limits(max_turns=2, run_timeout_s=60))
+    assert f"Max processes             {SandboxLimits().processes}" in \
+        plain.outcome.metadata["harness_log"]
+    assert "harness_limits" not in plain.outcome.metadata
+
+
+async def test_a_sandbox_above_the_servers_ceilings_is_refused(sandbox_factory: Any) -> None:
+    from rollout.runtime.sandbox.base import SandboxError, SandboxLimits
+
+    with pytest.raises(SandboxError, match=r"ceilings.*processes 100000 > 4096"):
+        await sandbox_factory(limits=SandboxLimits(processes=100_000))

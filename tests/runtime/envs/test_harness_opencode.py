@@ -1,0 +1,119 @@
+"""OpenCode (the real npm package with its own C runtime, installed by
+scripts/setup_harnesses.sh) as a harness job on the shipped swe tasks, in a real bwrap sandbox,
+through the real gateway's chat completions (streaming, tool calls).
+
+The scripted policy answers each request by what it shows: OpenCode writes its session's title
+in a request of its own, beside the main thread, and the preset marks it a side call (a chain
+of its own, never trained). The gold fix through OpenCode's own bash tool earns 1, a summary
+without a change 0; with a real model every token is captured."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.handler import HarnessHandler
+from rollout.runtime.tasksets.shipped import load_tasks
+from rollout.runtime.types import Limits, SamplingParams, TerminationReason
+from tests.runtime.envs.conftest import call
+from tests.runtime.envs.harness_helpers import (
+    GatewayRig,
+    RoutedResult,
+    assert_each_token_owned_once,
+    harness_task,
+    model_rollout,
+    routed_rollout,
+)
+
+pytestmark = [pytest.mark.timeout(300)]
+
+TASKS = [t for t in load_tasks("swe") if "spec" not in t]
+DONE = "The fix is in place."
+TITLE = "Word count whitespace fix"
+APPLIED = "PATCH-2-APPLIED"  # what the fix command prints; its own text says PATCH-$((1+1))
+
+
+@pytest.fixture(autouse=True)
+def installed() -> None:
+    try:
+        harness_presets.resolve("opencode")
+    except Exception as e:  # the message says what to run
+        pytest.skip(f"OpenCode is not installed: {e}")
+
+
+def is_title_request(prompt: str) -> bool:
+    return "You are a title generator" in prompt
+
+
+async def opencode(task: dict[str, Any], main: Any, tok: Any, sandbox_factory: Any,
+                   gateway_rig: GatewayRig, harness: Any = "opencode") -> RoutedResult:
+    def choose(prompt: str) -> str:
+        return TITLE if is_title_request(prompt) else main(prompt)
+
+    return await routed_rollout(
+        HarnessHandler(), harness_task("swe", task, harness), choose, tokenizer=tok,
+        sandbox_factory=sandbox_factory, gateway=gateway_rig.gateway,
+        limits=Limits(max_turns=6, run_timeout_s=180))
+
+
+@pytest.mark.parametrize("task", TASKS[:2], ids=[t["instance_id"] for t in TASKS[:2]])
+async def test_gold_fix_through_opencode_earns_1(task: dict[str, Any], tok: Any,
+                                                sandbox_factory: Any,
+                                                gateway_rig: GatewayRig) -> None:
+    fix = call("bash", command=f"cat > /tmp/fix.patch <<'PATCH_EOF'\n{task['patch']}PATCH_EOF\n"
+               "git apply /tmp/fix.patch && echo PATCH-$((1+1))-APPLIED",
+               description="apply the fix")
+    result = await opencode(task, lambda p: DONE if APPLIED in p else fix, tok,
+                            sandbox_factory, gateway_rig)
+    assert result.reward.value == 1.0, (result.reward.info, result.log)
+    assert result.outcome.termination is TerminationReason.SUBMITTED
+    assert result.outcome.metadata["harness_exit"] == "0"
+    main = [p for p in result.engine.prompts if not is_title_request(p)]
+    assert len(main) == 2 and APPLIED in main[1], result.log
+
+
+async def test_no_change_through_opencode_earns_0_and_its_title_is_never_trained(
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
+    """The title request is a side call: a chain of its own whose output carries loss mask
+    0; the main thread's reply is the one trained turn."""
+    result = await opencode(TASKS[0], lambda p: DONE, tok, sandbox_factory, gateway_rig)
+    assert result.reward.value == 0.0
+    assert result.capture.requests == 2, result.log
+    segments, turns = result.outcome.segments, result.outcome.turns
+    assert sorted(s.side_call for s in segments) == [False, True], segments
+    for segment, start in zip(segments, [s.first_turn for s in segments], strict=True):
+        text = str(tok.decode(turns[start].output_ids))
+        assert (TITLE in text) is segment.side_call, (segment, text)
+    assert_each_token_owned_once(result)
+    # The preset's [limits] reached the sandbox.
+    assert "address_space_bytes=34359738368" in result.outcome.metadata["harness_limits"]
+
+
+async def test_tiny_model_through_opencode_has_every_token_captured(
+        tiny_engine: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
+    result = await model_rollout(
+        HarnessHandler(), harness_task("swe", TASKS[0], "opencode"), tiny_engine,
+        sandbox_factory=sandbox_factory, gateway=gateway_rig.gateway,
+        limits=Limits(max_turns=3, run_timeout_s=240),
+        sampling=SamplingParams(temperature=1.0, max_tokens_per_turn=24, seed=11,
+                                total_token_budget=16384))
+    assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
+    assert_each_token_owned_once(result)
+
+
+def test_opencode_starts_in_a_root_that_holds_only_its_install() -> None:
+    """Its own loader and C libraries: no /usr, no /lib, nothing of an image (so it runs in a
+    task's own image whatever that holds)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    install = harness_presets.resolve("opencode").install
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--tmpfs", "/", "--ro-bind",
+            str(install), "/.rollout-harness", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp", "--setenv", "HOME", "/tmp",
+            "/.rollout-harness/node_modules/opencode-ai/bin/opencode.exe", *["--version"]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
