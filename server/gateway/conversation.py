@@ -197,7 +197,7 @@ class JobConversation:
                           keys: list[Key]) -> ServedTurn:
         async with self._lock:
             await self._ensure_chat()
-            await budget.admit(self.spec, self.llm, request)  # before anything is tokenized
+            await self._admit(request)  # before anything is tokenized
             for chain in self._chains:
                 if chain.tip is not None and chain.tip[0] == ident:
                     return chain.tip[1]
@@ -227,7 +227,7 @@ class JobConversation:
         """How many tokens ``request``'s prompt is when rendered on its own."""
         async with self._lock:
             await self._ensure_chat()
-            await budget.admit(self.spec, self.llm, request)
+            await self._admit(request)
         ledger, _ = await _rendering(asyncio.to_thread(self._fresh, request))
         return len(ledger.token_ids)
 
@@ -239,6 +239,18 @@ class JobConversation:
             task.cancel()
         if flights:
             await asyncio.wait(flights, timeout=5.0)
+
+    async def _admit(self, request: ChatRequest) -> None:
+        """The cheap size check of :mod:`budget`; a refusal counts as the job's limit like the
+        exact check after rendering (the harness's exit then reads as that limit, and the
+        workspace is graded)."""
+        try:
+            await budget.admit(self.spec, self.llm, request)
+        except BadRequest:
+            self.capture.refused = (
+                "token_budget" if budget.room_of(self.spec, self.llm)
+                == self.spec.sampling.total_token_budget else "context_length")
+            raise
 
     async def _ensure_chat(self) -> None:
         if self._chat is not None:
