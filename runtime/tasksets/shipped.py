@@ -18,6 +18,12 @@ Two more commands prepare swe tasks on a machine with registry access, ahead of 
     rollout tasks prepare FILE          # wheelhouse + environments
     rollout tasks prepare FILE --runtime apptainer   # ... + each task image pulled/built once
     rollout tasks import-swebench INSTANCES --repos DIR --out FILE
+
+Harbor task folders (the ``harbor`` environment) have their own two, in
+:mod:`rollout.runtime.tasksets.harbor_import`::
+
+    rollout tasks import-harbor DIR...      # job lines
+    rollout tasks check-harbor DIR...       # oracle 1 and no-op 0, per task
 """
 
 from __future__ import annotations
@@ -230,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["prepare"]:
         return _prepare_main(argv[1:])
+    if argv[:1] in (["import-harbor"], ["check-harbor"]):
+        from rollout.runtime.tasksets.harbor_import import main as harbor_main
+
+        return harbor_main(argv)
     if argv[:1] == ["import-swebench"]:
         from rollout.runtime.tasksets.swebench_import import main as import_main
 
