@@ -71,7 +71,8 @@ class RegistryOptions:
     """``--authfile``: a containers-auth.json (default: ``REGISTRY_AUTH_FILE``, then
     ``${XDG_RUNTIME_DIR}/containers/auth.json``, as skopeo looks)."""
     registries_conf: str = ""
-    """A registries.conf to use instead of the user's (``CONTAINERS_REGISTRIES_CONF``)."""
+    """A registries.conf to use instead of the system's (default: the user's
+    ``CONTAINERS_REGISTRIES_CONF``, else ``/etc/containers/registries.conf``)."""
     tls_verify: bool = True
     """False: ``--src-tls-verify=false`` for every registry (registries.conf's
     ``insecure = true`` is the per-registry way)."""
@@ -89,10 +90,20 @@ class RegistryOptions:
             args.append(f"--src-cert-dir={self.cert_dir}")
         return args
 
+    def conf_path(self) -> str:
+        return self.registries_conf or os.environ.get("CONTAINERS_REGISTRIES_CONF", "")
+
+    def global_args(self) -> list[str]:
+        """Global flags of skopeo and buildah: the registries.conf (skopeo reads no
+        environment variable for it, so the user's ``CONTAINERS_REGISTRIES_CONF`` is passed
+        on as the flag)."""
+        conf = self.conf_path()
+        return ["--registries-conf", conf] if conf else []
+
     def environ(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self.registries_conf:
-            env["CONTAINERS_REGISTRIES_CONF"] = self.registries_conf
+        if self.conf_path():
+            env["CONTAINERS_REGISTRIES_CONF"] = self.conf_path()
         return env
 
 
@@ -268,7 +279,8 @@ class ImageCache:
         try:
             note("fetching")
             layout = staging / "layout"
-            self._run(["skopeo", "copy", "--quiet", *self.registry.skopeo_args(), str(ref),
+            self._run(["skopeo", *self.registry.global_args(), "copy", "--quiet",
+                       *self.registry.skopeo_args(), str(ref),
                        f"oci:{layout}:img"], ref, "fetch")
             digest = _layout_digest(layout)
             existing = self._load(digest, str(ref))
@@ -450,13 +462,17 @@ def classify_failure(ref: ImageRef | str, what: str, stderr: str, root: Path) ->
     tail = stderr[-1200:]
     if "no space left on device" in low:
         return _disk_full(ref, root, tail)
-    if any(s in low for s in ("unauthorized", "authentication required", "denied",
-                              "401", "403 forbidden")):
+    if any(s in low for s in ("unauthorized", "authentication required",
+                              "requested access to the resource is denied", "403 forbidden")):
         return ImageError(f"the registry refused access to image {ref} (check the auth file "
                           f"or `skopeo login`): {tail}", "IMAGE_AUTH_FAILED", ref=str(ref))
     if "no image found in manifest list" in low or "choosing image instance" in low:
         return ImageError(f"image {ref} has no variant for linux/{host_architecture()}: {tail}",
                           "IMAGE_REJECTED", ref=str(ref))
+    if any(s in low for s in ("manifest unknown", "name unknown", "no such file",
+                              "does not exist", "no descriptor found")):
+        return ImageError(f"image {ref} does not exist (unknown image or tag): {tail}",
+                          "IMAGE_NOT_FOUND", ref=str(ref))
     if any(s in low for s in ("connection refused", "no such host", "i/o timeout",
                               "dial tcp", "network is unreachable", "tls: ",
                               "http response to https client", "connection reset",
@@ -465,11 +481,6 @@ def classify_failure(ref: ImageRef | str, what: str, stderr: str, root: Path) ->
                 if "https client" in low else "")
         return ImageError(f"the registry of image {ref} cannot be reached{hint}: {tail}",
                           "IMAGE_REGISTRY_UNREACHABLE", ref=str(ref))
-    if any(s in low for s in ("manifest unknown", "name unknown", "not found",
-                              "no such file", "does not exist", "reading manifest",
-                              "no descriptor found", "invalid reference")):
-        return ImageError(f"image {ref} does not exist (unknown image or tag): {tail}",
-                          "IMAGE_NOT_FOUND", ref=str(ref))
     if what == "unpack":
         return ImageError(f"image {ref} could not be unpacked: {tail}", "IMAGE_REJECTED",
                           ref=str(ref))
