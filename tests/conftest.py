@@ -9,3 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The image fixtures (a loopback registry, the cached base image, a busybox image) are shared by
+# the image, harbor and SWE-image tests.
+pytest_plugins = ["tests.fixtures.images"]
