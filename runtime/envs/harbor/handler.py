@@ -128,7 +128,9 @@ class HarborHandler(AgentHandler):
         if owner is not None:
             for key in ("verifier", "tests"):
                 await asyncio.to_thread(os.chown, dirs[key], *owner)
-        ctx.state[WORKDIR_KEY] = harbor.workdir or sandbox.workspace_in_sandbox
+        # The image's WorkingDir (Harbor's tasks rely on their Dockerfile's WORKDIR).
+        ctx.state[WORKDIR_KEY] = harbor.workdir or getattr(sandbox, "default_cwd",
+                                                           sandbox.workspace_in_sandbox)
         ctx.progress("environment", {"task": harbor.name, "image": harbor.image_source})
 
     async def run(self, ctx: JobContext) -> RunOutcome:
