@@ -19,4 +19,5 @@ def image_factory(state: Path, settings: ImageSettings) -> Any:
 
 
 def line(name: str, agent: str = "model", folder: Path = FIXTURES) -> dict[str, Any]:
-    return harbor_import.job_line(taskdir.load(folder / name), agent=agent)
+    return harbor_import.job_line(taskdir.load(folder / name), agent=agent,
+                                  digest=taskdir.digest(folder / name))

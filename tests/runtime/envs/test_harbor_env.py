@@ -46,7 +46,7 @@ async def test_oracle_earns_1_and_noop_0(tmp_path: Path, sandbox_factory: Any) -
         ("rollout-tests/prebuilt-json", 1.0, 0.0, ())]
 
 
-async def test_check_harbor_lists_a_task_whose_verifier_fails(
+def test_check_harbor_lists_a_task_whose_verifier_fails(
         tmp_path: Path, harbor_images: ImageSettings, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     # A verifier past its timeout earns the oracle 0: the check lists the task.
@@ -98,7 +98,7 @@ async def test_a_hostile_policy_cannot_write_the_reward(rollout: Rollout) -> Non
              "done) > /dev/null 2>&1 &")
     result = await rollout(HarborHandler(), line("hello-file")["task"],
                            [call("bash", command=plant), DONE])
-    assert result.prompt_text().split("<tool_response>")[-1].strip().startswith("0")
+    assert "<|im_start|>tool\n0\n" in result.prompt_text()  # /tests had no entry
     assert result.reward.value == 0.0, result.reward.info
     assert result.reward.info["reward_file"] == "reward.txt"
     # Control: the same job doing the task earns 1.
