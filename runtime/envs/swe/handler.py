@@ -78,6 +78,7 @@ from rollout.runtime.envs.grading.pytest_log import (
     outcome_of,
     parse_plugin_report,
 )
+from rollout.runtime.envs.swe import images as swe_images
 from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.repo_cut import cut_at_base
 from rollout.runtime.envs.swe.runners import Runner
@@ -157,6 +158,9 @@ class SweHandler(AgentHandler):
 
     def validate_task(self, task: Mapping[str, Any]) -> None:
         check_task_object(task, ENV)
+        if swe_images.is_image_instance(task):  # the repository is the image's /testbed
+            swe_images.validate(task)
+            return
         for name in ("instance_id", "problem_statement", "test_patch"):
             require_str(task, name, env=ENV)
         base = require_str(task, "base_commit", env=ENV)
@@ -196,6 +200,9 @@ class SweHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         task = ctx.spec.task
         self.validate_task(task)
+        if swe_images.is_image_instance(task):
+            await swe_images.init(ctx)
+            return
         timeout = ctx.spec.limits.init_timeout_s
         kind, data = await cut_at_base(
             *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
@@ -233,7 +240,9 @@ class SweHandler(AgentHandler):
                  SubmitTool(ctx.state, answer_description="A one-line summary of your fix.")]
         messages = [
             {"role": "system",
-             "content": INSTRUCTIONS.format(workspace=sandbox.workspace_in_sandbox)},
+             "content": INSTRUCTIONS.format(workspace=swe_images.TESTBED
+                                            if swe_images.is_image_instance(ctx.spec.task)
+                                            else sandbox.workspace_in_sandbox)},
             {"role": "user", "content": ctx.spec.task["problem_statement"]}]
         outcome = await run_agent_loop(ctx, tools, messages)
         await end_agent(ctx)
@@ -241,6 +250,8 @@ class SweHandler(AgentHandler):
 
     async def eval(self, ctx: JobContext) -> Reward:
         task = ctx.spec.task
+        if swe_images.is_image_instance(task):
+            return await swe_images.evaluate(ctx)
         f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
         kind, data = await cut_at_base(
             *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
