@@ -62,6 +62,12 @@ _AGENT_PATCH_FAILED = 96
 _PATCH_FAILED = 97
 _GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
             "GIT_TERMINAL_PROMPT": "0"}
+SANDBOX_ENV = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+               "GIT_CONFIG_VALUE_0": "*"}
+"""Every process of the job's and the grader's sandboxes: the image's files belong to its
+root user, a root server's sandbox runs as a uid of its own, and git refuses a repository
+owned by another user unless told it is safe (in configuration only the command line or the
+environment may give)."""
 
 _CUT = r"""
 set -euo pipefail
@@ -157,7 +163,7 @@ async def init(ctx: JobContext) -> None:
     validate(task)
     image = str(task["spec"]["image"])
     ctx.state[IMAGE_KEY] = image
-    sandbox = await ctx.open_sandbox(image=image)
+    sandbox = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
     ctx.state[SANDBOX_KEY] = sandbox
     cut = await sandbox.exec(["bash", "-c", _CUT, "cut", task["base_commit"]],
                              timeout=ctx.spec.limits.init_timeout_s, cwd=TESTBED,
@@ -188,7 +194,7 @@ async def evaluate(ctx: JobContext) -> Reward:
         return Reward(0.0, zero, {"error": f"git could not read the change to {TESTBED}",
                                   "log": diff.output[-_LOG_TAIL:]})
     spec = await ask_swebench("eval-script", {"instance": instance_fields(task)})
-    grader = await ctx.open_sandbox(image=image)
+    grader = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
     try:
         return await _grade(ctx, grader, diff.stdout, spec, f2p, p2p)
     finally:
@@ -255,9 +261,9 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
     failing = [t for key in ("FAIL_TO_PASS", "PASS_TO_PASS")
                for t in report.get(key, {}).get("failure", [])]
     info["failing"] = ",".join(failing)[:1000]
+    info["log"] = run.output[-_LOG_TAIL:]
     if not verdict.get("found"):
         info["error"] = "the harness's parser found no test results in the eval log"
-        info["log"] = run.output[-_LOG_TAIL:]
         return Reward(0.0, components, info)
     if tree_report.get("screen"):
         info["error"] = "the change reaches into the test framework or the grader"
