@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,6 +58,8 @@ SWEBENCH_PYTHON_VAR = "ROLLOUT_SWEBENCH_PYTHON"
 HELPER = Path(__file__).with_name("swebench_helper.py")
 IMAGE_KEY = "swe.image"
 MAX_PATCH = 16 << 20
+END_MARKER = ">>>>> End Test Output"
+"""The harness's end-of-test-output marker (``swebench.harness.constants.END_TEST_OUTPUT``)."""
 _LOG_TAIL = 2000
 _AGENT_PATCH_FAILED = 96
 _PATCH_FAILED = 97
@@ -211,7 +214,9 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
     await write_private(grader, "agent.patch", patch.encode("utf-8", "surrogateescape"))
     test_patch = await write_private(grader, "test.patch", task["test_patch"])
     tree = await write_private(grader, "swe_grade_tree.py", swe.GRADE_TREE_SOURCE.read_bytes())
-    eval_script = await write_private(grader, "eval.sh", spec["eval_script"])
+    nonce = secrets.token_hex(8)
+    eval_script = await write_private(grader, "eval.sh",
+                                      with_exit_status(spec["eval_script"], nonce))
     private = os.path.dirname(test_patch)
     prepared = await grader.exec(["bash", "-c", _PREPARE, "prepare", private,
                                   task["base_commit"]], timeout=300.0, cwd=TESTBED)
@@ -248,7 +253,8 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
                             timeout=timeout, cwd=TESTBED, max_output=8 << 20)
     # Whatever the tests left running must not outlive the run into the verdict.
     await grader.stop_processes()
-    info["exit_status"] = str(run.exit_code)
+    found_exit = re.search(rf"^ROLLOUT_EXIT_{nonce}=(\d+)$", run.output, re.MULTILINE)
+    info["exit_status"] = found_exit.group(1) if found_exit else "unknown"
     if run.timed_out:
         info["error"] = f"the eval script timed out after {timeout:g} s"
         return Reward(0.0, zero, info)
@@ -269,8 +275,33 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
         info["error"] = "the change reaches into the test framework or the grader"
         info["screen"] = "; ".join(tree_report["screen"])[:2000]
         return Reward(0.0, components, info)
+    if not exit_status_agrees(verdict.get("status_map") or {}, info["exit_status"]):
+        info["error"] = (f"the test command's exit status ({info['exit_status']}) disagrees "
+                         "with the log, in which every test passed")
+        return Reward(0.0, components, info)
     return Reward(1.0 if verdict.get("resolution") == "RESOLVED_FULL" else 0.0, components,
                   info)
+
+
+def with_exit_status(script: str, nonce: str) -> str:
+    """The harness's eval script with the test command's exit status recorded: kept right
+    after the command (the end marker, a ``:``, would reset it) and printed after the marker
+    under a name the code under test never saw, so a log whose every test passed can be
+    checked against a runner that failed."""
+    lines = script.split("\n")
+    for i, line in enumerate(lines):
+        if line == f": '{END_MARKER}'" and i > 0:
+            return "\n".join([*lines[:i], "rollout_exit=$?", line,
+                               f'echo "ROLLOUT_EXIT_{nonce}=$rollout_exit"', *lines[i + 1:]])
+    return script
+
+
+def exit_status_agrees(status_map: Mapping[str, str], exit_status: str) -> bool:
+    """False when every test the log names passed and the test command still failed (or its
+    status is missing): a line printed by the code under test (at exit, say) rewrote the
+    record."""
+    return not (status_map and all(v == "PASSED" for v in status_map.values())
+                and exit_status != "0")
 
 
 def instance_fields(task: Mapping[str, Any]) -> dict[str, Any]:

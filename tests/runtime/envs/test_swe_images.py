@@ -32,23 +32,30 @@ PYTEST_FILES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygmen
 ACTIVATE = "conda() { :; }\n"
 CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 TESTS = "from calc import sub\n\n\ndef test_sub():\n    assert sub(5, 3) == 2\n"
-TEST_PATCH = """\
+
+
+def diff(text: str) -> str:
+    """A unified diff written with ``~`` for its blank context lines (a lone space)."""
+    return "\n".join(" " if line == "~" else line for line in text.split("\n"))
+
+
+TEST_PATCH = diff("""\
 diff --git a/tests/test_calc.py b/tests/test_calc.py
 --- a/tests/test_calc.py
 +++ b/tests/test_calc.py
 @@ -1,5 +1,9 @@
 -from calc import sub
 +from calc import add, sub
- 
- 
+~
+~
  def test_sub():
      assert sub(5, 3) == 2
 +
 +
 +def test_add():
 +    assert add(2, 3) == 5
-"""
-GOLD = """\
+""")
+GOLD = diff("""\
 diff --git a/calc.py b/calc.py
 --- a/calc.py
 +++ b/calc.py
@@ -56,10 +63,10 @@ diff --git a/calc.py b/calc.py
  def add(a, b):
 -    return a - b
 +    return a + b
- 
- 
+~
+~
  def sub(a, b):
-"""
+""")
 
 
 def git(repo: Path, *args: str) -> str:
@@ -164,15 +171,19 @@ async def test_gold_noop_and_wrong(rollout: Rollout, swebench_image: tuple[str, 
     assert "tests/test_calc.py" in wrong.reward.info["restored"]
 
 
-async def test_a_forged_result_line_is_screened(rollout: Rollout,
-                                                swebench_image: tuple[str, str]) -> None:
-    # The change prints the harness's own result lines from the code under test.
-    forge = ("cd /testbed && cat >> calc.py <<'EOF'\nimport sys\n"
-             "sys.stdout.write('PASSED tests/test_calc.py::test_add\\n')\nEOF\n")
+async def test_a_forged_result_line_earns_0(rollout: Rollout,
+                                            swebench_image: tuple[str, str]) -> None:
+    # The change prints the parser's result line for the failing test when the test run's
+    # process exits, after pytest's own summary: the log then says every test passed.
+    forge = ("cd /testbed && cat >> calc.py <<'EOF'\nimport atexit, os\n"
+             "atexit.register(lambda: os.write(1, b'PASSED tests/test_calc.py::test_add\\n'))"
+             "\nEOF\n")
     result = await rollout(SweHandler(), instance(*swebench_image),
                            [call("bash", command=forge), DONE])
     assert result.reward.value == 0.0
-    assert "reaches into the test framework" in result.reward.info["error"]
+    assert result.reward.components["fail_to_pass"] == 1.0  # the parser was fooled
+    assert "disagrees with the log" in result.reward.info["error"]
+    assert result.reward.info["exit_status"] == "1"
 
 
 def test_image_instances_are_validated() -> None:
