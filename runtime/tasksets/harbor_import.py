@@ -52,12 +52,24 @@ def job_line(harbor: HarborTask, *, agent: str = "model", job_id: str | None = N
     return line
 
 
-def limits_of(harbor: HarborTask) -> dict[str, float]:
-    """The job limits a task's ``task.toml`` asks for (``Limits`` field names)."""
+def limits_of(harbor: HarborTask) -> dict[str, str]:
+    """The job limits a task's ``task.toml`` asks for, as a job line spells them (the
+    ``Limits`` message in JSON: durations as ``"420s"``)."""
     init = harbor.build_timeout_s if not harbor.docker_image else 0.0
-    return {"init_timeout_s": init + SETUP_MARGIN_S,
-            "run_timeout_s": harbor.agent_timeout_s + 5.0,
-            "eval_timeout_s": harbor.verifier_timeout_s + SETUP_MARGIN_S}
+    return {"initTimeout": f"{init + SETUP_MARGIN_S:g}s",
+            "runTimeout": f"{harbor.agent_timeout_s + 5.0:g}s",
+            "evalTimeout": f"{harbor.verifier_timeout_s + SETUP_MARGIN_S:g}s"}
+
+
+def limits_value(line: Mapping[str, Any]) -> Any:
+    """A job line's limits as the runtime's ``Limits``."""
+    from rollout.runtime.types import Limits
+
+    given = line.get("limits", {})
+    seconds = {name: float(str(given[key]).rstrip("s")) for key, name in (
+        ("initTimeout", "init_timeout_s"), ("runTimeout", "run_timeout_s"),
+        ("evalTimeout", "eval_timeout_s")) if key in given}
+    return Limits(**seconds)
 
 
 def import_lines(paths: Iterable[Path], *, agent: str = "model", samples: int = 1,
@@ -106,10 +118,10 @@ async def run_once(line: Mapping[str, Any], sandbox_factory: Any,
     from rollout.runtime.envs.harbor.handler import HarborHandler
     from rollout.runtime.handler import HandlerError, JobContext
     from rollout.runtime.sandbox.base import SandboxError
-    from rollout.runtime.types import InvalidArgument, JobSpec, Limits
+    from rollout.runtime.types import InvalidArgument, JobSpec
 
     handler = HarborHandler()
-    limits = Limits(**line["limits"])
+    limits = limits_value(line)
     ctx = JobContext(spec=JobSpec(job_id=job_id, environment="harbor", task=dict(line["task"]),
                                   limits=limits), sandbox_factory=sandbox_factory)
     async with ctx.resources:

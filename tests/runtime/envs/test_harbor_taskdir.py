@@ -127,14 +127,16 @@ def test_import_harbor_writes_job_lines_for_a_dataset(tmp_path: Path,
     assert sorted(by_dir) == names
     hello = by_dir["hello-file"]
     assert hello["environment"] == "harbor"
-    assert hello["limits"] == {"init_timeout_s": 300.0 + harbor_import.SETUP_MARGIN_S,
-                               "run_timeout_s": 125.0,
-                               "eval_timeout_s": 60.0 + harbor_import.SETUP_MARGIN_S}
+    assert hello["limits"] == {"initTimeout": "420s", "runTimeout": "125s",
+                               "evalTimeout": "180s"}
+    limits = harbor_import.limits_value(hello)
+    assert (limits.init_timeout_s, limits.run_timeout_s, limits.eval_timeout_s) == (
+        300.0 + harbor_import.SETUP_MARGIN_S, 125.0, 60.0 + harbor_import.SETUP_MARGIN_S)
     assert hello["task"]["digest"] == taskdir.digest(FIXTURES / "hello-file")
     assert {line["job_id"] for line in lines} >= {"r1-hello-file-0", "r1-hello-file-1"}
     # A prebuilt image needs no build time in INIT.
     prebuilt = by_dir["prebuilt-json"]
-    assert prebuilt["limits"]["init_timeout_s"] == harbor_import.SETUP_MARGIN_S
+    assert prebuilt["limits"]["initTimeout"] == f"{harbor_import.SETUP_MARGIN_S:g}s"
     assert prebuilt["job_id"].startswith("r1-rollout-tests__prebuilt-json-")
 
 
