@@ -75,6 +75,9 @@ if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$dir.tmp/.setup-stamp"
   mv "$dir.tmp" "$dir"
   ln -sfn "$(basename "$dir")" "$CACHE/current-image-base"
+  for old in "$CACHE"/image-base-*; do  # earlier recipes' images
+    [ "$old" = "$dir" ] || rm -rf "$old"
+  done
   echo "setup_images: base image $dir built in $((SECONDS - t0)) s"
 fi
 [ "$(readlink "$CACHE/current-image-base" 2>/dev/null)" = "$(basename "$dir")" ] \
