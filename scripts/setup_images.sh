@@ -56,6 +56,8 @@ make_base() {  # $1: target directory (an OCI layout with the tag "base")
   mkdir -p "$work/bundle"
   umoci unpack --rootless --image "$1:base" "$work/bundle"
   tar -C "$work/bundle/rootfs" -xf "$work/rootfs.tar" --exclude='./dev/*'
+  # `python` as the python:3.X-slim images have it (Debian's python3 package ships python3 only).
+  ln -s python3 "$work/bundle/rootfs/usr/bin/python"
   umoci repack --image "$1:base" "$work/bundle"
   umoci config --image "$1:base" --config.env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --config.env LANG=C.UTF-8 --config.cmd /bin/bash --architecture amd64 --os linux
@@ -73,6 +75,9 @@ if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$dir.tmp/.setup-stamp"
   mv "$dir.tmp" "$dir"
   ln -sfn "$(basename "$dir")" "$CACHE/current-image-base"
+  for old in "$CACHE"/image-base-*; do  # earlier recipes' images
+    [ "$old" = "$dir" ] || rm -rf "$old"
+  done
   echo "setup_images: base image $dir built in $((SECONDS - t0)) s"
 fi
 [ "$(readlink "$CACHE/current-image-base" 2>/dev/null)" = "$(basename "$dir")" ] \

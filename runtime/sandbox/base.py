@@ -103,6 +103,10 @@ class ImageSettings:
     """Deadline of one fetch, one unpack, one build."""
     build_timeout_s: float = 3600.0
     """Deadline of one Dockerfile build."""
+    apptainer_pulls: Literal["apptainer", "cache"] = "apptainer"
+    """Apptainer runtime, ``docker://`` images: pulled by Apptainer into SIF files
+    (``apptainer``, the default: a SIF is one squashfs file, which Apptainer runs best) or
+    taken from this image cache like every other reference (``cache``)."""
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:

@@ -85,6 +85,7 @@ from rollout.runtime.envs.swe.runners import Runner
 from rollout.runtime.envs.swe.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
+from rollout.runtime.sandbox.images import is_image_ref
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
 
@@ -219,11 +220,11 @@ class SweHandler(AgentHandler):
         if spec is not None and spec.image:
             # The image carries the environment: no venv; sandbox and grader both start it.
             runtime = runtime_of(factory)
-            if runtime not in (None, "apptainer"):
+            if runtime not in (None, "apptainer") and not is_image_ref(spec.image):
                 raise HandlerError(f"the task's image {spec.image} needs the apptainer sandbox "
                                    f"runtime; this server runs {runtime}",
                                    "INVALID_SANDBOX_OPTIONS")
-            options = await asyncio.to_thread(image_options, spec)
+            options = await asyncio.to_thread(image_options, spec, runtime)
             ctx.progress("environment", {"image": spec.image, "start": options["image"]})
         elif spec is not None and factory is not None:
             env_dir, built = await ensure_env(spec, factory, checkout, timeout=timeout)

@@ -164,7 +164,8 @@ def build_image(cache: ImageCache, spec: BuildSpec, *,
 def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
            env: Mapping[str, str] | None) -> CachedImage:
     storage = cache.root / "buildah"
-    store = ["--root", str(storage / "root"), "--runroot", str(storage / "run")]
+    store = ["--root", str(storage / "root"), "--runroot", str(storage / "run"),
+             *cache.registry.global_args()]
     tag = f"localhost/rollout-build:{key}"
     staging = cache.root / "tmp" / f"build-{uuid.uuid4().hex[:12]}.{os.getpid()}"
     staging.mkdir(parents=True)
