@@ -117,3 +117,20 @@ async def test_a_changed_folder_is_refused(tmp_path: Path, rollout: Rollout) -> 
     (folder / "tests" / "test.sh").write_text("#!/bin/sh\necho 1 > /logs/verifier/reward.txt\n")
     with pytest.raises(HandlerError, match="changed since it was imported"):
         await rollout(HarborHandler(), task, [DONE], limits=Limits(max_turns=1))
+
+
+async def test_a_harness_runs_a_harbor_task_in_its_image(rollout: Rollout) -> None:
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import PingGateway, harness_task
+
+    # A user's harness (a command; here one that does the task without asking the model), in
+    # the task's image and working directory; INIT and the verifier are the harbor
+    # environment's own.
+    harness = {"command": ["bash", "-c", "pwd > where.txt && cat {prompt_file} > seen.txt && "
+                                         "echo 'Hello from Harbor!' > greeting.txt"]}
+    task = harness_task("harbor", line("hello-file")["task"], harness)
+    result = await rollout(HarnessHandler(), task, [], gateway=PingGateway(),
+                           limits=Limits(max_turns=2, run_timeout_s=60))
+    assert result.outcome.metadata["harness_exit"] == "0", result.outcome.metadata
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.reward.info["task"] == "hello-file"
