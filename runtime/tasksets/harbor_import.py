@@ -2,6 +2,7 @@
 
     rollout tasks import-harbor DIR... [--agent model|oracle|noop] [--samples N]
                                        [--job-id-prefix P] [--out FILE]
+                                       [--prepare [--image-cache DIR] [--registries-conf F]]
     rollout tasks check-harbor DIR... [--state-dir DIR] [--timeout-scale X]
 
 ``DIR`` is one task folder (it holds ``task.toml``) or a data set of them (every folder below
@@ -10,6 +11,9 @@ that holds one). ``import-harbor`` prints one ``rollout submit`` line per task a
 ``task.toml`` sets (the agent's timeout as the RUN stage's, the verifier's and the build's
 with room for the set-up around them). A folder that is not a usable task stops the import
 with the file and key to fix; keys Harbor has and this server ignores are listed on stderr.
+With ``--prepare`` every task's image is pulled (``docker_image``) or built
+(``environment/Dockerfile``) into the image cache first, with a progress bar each, so no job's
+INIT waits for it; a task whose image fails stops the import, naming it.
 
 ``check-harbor`` runs each task twice through the real ``harbor`` handler, in sandboxes on this
 machine, as Harbor's own oracle check does: the ``oracle`` agent (``solution/solve.sh``) must
@@ -186,10 +190,24 @@ def _import_main(argv: list[str]) -> int:
     parser.add_argument("--samples", type=int, default=1, help="jobs per task")
     parser.add_argument("--job-id-prefix", default="", help="derive stable job ids")
     parser.add_argument("--out", type=Path, help="write the lines here instead of stdout")
+    parser.add_argument("--prepare", action="store_true",
+                        help="pull or build every task's image into the image cache now")
+    parser.add_argument("--image-cache", default="",
+                        help="with --prepare: the image cache (default $ROLLOUT_IMAGE_CACHE or "
+                             "~/.cache/rollout/images; the server's sandbox.image_cache must "
+                             "name the same)")
+    parser.add_argument("--registries-conf", default="",
+                        help="with --prepare: a registries.conf for the fetches and builds")
     args = parser.parse_args(argv)
     try:
         lines, notes = import_lines(args.dirs, agent=args.agent, samples=args.samples,
                                     job_id_prefix=args.job_id_prefix)
+        if args.prepare:
+            failed = prepare_images(lines, args.image_cache, args.registries_conf)
+            if failed:
+                sys.stderr.write("".join(f"rollout tasks import-harbor: {why}\n"
+                                         for why in failed))
+                return 2
     except (TaskFolderError, OSError) as e:
         sys.stderr.write(f"rollout tasks import-harbor: {e}\n")
         return 2
@@ -202,6 +220,24 @@ def _import_main(argv: list[str]) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def prepare_images(lines: list[dict[str, Any]], cache_dir: str = "",
+                   registries_conf: str = "") -> list[str]:
+    """Pull or build the images of the tasks of ``lines`` into the image cache (each once);
+    returns why each failed, naming the task."""
+    from rollout.runtime.envs.harbor.handler import image_source
+    from rollout.runtime.sandbox.base import ImageSettings
+    from rollout.runtime.sandbox.images.prepare import prepare_images as prepare
+
+    sources = {}
+    for line in lines:
+        harbor = taskdir.load(Path(line["task"]["task_dir"]))
+        sources.setdefault(harbor.path, (harbor.name, image_source(harbor)))
+    settings = ImageSettings(cache_dir=cache_dir, registries_conf=registries_conf)
+    done = prepare([source for _, source in sources.values()], settings)
+    names = {str(getattr(source, "name", source)): name for name, source in sources.values()}
+    return [f"{names.get(p.source, p.source)}: {p.error}" for p in done if p.error is not None]
 
 
 def _check_main(argv: list[str]) -> int:

@@ -134,3 +134,32 @@ async def test_a_harness_runs_a_harbor_task_in_its_image(rollout: Rollout) -> No
     assert result.outcome.metadata["harness_exit"] == "0", result.outcome.metadata
     assert result.reward.value == 1.0, result.reward.info
     assert result.reward.info["task"] == "hello-file"
+
+
+def test_import_harbor_prepare_builds_images_and_names_a_broken_task(
+        tmp_path: Path, harbor_images: ImageSettings,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken-build"
+    shutil.copytree(FIXTURES / "hello-file", broken)
+    (broken / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nCOPY not-in-the-context.txt /app/\n")
+    args = ["import-harbor", "--prepare", "--image-cache", harbor_images.cache_dir,
+            "--registries-conf", harbor_images.registries_conf]
+    assert tasks_main([*args, str(FIXTURES / "hello-file")]) == 0
+    assert json.loads(capsys.readouterr().out)["task"]["task_dir"].endswith("hello-file")
+    assert tasks_main([*args, str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "broken-build" in err and "not-in-the-context.txt" in err
+
+
+async def test_a_task_whose_image_does_not_build_fails_naming_it(tmp_path: Path,
+                                                                 rollout: Rollout) -> None:
+    from rollout.runtime.sandbox.images import ImageError
+
+    broken = tmp_path / "broken-build"
+    shutil.copytree(FIXTURES / "hello-file", broken)
+    (broken / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nUSER\n")
+    with pytest.raises(ImageError) as err:
+        await rollout(HarborHandler(), line("broken-build", folder=tmp_path)["task"], [DONE],
+                      limits=Limits(max_turns=1))
+    assert err.value.reason == "IMAGE_BUILD_FAILED" and "broken-build" in str(err.value)
