@@ -70,10 +70,14 @@ def limits_value(line: Mapping[str, Any]) -> Any:
     from rollout.runtime.types import Limits
 
     given = line.get("limits", {})
-    seconds = {name: float(str(given[key]).rstrip("s")) for key, name in (
-        ("initTimeout", "init_timeout_s"), ("runTimeout", "run_timeout_s"),
-        ("evalTimeout", "eval_timeout_s")) if key in given}
-    return Limits(**seconds)
+
+    def seconds(key: str, default: float) -> float:
+        return float(str(given[key]).rstrip("s")) if key in given else default
+
+    base = Limits()
+    return Limits(init_timeout_s=seconds("initTimeout", base.init_timeout_s),
+                  run_timeout_s=seconds("runTimeout", base.run_timeout_s),
+                  eval_timeout_s=seconds("evalTimeout", base.eval_timeout_s))
 
 
 def import_lines(paths: Iterable[Path], *, agent: str = "model", samples: int = 1,
@@ -230,7 +234,7 @@ def prepare_images(lines: list[dict[str, Any]], cache_dir: str = "",
     from rollout.runtime.sandbox.base import ImageSettings
     from rollout.runtime.sandbox.images.prepare import prepare_images as prepare
 
-    sources = {}
+    sources: dict[Path, tuple[str, Any]] = {}
     for line in lines:
         harbor = taskdir.load(Path(line["task"]["task_dir"]))
         sources.setdefault(harbor.path, (harbor.name, image_source(harbor)))
