@@ -111,7 +111,7 @@ class HarborHandler(AgentHandler):
             if now != task["digest"]:
                 raise HandlerError(f"the Harbor task folder {harbor.path} changed since it was "
                                    "imported (its digest differs): import it again",
-                                   "TASK_CHANGED")
+                                   "INVALID_TASK")
         ctx.state[TASK_KEY] = harbor
         dirs = await asyncio.to_thread(
             _job_dirs, harbor if task.get("agent", "model") == "oracle" else None)
@@ -235,7 +235,7 @@ async def _oracle(sandbox: Any, harbor: HarborTask, workdir: str,
     ``/solution``, with ``[solution].env``."""
     if not harbor.has_solution:
         raise HandlerError(f"the Harbor task {harbor.name} has no solution/solve.sh for the "
-                           "oracle agent", "NO_SOLUTION")
+                           "oracle agent", "INVALID_TASK")
     run = await sandbox.exec(["bash", f"{SOLUTION_DIR}/solve.sh"], cwd=workdir,
                              env=dict(harbor.solution_env), timeout=timeout,
                              max_output=256 << 10)

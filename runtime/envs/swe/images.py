@@ -225,7 +225,7 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
                                            "repository", "log": prepared.output[-_LOG_TAIL:]})
     if not prepared.ok:
         raise HandlerError(f"preparing the grading tree in {task['spec']['image']} failed: "
-                           f"{prepared.output[-600:]}", "GRADING_FAILED")
+                           f"{prepared.output[-600:]}", "HANDLER_ERROR")
     runner = swe_runners.runner_of(task)
     python = [*getattr(grader, "python_launcher", ()), grader.python] if getattr(
         grader, "python_launcher", ()) else ["python3"]
@@ -247,7 +247,7 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
                                timeout=60.0, cwd=TESTBED, env=_GIT_ENV)
     if not undone.ok:
         raise HandlerError(f"could not take the test patch back off: {undone.output[-400:]}",
-                           "GRADING_FAILED")
+                           "HANDLER_ERROR")
     timeout = min(float(task.get("test_timeout_s", 1800.0)), ctx.spec.limits.eval_timeout_s)
     run = await grader.exec(["bash", "-c", 'exec bash "$1" 2>&1', "eval", eval_script],
                             timeout=timeout, cwd=TESTBED, max_output=8 << 20)
@@ -348,5 +348,5 @@ async def ask_swebench(command: str, request: Mapping[str, Any],
     result: dict[str, Any] = json.loads(proc.stdout)
     if "error" in result:
         raise HandlerError(f"the SWE-bench harness cannot grade this instance: "
-                           f"{result['error']}", "SWEBENCH_UNSUPPORTED")
+                           f"{result['error']}", "INVALID_TASK")
     return result
