@@ -3,7 +3,8 @@
     rollout tasks import-harbor DIR... [--agent model|oracle|noop] [--samples N]
                                        [--job-id-prefix P] [--out FILE]
                                        [--prepare [--image-cache DIR] [--registries-conf F]]
-    rollout tasks check-harbor DIR... [--state-dir DIR] [--timeout-scale X]
+    rollout tasks check-harbor DIR... [--state-dir DIR] [--image-cache DIR]
+                                      [--registries-conf FILE]
 
 ``DIR`` is one task folder (it holds ``task.toml``) or a data set of them (every folder below
 that holds one). ``import-harbor`` prints one ``rollout submit`` line per task and sample: the
@@ -246,6 +247,7 @@ def prepare_images(lines: list[dict[str, Any]], cache_dir: str = "",
 
 def _check_main(argv: list[str]) -> int:
     from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+    from rollout.runtime.sandbox.base import ImageSettings
 
     parser = argparse.ArgumentParser(
         prog="rollout tasks check-harbor",
@@ -254,8 +256,15 @@ def _check_main(argv: list[str]) -> int:
     parser.add_argument("dirs", nargs="+", type=Path, help="task folders or data sets of them")
     parser.add_argument("--state-dir", type=Path, default=Path(".rollout"),
                         help="state dir for the sandboxes")
+    parser.add_argument("--image-cache", default="",
+                        help="the image cache (default $ROLLOUT_IMAGE_CACHE or "
+                             "~/.cache/rollout/images)")
+    parser.add_argument("--registries-conf", default="",
+                        help="a registries.conf for the fetches and builds")
     args = parser.parse_args(argv)
-    factory = functools.partial(create_sandbox, SandboxConfig(state_dir=args.state_dir))
+    images = ImageSettings(cache_dir=args.image_cache, registries_conf=args.registries_conf)
+    factory = functools.partial(create_sandbox, SandboxConfig(state_dir=args.state_dir,
+                                                              images=images))
     try:
         results = asyncio.run(check(args.dirs, factory))
     except (TaskFolderError, OSError) as e:

@@ -47,13 +47,12 @@ async def test_oracle_earns_1_and_noop_0(tmp_path: Path, sandbox_factory: Any) -
 
 
 def test_check_harbor_lists_a_task_whose_verifier_fails(
-        tmp_path: Path, harbor_images: ImageSettings, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, harbor_images: ImageSettings,
         capsys: pytest.CaptureFixture[str]) -> None:
     # A verifier past its timeout earns the oracle 0: the check lists the task.
-    monkeypatch.setenv("ROLLOUT_IMAGE_CACHE", harbor_images.cache_dir)
-    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", harbor_images.registries_conf)
     assert tasks_main(["check-harbor", str(FIXTURES / "slow-verifier"), "--state-dir",
-                       str(tmp_path / "state")]) == 1
+                       str(tmp_path / "state"), "--image-cache", harbor_images.cache_dir,
+                       "--registries-conf", harbor_images.registries_conf]) == 1
     out, err = capsys.readouterr()
     row = json.loads(out.splitlines()[0])
     assert row["ok"] is False and row["oracle"] == 0.0 and row["noop"] == 0.0
