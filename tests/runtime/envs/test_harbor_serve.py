@@ -30,8 +30,8 @@ def import_lines(*args: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_oracle_noop_and_model_through_rollout_serve(
-        tmp_path: Path, image_registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oracle_noop_and_model_through_rollout_serve(tmp_path: Path,
+                                                    image_registry: Registry) -> None:
     dirs = [str(FIXTURES / name) for name in TASKS]
     lines = [*import_lines(*dirs, "--agent", "oracle"), *import_lines(*dirs, "--agent", "noop"),
              *import_lines(str(FIXTURES / "partial-credit"), str(FIXTURES / "system-command"))]
@@ -46,10 +46,11 @@ def test_oracle_noop_and_model_through_rollout_serve(
             call("bash", command="cd /app && echo 27 > sum.txt && echo 99 > max.txt && "
                                  "echo 4 > count.txt"), DONE]},
         {"job_id": "harbor-8", "messages": [call("bash", command=install), DONE]})))
-    monkeypatch.setenv("ROLLOUT_IMAGE_CACHE", str(tmp_path / "images"))
-    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(image_registry.registries_conf))
     server = Serve(tmp_path, script)
-    server.args += ["--set", f"server.task_path_roots={json.dumps([str(FIXTURES)])}"]
+    # What an operator sets: the folders tasks may name, the image cache and the mirror.
+    server.args += ["--set", f"server.task_path_roots={json.dumps([str(FIXTURES)])}",
+                    "--set", f"sandbox.image_cache={tmp_path / 'images'}",
+                    "--set", f"sandbox.image_registries_conf={image_registry.registries_conf}"]
     server.start()
     try:
         out = tmp_path / "out.jsonl"
