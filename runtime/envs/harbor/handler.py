@@ -100,7 +100,8 @@ class HarborHandler(AgentHandler):
         for name in ("digest", "name"):
             if not isinstance(task.get(name, ""), str):
                 raise invalid(f"harbor task field {name!r} must be a string", name)
-        load_task(task)
+        # At submit, on the server's event loop: the small files only.
+        load_task(task, sizes=False)
 
     async def init(self, ctx: JobContext) -> None:
         task = ctx.spec.task
@@ -182,15 +183,16 @@ class HarborHandler(AgentHandler):
         ctx.state.pop(SANDBOX_KEY, None)
 
 
-def load_task(task: Mapping[str, Any]) -> HarborTask:
-    """The task folder a job names, inside the server's allowed roots, read and checked."""
+def load_task(task: Mapping[str, Any], *, sizes: bool = True) -> HarborTask:
+    """The task folder a job names, inside the server's allowed roots, read and checked
+    (``sizes=False``: without summing its tests and solution, as a submit does)."""
     value = task.get("task_dir")
     if not isinstance(value, str) or not value.strip():
         raise invalid("harbor task needs 'task_dir': the path of a Harbor task folder on the "
                       "server", "task_dir")
     path = host_path(value, "task_dir", env=ENV)
     try:
-        return taskdir.load(path)
+        return taskdir.load(path, sizes=sizes)
     except (TaskFolderError, OSError) as e:
         raise invalid(f"harbor task folder {value!r}: {e}", "task_dir") from None
 

@@ -146,3 +146,12 @@ def test_import_harbor_refuses_a_broken_task(tmp_path: Path,
     (folder / "tests" / "test.sh").unlink()
     assert tasks_main(["import-harbor", str(tmp_path)]) == 2
     assert "tests/test.sh" in capsys.readouterr().err
+
+
+def test_oversized_tests_are_refused_off_the_submit_path(tmp_path: Path) -> None:
+    folder = copy_task(tmp_path)
+    with (folder / "tests" / "data.bin").open("wb") as f:  # sparse: no disk used
+        f.truncate(taskdir.MAX_FOLDER_BYTES + 1)
+    taskdir.load(folder, sizes=False)  # what a submit checks: the small files
+    with pytest.raises(TaskFolderError, match="over the"):
+        taskdir.load(folder)
