@@ -181,8 +181,10 @@ class HarnessHandler(AgentHandler):
                 # The sandbox's own uid (a root server's) must be able to connect; nobody
                 # else on the host gets anything new.
                 await asyncio.to_thread(os.chown, lease.socket_path, *owner)
-            # A Harbor task's agent starts in its image's working directory.
-            workspace = ctx.state.get("harbor.workdir") or sandbox.workspace_in_sandbox
+            # In an image (a Harbor task, a SWE-bench instance) the agent starts in the task's
+            # working directory, else in the workspace.
+            workspace = ctx.state.get("harbor.workdir") or getattr(
+                sandbox, "default_cwd", sandbox.workspace_in_sandbox)
             launch = launch_spec(ctx, harness, lease.api_key, workspace,
                                  sandbox.env.get("HOME", "/tmp"))
             ctx.progress("harness", {"harness": harness.name, "port": harness.port})
