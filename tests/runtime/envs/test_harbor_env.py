@@ -162,3 +162,28 @@ async def test_a_task_whose_image_does_not_build_fails_naming_it(tmp_path: Path,
         await rollout(HarborHandler(), line("broken-build", folder=tmp_path)["task"], [DONE],
                       limits=Limits(max_turns=1))
     assert err.value.reason == "IMAGE_BUILD_FAILED" and "broken-build" in str(err.value)
+
+
+async def test_mini_swe_agent_solves_a_harbor_task_in_its_image(
+        rollout: Rollout, gateway_rig: Any) -> None:
+    from rollout.runtime.envs.harness import presets as harness_presets
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import harness_task
+
+    try:
+        harness_presets.resolve("mini-swe-agent")
+    except Exception as e:  # the message says what to run
+        pytest.skip(f"mini-swe-agent is not installed: {e}")
+
+    def action(command: str) -> str:  # mini-swe-agent's own reply format
+        return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+
+    script = [action("echo WD=$(pwd) && echo 'Hello from Harbor!' > greeting.txt"),
+              action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+    result = await rollout(HarnessHandler(),
+                           harness_task("harbor", line("hello-file")["task"], "mini-swe-agent"),
+                           script, gateway=gateway_rig.gateway,
+                           limits=Limits(max_turns=6, run_timeout_s=180))
+    assert result.reward.value == 1.0, (result.reward.info,
+                                        result.outcome.metadata["harness_log"])
+    assert "WD=/app" in result.prompt_text()  # the preset's shell started in the WORKDIR
