@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, target in (("llm-serve", "serve a model over HTTP (vLLM-compatible routes)"),
                          ("quickstart", "start a server and run a small demo"),
                          ("tasks", "task files: print job lines, `prepare FILE` (wheelhouse "
-                                   "and per-task environments), `import-swebench`")):
+                                   "and per-task environments), `import-swebench`, "
+                                   "`import-harbor`, `check-harbor`")):
         p = sub.add_parser(name, help=target, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
     p = sub.add_parser(

@@ -53,6 +53,12 @@ bash scripts/setup_browser.sh
 # The agent harnesses the `harness` environment's presets run (mini-swe-agent, Codex CLI): own
 # venv / npm tree under the set-up cache, keyed by recipe. ROLLOUT_SKIP_HARNESSES=1 skips them.
 bash scripts/setup_harnesses.sh
+# The container-image tools (skopeo, umoci, buildah, docker-registry, mmdebstrap, busybox-static,
+# bash-static) and a cached Debian base image. ROLLOUT_SKIP_IMAGES=1 skips them.
+bash scripts/setup_images.sh
+# The official SWE-bench harness (swebench) in a venv of its own, for grading SWE-bench image
+# instances (runtime/envs/swe/images.py). ROLLOUT_SKIP_SWEBENCH=1 skips it.
+bash scripts/setup_swebench.sh
 # The trainer-adapter test environments (.venv-verl, .venv-nemo-gym). ROLLOUT_SKIP_ADAPTERS=1
 # skips them; their tests then skip, except under CI=true (.ci/run sets it), where they fail.
 bash scripts/setup_adapters.sh

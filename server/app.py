@@ -311,14 +311,30 @@ def build_sandbox_factory(cfg: Config) -> Any:
     """The configured sandbox runtime as a ``JobContext.sandbox_factory``; also reaps what a
     crashed predecessor left behind under the state directory."""
     from rollout.runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
+    from rollout.runtime.sandbox.base import ImageSettings, SandboxError
+    from rollout.runtime.sandbox.images import is_image_ref, parse_image_ref
 
     image = cfg.sandbox.image or None
     ceilings = SandboxLimits(address_space_bytes=cfg.sandbox.max_address_space_bytes,
                              processes=cfg.sandbox.max_processes,
                              open_files=cfg.sandbox.max_open_files)
+    sb = cfg.sandbox
+    images = ImageSettings(cache_dir=sb.image_cache, budget_bytes=sb.image_cache_bytes,
+                           max_image_bytes=sb.image_max_bytes,
+                           setuid="refuse" if sb.image_setuid == "refuse" else "strip",
+                           authfile=sb.image_authfile, registries_conf=sb.image_registries_conf,
+                           timeout_s=sb.image_timeout_s, build_timeout_s=sb.image_build_timeout_s)
+    if image and is_image_ref(image):
+        try:  # a bad reference stops the start, not every job
+            parse_image_ref(image)
+        except SandboxError as e:
+            raise InvalidArgument(f"config key 'sandbox.image': {e}", "BAD_CONFIG",
+                                  "sandbox.image") from e
     if cfg.sandbox.runtime == "bwrap":
+        reference = bool(image and is_image_ref(image))
         sb_cfg = SandboxConfig(runtime="bwrap", state_dir=cfg.state_path,
-                               rootfs=Path(image) if image else None,
+                               rootfs=Path(image) if image and not reference else None,
+                               image=image if reference else None, images=images,
                                host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                visible_paths=tuple(cfg.sandbox.visible_paths),
                                disk_bytes=cfg.sandbox.disk_bytes,
@@ -326,6 +342,7 @@ def build_sandbox_factory(cfg: Config) -> Any:
                                max_limits=ceilings)
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image,
+                               images=images,
                                host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                disk_bytes=cfg.sandbox.disk_bytes,
                                memory_bytes=cfg.sandbox.memory_bytes, max_limits=ceilings)

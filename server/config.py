@@ -146,8 +146,27 @@ class SandboxSection:
     """``bwrap`` (default) or ``apptainer`` (the ``apptainer`` CLI, else ``singularity``,
     called directly with deadlines)."""
     image: str = ""
-    """Rootfs directory (bwrap) or SIF/directory image (apptainer); empty = a root built from
-    the host as ``host_view`` says."""
+    """Rootfs directory (bwrap) or SIF/directory image (apptainer), or an image reference
+    (``docker://``, ``oci:``, ``oci-archive:``, ``docker-archive:``; docs/images.md) whose
+    cached root every sandbox runs on; empty = a root built from the host as ``host_view``
+    says. A job's own image (a swe task's ``spec.image``) wins."""
+    image_cache: str = ""
+    """Where images are cached ('' = ``$ROLLOUT_IMAGE_CACHE`` or ``~/.cache/rollout/images``,
+    where ``rollout tasks prepare`` puts them)."""
+    image_cache_bytes: int = 32 << 30
+    """Total unpacked size the image cache keeps; unused images are evicted past it."""
+    image_max_bytes: int = 8 << 30
+    """Largest unpacked size of one image; a bigger one fails its jobs in INIT."""
+    image_setuid: str = "strip"
+    """setuid/setgid files in an image: ``strip`` the bits (default) or ``refuse`` the image."""
+    image_authfile: str = ""
+    """A containers-auth.json for private registries (default: skopeo's own lookup)."""
+    image_registries_conf: str = ""
+    """A registries.conf (mirrors, insecure registries) instead of the user's."""
+    image_timeout_s: float = 1800.0
+    """Deadline of one image fetch or unpack."""
+    image_build_timeout_s: float = 3600.0
+    """Deadline of one Dockerfile build."""
     host_view: str = "minimal"
     """bwrap without ``image``: ``minimal`` (default) shows a sandbox only what a job needs
     (system trees, an allow-listed /etc, the interpreter, its task environment, and
@@ -276,6 +295,10 @@ def _check(cfg: Config) -> None:
         if getattr(cfg.sandbox, key) < 1:
             raise InvalidArgument(f"config key 'sandbox.{key}' must be a positive integer",
                                   "BAD_CONFIG", f"sandbox.{key}")
+    if cfg.sandbox.image_setuid not in ("strip", "refuse"):
+        raise InvalidArgument(f"config key 'sandbox.image_setuid': {cfg.sandbox.image_setuid!r} "
+                              "is not allowed; use strip or refuse", "BAD_CONFIG",
+                              "sandbox.image_setuid")
     for path in cfg.sandbox.visible_paths:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgument(f"config key 'sandbox.visible_paths': {path!r} is not an "

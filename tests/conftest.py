@@ -24,3 +24,6 @@ def _raise_open_file_limit() -> None:
 
 
 _raise_open_file_limit()
+# The image fixtures (a loopback registry, the cached base image, a busybox image) are shared by
+# the image, harbor and SWE-image tests.
+pytest_plugins = ["tests.fixtures.images"]

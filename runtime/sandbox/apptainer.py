@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout.runtime.sandbox import hardening, hostfs, procs
+from rollout.runtime.sandbox import hardening, hostfs, images, procs
 from rollout.runtime.sandbox.base import (
     ExecResult,
     Network,
@@ -102,6 +102,24 @@ def find_singularity() -> str:
     if exe is None:
         raise SandboxUnavailable(INSTALL_HINT)
     return exe
+
+
+def uses_image_cache(image: Any, config: SandboxConfig) -> bool:
+    """Whether an Apptainer sandbox takes ``image`` from the image cache
+    (:mod:`rollout.runtime.sandbox.images`): a Dockerfile build, an ``oci:``,
+    ``oci-archive:`` or ``docker-archive:`` reference, and ``docker://`` references when
+    ``config.images.apptainer_pulls`` is ``cache``. Otherwise (SIF files, sandbox directories,
+    ``oras://``, and ``docker://`` by default) Apptainer resolves the image itself, into SIF
+    files (:func:`ensure_image`)."""
+    if isinstance(image, images.BuildSpec):
+        return True
+    if isinstance(image, images.ImageRef):
+        remote = image.is_remote
+    elif isinstance(image, str) and images.is_image_ref(image):
+        remote = image.startswith("docker://")
+    else:
+        return False
+    return not remote or config.images.apptainer_pulls == "cache"
 
 
 def cgroup_limits_possible() -> bool:
@@ -167,11 +185,13 @@ class ApptainerSandbox(Sandbox):
         self._memory_group = memory_group
         self._prefix = launch_prefix(limits, cgroup_procs)
         self._privs = ["--no-privs"] if os.geteuid() == 0 else []
+        self.image_lease: images.ImageLease | None = None
+        """Held while the sandbox runs on an image of the image cache."""
 
     @classmethod
     async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
-                     image: str | None = None, binds: Sequence[tuple[str, str, bool]] = (),
+                     image: Any = None, binds: Sequence[tuple[str, str, bool]] = (),
                      **unknown: Any) -> ApptainerSandbox:
         """``image``: this sandbox's own image instead of ``config.image``; ``binds``: (host
         dir, sandbox path, writable) mounts, read-only unless writable."""
@@ -188,11 +208,28 @@ class ApptainerSandbox(Sandbox):
             raise SandboxError("the apptainer runtime needs an image (a .sif file or a "
                                "sandbox directory): set SandboxConfig.image",
                                "INVALID_SANDBOX_OPTIONS")
-        if "://" not in image and not await asyncio.to_thread(os.path.exists, image):
+        lease = None
+        if uses_image_cache(image, config):
+            # The bwrap runtime's cache: fetched (skopeo) or built (buildah), checked and
+            # unpacked (umoci) once; the instance starts the cached root directory, read-only,
+            # with the image's Env, as a sandbox image.
+            if isinstance(image, str):
+                image = images.parse_image_ref(image)
+            lease = await asyncio.to_thread(images.lease_image, image, config.images)
+            env = {**lease.image.config.env_dict, **env}
+            image = str(lease.image.rootfs)
+        elif "://" not in image and not await asyncio.to_thread(os.path.exists, image):
             raise SandboxError(f"image {image} does not exist", "INVALID_SANDBOX_OPTIONS")
-        return await finish_creation(functools.partial(
-            cls._create_sync, config, exe, image, dict(workspace_files), dict(env), network,
-            limits, checked, own_image))
+        try:
+            sb = await finish_creation(functools.partial(
+                cls._create_sync, config, exe, image, dict(workspace_files), dict(env),
+                network, limits, checked, own_image))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        sb.image_lease = lease
+        return sb
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, exe: str, image: str,
@@ -310,7 +347,11 @@ class ApptainerSandbox(Sandbox):
     def _teardown_runtime(self) -> None:
         _stop_instance(self.exe, self.instance_name)
         group, self._memory_group = self._memory_group, None
-        self._release_host_side(self.path, group)
+        try:
+            self._release_host_side(self.path, group)
+        finally:
+            if self.image_lease is not None:
+                self.image_lease.release()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -93,6 +93,47 @@ sandboxes' memory cgroup bounds what they really use."""
 
 
 @dataclass(frozen=True)
+class ImageSettings:
+    """Where and how container images become sandbox roots (:mod:`rollout.runtime.sandbox.images`,
+    docs/images.md). Shared by ``rollout serve`` and ``rollout tasks prepare``, so an image
+    prepared ahead of time is the one INIT finds."""
+
+    cache_dir: str = ""
+    """The image cache ('' = ``$ROLLOUT_IMAGE_CACHE``, else ``~/.cache/rollout/images``)."""
+    budget_bytes: int = 32 << 30
+    """Total unpacked size the cache keeps; least recently used images no sandbox holds are
+    evicted past it."""
+    max_image_bytes: int = 8 << 30
+    """Largest unpacked size of one image (a bigger one, a tar bomb say, is refused)."""
+    setuid: Literal["strip", "refuse"] = "strip"
+    """setuid/setgid files in a layer: stripped of the bits (default) or refused."""
+    authfile: str = ""
+    """skopeo ``--authfile`` (default: skopeo's own lookup, ``REGISTRY_AUTH_FILE`` first)."""
+    registries_conf: str = ""
+    """A registries.conf instead of the user's (``CONTAINERS_REGISTRIES_CONF``)."""
+    tls_verify: bool = True
+    """False: talk to every registry without TLS verification (prefer registries.conf's
+    per-registry ``insecure = true``)."""
+    timeout_s: float = 1800.0
+    """Deadline of one fetch, one unpack, one build."""
+    build_timeout_s: float = 3600.0
+    """Deadline of one Dockerfile build."""
+    apptainer_pulls: Literal["apptainer", "cache"] = "apptainer"
+    """Apptainer runtime, ``docker://`` images: pulled by Apptainer into SIF files
+    (``apptainer``, the default: a SIF is one squashfs file, which Apptainer runs best) or
+    taken from this image cache like every other reference (``cache``)."""
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        env = os.environ.get("ROLLOUT_IMAGE_CACHE")
+        if env:
+            return Path(env)
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        return Path(base) / "rollout" / "images"
+
+
+@dataclass(frozen=True)
 class SandboxConfig:
     """Server-wide sandbox settings (one per server); per-job options go to ``create_sandbox``."""
 
@@ -106,7 +147,11 @@ class SandboxConfig:
     the server runs as root the rootfs must contain ``setpriv`` (util-linux), which drops
     each command to the sandbox uid, and ``bash`` for string commands and the bash tool."""
     image: str | None = None
-    """apptainer: a SIF file or sandbox directory (required for that runtime)."""
+    """apptainer: a SIF file or sandbox directory, or (both runtimes) an image reference
+    (``docker://``, ``oci:``, ``oci-archive:``, ``docker-archive:``) that becomes the root of
+    every sandbox; a job's own ``image=`` option wins (docs/images.md)."""
+    images: ImageSettings = field(default_factory=ImageSettings)
+    """The image cache and registry settings for image references."""
     workspace_in_sandbox: str = "/workspace"
     host_view: Literal["minimal", "host"] = "minimal"
     """bwrap without ``rootfs``: ``minimal`` binds only what a job needs (``system_paths``,

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.sandbox import hardening, hostfs, procs, view
+from rollout.runtime.sandbox import hardening, hostfs, images, procs, view
 from rollout.runtime.sandbox.base import (
     ExecResult,
     Network,
@@ -60,6 +60,7 @@ from rollout.runtime.sandbox.base import (
     finish_creation,
     register_live,
 )
+from rollout.runtime.sandbox.images import ImageLease, inject
 
 CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
@@ -101,11 +102,24 @@ def default_env(python: str) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1", "PAGER": "cat", "GIT_PAGER": "cat"}
 
 
+def _image_env(defaults: dict[str, str], config: images.ImageConfig,
+               caller: Mapping[str, str]) -> dict[str, str]:
+    """An image sandbox's environment: the sandbox defaults (but their PATH, which names the
+    server's interpreter), then the image's ``Env``, then the caller's; ``PATH`` is the
+    image's with the static bash of ``/.rollout/bin`` last."""
+    env = {k: v for k, v in defaults.items() if k != "PATH"}
+    image_env = config.env_dict
+    env.update(image_env)
+    env["PATH"] = caller.get("PATH") or inject.image_path(image_env.get("PATH", ""))
+    return env
+
+
 class BwrapSandbox(Sandbox):
     def __init__(self, config: SandboxConfig, sid: str, path: Path, lock_fd: int,
                  lease: procs.UidLease | None, env: dict[str, str], network: Network,
                  limits: SandboxLimits, rootfs: Path | None,
-                 extra_binds: tuple[tuple[str, str, bool], ...] = ()) -> None:
+                 extra_binds: tuple[tuple[str, str, bool], ...] = (),
+                 image: ImageLease | None = None) -> None:
         super().__init__()
         self.config = config
         self.id = sid
@@ -116,18 +130,28 @@ class BwrapSandbox(Sandbox):
         self.network = network
         self.limits = limits
         self.python = config.python or sys.executable
+        self.python_launcher: tuple[str, ...] = ()
+        """What the IPython kernel's interpreter is started through (the host loader in an
+        image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
+        self.image = image
+        self.default_cwd = self.workspace_in_sandbox
         self._lock_fd = lock_fd
         self._lease = lease
         self._launches = 0
         # A launch's file binds must land on new top-level names: none the host's root (or the
         # rootfs) has, and none this sandbox already binds.
         self._root = str(rootfs) if rootfs else "/"
+        if image is not None:
+            self._root = str(path / "root") if lease is not None else str(image.image.rootfs)
         self._taken = {CTL_IN_SANDBOX, self.workspace_in_sandbox,
                        *(inside for _, inside in config.extra_ro_binds),
                        *(inside for _, inside, _ in extra_binds)}
         state = os.path.abspath(config.state_dir)
         interpreters = view.python_prefixes(self.python)
-        if rootfs is not None:
+        if image is not None:
+            binds: Sequence[str] = self._image_root(image, path, lease is not None,
+                                                    interpreters)
+        elif rootfs is not None:
             binds = view.host_binds(str(rootfs), (), state, ())
         elif config.host_view == "host":
             binds = view.host_binds("/", config.hide_paths, state, interpreters)
@@ -142,12 +166,16 @@ class BwrapSandbox(Sandbox):
             ns.append("--unshare-net")
         if lease is None:
             ns.append("--unshare-user")
+            if image is not None:  # the image's root user is the server's own user
+                ns += ["--uid", "0", "--gid", "0"]
         else:
             ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            if image is not None:
+                ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
                   "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
-        if rootfs is None:
+        if rootfs is None and image is None:
             # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
             # inside although the sandbox gets a /tmp of its own.
             for prefix in interpreters:
@@ -166,10 +194,37 @@ class BwrapSandbox(Sandbox):
         self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
                         "prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
         self._drop: list[str] = []
+        self._seal = ["--remount-ro", "/"] if image is None else []
         if lease is not None:
             u = str(lease.uid)
-            self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                          "--inh-caps=-all", "--no-new-privs", "--"]
+            if image is None:
+                self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                              "--inh-caps=-all", "--no-new-privs", "--"]
+            else:
+                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
+                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                              *inject.image_caps_args(), "--no-new-privs", "--"]
+
+    def _image_root(self, image: ImageLease, path: Path, mounted: bool,
+                    interpreters: tuple[str, ...]) -> list[str]:
+        """bwrap arguments of a root made of the image: the overlay (mounted on the host by
+        :meth:`_create_sync` when the server may mount; bwrap's own ``--overlay`` otherwise),
+        ``/proc``, ``/dev`` and the helpers of ``/.rollout``; the image's config as the
+        environment and the working directory."""
+        rootfs = image.image.rootfs
+        if mounted:
+            args = ["--bind", str(path / "root"), "/"]
+        else:
+            args = ["--overlay-src", str(rootfs), "--overlay", str(path / "upper"),
+                    str(path / "work"), "/"]
+        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted)]
+        py_args, ok = inject.python_binds(interpreters, rootfs)
+        if ok:
+            args += py_args
+            self.python_launcher = tuple(inject.loader_argv())
+        if image.image.config.working_dir:
+            self.default_cwd = image.image.config.working_dir
+        return args
 
     # -- creation ----------------------------------------------------------------------------
     @classmethod
@@ -177,9 +232,13 @@ class BwrapSandbox(Sandbox):
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | str | None = None,
                      binds: Sequence[tuple[str, str, bool]] = (),
-                     **unknown: Any) -> BwrapSandbox:
+                     image: Any = None, **unknown: Any) -> BwrapSandbox:
         """``binds``: per-sandbox (host dir, sandbox path, writable) mounts, e.g. a task's
-        prepared environment, read-only, shared by every job of its repository."""
+        prepared environment, read-only, shared by every job of its repository. ``image``:
+        an image source (a reference such as ``docker://python:3.11-slim``, or a
+        :class:`~rollout.runtime.sandbox.images.BuildSpec`) whose root this sandbox runs on,
+        fetched or built first when the cache lacks it (``SandboxConfig.image`` when it is a
+        reference and no ``image`` is given); see :mod:`rollout.runtime.sandbox.images`."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
@@ -189,17 +248,36 @@ class BwrapSandbox(Sandbox):
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
                     "`apt-get install bubblewrap util-linux` (or your distribution's packages)")
         rootfs = Path(rootfs) if rootfs else config.rootfs
+        if image is None and config.image and images.is_image_ref(config.image):
+            image = config.image
+        if image is not None and rootfs is not None:
+            raise SandboxError("a sandbox takes either an image or a rootfs, not both",
+                               "INVALID_SANDBOX_OPTIONS")
         if rootfs is not None and not await asyncio.to_thread(Path(rootfs).is_dir):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
-        return await finish_creation(functools.partial(
-            cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
-            rootfs, check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)))
+        checked = check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)
+        lease = None
+        if image is not None:
+            if isinstance(image, str):
+                image = images.parse_image_ref(image)
+            # In a worker thread: a first use fetches or builds (minutes); a cancelled INIT
+            # leaves the fetch to finish into the cache, where the next job finds it.
+            lease = await asyncio.to_thread(images.lease_image, image, config.images)
+        try:
+            return await finish_creation(functools.partial(
+                cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
+                rootfs, checked, lease))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
 
     @classmethod
     def _create_sync(cls, config: SandboxConfig, files: dict[str, bytes | str],
                      env: dict[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | None,
-                     binds: tuple[tuple[str, str, bool], ...] = ()) -> BwrapSandbox:
+                     binds: tuple[tuple[str, str, bool], ...] = (),
+                     image: ImageLease | None = None) -> BwrapSandbox:
         root = config.sandboxes_dir
         root.mkdir(parents=True, exist_ok=True, mode=0o711)
         sid = uuid.uuid4().hex[:12]
@@ -229,8 +307,16 @@ class BwrapSandbox(Sandbox):
                                      data.encode() if isinstance(data, str) else data,
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
+            if image is not None:
+                sb_env = _image_env(sb_env, image.image.config, env)
+                for sub in ("upper", "work", "root"):
+                    (path / sub).mkdir(mode=0o755)
+                if lease is not None:  # one overlay for all launches of the sandbox
+                    hardening.mount_overlay(image.image.rootfs, path / "upper", path / "work",
+                                            path / "root")
             sb_env.update(env)
-            sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds)
+            sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
+                     image)
             register_live(sb)
         except BaseException:
             if lease:
@@ -267,8 +353,8 @@ class BwrapSandbox(Sandbox):
         # the launcher's process group lets one killpg() end a launch at any moment.
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
-        return [*self._prefix, *extra, "--remount-ro", "/", "--setenv", LAUNCH_VAR, tag,
-                "--chdir", cwd or self.workspace_in_sandbox, *self._drop, *argv]
+        return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
+                "--chdir", cwd or self.default_cwd, *self._drop, *argv]
 
     @staticmethod
     def _needle(argv: Sequence[str]) -> bytes | None:
@@ -317,7 +403,11 @@ class BwrapSandbox(Sandbox):
         # Each step on its own: one that raises must not keep the others (the quota mount
         # above all) from being released. Idempotent, since exit may run it a second time.
         group, self._memory_group = self._memory_group, None
-        self._release_host_side(self.path, group)
+        try:
+            self._release_host_side(self.path, group)
+        finally:
+            if self.image is not None:  # after the overlay is gone: eviction may remove it
+                self.image.release()
         if self._lease is not None:
             self._lease.release()
             self._lease = None

@@ -18,6 +18,12 @@ Two more commands prepare swe tasks on a machine with registry access, ahead of 
     rollout tasks prepare FILE          # wheelhouse + environments
     rollout tasks prepare FILE --runtime apptainer   # ... + each task image pulled/built once
     rollout tasks import-swebench INSTANCES --repos DIR --out FILE
+
+Harbor task folders (the ``harbor`` environment) have their own two, in
+:mod:`rollout.runtime.tasksets.harbor_import`::
+
+    rollout tasks import-harbor DIR...      # job lines
+    rollout tasks check-harbor DIR...       # oracle 1 and no-op 0, per task
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.envs.common import DATA_DIR
+from rollout.runtime.sandbox.base import ImageSettings
 
 ENVIRONMENTS = ("math", "code", "swe")
 
@@ -158,12 +165,15 @@ def _download(version: str, links: list[str], pins: list[str], dest: Path | None
 
 
 async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str = "bwrap",
-                  server_image: str | None = None) -> list[dict[str, Any]]:
+                  server_image: str | None = None,
+                  images: ImageSettings | None = None) -> list[dict[str, Any]]:
     """``prepare FILE``: fill the wheelhouse, then build every environment the file's swe
-    tasks need (one per repository, version and spec), so INIT finds them ready. Under
-    ``runtime="apptainer"`` each distinct task image is pulled or built once into the image
-    cache instead (venvs of tasks without an image build in ``server_image``); under bwrap a
-    task image is refused, as the server would refuse it."""
+    tasks need (one per repository, version and spec), so INIT finds them ready. Task images
+    that the image cache serves (``docker://``, ``oci:``, ... on bwrap; see
+    docs/images.md) are fetched and unpacked into it first, with progress bars on stderr;
+    under ``runtime="apptainer"`` the other task images are pulled or built once into the SIF
+    cache instead (venvs of tasks without an image build in ``server_image``); under bwrap any
+    other task image is refused, as the server would refuse it."""
     import functools
     import os
     import time
@@ -179,6 +189,13 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     )
     from rollout.runtime.sandbox import SandboxConfig, create_sandbox
     from rollout.runtime.sandbox.apptainer import ensure_image
+    from rollout.runtime.sandbox.images.prepare import prepare_images
+
+    def uses_image_cache(image: str, config: SandboxConfig) -> bool:
+        from rollout.runtime.sandbox.apptainer import uses_image_cache as apptainer_uses
+        from rollout.runtime.sandbox.images import is_image_ref
+        return is_image_ref(image) if config.runtime == "bwrap" else apptainer_uses(
+            image, config)
 
     previous = set_sandbox_runtime(runtime)
     try:
@@ -186,8 +203,10 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
         specs = [EnvSpec.of(task) for task in tasks]  # a refused image stops before any work
     finally:
         set_sandbox_runtime(previous)
-    config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image)
-              if runtime == "apptainer" else SandboxConfig(state_dir=state_dir))
+    settings = images or ImageSettings()
+    config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image,
+                            images=settings)
+              if runtime == "apptainer" else SandboxConfig(state_dir=state_dir, images=settings))
     factory = functools.partial(create_sandbox, config)
     loop = asyncio.get_running_loop()
 
@@ -199,6 +218,15 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     os.environ["ROLLOUT_WHEELHOUSE"] = str(wheelhouse)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
+    cached = [spec.image for spec in specs if spec is not None and spec.image
+              and uses_image_cache(spec.image, config)]
+    if cached:
+        done_images = await asyncio.to_thread(prepare_images, cached, images)
+        rows += [{"task": "", **p.row()} for p in done_images]
+        for p in done_images:
+            if p.error is not None:  # the server would fail these tasks' jobs in INIT
+                raise p.error
+        seen.update(cached)
     for task, spec in zip(tasks, specs, strict=True):
         if spec is not None and spec.image:
             if spec.image not in seen:
@@ -230,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["prepare"]:
         return _prepare_main(argv[1:])
+    if argv[:1] in (["import-harbor"], ["check-harbor"]):
+        from rollout.runtime.tasksets.harbor_import import main as harbor_main
+
+        return harbor_main(argv)
     if argv[:1] == ["import-swebench"]:
         from rollout.runtime.tasksets.swebench_import import main as import_main
 
@@ -268,20 +300,30 @@ def _prepare_main(argv: list[str]) -> int:
                         help="the sandbox runtime the server will run: with apptainer, each "
                              "task image (spec.image) is pulled or built once into "
                              "$ROLLOUT_SIF_CACHE (default ~/.cache/rollout/sif)")
+    parser.add_argument("--image-cache", default="",
+                        help="the image cache task images (docker://, oci:, ...) go into "
+                             "(default: $ROLLOUT_IMAGE_CACHE or ~/.cache/rollout/images; the "
+                             "server's sandbox.image_cache must name the same)")
+    parser.add_argument("--registries-conf", default="",
+                        help="a registries.conf for the image fetches (default: "
+                             "$CONTAINERS_REGISTRIES_CONF, else the system's)")
     parser.add_argument("--sandbox-image", default=None,
                         help="apptainer: the server's image, for building the venvs of tasks "
                              "without an image of their own")
     args = parser.parse_args(argv)
     wheelhouse = args.wheelhouse or user_wheelhouses()[0]
     try:
+        images = ImageSettings(cache_dir=args.image_cache,
+                               registries_conf=args.registries_conf)
         rows = asyncio.run(prepare(args.file, wheelhouse, args.state_dir, runtime=args.runtime,
-                                   server_image=args.sandbox_image))
+                                   server_image=args.sandbox_image, images=images))
     except (InvalidArgument, SandboxError, HandlerError, RuntimeError) as e:
         sys.stderr.write(f"rollout tasks prepare: {e}\n")
         return 2
     for row in rows:
         sys.stdout.write(json.dumps(row) + "\n")
     summary = {"env_cache": str(cache_dir()), "wheelhouse": str(wheelhouse)}
+    summary["images"] = str(images.resolved_cache_dir())
     if args.runtime == "apptainer":
         summary["image_cache"] = str(image_cache_dir())
     sys.stdout.write(json.dumps(summary) + "\n")

@@ -149,7 +149,12 @@ class IPythonKernel:
             info.update(zip(_CHANNELS, _free_ports(5), strict=True))
         conn_host = host_dir / f"k{n}.json"
         conn_host.write_text(json.dumps({**info, "ip": inside_ip}))
-        argv = [self.python, "-m", "ipykernel_launcher", "-f", f"{inside_dir}/k{n}.json",
+        # An image sandbox runs the server's interpreter through the host's loader (the
+        # image's libc may be another, or absent); an interpreter given explicitly runs as is.
+        launcher = (list(getattr(self.sandbox, "python_launcher", ()))
+                    if self.sandbox is not None and self.python == getattr(
+                        self.sandbox, "python", None) else [])
+        argv = [*launcher, self.python, "-m", "ipykernel_launcher", "-f", f"{inside_dir}/k{n}.json",
                 "--HistoryManager.enabled=False", "--IPKernelApp.log_level=ERROR"]
         if self.sandbox is not None:
             full, env = self.sandbox.command_argv(argv), self.sandbox.spawn_env()

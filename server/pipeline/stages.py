@@ -36,6 +36,7 @@ from rollout.runtime.handler import (
     RunOutcome,
 )
 from rollout.runtime.llm import LLMUnavailable
+from rollout.runtime.sandbox.images import ImageError
 from rollout.runtime.types import (
     InvalidArgument,
     JobError,
@@ -105,8 +106,23 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
         return StageResult(JobError("HANDLER_ERROR", exc.reason, str(exc), stage))
     except InvalidArgument as exc:
         return StageResult(JobError("INVALID_TASK", exc.reason, str(exc), stage))
+    except ImageError as exc:
+        # The task's image (unknown, refused, not building) is the task's fault; a registry
+        # that is down or a full cache disk is the service's. Never a reward either way.
+        return StageResult(JobError("INVALID_TASK" if exc.task_fault else "SANDBOX_ERROR",
+                                    exc.reason, f"{_task_name(ctx)}: {exc}", stage))
     except Exception as exc:
         return StageResult(_handler_error(exc, stage))
+
+
+def _task_name(ctx: JobContext) -> str:
+    """How a failure names the job's task: its own id where it has one."""
+    task = ctx.spec.task if isinstance(ctx.spec.task, Mapping) else {}
+    for key in ("instance_id", "task_id", "id", "name"):
+        value = task.get(key)
+        if isinstance(value, str) and value:
+            return f"task {value!r} ({ctx.spec.environment})"
+    return f"the {ctx.spec.environment} task"
 
 
 def policy_zero(termination: TerminationReason, message: str, stage: Stage) -> Reward:

@@ -187,7 +187,9 @@ async def test_a_bwrap_server_refuses_a_task_image(fake: Fake, tmp_path: Path) -
         SweHandler().validate_task(task)
     assert (e.value.reason, e.value.field) == ("INVALID_TASK", "task.spec.image")
     with pytest.raises(InvalidArgument, match="runs bwrap"):
-        SweHandler().validate_task(with_spec(image="docker://python:3.11"))
+        SweHandler().validate_task(with_spec(image="oras://ghcr.io/x/y:1"))
+    # A reference of the image cache runs on bwrap too (tests/runtime/images).
+    SweHandler().validate_task(with_spec(image="docker://python:3.11"))
     set_sandbox_runtime("apptainer")
     SweHandler().validate_task(task)
 

@@ -31,6 +31,12 @@ NOT_REASONS = {
     # what a harness's sandbox is given to reach the model gateway
     "OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL",
     "ANTHROPIC_API_KEY", "NO_PROXY", "XDG_CACHE_HOME",
+    # what an image sandbox's uid keeps, and where skopeo's registries.conf is named
+    "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_CHOWN", "CONTAINERS_REGISTRIES_CONF",
+    # git configuration through the environment, the SWE-bench harness's resolution values,
+    # and the variable Harbor's verifiers read
+    "GIT_CONFIG_COUNT", "GIT_CONFIG_KEY_0", "GIT_CONFIG_VALUE_0", "RESOLVED_FULL",
+    "RESOLVED_NO", "TEST_DIR",
     # the generic defaults of server/api/errors.py's classes, always overridden where raised
     "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
     "PERMISSION_DENIED", "ALREADY_EXISTS", "INVALID_ID",

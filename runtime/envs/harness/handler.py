@@ -5,7 +5,7 @@ trajectory.
 Task format::
 
     {
-      "environment": "swe",            # the inner environment: swe, code or math
+      "environment": "swe",            # the inner environment: swe, code, math or harbor
       "task": {...},                   # its task, exactly as that environment takes it
       "harness": "mini-swe-agent",     # a preset (runtime/envs/harness/presets.py), or
                                        # {"preset": NAME, "env": {...}}, or a command spec
@@ -63,7 +63,7 @@ from rollout.runtime.sandbox.base import SandboxLimits, limits_of, runtime_of
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
 
 ENV = "harness"
-INNER = ("swe", "code", "math")
+INNER = ("swe", "code", "math", "harbor")
 INSTALL_MOUNT = "/.rollout-harness"
 GATEWAY_SOCKET = "/.rollout-gateway.sock"
 LAUNCH_SOURCE = IN_SANDBOX / "harness_launch.py"
@@ -88,6 +88,9 @@ def inner_handler(name: str) -> AgentHandler:
     if name == "math":
         from rollout.runtime.envs.math.handler import MathHandler
         return MathHandler()
+    if name == "harbor":
+        from rollout.runtime.envs.harbor.handler import HarborHandler
+        return HarborHandler()
     raise invalid(f"harness task field 'environment' must be one of {list(INNER)}, got "
                   f"{name!r}", "environment")
 
@@ -185,12 +188,18 @@ class HarnessHandler(AgentHandler):
                 # The sandbox's own uid (a root server's) must be able to connect; nobody
                 # else on the host gets anything new.
                 await asyncio.to_thread(os.chown, lease.socket_path, *owner)
-            launch = launch_spec(ctx, harness, lease.api_key, sandbox.workspace_in_sandbox,
+            # In an image (a Harbor task, a SWE-bench instance) the agent starts in the task's
+            # working directory, else in the workspace.
+            workspace = ctx.state.get("harbor.workdir") or getattr(
+                sandbox, "default_cwd", sandbox.workspace_in_sandbox)
+            launch = launch_spec(ctx, harness, lease.api_key, workspace,
                                  sandbox.env.get("HOME", "/tmp"))
             ctx.progress("harness", {"harness": harness.name, "port": harness.port})
+            # In an image root the server's interpreter runs through the host's loader.
             result = await sandbox.exec(
-                [getattr(sandbox, "python", "python3"), "-c", LAUNCH_SOURCE.read_text()],
-                stdin=json.dumps(launch).encode(), cwd=sandbox.workspace_in_sandbox,
+                [*getattr(sandbox, "python_launcher", ()), getattr(sandbox, "python", "python3"),
+                 "-c", LAUNCH_SOURCE.read_text()],
+                stdin=json.dumps(launch).encode(), cwd=workspace,
                 timeout=max(1.0, deadline - time.monotonic()), max_output=256 << 10,
                 file_binds=[(lease.socket_path, GATEWAY_SOCKET)])
         finally:
@@ -254,6 +263,9 @@ def task_prompt(ctx: JobContext, workspace: str) -> str:
     if inner == "code":
         from rollout.runtime.envs.code.handler import task_prompt as code_prompt
         return code_prompt(task, workspace)
+    if inner == "harbor":
+        from rollout.runtime.envs.harbor.handler import load_task
+        return load_task(task).instruction
     return (f"{task['question']}\n\nWhen you have the final answer, write it (the answer "
             f"alone) to the file {workspace.rstrip('/')}/{ANSWER_FILE}.")
 

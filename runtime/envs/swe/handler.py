@@ -78,12 +78,14 @@ from rollout.runtime.envs.grading.pytest_log import (
     outcome_of,
     parse_plugin_report,
 )
+from rollout.runtime.envs.swe import images as swe_images
 from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.repo_cut import cut_at_base
 from rollout.runtime.envs.swe.runners import Runner
 from rollout.runtime.envs.swe.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
+from rollout.runtime.sandbox.images import is_image_ref
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward
 
@@ -157,6 +159,9 @@ class SweHandler(AgentHandler):
 
     def validate_task(self, task: Mapping[str, Any]) -> None:
         check_task_object(task, ENV)
+        if swe_images.is_image_instance(task):  # the repository is the image's /testbed
+            swe_images.validate(task)
+            return
         for name in ("instance_id", "problem_statement", "test_patch"):
             require_str(task, name, env=ENV)
         base = require_str(task, "base_commit", env=ENV)
@@ -196,6 +201,9 @@ class SweHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         task = ctx.spec.task
         self.validate_task(task)
+        if swe_images.is_image_instance(task):
+            await swe_images.init(ctx)
+            return
         timeout = ctx.spec.limits.init_timeout_s
         kind, data = await cut_at_base(
             *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),
@@ -212,11 +220,11 @@ class SweHandler(AgentHandler):
         if spec is not None and spec.image:
             # The image carries the environment: no venv; sandbox and grader both start it.
             runtime = runtime_of(factory)
-            if runtime not in (None, "apptainer"):
+            if runtime not in (None, "apptainer") and not is_image_ref(spec.image):
                 raise HandlerError(f"the task's image {spec.image} needs the apptainer sandbox "
                                    f"runtime; this server runs {runtime}",
                                    "INVALID_SANDBOX_OPTIONS")
-            options = await asyncio.to_thread(image_options, spec)
+            options = await asyncio.to_thread(image_options, spec, runtime)
             ctx.progress("environment", {"image": spec.image, "start": options["image"]})
         elif spec is not None and factory is not None:
             env_dir, built = await ensure_env(spec, factory, checkout, timeout=timeout)
@@ -233,7 +241,9 @@ class SweHandler(AgentHandler):
                  SubmitTool(ctx.state, answer_description="A one-line summary of your fix.")]
         messages = [
             {"role": "system",
-             "content": INSTRUCTIONS.format(workspace=sandbox.workspace_in_sandbox)},
+             "content": INSTRUCTIONS.format(workspace=swe_images.TESTBED
+                                            if swe_images.is_image_instance(ctx.spec.task)
+                                            else sandbox.workspace_in_sandbox)},
             {"role": "user", "content": ctx.spec.task["problem_statement"]}]
         outcome = await run_agent_loop(ctx, tools, messages)
         await end_agent(ctx)
@@ -241,6 +251,8 @@ class SweHandler(AgentHandler):
 
     async def eval(self, ctx: JobContext) -> Reward:
         task = ctx.spec.task
+        if swe_images.is_image_instance(task):
+            return await swe_images.evaluate(ctx)
         f2p, p2p = named_tests(task, "FAIL_TO_PASS"), named_tests(task, "PASS_TO_PASS")
         kind, data = await cut_at_base(
             *await asyncio.to_thread(read_source, resolve_source(task["repo_source"])),

@@ -36,10 +36,12 @@ refused beside it); ``test_cmd`` runs with the image's ``python`` (``python3.11`
 ``"python": "3.11"``), and the image's own ``PATH``. ``rollout tasks prepare FILE --runtime
 apptainer`` pulls or builds each distinct image once into ``$ROLLOUT_SIF_CACHE`` (default
 ``~/.cache/rollout/sif``); INIT starts the cached SIF when there is one, else hands a registry
-reference to Apptainer as it is. A bwrap server refuses a task image at submit
-(:func:`set_sandbox_runtime`). Without an image, an Apptainer server binds the venv like bwrap
-(``--bind DIR:/.rollout-env:ro``); that venv is made from the server's interpreter path, which
-the server's Apptainer image must then hold at the same path.
+reference to Apptainer as it is. On a bwrap server, an image reference of the image cache
+(``docker://``, ``oci:``, ``oci-archive:``, ``docker-archive:``; docs/images.md) becomes the
+sandbox's root, fetched into the cache on first use or by ``rollout tasks prepare``; any other
+task image is refused at submit (:func:`set_sandbox_runtime`). Without an image, an Apptainer
+server binds the venv like bwrap (``--bind DIR:/.rollout-env:ro``); that venv is made from the
+server's interpreter path, which the server's Apptainer image must then hold at the same path.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from typing import Any
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
 from rollout.runtime.envs.swe.runners import split_test_cmd
 from rollout.runtime.handler import HandlerError
+from rollout.runtime.sandbox.images import ImageError, is_image_ref, parse_image_ref
 from rollout.runtime.sandbox.view import interpreter_binds
 from rollout.runtime.tasksets.requirements import requirement
 
@@ -189,6 +192,16 @@ def image_ref(value: Any) -> str:
             c.isspace() for c in value):
         raise invalid("swe task field 'spec.image' must be one image reference without "
                       f"spaces, at most {_MAX_IMAGE_REF} characters", "spec.image")
+    if is_image_ref(value):
+        # docker://, oci:, oci-archive:, docker-archive: run on both runtimes through the
+        # image cache (runtime/sandbox/images); a local layout or archive is a host path.
+        try:
+            ref = parse_image_ref(value)
+        except ImageError as e:
+            raise invalid(f"swe task field 'spec.image': {e}", "spec.image") from e
+        if not ref.is_remote:
+            host_path(ref.target, "spec.image", env="swe")
+        return value
     if _SANDBOX_RUNTIME == "bwrap":
         raise invalid(
             "swe task field 'spec.image' needs the apptainer sandbox runtime, and this server "
@@ -225,13 +238,17 @@ def image_cache_dir() -> Path:
                 or Path.home() / ".cache" / "rollout" / "sif")
 
 
-def image_options(spec: EnvSpec) -> dict[str, Any]:
-    """``open_sandbox`` options for a job that runs in its task's image: the cached SIF when
-    ``prepare`` made one (a registry pull per job would cost minutes), else the reference
-    itself for Apptainer to resolve. A ``.def`` recipe has to be built by ``prepare``."""
+def image_options(spec: EnvSpec, runtime: str | None = None) -> dict[str, Any]:
+    """``open_sandbox`` options for a job that runs in its task's image: on bwrap (and for the
+    local image references on Apptainer) the reference itself, which the sandbox takes from
+    the image cache, fetching it on first use; on Apptainer the cached SIF when ``prepare``
+    made one (a registry pull per job would cost minutes), else the reference itself for
+    Apptainer to resolve. A ``.def`` recipe has to be built by ``prepare``."""
     from rollout.runtime.sandbox.apptainer import cached_sif, is_remote, needs_cache
 
     image = spec.image
+    if is_image_ref(image) and (runtime == "bwrap" or not image.startswith("docker://")):
+        return {"image": image}
     if needs_cache(image):
         sif = cached_sif(image, image_cache_dir())
         if sif.is_file():

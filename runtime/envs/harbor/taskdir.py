@@ -1,0 +1,303 @@
+"""One Harbor task folder, read and checked: what the ``harbor`` environment and ``rollout tasks
+import-harbor`` / ``check-harbor`` know of it.
+
+The layout (Harbor's task format, schema 1.x; Terminal-Bench and several SWE data sets ship in
+it)::
+
+    TASK/
+      instruction.md        the prompt
+      task.toml             timeouts, resources, network, a prebuilt image
+      environment/          the image's build context (environment/Dockerfile), unless
+                            task.toml names a prebuilt ``[environment].docker_image``
+      tests/test.sh         the verifier: writes /logs/verifier/reward.txt or reward.json
+      solution/solve.sh     optional: the reference solution (the oracle policy)
+
+``task.toml`` keys read here (Harbor's names; later 1.x spellings beside the first ones)::
+
+    version = "1.0" | schema_version = "1.3"
+    [task] name, description
+    [agent] timeout_sec                         -> the RUN stage's deadline
+    [verifier] timeout_sec, env                 -> test.sh's deadline and environment
+    [solution] env                              -> solve.sh's environment (oracle)
+    [environment] docker_image, build_timeout_sec, cpus, memory_mb | memory = "4G",
+                  storage_mb | storage = "10G", gpus, allow_internet | network_mode, env,
+                  workdir, os
+
+Keys this module does not know are kept out and reported (``unknown_keys``), as Harbor itself
+ignores what it does not know. What the server cannot honour is refused with the key named:
+``gpus > 0`` (sandboxes get no GPU), ``os`` other than linux, a schema major version other
+than 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+INSTRUCTION = "instruction.md"
+CONFIG = "task.toml"
+ENVIRONMENT = "environment"
+DOCKERFILE = "environment/Dockerfile"
+TESTS = "tests"
+TEST_SCRIPT = "tests/test.sh"
+SOLUTION = "solution"
+SOLVE_SCRIPT = "solution/solve.sh"
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Harbor's default for the agent, the verifier and the build."""
+MAX_INSTRUCTION = 256 << 10
+MAX_CONFIG = 64 << 10
+MAX_FOLDER_BYTES = 256 << 20
+"""What ``tests/`` and ``solution/`` may hold together: they are copied per job."""
+
+_KNOWN: dict[str, frozenset[str]] = {
+    "": frozenset({"version", "schema_version", "task", "metadata", "verifier", "agent",
+                   "solution", "environment", "source"}),
+    "task": frozenset({"name", "description", "authors", "keywords"}),
+    "agent": frozenset({"timeout_sec", "user"}),
+    "verifier": frozenset({"timeout_sec", "env", "user"}),
+    "solution": frozenset({"env"}),
+    "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
+                              "storage_mb", "storage", "gpus", "gpu_types", "allow_internet",
+                              "network_mode", "env", "workdir", "os", "mcp_servers"}),
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*")
+_SIZE_UNITS = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1 << 20}
+
+
+class TaskFolderError(ValueError):
+    """The folder is not a usable Harbor task; the message names the file and key to fix."""
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    """A Harbor task folder as the environment runs it."""
+
+    path: Path
+    """The folder (symlinks resolved)."""
+    name: str
+    instruction: str
+    agent_timeout_s: float = DEFAULT_TIMEOUT_S
+    verifier_timeout_s: float = DEFAULT_TIMEOUT_S
+    build_timeout_s: float = DEFAULT_TIMEOUT_S
+    docker_image: str = ""
+    """A prebuilt image (``[environment].docker_image``); '' = build ``environment/``."""
+    has_dockerfile: bool = False
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 10240
+    allow_internet: bool = True
+    workdir: str = ""
+    """``[environment].workdir``: where the agent starts ('' = the image's WorkingDir)."""
+    environment_env: Mapping[str, str] = field(default_factory=dict)
+    verifier_env: Mapping[str, str] = field(default_factory=dict)
+    solution_env: Mapping[str, str] = field(default_factory=dict)
+    has_solution: bool = False
+    unknown_keys: tuple[str, ...] = ()
+
+    @property
+    def image_source(self) -> str:
+        """What the sandbox's root comes from, for messages: the image or the Dockerfile."""
+        if self.docker_image:
+            return self.docker_image
+        return str(self.path / DOCKERFILE) if self.has_dockerfile else ""
+
+
+def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
+    """Read and check the task folder at ``path`` (a directory holding ``task.toml``).
+    ``sizes=False`` skips the walk that sums ``tests/`` and ``solution/``: a submit checks
+    the small files only, INIT (off the event loop) the rest."""
+    root = Path(os.path.realpath(path))
+    if not root.is_dir():
+        raise TaskFolderError(f"{path}: not a directory")
+    config = _read_toml(root / CONFIG)
+    instruction = _read_text(root / INSTRUCTION, MAX_INSTRUCTION).strip()
+    if not instruction:
+        raise TaskFolderError(f"{root / INSTRUCTION}: empty; it is the prompt")
+    test = root / TEST_SCRIPT
+    if not test.is_file() or test.is_symlink():
+        raise TaskFolderError(f"{root}: no {TEST_SCRIPT} (the verifier every task needs)")
+    solve = root / SOLVE_SCRIPT
+    has_solution = solve.is_file() and not solve.is_symlink()
+    if sizes:
+        _check_size(root, (TESTS, SOLUTION))
+
+    version = str(config.get("schema_version", config.get("version", "1.0")))
+    if not re.fullmatch(r"1(\.\d+)*", version):
+        raise TaskFolderError(f"{root / CONFIG}: schema version {version!r}; this server reads "
+                              "Harbor's schema 1.x")
+    section = {name: _table(config, name, root) for name in
+               ("task", "agent", "verifier", "solution", "environment")}
+    env_table = section["environment"]
+    where = f"{root / CONFIG}: [environment]"
+    gpus = _number(env_table, "gpus", 0, where)
+    if gpus > 0:
+        raise TaskFolderError(f"{where} gpus = {gpus:g}: sandboxes on this server get no GPU")
+    if str(env_table.get("os", "linux")).lower() != "linux":
+        raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
+    image = env_table.get("docker_image") or ""
+    if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
+        raise TaskFolderError(f"{where} docker_image must be one image reference")
+    has_dockerfile = (root / DOCKERFILE).is_file()
+    if not image and not has_dockerfile:
+        raise TaskFolderError(f"{root}: neither [environment].docker_image in {CONFIG} nor "
+                              f"{DOCKERFILE}: the task has no image to run in")
+    workdir = env_table.get("workdir") or ""
+    if not isinstance(workdir, str) or (workdir and not workdir.startswith("/")):
+        raise TaskFolderError(f"{where} workdir must be an absolute path")
+    name = section["task"].get("name") or root.name
+    return HarborTask(
+        path=root, name=str(name)[:200], instruction=instruction,
+        agent_timeout_s=_number(section["agent"], "timeout_sec", DEFAULT_TIMEOUT_S,
+                                f"{root / CONFIG}: [agent]", positive=True),
+        verifier_timeout_s=_number(section["verifier"], "timeout_sec", DEFAULT_TIMEOUT_S,
+                                   f"{root / CONFIG}: [verifier]", positive=True),
+        build_timeout_s=_number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, where,
+                                positive=True),
+        docker_image=image, has_dockerfile=has_dockerfile,
+        cpus=_number(env_table, "cpus", 1, where, positive=True),
+        memory_mb=_megabytes(env_table, "memory_mb", "memory", 2048, where),
+        storage_mb=_megabytes(env_table, "storage_mb", "storage", 10240, where),
+        allow_internet=_allow_internet(env_table, where),
+        workdir=workdir,
+        environment_env=_strings(env_table, "env", where),
+        verifier_env=_strings(section["verifier"], "env", f"{root / CONFIG}: [verifier]"),
+        solution_env=_strings(section["solution"], "env", f"{root / CONFIG}: [solution]"),
+        has_solution=has_solution, unknown_keys=_unknown(config))
+
+
+def find_tasks(paths: list[Path]) -> list[Path]:
+    """Task folders named by ``paths``: each is a task (it holds ``task.toml``) or a data set
+    whose subfolders (at any depth) are; sorted, each once."""
+    found: dict[Path, None] = {}
+    for given in paths:
+        root = Path(os.path.realpath(given))
+        if (root / CONFIG).is_file():
+            found.setdefault(root, None)
+            continue
+        if not root.is_dir():
+            raise TaskFolderError(f"{given}: not a directory")
+        below = sorted(p.parent for p in root.rglob(CONFIG) if p.is_file())
+        if not below:
+            raise TaskFolderError(f"{given}: no {CONFIG} in it or below it")
+        for task in below:
+            if not any(parent in found for parent in task.parents):
+                found.setdefault(task, None)
+    return list(found)
+
+
+def digest(path: Path) -> str:
+    """A hash of every regular file of the folder (paths and contents), so a job can tell the
+    folder changed since it was imported."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            if full.is_symlink() or not full.is_file():
+                continue
+            h.update(str(full.relative_to(path)).encode() + b"\0")
+            h.update(hashlib.sha256(full.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def _read_text(path: Path, limit: int) -> str:
+    if not path.is_file() or path.is_symlink():
+        raise TaskFolderError(f"{path}: missing (every Harbor task has it)")
+    data = path.read_bytes()
+    if len(data) > limit:
+        raise TaskFolderError(f"{path}: {len(data)} bytes, over the {limit} this server reads")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TaskFolderError(f"{path}: not UTF-8 text") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(_read_text(path, MAX_CONFIG))
+    except tomllib.TOMLDecodeError as e:
+        raise TaskFolderError(f"{path}: not valid TOML: {e}") from None
+
+
+def _table(config: Mapping[str, Any], name: str, root: Path) -> Mapping[str, Any]:
+    value = config.get(name, {})
+    if not isinstance(value, Mapping):
+        raise TaskFolderError(f"{root / CONFIG}: [{name}] must be a table")
+    return value
+
+
+def _number(table: Mapping[str, Any], key: str, default: float, where: str, *,
+            positive: bool = False) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
+            value) or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise TaskFolderError(f"{where} {key} must be a {kind} number, got {value!r}")
+    return float(value)
+
+
+def _megabytes(table: Mapping[str, Any], key: str, spelled: str, default: int,
+               where: str) -> int:
+    """``memory_mb = 2048`` or the later spelling ``memory = "2G"``."""
+    if key in table:
+        return int(_number(table, key, default, where, positive=True))
+    if spelled not in table:
+        return default
+    value = table[spelled]
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise TaskFolderError(f"{where} {spelled} must be a size such as \"4G\" or \"512M\", "
+                              f"got {value!r}")
+    return max(1, int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]))
+
+
+def _allow_internet(table: Mapping[str, Any], where: str) -> bool:
+    if "network_mode" in table:
+        mode = table["network_mode"]
+        if mode not in ("public", "no-network"):
+            raise TaskFolderError(f"{where} network_mode must be \"public\" or \"no-network\", "
+                                  f"got {mode!r}")
+        return mode == "public"
+    value = table.get("allow_internet", True)
+    if not isinstance(value, bool):
+        raise TaskFolderError(f"{where} allow_internet must be true or false")
+    return value
+
+
+def _strings(table: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+    value = table.get(key, {})
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+            and isinstance(v, str | int | float | bool) for k, v in value.items()):
+        raise TaskFolderError(f"{where} {key} must be a table of variable names to values")
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()}
+
+
+def _unknown(config: Mapping[str, Any]) -> tuple[str, ...]:
+    unknown = [k for k in config if k not in _KNOWN[""]]
+    for section, known in _KNOWN.items():
+        table = config.get(section) if section else None
+        if isinstance(table, Mapping):
+            unknown += [f"{section}.{k}" for k in table if k not in known]
+    return tuple(sorted(unknown))
+
+
+def _check_size(root: Path, folders: tuple[str, ...]) -> None:
+    total = 0
+    for folder in folders:
+        for dirpath, _, filenames in os.walk(root / folder):
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if not os.path.islink(full):
+                    total += os.path.getsize(full)
+    if total > MAX_FOLDER_BYTES:
+        raise TaskFolderError(f"{root}: tests/ and solution/ hold {total} bytes, over the "
+                              f"{MAX_FOLDER_BYTES} a job copies")

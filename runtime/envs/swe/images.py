@@ -1,0 +1,352 @@
+"""SWE-bench-style image instances: the repository at ``/testbed`` of the instance's own image,
+set up and graded there with the image's interpreter and the official harness's test spec.
+
+A ``swe`` task is one when its ``spec`` names an image and it has no ``repo_source`` (the
+image carries the repository, as SWE-bench, SWE-Gym, SWE-smith and SWE-rebench images do)::
+
+    {"instance_id": "psf__requests-2317", "repo": "psf/requests", "version": "2.4",
+     "base_commit": "091991be...", "problem_statement": "...", "test_patch": "diff --git ...",
+     "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "patch": "...",     # gold, never shown
+     "spec": {"image": "docker://swebench/sweb.eval.x86_64.psf_1776_requests-2317:latest"}}
+
+INIT opens the job's sandbox on the image (a copy-on-write layer of its own; see
+:mod:`rollout.runtime.sandbox.images`), checks that ``/testbed`` is at ``base_commit`` and
+removes what could show the fix: every ref but ``main``, the reflogs, and (when a ref or
+reflog reached past the base) the objects only they reached. The agent works in ``/testbed``
+with bash, the editor and submit; RUN's end kills every process it started.
+
+EVAL asks the official ``swebench`` package (its own venv, scripts/setup_swebench.sh; see
+:mod:`.swebench_helper`) for the instance's eval script: the environment activation, the test
+files reset to the base commit, the test patch applied, the repository's test command with the
+instance's test directives. The agent's change is taken as ``git diff`` of ``/testbed`` (what
+the harness grades: a patch) and graded where the agent cannot reach: a fresh sandbox on the
+same image, the patch applied over the pristine ``/testbed``, then the ``swe`` grader's
+integrity layer (:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`: a fresh ``.git`` at
+the base, the files the test runner loads by configuration and the test files put back, added
+bytecode removed, the change screened for code that reaches into the test machinery), then the
+harness's eval script as it is. The log is read by the harness's parser for the repository and
+judged by its FAIL_TO_PASS / PASS_TO_PASS report: reward 1 iff ``RESOLVED_FULL`` and the screen
+found nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rollout.runtime.envs.common import (
+    SANDBOX_KEY,
+    check_task_object,
+    invalid,
+    require_str,
+    sandbox_of,
+    write_private,
+)
+from rollout.runtime.envs.grading.isolated import end_agent
+from rollout.runtime.handler import HandlerError, JobContext, PolicyFault
+from rollout.runtime.types import Reward, TerminationReason
+
+TESTBED = "/testbed"
+SWEBENCH_PYTHON_VAR = "ROLLOUT_SWEBENCH_PYTHON"
+HELPER = Path(__file__).with_name("swebench_helper.py")
+IMAGE_KEY = "swe.image"
+MAX_PATCH = 16 << 20
+END_MARKER = ">>>>> End Test Output"
+"""The harness's end-of-test-output marker (``swebench.harness.constants.END_TEST_OUTPUT``)."""
+_LOG_TAIL = 2000
+_AGENT_PATCH_FAILED = 96
+_PATCH_FAILED = 97
+_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_TERMINAL_PROMPT": "0"}
+SANDBOX_ENV = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+               "GIT_CONFIG_VALUE_0": "*"}
+"""Every process of the job's and the grader's sandboxes: the image's files belong to its
+root user, a root server's sandbox runs as a uid of its own, and git refuses a repository
+owned by another user unless told it is safe (in configuration only the command line or the
+environment may give)."""
+
+_CUT = r"""
+set -euo pipefail
+base=$1
+cd /testbed
+head=$(git rev-parse HEAD)
+case "$head" in
+  "$base"*) ;;
+  *) echo "/testbed is at $head, not at base_commit $base" >&2; exit 3;;
+esac
+base=$head
+reach_all=$(git rev-list --all --reflog 2>/dev/null | wc -l)
+reach_base=$(git rev-list "$base" | wc -l)
+git symbolic-ref HEAD refs/heads/main
+git update-ref refs/heads/main "$base"
+git for-each-ref --format='%(refname)' | grep -v '^refs/heads/main$' \
+  | while read -r ref; do git update-ref -d "$ref"; done
+git remote | while read -r r; do git remote remove "$r"; done
+git reflog expire --expire=now --all
+if [ "$reach_all" != "$reach_base" ]; then git gc -q --prune=now; fi
+git config user.name agent && git config user.email agent@localhost
+git rev-parse HEAD
+"""
+
+_DIFF = r"""
+set -euo pipefail
+cd /testbed
+git -c core.fsmonitor= -c core.hooksPath=/dev/null add -A
+git -c core.fsmonitor= -c core.hooksPath=/dev/null diff --cached --binary --no-color \
+  --no-ext-diff "$1"
+"""
+
+# In the fresh grading sandbox: the pristine repository's history up to the base as a bundle
+# (the grading tree's fresh .git comes from it), the agent's patch over the pristine tree, then
+# the image's .git gone, so nothing of the image's own git set-up takes part.
+_PREPARE = r"""
+set -uo pipefail
+priv=$1 base=$2
+cd /testbed || exit 3
+export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null
+git update-ref refs/rollout/base "$base" && git bundle create -q "$priv/repo.bundle" \
+  refs/rollout/base || exit 3
+if [ -s "$priv/agent.patch" ]; then
+  git apply --binary --whitespace=nowarn "$priv/agent.patch" || exit 96
+fi
+rm -rf .git
+"""
+
+
+def is_image_instance(task: Mapping[str, Any]) -> bool:
+    """A task whose image carries its repository at ``/testbed`` (no ``repo_source``)."""
+    spec = task.get("spec")
+    return (isinstance(spec, Mapping) and bool(spec.get("image"))
+            and "repo_source" not in task)
+
+
+def validate(task: Mapping[str, Any]) -> None:
+    from rollout.runtime.envs.swe.handler import named_tests
+    from rollout.runtime.sandbox.images import ImageError, parse_image_ref
+
+    check_task_object(task, "swe")
+    for name in ("instance_id", "problem_statement", "test_patch", "repo"):
+        require_str(task, name, env="swe")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", task["repo"]):
+        raise invalid("swe task field 'repo' must be owner/name, as SWE-bench names it", "repo")
+    if not isinstance(task.get("version"), str | int | float) or isinstance(
+            task.get("version"), bool) or not str(task.get("version")).strip():
+        raise invalid("a swe image instance needs 'version' (the repository version the "
+                      "SWE-bench harness keys its test command by)", "version")
+    base = require_str(task, "base_commit", env="swe")
+    if not re.fullmatch(r"[0-9a-f]{7,64}", base):
+        raise invalid(f"swe task field 'base_commit' must be a hex commit id, got {base!r}",
+                      "base_commit")
+    if not named_tests(task, "FAIL_TO_PASS"):
+        raise invalid("swe task needs at least one FAIL_TO_PASS test", "FAIL_TO_PASS")
+    named_tests(task, "PASS_TO_PASS")
+    spec = task["spec"]
+    unknown = sorted(set(spec) - {"image"})
+    if unknown:
+        raise invalid(f"a swe image instance's 'spec' takes only 'image' (the image carries "
+                      f"the environment, the SWE-bench harness the test command); got "
+                      f"{unknown}", "spec")
+    try:
+        parse_image_ref(str(spec["image"]))
+    except ImageError as e:
+        raise invalid(f"swe task field 'spec.image': {e}", "spec.image") from None
+    if "patch" in task and not isinstance(task["patch"], str):
+        raise invalid("swe task field 'patch' must be a string", "patch")
+
+
+async def init(ctx: JobContext) -> None:
+    task = ctx.spec.task
+    validate(task)
+    image = str(task["spec"]["image"])
+    ctx.state[IMAGE_KEY] = image
+    sandbox = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
+    ctx.state[SANDBOX_KEY] = sandbox
+    cut = await sandbox.exec(["bash", "-c", _CUT, "cut", task["base_commit"]],
+                             timeout=ctx.spec.limits.init_timeout_s, cwd=TESTBED,
+                             env=_GIT_ENV)
+    head = cut.stdout.strip().splitlines()[-1:] if cut.ok else []
+    if not head or not head[0].startswith(task["base_commit"]):
+        raise HandlerError(f"the image {image} of {task['instance_id']} has no git repository "
+                           f"at {TESTBED} checked out at base_commit: {cut.output[-600:]}",
+                           "REPO_CHECKOUT_FAILED")
+    ctx.progress("environment", {"image": image, "repository": TESTBED})
+
+
+async def evaluate(ctx: JobContext) -> Reward:
+    from rollout.runtime.envs.swe import handler as swe
+
+    task = ctx.spec.task
+    image = ctx.state.get(IMAGE_KEY) or str(task["spec"]["image"])
+    f2p, p2p = swe.named_tests(task, "FAIL_TO_PASS"), swe.named_tests(task, "PASS_TO_PASS")
+    agent = sandbox_of(ctx)
+    await end_agent(ctx)
+    diff = await agent.exec(["bash", "-c", _DIFF, "diff", task["base_commit"]], timeout=120.0,
+                            cwd=TESTBED, env=_GIT_ENV, max_output=MAX_PATCH)
+    zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
+    if diff.truncated:
+        raise PolicyFault(f"the change to {TESTBED} is over {MAX_PATCH} bytes",
+                          TerminationReason.WORKSPACE_TOO_LARGE)
+    if not diff.ok:
+        return Reward(0.0, zero, {"error": f"git could not read the change to {TESTBED}",
+                                  "log": diff.output[-_LOG_TAIL:]})
+    spec = await ask_swebench("eval-script", {"instance": instance_fields(task)})
+    grader = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
+    try:
+        return await _grade(ctx, grader, diff.stdout, spec, f2p, p2p)
+    finally:
+        await grader.destroy()
+
+
+async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, Any],
+                 f2p: list[str], p2p: list[str]) -> Reward:
+    from rollout.runtime.envs.swe import handler as swe
+    from rollout.runtime.envs.swe import runners as swe_runners
+
+    task = ctx.spec.task
+    zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
+    await write_private(grader, "agent.patch", patch.encode("utf-8", "surrogateescape"))
+    test_patch = await write_private(grader, "test.patch", task["test_patch"])
+    tree = await write_private(grader, "swe_grade_tree.py", swe.GRADE_TREE_SOURCE.read_bytes())
+    nonce = secrets.token_hex(8)
+    eval_script = await write_private(grader, "eval.sh",
+                                      with_exit_status(spec["eval_script"], nonce))
+    private = os.path.dirname(test_patch)
+    prepared = await grader.exec(["bash", "-c", _PREPARE, "prepare", private,
+                                  task["base_commit"]], timeout=300.0, cwd=TESTBED)
+    if prepared.exit_code == _AGENT_PATCH_FAILED:
+        return Reward(0.0, zero, {"error": "the agent's change does not apply to the image's "
+                                           "repository", "log": prepared.output[-_LOG_TAIL:]})
+    if not prepared.ok:
+        raise HandlerError(f"preparing the grading tree in {task['spec']['image']} failed: "
+                           f"{prepared.output[-600:]}", "HANDLER_ERROR")
+    runner = swe_runners.runner_of(task)
+    python = [*getattr(grader, "python_launcher", ()), grader.python] if getattr(
+        grader, "python_launcher", ()) else ["python3"]
+    built = await grader.exec(
+        [*python, tree, f"{private}/repo.bundle", "bundle", task["base_commit"], test_patch,
+         *swe.protected_paths(task, runner, f2p + p2p)],
+        timeout=min(300.0, ctx.spec.limits.eval_timeout_s), cwd=TESTBED,
+        env={"PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", **_GIT_ENV})
+    if not built.ok:
+        why = ("the test patch does not apply" if built.exit_code == _PATCH_FAILED
+               else "building the grading tree failed")
+        return Reward(0.0, zero, {"error": why, "log": built.output[-_LOG_TAIL:]})
+    tree_report = json.loads(built.stdout.strip().splitlines()[-1] or "{}")
+    info: dict[str, str] = {"restored": ",".join(tree_report.get("restored", []))[:1000],
+                            "grader": "swebench", "parser": str(spec.get("parser", "")),
+                            "test_cmd": str(spec.get("test_cmd", ""))}
+    # The harness's eval script applies the test patch itself: take it back off first.
+    undone = await grader.exec(["git", "apply", "-R", "--whitespace=nowarn", test_patch],
+                               timeout=60.0, cwd=TESTBED, env=_GIT_ENV)
+    if not undone.ok:
+        raise HandlerError(f"could not take the test patch back off: {undone.output[-400:]}",
+                           "HANDLER_ERROR")
+    timeout = min(float(task.get("test_timeout_s", 1800.0)), ctx.spec.limits.eval_timeout_s)
+    run = await grader.exec(["bash", "-c", 'exec bash "$1" 2>&1', "eval", eval_script],
+                            timeout=timeout, cwd=TESTBED, max_output=8 << 20)
+    # Whatever the tests left running must not outlive the run into the verdict.
+    await grader.stop_processes()
+    found_exit = re.search(rf"^ROLLOUT_EXIT_{nonce}=(\d+)$", run.output, re.MULTILINE)
+    info["exit_status"] = found_exit.group(1) if found_exit else "unknown"
+    if run.timed_out:
+        info["error"] = f"the eval script timed out after {timeout:g} s"
+        return Reward(0.0, zero, info)
+    verdict = await ask_swebench("grade", {"instance": instance_fields(task),
+                                           "log": run.output})
+    components = {"fail_to_pass": float(verdict.get("fail_to_pass", 0.0)),
+                  "pass_to_pass": float(verdict.get("pass_to_pass", 0.0))}
+    info["resolution"] = str(verdict.get("resolution", ""))
+    report = verdict.get("report") or {}
+    failing = [t for key in ("FAIL_TO_PASS", "PASS_TO_PASS")
+               for t in report.get(key, {}).get("failure", [])]
+    info["failing"] = ",".join(failing)[:1000]
+    info["log"] = run.output[-_LOG_TAIL:]
+    if not verdict.get("found"):
+        info["error"] = "the harness's parser found no test results in the eval log"
+        return Reward(0.0, components, info)
+    if tree_report.get("screen"):
+        info["error"] = "the change reaches into the test framework or the grader"
+        info["screen"] = "; ".join(tree_report["screen"])[:2000]
+        return Reward(0.0, components, info)
+    if not exit_status_agrees(verdict.get("status_map") or {}, info["exit_status"]):
+        info["error"] = (f"the test command's exit status ({info['exit_status']}) disagrees "
+                         "with the log, in which every test passed")
+        return Reward(0.0, components, info)
+    return Reward(1.0 if verdict.get("resolution") == "RESOLVED_FULL" else 0.0, components,
+                  info)
+
+
+def with_exit_status(script: str, nonce: str) -> str:
+    """The harness's eval script with the test command's exit status recorded: kept right
+    after the command (the end marker, a ``:``, would reset it) and printed after the marker
+    under a name the code under test never saw, so a log whose every test passed can be
+    checked against a runner that failed."""
+    lines = script.split("\n")
+    for i, line in enumerate(lines):
+        if line == f": '{END_MARKER}'" and i > 0:
+            return "\n".join([*lines[:i], "rollout_exit=$?", line,
+                               f'echo "ROLLOUT_EXIT_{nonce}=$rollout_exit"', *lines[i + 1:]])
+    return script
+
+
+def exit_status_agrees(status_map: Mapping[str, str], exit_status: str) -> bool:
+    """False when every test the log names passed and the test command still failed (or its
+    status is missing): a line printed by the code under test (at exit, say) rewrote the
+    record."""
+    return not (status_map and all(v == "PASSED" for v in status_map.values())
+                and exit_status != "0")
+
+
+def instance_fields(task: Mapping[str, Any]) -> dict[str, Any]:
+    """What the harness's test spec reads of an instance."""
+    return {k: task[k] for k in ("instance_id", "repo", "version", "base_commit", "test_patch",
+                                 "FAIL_TO_PASS", "PASS_TO_PASS") if k in task}
+
+
+def swebench_python() -> Path:
+    """The interpreter of the ``swebench`` venv: ``$ROLLOUT_SWEBENCH_PYTHON``, else the one
+    scripts/setup_swebench.sh made under the set-up cache."""
+    from rollout.runtime.envs.harness.presets import setup_cache
+
+    given = os.environ.get(SWEBENCH_PYTHON_VAR)
+    path = Path(given) if given else setup_cache() / "current-swebench" / "bin" / "python"
+    if not path.is_file():
+        raise HandlerError(f"grading a SWE-bench image instance needs the official swebench "
+                           f"package, and {path} does not exist: run `bash "
+                           f"scripts/setup_swebench.sh` on the server (or set "
+                           f"{SWEBENCH_PYTHON_VAR})", "SWEBENCH_MISSING")
+    return path
+
+
+async def ask_swebench(command: str, request: Mapping[str, Any],
+                       timeout: float = 120.0) -> dict[str, Any]:  # noqa: ASYNC109
+    """One request to :mod:`.swebench_helper` in the ``swebench`` venv (a process of its own,
+    started off the event loop)."""
+    python = swebench_python()
+
+    def call() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(python), "-I", str(HELPER), command],
+                              input=json.dumps(request), capture_output=True, text=True,
+                              timeout=timeout, env={"PATH": os.environ.get("PATH", ""),
+                                                    "HOME": os.environ.get("HOME", "/")})
+
+    try:
+        proc = await asyncio.to_thread(call)
+    except subprocess.TimeoutExpired:
+        raise HandlerError(f"the swebench helper ({command}) took over {timeout:g} s",
+                           "SWEBENCH_FAILED") from None
+    if proc.returncode != 0:
+        raise HandlerError(f"the swebench helper ({command}) failed: {proc.stderr[-800:]}",
+                           "SWEBENCH_FAILED")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    if "error" in result:
+        raise HandlerError(f"the SWE-bench harness cannot grade this instance: "
+                           f"{result['error']}", "INVALID_TASK")
+    return result

@@ -1,0 +1,189 @@
+"""The `harbor` environment on real image sandboxes (the loopback registry's base image as
+`python:3.11-slim`, Dockerfiles built daemonless): Harbor's oracle check over the fixture
+tasks, a non-binary reward, a test that needs files the agent put in system paths, and what a
+hostile policy can try against the verifier."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout.runtime.envs.harbor.handler import HarborHandler
+from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.tasksets import harbor_import
+from rollout.runtime.tasksets.shipped import main as tasks_main
+from rollout.runtime.types import Limits
+from tests.fixtures.images import Registry
+from tests.runtime.envs.conftest import Rollout, call
+from tests.runtime.envs.harbor_helpers import FIXTURES, image_factory, line
+
+pytestmark = pytest.mark.slow  # each task's image is built once per session (tens of seconds)
+DONE = call("submit", answer="done")
+
+
+@pytest.fixture(scope="module")
+def harbor_images(tmp_path_factory: pytest.TempPathFactory,
+                  image_registry: Registry) -> ImageSettings:
+    """One image cache for the module: each fixture task's image is built once."""
+    return image_registry.settings(tmp_path_factory.mktemp("harbor-images"))
+
+
+@pytest.fixture
+def sandbox_factory(tmp_path: Path, harbor_images: ImageSettings) -> Any:
+    return image_factory(tmp_path / "state", harbor_images)
+
+
+async def test_oracle_earns_1_and_noop_0(tmp_path: Path, sandbox_factory: Any) -> None:
+    results = await harbor_import.check(
+        [FIXTURES / name for name in ("hello-file", "system-command", "prebuilt-json")],
+        sandbox_factory)
+    assert [(r.task, r.oracle, r.noop, r.problems) for r in results] == [
+        ("hello-file", 1.0, 0.0, ()), ("system-command", 1.0, 0.0, ()),
+        ("rollout-tests/prebuilt-json", 1.0, 0.0, ())]
+
+
+def test_check_harbor_lists_a_task_whose_verifier_fails(
+        tmp_path: Path, harbor_images: ImageSettings,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A verifier past its timeout earns the oracle 0: the check lists the task.
+    assert tasks_main(["check-harbor", str(FIXTURES / "slow-verifier"), "--state-dir",
+                       str(tmp_path / "state"), "--image-cache", harbor_images.cache_dir,
+                       "--registries-conf", harbor_images.registries_conf]) == 1
+    out, err = capsys.readouterr()
+    row = json.loads(out.splitlines()[0])
+    assert row["ok"] is False and row["oracle"] == 0.0 and row["noop"] == 0.0
+    assert "ran past its 3 s timeout" in row["problems"][0]
+    assert "FAILED slow-verifier" in err and "0 of 1 tasks pass" in err
+
+
+async def test_non_binary_reward_and_named_components(rollout: Rollout) -> None:
+    # Two of the three answers right: a third of the reward is lost, each part is named.
+    script = [call("bash", command="cd /app && echo 27 > sum.txt && echo 17 > max.txt "
+                                   "&& echo 5 > count.txt"), DONE]
+    result = await rollout(HarborHandler(), line("partial-credit")["task"], script)
+    assert result.reward.value == pytest.approx(0.6667)
+    assert result.reward.components == {"reward": 0.6667, "sum": 1.0, "max": 1.0,
+                                        "count": 0.0}
+    assert result.reward.info["reward_file"] == "reward.json"
+
+
+async def test_the_test_reads_files_the_agent_put_in_system_paths(rollout: Rollout) -> None:
+    install = ("printf '#!/bin/sh\\necho \"$*!\" | tr a-z A-Z\\n' > /usr/local/bin/shout && "
+               "chmod +x /usr/local/bin/shout && echo version=1.0 > /etc/shout.conf && "
+               "shout it works")
+    result = await rollout(HarborHandler(), line("system-command")["task"],
+                           [call("bash", command=install), DONE])
+    assert "IT WORKS!" in result.prompt_text()
+    assert result.reward.value == 1.0, result.reward.info
+    # The same commands without the file in /etc: the verifier sees the difference.
+    partial = install.replace(" && echo version=1.0 > /etc/shout.conf", "")
+    result = await rollout(HarborHandler(), line("system-command")["task"],
+                           [call("bash", command=partial), DONE])
+    assert result.reward.value == 0.0
+
+
+async def test_a_hostile_policy_cannot_write_the_reward(rollout: Rollout) -> None:
+    # The agent plants a reward, a fake test script, and a process that keeps writing a
+    # reward of 1; it never does the task. The tests' folder is empty while it runs.
+    plant = ("ls -A /tests | wc -l; mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+             "echo '{\"reward\": 1}' > /logs/verifier/reward.json; "
+             "printf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /tests/test.sh; "
+             "chmod +x /tests/test.sh; "
+             "(while true; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.05; "
+             "done) > /dev/null 2>&1 &")
+    result = await rollout(HarborHandler(), line("hello-file")["task"],
+                           [call("bash", command=plant), DONE])
+    assert "<|im_start|>tool\n0\n" in result.prompt_text()  # /tests had no entry
+    assert result.reward.value == 0.0, result.reward.info
+    assert result.reward.info["reward_file"] == "reward.txt"
+    # Control: the same job doing the task earns 1.
+    result = await rollout(HarborHandler(), line("hello-file")["task"],
+                           [call("bash", command="echo 'Hello from Harbor!' > greeting.txt"),
+                            DONE])
+    assert result.reward.value == 1.0, result.reward.info
+
+
+async def test_a_changed_folder_is_refused(tmp_path: Path, rollout: Rollout) -> None:
+    from rollout.runtime.handler import HandlerError
+
+    folder = tmp_path / "hello-file"
+    shutil.copytree(FIXTURES / "hello-file", folder)
+    task = line("hello-file", folder=tmp_path)["task"]
+    (folder / "tests" / "test.sh").write_text("#!/bin/sh\necho 1 > /logs/verifier/reward.txt\n")
+    with pytest.raises(HandlerError, match="changed since it was imported"):
+        await rollout(HarborHandler(), task, [DONE], limits=Limits(max_turns=1))
+
+
+async def test_a_harness_runs_a_harbor_task_in_its_image(rollout: Rollout) -> None:
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import PingGateway, harness_task
+
+    # A user's harness (a command; here one that does the task without asking the model), in
+    # the task's image and working directory; INIT and the verifier are the harbor
+    # environment's own.
+    harness = {"command": ["bash", "-c", "pwd > where.txt && cat {prompt_file} > seen.txt && "
+                                         "echo 'Hello from Harbor!' > greeting.txt"]}
+    task = harness_task("harbor", line("hello-file")["task"], harness)
+    result = await rollout(HarnessHandler(), task, [], gateway=PingGateway(),
+                           limits=Limits(max_turns=2, run_timeout_s=60))
+    assert result.outcome.metadata["harness_exit"] == "0", result.outcome.metadata
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.reward.info["task"] == "hello-file"
+
+
+def test_import_harbor_prepare_builds_images_and_names_a_broken_task(
+        tmp_path: Path, harbor_images: ImageSettings,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken-build"
+    shutil.copytree(FIXTURES / "hello-file", broken)
+    (broken / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nCOPY not-in-the-context.txt /app/\n")
+    args = ["import-harbor", "--prepare", "--image-cache", harbor_images.cache_dir,
+            "--registries-conf", harbor_images.registries_conf]
+    assert tasks_main([*args, str(FIXTURES / "hello-file")]) == 0
+    assert json.loads(capsys.readouterr().out)["task"]["task_dir"].endswith("hello-file")
+    assert tasks_main([*args, str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "broken-build" in err and "not-in-the-context.txt" in err
+
+
+async def test_a_task_whose_image_does_not_build_fails_naming_it(tmp_path: Path,
+                                                                 rollout: Rollout) -> None:
+    from rollout.runtime.sandbox.images import ImageError
+
+    broken = tmp_path / "broken-build"
+    shutil.copytree(FIXTURES / "hello-file", broken)
+    (broken / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nUSER\n")
+    with pytest.raises(ImageError) as err:
+        await rollout(HarborHandler(), line("broken-build", folder=tmp_path)["task"], [DONE],
+                      limits=Limits(max_turns=1))
+    assert err.value.reason == "IMAGE_BUILD_FAILED" and "broken-build" in str(err.value)
+
+
+async def test_mini_swe_agent_solves_a_harbor_task_in_its_image(
+        rollout: Rollout, gateway_rig: Any) -> None:
+    from rollout.runtime.envs.harness import presets as harness_presets
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import harness_task
+
+    try:
+        harness_presets.resolve("mini-swe-agent")
+    except Exception as e:  # the message says what to run
+        pytest.skip(f"mini-swe-agent is not installed: {e}")
+
+    def action(command: str) -> str:  # mini-swe-agent's own reply format
+        return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+
+    script = [action("echo WD=$(pwd) && echo 'Hello from Harbor!' > greeting.txt"),
+              action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+    result = await rollout(HarnessHandler(),
+                           harness_task("harbor", line("hello-file")["task"], "mini-swe-agent"),
+                           script, gateway=gateway_rig.gateway,
+                           limits=Limits(max_turns=6, run_timeout_s=180))
+    assert result.reward.value == 1.0, (result.reward.info,
+                                        result.outcome.metadata["harness_log"])
+    assert "WD=/app" in result.prompt_text()  # the preset's shell started in the WORKDIR

@@ -1,0 +1,157 @@
+"""Harbor task folders read as the `harbor` environment runs them, the reward files as Harbor
+reads them, and `rollout tasks import-harbor` (no sandbox needed here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rollout.runtime.envs.harbor import taskdir, verdict
+from rollout.runtime.envs.harbor.handler import HarborHandler, image_source, sandbox_limits
+from rollout.runtime.envs.harbor.taskdir import TaskFolderError
+from rollout.runtime.tasksets import harbor_import
+from rollout.runtime.tasksets.shipped import main as tasks_main
+from rollout.runtime.types import InvalidArgument
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "harbor"
+
+
+def copy_task(tmp_path: Path, name: str = "hello-file") -> Path:
+    dest = tmp_path / name
+    shutil.copytree(FIXTURES / name, dest)
+    return dest
+
+
+def test_fixture_tasks_load_with_their_settings() -> None:
+    hello = taskdir.load(FIXTURES / "hello-file")
+    assert hello.name == "hello-file" and hello.instruction.startswith("Create a file")
+    assert (hello.agent_timeout_s, hello.verifier_timeout_s, hello.build_timeout_s) == (
+        120.0, 60.0, 300.0)
+    assert hello.has_dockerfile and not hello.docker_image and not hello.allow_internet
+    assert hello.has_solution and hello.storage_mb == 1024
+    prebuilt = taskdir.load(FIXTURES / "prebuilt-json")
+    # The later 1.x spellings: memory/storage as sizes, network_mode, [task].name.
+    assert prebuilt.name == "rollout-tests/prebuilt-json"
+    assert (prebuilt.memory_mb, prebuilt.storage_mb) == (2048, 1024)
+    assert prebuilt.allow_internet is False and prebuilt.docker_image == "python:3.11-slim"
+    assert prebuilt.verifier_env == {"EXPECTED_ITEMS": "3"}
+    assert image_source(prebuilt) == "docker://python:3.11-slim"
+    assert taskdir.load(FIXTURES / "hello-file").unknown_keys == ()
+
+
+def test_limits_follow_task_toml() -> None:
+    hello = taskdir.load(FIXTURES / "hello-file")
+    limits = sandbox_limits(hello)
+    assert limits.address_space_bytes == 2048 << 20
+    assert limits.file_size_bytes == 1024 << 20
+    assert limits.cpu_seconds == 120 + 60
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: (d / "task.toml").write_text('version = "2.0"\n'), "schema 1.x"),
+    (lambda d: (d / "task.toml").write_text("[environment]\ngpus = 1\n"), "no GPU"),
+    (lambda d: (d / "task.toml").write_text('[environment]\nos = "windows"\n'), "only linux"),
+    (lambda d: (d / "task.toml").write_text('[environment]\nmemory = "lots"\n'), "memory"),
+    (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = -1\n"), "timeout_sec"),
+    (lambda d: (d / "task.toml").write_text("[verifier\n"), "not valid TOML"),
+    (lambda d: (d / "tests" / "test.sh").unlink(), "tests/test.sh"),
+    (lambda d: (d / "instruction.md").write_text("  \n"), "empty"),
+    (lambda d: shutil.rmtree(d / "environment"), "no image"),
+])
+def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, message) -> None:
+    folder = copy_task(tmp_path)
+    edit(folder)
+    with pytest.raises(TaskFolderError, match=message):
+        taskdir.load(folder)
+
+
+def test_unknown_keys_are_listed_not_refused(tmp_path: Path) -> None:
+    folder = copy_task(tmp_path)
+    with (folder / "task.toml").open("a") as f:
+        f.write("\n[environment.extra]\nx = 1\n[telemetry]\non = true\n")
+    text = (folder / "task.toml").read_text().replace("[environment]\n",
+                                                      "[environment]\nfancy = 1\n")
+    (folder / "task.toml").write_text(text)
+    assert set(taskdir.load(folder).unknown_keys) >= {"telemetry", "environment.fancy"}
+
+
+def test_validate_task_names_the_field(tmp_path: Path) -> None:
+    handler = HarborHandler()
+    handler.validate_task({"task_dir": str(FIXTURES / "hello-file"), "agent": "oracle"})
+    with pytest.raises(InvalidArgument) as err:
+        handler.validate_task({"task_dir": str(tmp_path)})
+    assert err.value.field == "task.task_dir" and "task.toml" in str(err.value)
+    with pytest.raises(InvalidArgument) as err:
+        handler.validate_task({"task_dir": str(FIXTURES / "hello-file"), "agent": "human"})
+    assert err.value.field == "task.agent"
+    with pytest.raises(InvalidArgument, match="unknown fields"):
+        handler.validate_task({"task_dir": str(FIXTURES / "hello-file"), "image": "x"})
+
+
+@pytest.mark.parametrize(("files", "value", "components", "problem"), [
+    ({"reward.txt": b"1\n"}, 1.0, {"reward": 1.0}, ""),
+    ({"reward.txt": b"0.25"}, 0.25, {"reward": 0.25}, ""),
+    # reward.json wins over reward.txt, as in Harbor; every entry is a component.
+    ({"reward.txt": b"0", "reward.json": b'{"reward": 0.5, "style": 1}'}, 0.5,
+     {"reward": 0.5, "style": 1.0}, ""),
+    ({"reward.json": b'{"accuracy": 0.75, "speed": 0.1}'}, 0.75,
+     {"accuracy": 0.75, "speed": 0.1}, ""),
+    ({}, 0.0, {}, "neither"),
+    ({"reward.txt": b""}, 0.0, {}, "empty"),
+    ({"reward.txt": b"yes"}, 0.0, {}, "not a number"),
+    ({"reward.txt": b"nan"}, 0.0, {}, "not finite"),
+    ({"reward.json": b"[1]"}, 0.0, {}, "non-empty object"),
+    ({"reward.json": b'{"reward": "1"}'}, 0.0, {}, "not a finite number"),
+    ({"reward.json": b'{"reward": true}'}, 0.0, {}, "not a finite number"),
+    ({"reward.json": b"{"}, 0.0, {}, "not JSON"),
+])
+def test_reward_files(files, value, components, problem) -> None:
+    found = verdict.read({"reward.json": files.get("reward.json"),
+                          "reward.txt": files.get("reward.txt")})
+    assert found.value == value
+    assert found.components == components
+    assert problem in found.problem and bool(problem) == bool(found.problem)
+
+
+def test_import_harbor_writes_job_lines_for_a_dataset(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert tasks_main(["import-harbor", str(FIXTURES), "--job-id-prefix", "r1-",
+                       "--samples", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    names = sorted(p.name for p in FIXTURES.iterdir() if (p / "task.toml").is_file())
+    assert len(lines) == 2 * len(names)
+    by_dir = {Path(line["task"]["task_dir"]).name: line for line in lines}
+    assert sorted(by_dir) == names
+    hello = by_dir["hello-file"]
+    assert hello["environment"] == "harbor"
+    assert hello["limits"] == {"initTimeout": "420s", "runTimeout": "125s",
+                               "evalTimeout": "180s"}
+    limits = harbor_import.limits_value(hello)
+    assert (limits.init_timeout_s, limits.run_timeout_s, limits.eval_timeout_s) == (
+        300.0 + harbor_import.SETUP_MARGIN_S, 125.0, 60.0 + harbor_import.SETUP_MARGIN_S)
+    assert hello["task"]["digest"] == taskdir.digest(FIXTURES / "hello-file")
+    assert {line["job_id"] for line in lines} >= {"r1-hello-file-0", "r1-hello-file-1"}
+    # A prebuilt image needs no build time in INIT.
+    prebuilt = by_dir["prebuilt-json"]
+    assert prebuilt["limits"]["initTimeout"] == f"{harbor_import.SETUP_MARGIN_S:g}s"
+    assert prebuilt["job_id"].startswith("r1-rollout-tests__prebuilt-json-")
+
+
+def test_import_harbor_refuses_a_broken_task(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_task(tmp_path)
+    (folder / "tests" / "test.sh").unlink()
+    assert tasks_main(["import-harbor", str(tmp_path)]) == 2
+    assert "tests/test.sh" in capsys.readouterr().err
+
+
+def test_oversized_tests_are_refused_off_the_submit_path(tmp_path: Path) -> None:
+    folder = copy_task(tmp_path)
+    with (folder / "tests" / "data.bin").open("wb") as f:  # sparse: no disk used
+        f.truncate(taskdir.MAX_FOLDER_BYTES + 1)
+    taskdir.load(folder, sizes=False)  # what a submit checks: the small files
+    with pytest.raises(TaskFolderError, match="over the"):
+        taskdir.load(folder)

@@ -1,0 +1,198 @@
+"""A SWE-bench-layout image instance: an image made in the test from the set-up's base image
+(Debian + python3) with the repository at /testbed, git, pytest and the conda activation the
+harness's eval script sources; graded through the official swebench package's test spec and
+log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout.runtime.envs.swe import images as swe_images
+from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.types import InvalidArgument
+from tests.fixtures.images import Registry, base_layout
+from tests.runtime.envs.conftest import Rollout, call
+from tests.runtime.envs.harbor_helpers import image_factory
+
+pytestmark = pytest.mark.slow
+DONE = call("submit", answer="done")
+SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+    "site-packages"
+PYTEST_FILES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py")
+# What the harness's eval script runs first: `source /opt/miniconda3/bin/activate` and
+# `conda activate testbed`. The image's python3 is the environment already.
+ACTIVATE = "conda() { :; }\n"
+CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
+TESTS = "from calc import sub\n\n\ndef test_sub():\n    assert sub(5, 3) == 2\n"
+
+
+def diff(text: str) -> str:
+    """A unified diff written with ``~`` for its blank context lines (a lone space)."""
+    return "\n".join(" " if line == "~" else line for line in text.split("\n"))
+
+
+TEST_PATCH = diff("""\
+diff --git a/tests/test_calc.py b/tests/test_calc.py
+--- a/tests/test_calc.py
++++ b/tests/test_calc.py
+@@ -1,5 +1,9 @@
+-from calc import sub
++from calc import add, sub
+~
+~
+ def test_sub():
+     assert sub(5, 3) == 2
++
++
++def test_add():
++    assert add(2, 3) == 5
+""")
+GOLD = diff("""\
+diff --git a/calc.py b/calc.py
+--- a/calc.py
++++ b/calc.py
+@@ -1,5 +1,5 @@
+ def add(a, b):
+-    return a - b
++    return a + b
+~
+~
+ def sub(a, b):
+""")
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True, env=env).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def swebench_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(``oci:`` reference, base commit) of the instance's image."""
+    try:
+        swe_images.swebench_python()
+    except Exception as e:
+        pytest.skip(str(e))
+    base = base_layout()
+    if base is None or shutil.which("umoci") is None:
+        pytest.skip("the cached base image or umoci is missing (bash scripts/setup_images.sh)")
+    tmp = tmp_path_factory.mktemp("sweb-image")
+    tree = tmp / "tree"
+    repo = tree / "testbed"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text(CALC)
+    (repo / "tests" / "test_calc.py").write_text(TESTS)
+    # The repository's root on sys.path for its tests (a real image pip-installs it).
+    (repo / "conftest.py").write_text("")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    commit = git(repo, "rev-parse", "HEAD")
+    # A later commit the agent must not find: the fix itself.
+    (repo / "calc.py").write_text(CALC.replace("a - b\n\n", "a + b\n\n", 1))
+    git(repo, "commit", "-qam", "the fix")
+    git(repo, "tag", "fixed")
+    git(repo, "checkout", "-q", commit)
+    site = tree / "usr" / "local" / "lib" / "python3.11" / "dist-packages"
+    site.mkdir(parents=True)
+    for name in PYTEST_FILES:
+        for src in [SITE / name, *SITE.glob(f"{name}-*.dist-info")]:
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, site / src.name)
+    (tree / "usr" / "local" / "bin").mkdir(parents=True)
+    launcher = tree / "usr" / "local" / "bin" / "pytest"
+    launcher.write_text("#!/usr/bin/python3\nimport sys\nfrom pytest import console_main\n"
+                        "sys.exit(console_main())\n")
+    launcher.chmod(0o755)
+    shutil.copy2(shutil.which("git") or "/usr/bin/git", tree / "usr" / "local" / "bin" / "git")
+    (tree / "opt" / "miniconda3" / "bin").mkdir(parents=True)
+    (tree / "opt" / "miniconda3" / "bin" / "activate").write_text(ACTIVATE)
+    layout = tmp / "layout"
+    shutil.copytree(base, layout)
+    for args in (("insert", "--rootless", "--image", f"{layout}:base", str(tree), "/"),
+                 ("config", "--image", f"{layout}:base", "--config.workingdir", "/testbed")):
+        subprocess.run(["umoci", *args], check=True, capture_output=True, timeout=300)
+    return f"oci:{layout}:base", commit
+
+
+@pytest.fixture(scope="module")
+def swe_image_settings(tmp_path_factory: pytest.TempPathFactory,
+                       image_registry: Registry) -> ImageSettings:
+    return image_registry.settings(tmp_path_factory.mktemp("sweb-cache"))
+
+
+@pytest.fixture
+def sandbox_factory(tmp_path: Path, swe_image_settings: ImageSettings) -> Any:
+    return image_factory(tmp_path / "state", swe_image_settings)
+
+
+def instance(image: str, commit: str) -> dict[str, Any]:
+    return {"instance_id": "psf__requests-9001", "repo": "psf/requests", "version": "3.0",
+            "base_commit": commit, "problem_statement": "add() subtracts instead of adding.",
+            "test_patch": TEST_PATCH, "patch": GOLD,
+            "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+            "PASS_TO_PASS": '["tests/test_calc.py::test_sub"]', "spec": {"image": image}}
+
+
+async def test_gold_noop_and_wrong(rollout: Rollout, swebench_image: tuple[str, str]) -> None:
+    task = instance(*swebench_image)
+    # The later history (the fix, its tag) is gone from the agent's /testbed.
+    look = "cd /testbed && git log --all --oneline | wc -l && git tag | wc -l && ls"
+    gold = await rollout(SweHandler(), task, [
+        call("bash", command=look),
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{GOLD}EOF\n"), DONE])
+    assert "<|im_start|>tool\n1\n0\ncalc.py  conftest.py  tests\n" in gold.prompt_text()
+    assert gold.reward.value == 1.0, gold.reward.info["log"]
+    assert gold.reward.info["grader"] == "swebench"
+    assert gold.reward.info["parser"] == "parse_log_pytest_options"
+    assert gold.reward.info["resolution"] == "RESOLVED_FULL"
+    assert gold.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 1.0}
+
+    noop = await rollout(SweHandler(), task, [DONE])
+    assert noop.reward.value == 0.0
+    assert noop.reward.components == {"fail_to_pass": 0.0, "pass_to_pass": 1.0}
+    assert noop.reward.info["failing"] == "tests/test_calc.py::test_add"
+
+    # Wrong: add() fixed by breaking sub(), and the test file edited to pass (put back).
+    wrong_cmd = ("cd /testbed && sed -i 's/return a - b/return a + b/' calc.py && "
+                 "printf 'def test_add():\\n    pass\\n' > tests/test_calc.py")
+    wrong = await rollout(SweHandler(), task, [call("bash", command=wrong_cmd), DONE])
+    assert wrong.reward.value == 0.0
+    assert wrong.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 0.0}
+    assert "tests/test_calc.py" in wrong.reward.info["restored"]
+
+
+async def test_a_forged_result_line_earns_0(rollout: Rollout,
+                                            swebench_image: tuple[str, str]) -> None:
+    # The change prints the parser's result line for the failing test when the test run's
+    # process exits, after pytest's own summary: the log then says every test passed.
+    forge = ("cd /testbed && cat >> calc.py <<'EOF'\nimport atexit, os\n"
+             "atexit.register(lambda: os.write(1, b'PASSED tests/test_calc.py::test_add\\n'))"
+             "\nEOF\n")
+    result = await rollout(SweHandler(), instance(*swebench_image),
+                           [call("bash", command=forge), DONE])
+    assert result.reward.value == 0.0
+    assert result.reward.components["fail_to_pass"] == 1.0  # the parser was fooled
+    assert "disagrees with the log" in result.reward.info["error"]
+    assert result.reward.info["exit_status"] == "1"
+
+
+def test_image_instances_are_validated() -> None:
+    task = instance("docker://swebench/sweb.eval.x86_64.psf_1776_requests-9001:latest", "abc1234")
+    SweHandler().validate_task(task)
+    for change, field in (({"spec": {"image": "swebench/sweb"}}, "task.spec.image"),
+                          ({"spec": {"image": "docker://x/y:1", "install": "x"}}, "task.spec"),
+                          ({"version": ""}, "task.version"), ({"repo": "requests"}, "task.repo"),
+                          ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS")):
+        with pytest.raises(InvalidArgument) as err:
+            SweHandler().validate_task({**task, **change})
+        assert err.value.field == field, change

@@ -1,0 +1,96 @@
+"""bwrap sandboxes whose root is a cached image: copy-on-write per job, the image's config, the
+tools in any image (real bubblewrap, real registry, real skopeo/umoci)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.sandbox.images import ImageError, cache_for
+from rollout.runtime.tools.editor import EditorTool
+from tests.fixtures.images import Registry
+
+
+def _config(tmp_path: Path, settings: ImageSettings, **kw: object) -> SandboxConfig:
+    return SandboxConfig(state_dir=tmp_path / "state", images=settings, **kw)  # type: ignore[arg-type]
+
+
+async def test_jobs_on_one_image_write_copy_on_write_and_never_into_the_cache(
+        tmp_path: Path, image_settings: ImageSettings) -> None:
+    cfg = _config(tmp_path, image_settings)
+    a = await create_sandbox(cfg, image="docker://python:3.11-slim")
+    b = await create_sandbox(cfg, image="docker://python:3.11-slim")
+    async with a, b:
+        image = a.image.image  # type: ignore[attr-defined]
+        before = sorted(os.listdir(image.rootfs / "etc"))
+        r = await a.exec("echo from-a > /etc/written-by-a && rm /etc/hostname && "
+                         "python3 -c 'import sys; print(sys.version_info[:2])'")
+        assert r.ok, r.output
+        assert "(3, 11)" in r.stdout
+        # The other job sees the image as it is, and so does the cache.
+        r = await b.exec("cat /etc/written-by-a; test -e /etc/hostname && echo still-there")
+        assert "No such file" in r.stderr and "still-there" in r.stdout
+        assert sorted(os.listdir(image.rootfs / "etc")) == before
+        # Another launch of the same job (a new bwrap) sees its own writes.
+        r = await a.exec("cat /etc/written-by-a; test -e /etc/hostname || echo gone")
+        assert r.stdout.split() == ["from-a", "gone"]
+        # The job runs as an unprivileged uid that may still change the image's files.
+        r = await a.exec("id -u; echo more >> /usr/lib/os-release && tail -1 /usr/lib/os-release")
+        assert r.ok and r.stdout.split()[-1] == "more"
+        if os.geteuid() == 0:
+            assert r.stdout.split()[0] != "0"
+    for sb in (a, b):
+        assert not sb.path.exists()  # type: ignore[attr-defined]
+    assert cache_for(image_settings).entries()[0].in_use is False
+
+
+async def test_the_image_config_applies_and_every_tool_works_in_a_busybox_image(
+        tmp_path: Path, image_settings: ImageSettings, image_registry: Registry) -> None:
+    cfg = _config(tmp_path, image_settings)
+    async with await create_sandbox(cfg, image="docker://busybox:latest",
+                                    env={"FROM_JOB": "1"}) as sb:
+        r = await sb.exec(["sh", "-c", "pwd; echo $PATH; echo $FROM_JOB; ls /usr 2>&1"])
+        lines = r.stdout.splitlines()
+        assert lines[0] == "/root"  # WorkingDir
+        assert lines[1].startswith("/bin:") and lines[2] == "1"
+        assert "No such file" in lines[3]  # the host's /usr is not there
+        # The image has no bash: the static one of /.rollout/bin stands in.
+        bash = await sb.bash()
+        out = await bash.run("cd /tmp && export X=7 && echo $BASH_VERSION")
+        assert out.exit_code == 0 and out.output.strip()
+        assert (await bash.run("pwd; echo $X")).output.split() == ["/tmp", "7"]
+        editor = EditorTool(sb)
+        created = await editor({"command": "create", "path": "/workspace/a.txt",
+                                     "file_text": "hello\n"})
+        assert not created.is_error, created.output
+        viewed = await editor({"command": "view", "path": "/workspace/a.txt"})
+        assert "hello" in viewed.output
+        kernel = await sb.ipython()
+        cell = await kernel.execute("import os; print(sorted(os.listdir('/bin'))[:3], "
+                                    "open('/workspace/a.txt').read().strip())")
+        assert cell.status == "ok" and "hello" in cell.output and "busybox" in cell.output
+
+
+async def test_a_server_wide_image_is_every_sandboxs_root(
+        tmp_path: Path, image_settings: ImageSettings) -> None:
+    cfg = _config(tmp_path, image_settings, image="docker://debian:bookworm-slim")
+    async with await create_sandbox(cfg) as sb:
+        r = await sb.exec("cat /etc/debian_version")
+        assert r.ok and r.stdout.startswith("12")
+
+
+async def test_a_bad_image_fails_sandbox_creation_with_its_reason(
+        tmp_path: Path, image_settings: ImageSettings, image_registry: Registry) -> None:
+    cfg = _config(tmp_path, image_settings)
+    with pytest.raises(ImageError) as e:
+        await create_sandbox(cfg, image="docker://python:0.0-nonexistent")
+    assert e.value.reason == "IMAGE_NOT_FOUND" and "python:0.0-nonexistent" in str(e.value)
+    with pytest.raises(ImageError) as e:
+        await create_sandbox(cfg, image="python:3.11")
+    assert e.value.reason == "INVALID_IMAGE_REF"
+    sandboxes = tmp_path / "state" / "sandboxes"
+    assert not sandboxes.exists() or os.listdir(sandboxes) == []
