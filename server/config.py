@@ -156,6 +156,14 @@ class SandboxSection:
     0 = half of physical memory; -1 = no cap."""
     seccomp: bool = True
     """bwrap: a seccomp filter (no namespaces, mounts, kernel modules, bpf, keyrings)."""
+    pool_size: int = 0
+    """bwrap: ready sandboxes kept per sandbox shape (made, with their first launch parked,
+    before a job asks), so INIT takes one instead of making one; 0 = no pool. Only plain
+    sandboxes are pooled (no image, no binds). See docs/operating.md "Warm sandbox pool"."""
+    pool_memory_bytes: int = 512 << 20
+    """bwrap: no new pooled sandbox while the ready ones' processes hold this much RSS."""
+    pool_idle_s: float = 60.0
+    """bwrap: a pooled shape nobody took for this long is emptied until a job asks again."""
 
 
 @dataclass
@@ -259,6 +267,10 @@ def _check(cfg: Config) -> None:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgument(f"config key 'sandbox.visible_paths': {path!r} is not an "
                                   "absolute path", "BAD_CONFIG", "sandbox.visible_paths")
+    for key in ("pool_size", "pool_memory_bytes", "pool_idle_s"):
+        if getattr(cfg.sandbox, key) < 0:
+            raise InvalidArgument(f"config key 'sandbox.{key}': {getattr(cfg.sandbox, key)!r} "
+                                  "is negative; use 0 or more", "BAD_CONFIG", f"sandbox.{key}")
 
 
 def _parse(raw: str) -> Any:

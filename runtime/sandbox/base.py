@@ -25,9 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from rollout.runtime.sandbox import hardening, hostfs, view
+
+if TYPE_CHECKING:
+    from rollout.runtime.sandbox.pool import SandboxPool
 
 Network = Literal["none", "loopback"]
 SandboxT = TypeVar("SandboxT", bound="Sandbox")
@@ -505,7 +508,8 @@ def runtime_of(factory: Any) -> str | None:
 async def create_sandbox(config: SandboxConfig | None = None, *,
                          workspace_files: Mapping[str, bytes | str] | None = None,
                          env: Mapping[str, str] | None = None, network: Network = "none",
-                         limits: SandboxLimits | None = None, **options: Any) -> Sandbox:
+                         limits: SandboxLimits | None = None, pool: SandboxPool | None = None,
+                         **options: Any) -> Sandbox:
     """Create a started sandbox. Use ``functools.partial(create_sandbox, cfg)`` as
     ``JobContext.sandbox_factory``. If anything fails half-way, what was made is removed.
 
@@ -514,11 +518,19 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
     for jobs that must reach a service on the host's 127.0.0.1 (e.g. a local grader); it
     reaches whatever the host reaches, so use it only for trusted environments.
     Per-sandbox options: ``binds=`` ((host dir, sandbox path, writable) triples) on both
-    runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image)."""
+    runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image).
+    ``pool``: a :class:`~rollout.runtime.sandbox.pool.SandboxPool` to take a ready sandbox
+    from when it holds one of this shape; otherwise the sandbox is made here."""
     config = config or SandboxConfig()
     if network not in ("none", "loopback"):
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
                            "INVALID_SANDBOX_OPTIONS")
+    if pool is not None:
+        pooled = await pool.take(config, **options, network=network,
+                                 limits=limits or config.limits,
+                                 workspace_files=workspace_files or {}, env=env or {})
+        if pooled is not None:
+            return pooled
     if config.runtime == "bwrap":
         from rollout.runtime.sandbox.bwrap import BwrapSandbox
         return await BwrapSandbox.create(config, workspace_files=workspace_files or {},
