@@ -183,6 +183,49 @@ async def bench_pool(cfg: SandboxConfig, n: int) -> list[Row]:
             Row("cold: created + first command", cold_first, 10.0)]
 
 
+def _chain_samples(cfg: SandboxConfig, n: int) -> list[Row]:
+    """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``,
+    then the same line with one link of the chain taken out at a time (each variant is the
+    previous one minus one more link), interleaved so every variant sees the same machine.
+    Blocking: run it in a thread."""
+    import os
+
+    sb = asyncio.run(create_sandbox(cfg))
+    try:
+        full = sb.command_argv(["true"])
+        env = sb.spawn_env()
+        rest = full[full.index("prlimit"):]
+        seccomp = full[5] if full[0] == "sh" and "--seccomp" in full else None
+        no_join = (["sh", "-c", 'exec 9< "$1" || exit 125; shift; exec "$@"', "sh",
+                    seccomp, *rest] if seccomp else rest)
+        bwrap_on = rest[rest.index("bwrap"):]
+        cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
+        no_setpriv = [*bwrap_on[:cut], "true"]
+        variants = [("full launch line (sh: cgroup join + seccomp fd; prlimit; bwrap; "
+                     "setpriv)", full), ("  without the cgroup join", no_join),
+                    ("  without the sh prologue (seccomp fd passed directly)", rest),
+                    ("  without prlimit", bwrap_on), ("  without setpriv", no_setpriv)]
+        samples: list[list[float]] = [[] for _ in variants]
+        for i in range(n + 3):
+            for k, (_, argv) in enumerate(variants):
+                fds: tuple[int, ...] = ()
+                if seccomp and argv[0] != "sh":
+                    fd = os.open(seccomp, os.O_RDONLY)
+                    fds = (fd,)
+                    argv = [str(fd) if a == "9" and argv[j - 1] == "--seccomp" else a
+                            for j, a in enumerate(argv)]
+                t = time.perf_counter()
+                subprocess.run(argv, env=env, pass_fds=fds, check=True)
+                if i >= 3:
+                    samples[k].append((time.perf_counter() - t) * 1e3)
+                for fd in fds:
+                    os.close(fd)
+        return [Row(f"chain: {name}", x) for (name, _), x in zip(variants, samples,
+                                                                 strict=True)]
+    finally:
+        asyncio.run(sb.destroy())
+
+
 async def bench_bare_bwrap(n: int) -> Row:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
             "--proc", "/proc", "true"]
@@ -192,7 +235,7 @@ async def bench_bare_bwrap(n: int) -> Row:
     return Row("baseline: bare `bwrap ... true` spawn", await _timed(n, one))
 
 
-PARTS = ("bash", "ipython", "sandbox")
+PARTS = ("bash", "ipython", "sandbox", "chain")
 
 
 async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
@@ -210,6 +253,10 @@ async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
             rows.append(await bench_lifecycle(cfg, max(20, n // 20)))
             rows += await bench_pool(cfg, max(20, n // 20))
             rows.append(await bench_bare_bwrap(max(20, n // 20)))
+        if "chain" in parts:
+            rows += await asyncio.to_thread(_chain_samples, cfg, max(20, n // 20))
+            if "sandbox" not in parts:
+                rows.append(await bench_bare_bwrap(max(20, n // 20)))
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bash samples (other rows scale from it; default 2000)")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when a target is missed (noisy machines: off by default)")
-    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="which parts to run (default: all); `sandbox` is the lifecycle, "
-                             "the warm pool and bare bwrap")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS[:3]),
+                        help="which parts to run (default: bash ipython sandbox); `sandbox` is "
+                             "the lifecycle, the warm pool and bare bwrap; `chain` profiles a "
+                             "cold launch line link by link")
     args = parser.parse_args(argv)
     if shutil.which("bwrap") is None:
         Console(stderr=True).print("bubblewrap (bwrap) is not installed")
