@@ -42,6 +42,10 @@ from rollout.runtime.sandbox.bwrap import BwrapSandbox
 log = logging.getLogger(__name__)
 PARK_TIMEOUT_S = 30.0
 """How long a new pooled sandbox's parked launch may take to come up."""
+REFILL_DELAY_S = 0.1
+"""The refill waits this long after a take: making a sandbox (its launch chain, the waiter's
+interpreter start) costs tens of ms of CPU, which would otherwise land on the cores the job
+that took one needs for its first command right then."""
 
 POOLED_OPTIONS = frozenset({"workspace_files", "env", "network", "limits"})
 """``create_sandbox`` arguments a pooled sandbox can take on after it was made; any other
@@ -100,6 +104,7 @@ class SandboxPool:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._taken = self._misses = self._made = self._idle_gone = 0
+        self._last_take = 0.0
 
     # -- taking ------------------------------------------------------------------------------
     def shape_for(self, config: SandboxConfig, options: Mapping[str, Any]) -> Shape | None:
@@ -120,7 +125,7 @@ class SandboxPool:
         lane = self._lane(shape)
         if lane is None:
             return None
-        lane.last_demand = time.monotonic()
+        lane.last_demand = self._last_take = time.monotonic()
         self._ensure_running()
         while lane.ready:
             sandbox, _ = lane.ready.popleft()
@@ -177,6 +182,10 @@ class SandboxPool:
                     async with asyncio.timeout(min(self.settings.idle_s, 5.0)):
                         await self._wake.wait()
                 continue
+            delay = self._last_take + REFILL_DELAY_S - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue  # the lanes may have changed meanwhile
             try:
                 await self._make_one(shape)
             except asyncio.CancelledError:

@@ -284,7 +284,7 @@ class Writer(threading.Thread):
         the database, so running them twice is safe: the first run left nothing."""
         try:
             conn.execute("BEGIN")
-            values = [(fut, op(conn), None) for op, fut in batch]
+            values: list[Result] = [(fut, op(conn), None) for op, fut in batch]
         except Exception:
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
