@@ -232,3 +232,22 @@ async def test_a_sigkilled_servers_pool_is_swept_by_the_next_start_which_empties
         await asyncio.to_thread(second.wait, scaled(60))
     assert second.returncode == 0
     assert entries(cfg) == [] and mounts_below(state) == []
+
+
+def test_the_pool_keys_reach_the_factory_and_bad_values_are_refused(tmp_path: Path) -> None:
+    from rollout.runtime.types import InvalidArgument
+    from rollout.server.app import build_sandbox_factory, sandbox_pool_of
+    from rollout.server.config import load_config
+
+    plain = load_config(None, [f"server.state_dir={tmp_path}"], environ={})
+    assert sandbox_pool_of(build_sandbox_factory(plain)) is None, "off by default"
+    cfg = load_config(None, [f"server.state_dir={tmp_path}", "sandbox.pool_size=3",
+                             "sandbox.pool_memory_bytes=1000000", "sandbox.pool_idle_s=5"],
+                      environ={})
+    factory = build_sandbox_factory(cfg)
+    pool = sandbox_pool_of(factory)
+    assert isinstance(pool, SandboxPool) and pool.config is factory.args[0]
+    assert pool.settings == PoolSettings(size=3, memory_bytes=1_000_000, idle_s=5.0)
+    with pytest.raises(InvalidArgument) as err:
+        load_config(None, ["sandbox.pool_size=-1"], environ={})
+    assert err.value.reason == "BAD_CONFIG" and err.value.field == "sandbox.pool_size"
