@@ -11,7 +11,8 @@ What the pool guarantees:
 - **One job per sandbox.** A sandbox leaves the pool once, by :meth:`SandboxPool.take`, and
   never comes back: its job destroys it as it would a fresh one.
 - **Only identical shapes.** A sandbox is pooled per :class:`Shape` (network, limits) and
-  only for the pool's own configuration with no per-sandbox option (no ``rootfs``, image,
+  only for the pool's own configuration, without a server-wide ``rootfs`` or image, and with
+  no per-sandbox option (no ``rootfs``, image,
   ``binds``, or anything a runtime adds later): what differs between such sandboxes
   (workspace files, environment) is filled in at take time. Everything else is made cold.
 - **Bounded.** At most ``size`` ready sandboxes per shape and ``max_shapes`` shapes, and no
@@ -110,7 +111,8 @@ class SandboxPool:
     def shape_for(self, config: SandboxConfig, options: Mapping[str, Any]) -> Shape | None:
         """The shape a ``create_sandbox`` call asks for, or None when it cannot be pooled."""
         if (self.settings.size <= 0 or config != self.config or config.runtime != "bwrap"
-                or config.rootfs is not None or not POOLED_OPTIONS.issuperset(options)):
+                or config.rootfs is not None or config.image  # an image root: made cold
+                or not POOLED_OPTIONS.issuperset(options)):
             return None
         return Shape(options.get("network") or "none", options.get("limits") or config.limits)
 

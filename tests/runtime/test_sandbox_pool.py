@@ -135,6 +135,8 @@ async def test_only_plain_shapes_are_pooled(cfg: SandboxConfig, pool: SandboxPoo
     assert pool.ready_count() == 2 and pool.stats().taken == 0
     assert pool.shape_for(cfg, {"network": "loopback"}) == Shape("loopback", cfg.limits)
     assert pool.shape_for(cfg, {"image": "x"}) is None
+    imaged = SandboxConfig(state_dir=cfg.state_dir, image="docker://busybox")
+    assert SandboxPool(imaged, PoolSettings(size=2)).shape_for(imaged, {}) is None
 
 
 async def test_bounded_by_memory(cfg: SandboxConfig) -> None:
