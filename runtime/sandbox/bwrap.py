@@ -166,6 +166,8 @@ class BwrapSandbox(Sandbox):
         for host, inside, writable in extra_binds:
             mounts += ["--bind" if writable else "--ro-bind", host, inside]
         cgroup, seccomp = _hardening(config)
+        if cgroup is not None:
+            procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
         if seccomp is not None:
             ns += ["--seccomp", hardening.SECCOMP_FD]

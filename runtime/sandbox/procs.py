@@ -382,6 +382,17 @@ def _late_reap(proc: Any) -> None:
         proc.wait()
 
 
+def join_spawner(cgroup_procs: Path) -> None:
+    """Ask the spawner thread to join the sandboxes' memory cgroup, so the launches it spawns
+    are born inside and skip the per-launch join (``hardening.join_thread``). Queued behind
+    the spawns already asked for, never waited on: until it has run, launches join as ever."""
+    from rollout.runtime.sandbox import hardening
+
+    if not hardening.thread_joined(cgroup_procs):
+        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+            _SPAWNER.submit(hardening.join_thread, cgroup_procs)
+
+
 async def in_spawner(fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking spawn in one long-lived thread.
 
