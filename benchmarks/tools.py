@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox import Sandbox, SandboxConfig, create_sandbox, procs
 from rollout.runtime.sandbox.pool import PoolSettings, SandboxPool
 from rollout.runtime.tools import make_tools
 from rollout.runtime.tools.ipython import IPythonKernel
@@ -183,47 +183,55 @@ async def bench_pool(cfg: SandboxConfig, n: int) -> list[Row]:
             Row("cold: created + first command", cold_first, 10.0)]
 
 
-def _chain_samples(cfg: SandboxConfig, n: int) -> list[Row]:
-    """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``,
-    then the same line with one link of the chain taken out at a time (each variant is the
-    previous one minus one more link), interleaved so every variant sees the same machine.
-    Blocking: run it in a thread."""
+def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
+    """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``
+    spawned as the server spawns it (by the spawner thread, which is in the sandboxes' memory
+    cgroup, so the launch is born inside), the same line spawned by another thread (its
+    prologue joins the cgroup, as every launch did before), then that line with one more link
+    taken out per row; interleaved, so every variant sees the same machine. Blocking: run it
+    in the spawner (``procs.in_spawner``)."""
+    import concurrent.futures
     import os
 
-    sb = asyncio.run(create_sandbox(cfg))
+    full = sb.command_argv(["true"])
+    env = sb.spawn_env()
+    rest = full[full.index("prlimit"):]
+    seccomp = full[5] if full[0] == "sh" and "--seccomp" in full else None
+    bwrap_on = rest[rest.index("bwrap"):]
+    cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
+    no_setpriv = [*bwrap_on[:cut], "true"]
+    variants = [
+        ("full launch line, spawned as the server does (born in the cgroup)", full, True),
+        ("full launch line, spawned by another thread (joins the cgroup)", full, False),
+        ("  without the sh prologue (seccomp fd passed directly; not joined)", rest, False),
+        ("  without prlimit", bwrap_on, False), ("  without setpriv", no_setpriv, False)]
+    other = concurrent.futures.ThreadPoolExecutor(1)
+
+    def one(argv: list[str]) -> float:
+        fds: tuple[int, ...] = ()
+        if seccomp and argv[0] != "sh":
+            fd = os.open(seccomp, os.O_RDONLY)
+            fds = (fd,)
+            argv = [str(fd) if a == "9" and argv[j - 1] == "--seccomp" else a
+                    for j, a in enumerate(argv)]
+        try:
+            t = time.perf_counter()
+            subprocess.run(argv, env=env, pass_fds=fds, check=True)
+            return (time.perf_counter() - t) * 1e3
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    samples: list[list[float]] = [[] for _ in variants]
     try:
-        full = sb.command_argv(["true"])
-        env = sb.spawn_env()
-        rest = full[full.index("prlimit"):]
-        seccomp = full[5] if full[0] == "sh" and "--seccomp" in full else None
-        no_join = (["sh", "-c", 'exec 9< "$1" || exit 125; shift; exec "$@"', "sh",
-                    seccomp, *rest] if seccomp else rest)
-        bwrap_on = rest[rest.index("bwrap"):]
-        cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
-        no_setpriv = [*bwrap_on[:cut], "true"]
-        variants = [("full launch line (sh: cgroup join + seccomp fd; prlimit; bwrap; "
-                     "setpriv)", full), ("  without the cgroup join", no_join),
-                    ("  without the sh prologue (seccomp fd passed directly)", rest),
-                    ("  without prlimit", bwrap_on), ("  without setpriv", no_setpriv)]
-        samples: list[list[float]] = [[] for _ in variants]
         for i in range(n + 3):
-            for k, (_, argv) in enumerate(variants):
-                fds: tuple[int, ...] = ()
-                if seccomp and argv[0] != "sh":
-                    fd = os.open(seccomp, os.O_RDONLY)
-                    fds = (fd,)
-                    argv = [str(fd) if a == "9" and argv[j - 1] == "--seccomp" else a
-                            for j, a in enumerate(argv)]
-                t = time.perf_counter()
-                subprocess.run(argv, env=env, pass_fds=fds, check=True)
+            for k, (_, argv, here) in enumerate(variants):
+                ms = one(argv) if here else other.submit(one, argv).result()
                 if i >= 3:
-                    samples[k].append((time.perf_counter() - t) * 1e3)
-                for fd in fds:
-                    os.close(fd)
-        return [Row(f"chain: {name}", x) for (name, _), x in zip(variants, samples,
-                                                                 strict=True)]
+                    samples[k].append(ms)
     finally:
-        asyncio.run(sb.destroy())
+        other.shutdown()
+    return [Row(f"chain: {name}", x) for (name, _, _), x in zip(variants, samples, strict=True)]
 
 
 async def bench_bare_bwrap(n: int) -> Row:
@@ -254,7 +262,12 @@ async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
             rows += await bench_pool(cfg, max(20, n // 20))
             rows.append(await bench_bare_bwrap(max(20, n // 20)))
         if "chain" in parts:
-            rows += await asyncio.to_thread(_chain_samples, cfg, max(20, n // 20))
+            sb = await create_sandbox(cfg)
+            try:
+                await procs.in_spawner(lambda: None)  # its cgroup join has run
+                rows += await procs.in_spawner(_chain_samples, sb, max(20, n // 20))
+            finally:
+                await sb.destroy()
             if "sandbox" not in parts:
                 rows.append(await bench_bare_bwrap(max(20, n // 20)))
         return rows
