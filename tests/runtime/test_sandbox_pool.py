@@ -253,3 +253,55 @@ def test_the_pool_keys_reach_the_factory_and_bad_values_are_refused(tmp_path: Pa
     with pytest.raises(InvalidArgument) as err:
         load_config(None, ["sandbox.pool_size=-1"], environ={})
     assert err.value.reason == "BAD_CONFIG" and err.value.field == "sandbox.pool_size"
+
+
+async def test_a_servers_jobs_take_pooled_sandboxes_and_its_stop_leaves_nothing(
+        tmp_path: Path) -> None:
+    from rollout.runtime.handler import AgentHandler, HandlerRegistry, JobContext, RunOutcome
+    from rollout.runtime.types import Reward, TerminationReason, Turn
+    from rollout.server.app import Server, sandbox_pool_of
+    from tests.client.conftest import make_config
+    from tests.server.handlers import spec
+
+    seen: dict[str, tuple[str, set[str], str]] = {}
+
+    class PoolInit(AgentHandler):
+        name = "poolinit"
+
+        async def init(self, ctx: JobContext) -> None:
+            pool = sandbox_pool_of(ctx.sandbox_factory)
+            ready = {sb.id for lane in pool._lanes.values() for sb, _ in lane.ready}
+            sb = await ctx.open_sandbox(workspace_files={"task.txt": ctx.spec.job_id},
+                                        env={"JOB": ctx.spec.job_id})
+            res = await sb.exec('cat task.txt; echo " $JOB"')
+            seen[ctx.spec.job_id] = (sb.id, ready, res.stdout)
+
+        async def run(self, ctx: JobContext) -> RunOutcome:
+            return RunOutcome(turns=[Turn([1], [2], [-0.1])],
+                              termination=TerminationReason.NO_TOOL_CALL)
+
+        async def eval(self, ctx: JobContext) -> Reward:
+            return Reward(1.0)
+
+    state = tmp_path / "state"
+    cfg = make_config(state)
+    cfg.sandbox.pool_size = 2
+    registry = HandlerRegistry()
+    registry.register("poolinit", PoolInit())
+    server = await Server(cfg, registry=registry).start()
+    try:
+        pool = sandbox_pool_of(server.sandbox_factory)
+        assert isinstance(pool, SandboxPool)
+        for k in range(3):
+            await assert_eventually(lambda: pool.ready_count() == 2, timeout=60)
+            assert server.scheduler is not None
+            await server.scheduler.submit([spec(f"p{k}", env="poolinit")], "t")
+            await assert_eventually(lambda k=k: f"p{k}" in seen, timeout=60)
+            sid, ready, out = seen[f"p{k}"]
+            assert sid in ready and out == f"p{k} p{k}\n"
+            await assert_eventually(lambda sid=sid: sid not in entries(SandboxConfig(
+                state_dir=state)), timeout=30)  # destroyed with its job
+        assert len({sid for sid, _, _ in seen.values()}) == 3
+    finally:
+        await server.stop(0.2)
+    assert entries(SandboxConfig(state_dir=state)) == [] and mounts_below(state) == []
