@@ -106,6 +106,7 @@ class SandboxPool:
         self._closed = False
         self._taken = self._misses = self._made = self._idle_gone = 0
         self._last_take = 0.0
+        self._backoff_s = 0.0
 
     # -- taking ------------------------------------------------------------------------------
     def shape_for(self, config: SandboxConfig, options: Mapping[str, Any]) -> Shape | None:
@@ -190,11 +191,14 @@ class SandboxPool:
                 continue  # the lanes may have changed meanwhile
             try:
                 await self._make_one(shape)
+                self._backoff_s = 0.0
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a failing runtime must not spin: wait, then try again
-                log.exception("sandbox pool: making a sandbox failed; jobs get cold ones")
-                await asyncio.sleep(1.0)
+            except Exception:  # a failing runtime must not spin: back off, then try again
+                self._backoff_s = min(60.0, max(1.0, 2 * self._backoff_s))
+                log.exception("sandbox pool: making a sandbox failed; jobs get cold ones "
+                              "(next try in %g s)", self._backoff_s)
+                await asyncio.sleep(self._backoff_s)
 
     def _next_to_fill(self) -> Shape | None:
         if self.rss_bytes() >= self.settings.memory_bytes:
