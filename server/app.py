@@ -336,7 +336,8 @@ def build_sandbox_factory(cfg: Config) -> Any:
 
         pool = SandboxPool(sb_cfg, PoolSettings(size=cfg.sandbox.pool_size,
                                                 memory_bytes=cfg.sandbox.pool_memory_bytes,
-                                                idle_s=cfg.sandbox.pool_idle_s))
+                                                idle_s=cfg.sandbox.pool_idle_s,
+                                                tools=tuple(cfg.sandbox.pool_tools)))
         return functools.partial(create_sandbox, sb_cfg, pool=pool)
     return functools.partial(create_sandbox, sb_cfg)
 

@@ -204,6 +204,11 @@ class Sandbox(abc.ABC):
         """Forget a tracked process that has exited (its pid may be reused)."""
         self._pids.discard(pid)
 
+    @property
+    def tracked_pids(self) -> frozenset[int]:
+        """The long-lived processes (launchers) the sandbox kills on destroy."""
+        return frozenset(self._pids)
+
     def control_dir(self) -> tuple[Path, str]:
         """(host path, sandbox path) of a private directory for sockets (kernel ipc)."""
         raise SandboxError("this runtime has no control directory")

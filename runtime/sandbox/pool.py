@@ -65,6 +65,15 @@ class PoolSettings:
     """A shape nobody took for this long is emptied (and refilled at the next demand)."""
     max_shapes: int = 4
     """Distinct shapes pooled at once; demand for more is served cold."""
+    tools: tuple[str, ...] = ()
+    """Tools started in each ready sandbox before a job takes it: ``bash`` (the persistent
+    shell) and ``python`` (the IPython kernel, about a second to start). Only for jobs that
+    open their sandbox without ``env`` (a running tool never sees variables set after it
+    started): those get sandboxes of a separate shape without them."""
+
+
+TOOLS = ("bash", "python")
+"""What ``PoolSettings.tools`` may name."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ class Shape:
 
     network: Network = "none"
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    tools: tuple[str, ...] = ()
+    """Tools already running in it (see ``PoolSettings.tools``)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,8 @@ class SandboxPool:
                 or config.rootfs is not None or config.image  # an image root: made cold
                 or not POOLED_OPTIONS.issuperset(options)):
             return None
-        return Shape(options.get("network") or "none", options.get("limits") or config.limits)
+        return Shape(options.get("network") or "none", options.get("limits") or config.limits,
+                     () if options.get("env") else self.settings.tools)
 
     async def take(self, config: SandboxConfig, **options: Any) -> BwrapSandbox | None:
         """A ready sandbox with ``workspace_files`` written and ``env`` set, or None (the
@@ -165,7 +177,7 @@ class SandboxPool:
         first jobs find ready sandboxes. Needs a running event loop."""
         if self.settings.size <= 0 or self._closed:
             return
-        for shape in shapes or (Shape(limits=self.config.limits),):
+        for shape in shapes or (Shape(limits=self.config.limits, tools=self.settings.tools),):
             self._lane(shape)
         self._ensure_running()
 
@@ -221,7 +233,9 @@ class SandboxPool:
                 if not await sandbox.wait_parked(PARK_TIMEOUT_S):
                     raise RuntimeError(f"the parked launch of sandbox {sandbox.id} did not "
                                        f"come up within {PARK_TIMEOUT_S:g} s")
-                rss = await asyncio.to_thread(_tree_rss, sandbox.parked_pid)
+                for tool in shape.tools:
+                    await (sandbox.bash() if tool == "bash" else sandbox.ipython())
+                rss = await asyncio.to_thread(_tree_rss, *sandbox.tracked_pids)
             except BaseException:
                 await sandbox.destroy()
                 raise
@@ -269,12 +283,10 @@ class SandboxPool:
                          self._idle_gone, self.rss_bytes())
 
 
-def _tree_rss(pid: int | None) -> int:
-    """Resident memory of ``pid`` and its descendants (the parked launch's bwrap, the
-    sandbox's init and the waiter), from /proc; 0 when it is gone."""
-    if pid is None:
-        return 0
-    total, todo = 0, [pid]
+def _tree_rss(*pids: int) -> int:
+    """Resident memory of ``pids`` and their descendants (each launch's bwrap, the sandbox's
+    init and the waiter or tool), from /proc; 0 for what is gone."""
+    total, todo = 0, list(pids)
     while todo:
         p = todo.pop()
         try:

@@ -244,15 +244,18 @@ def test_the_pool_keys_reach_the_factory_and_bad_values_are_refused(tmp_path: Pa
     plain = load_config(None, [f"server.state_dir={tmp_path}"], environ={})
     assert sandbox_pool_of(build_sandbox_factory(plain)) is None, "off by default"
     cfg = load_config(None, [f"server.state_dir={tmp_path}", "sandbox.pool_size=3",
-                             "sandbox.pool_memory_bytes=1000000", "sandbox.pool_idle_s=5"],
-                      environ={})
+                             "sandbox.pool_memory_bytes=1000000", "sandbox.pool_idle_s=5",
+                             'sandbox.pool_tools=["bash"]'], environ={})
     factory = build_sandbox_factory(cfg)
     pool = sandbox_pool_of(factory)
     assert isinstance(pool, SandboxPool) and pool.config is factory.args[0]
-    assert pool.settings == PoolSettings(size=3, memory_bytes=1_000_000, idle_s=5.0)
-    with pytest.raises(InvalidArgument) as err:
-        load_config(None, ["sandbox.pool_size=-1"], environ={})
-    assert err.value.reason == "BAD_CONFIG" and err.value.field == "sandbox.pool_size"
+    assert pool.settings == PoolSettings(size=3, memory_bytes=1_000_000, idle_s=5.0,
+                                         tools=("bash",))
+    for bad, key in (("sandbox.pool_size=-1", "sandbox.pool_size"),
+                     ('sandbox.pool_tools=["editor"]', "sandbox.pool_tools")):
+        with pytest.raises(InvalidArgument) as err:
+            load_config(None, [bad], environ={})
+        assert err.value.reason == "BAD_CONFIG" and err.value.field == key
 
 
 async def test_a_servers_jobs_take_pooled_sandboxes_and_its_stop_leaves_nothing(
@@ -305,3 +308,31 @@ async def test_a_servers_jobs_take_pooled_sandboxes_and_its_stop_leaves_nothing(
     finally:
         await server.stop(0.2)
     assert entries(SandboxConfig(state_dir=state)) == [] and mounts_below(state) == []
+
+
+async def test_tools_started_ahead_serve_the_job_and_env_jobs_get_sandboxes_without(
+        cfg: SandboxConfig) -> None:
+    pool = SandboxPool(cfg, PoolSettings(size=1, tools=("bash", "python")))
+    try:
+        pool.start()
+        await assert_eventually(lambda: pool.ready_count() == 1, timeout=120)
+        sb = await create_sandbox(cfg, pool=pool, workspace_files={"n.txt": "41"})
+        shell, kernel = sb._bash, sb._ipython
+        assert shell is not None and shell.alive and kernel is not None
+        assert await sb.bash() is shell and await sb.ipython() is kernel, "not started again"
+        res = await shell.run("cat n.txt")
+        assert res.output.strip() == "41"
+        out = await kernel.execute("print(int(open('n.txt').read()) + 1)")
+        assert out.output.strip() == "42"
+        assert pool.stats().rss_bytes >= 0
+        await sb.destroy()
+        # A job that sets an environment gets a sandbox whose tools start after it (they see
+        # its variables): another shape, without tools started ahead.
+        with_env = await create_sandbox(cfg, pool=pool, env={"X": "1"})
+        assert with_env._bash is None and with_env._ipython is None
+        assert (await (await with_env.bash()).run("echo $X")).output.strip() == "1"
+        await with_env.destroy()
+        assert pool.shape_for(cfg, {"env": {"X": "1"}}) == Shape("none", cfg.limits, ())
+        assert pool.shape_for(cfg, {}) == Shape("none", cfg.limits, ("bash", "python"))
+    finally:
+        await pool.close()
