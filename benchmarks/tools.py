@@ -234,6 +234,46 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
     return [Row(f"chain: {name}", x) for (name, _, _), x in zip(variants, samples, strict=True)]
 
 
+async def bench_pool_tools(cfg: SandboxConfig, n: int) -> list[Row]:
+    """A job's first tool call from INIT on: with the pool's tools started ahead
+    (``sandbox.pool_tools``) against a cold sandbox whose tool starts on first use; bash and
+    IPython samples alternate, pooled and cold interleaved."""
+    pool = SandboxPool(cfg, PoolSettings(size=1, tools=("bash", "python")))
+    pool.start()
+    rows: dict[str, list[float]] = {k: [] for k in ("pb", "cb", "pp", "cp")}
+
+    async def first_call(sb: Sandbox, tool: str) -> None:
+        if tool == "bash":
+            res = await (await sb.bash()).run("cat task.txt")
+            assert res.output.strip() == "x", res
+        else:
+            out = await (await sb.ipython()).execute("1+1")
+            assert out.output == "2\n", out
+
+    try:
+        for i in range(2 * n + 2):
+            tool = "bash" if i % 2 == 0 else "python"
+            async with asyncio.timeout(120):
+                while pool.ready_count() < 1:
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.15)  # the refill's delay: let nothing else run meanwhile
+            for pooled in (True, False):
+                t = time.perf_counter()
+                sb = await create_sandbox(cfg, pool=pool if pooled else None,
+                                          workspace_files={"task.txt": "x"})
+                await first_call(sb, tool)
+                ms = (time.perf_counter() - t) * 1e3
+                await sb.destroy()
+                if i >= 2:
+                    rows[("p" if pooled else "c") + tool[0]].append(ms)
+    finally:
+        await pool.close()
+    return [Row("pool (tools started): ready + first bash-tool command", rows["pb"]),
+            Row("cold: created + bash started + first command", rows["cb"]),
+            Row("pool (tools started): ready + first IPython call", rows["pp"]),
+            Row("cold: created + kernel started + first IPython call", rows["cp"])]
+
+
 async def bench_bare_bwrap(n: int) -> Row:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
             "--proc", "/proc", "true"]
@@ -243,7 +283,7 @@ async def bench_bare_bwrap(n: int) -> Row:
     return Row("baseline: bare `bwrap ... true` spawn", await _timed(n, one))
 
 
-PARTS = ("bash", "ipython", "sandbox", "chain")
+PARTS = ("bash", "ipython", "sandbox", "chain", "pool-tools")
 
 
 async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
@@ -261,6 +301,8 @@ async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
             rows.append(await bench_lifecycle(cfg, max(20, n // 20)))
             rows += await bench_pool(cfg, max(20, n // 20))
             rows.append(await bench_bare_bwrap(max(20, n // 20)))
+        if "pool-tools" in parts:
+            rows += await bench_pool_tools(cfg, max(5, n // 100))
         if "chain" in parts:
             sb = await create_sandbox(cfg)
             try:
@@ -320,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS[:3]),
                         help="which parts to run (default: bash ipython sandbox); `sandbox` is "
                              "the lifecycle, the warm pool and bare bwrap; `chain` profiles a "
-                             "cold launch line link by link")
+                             "cold launch line link by link; `pool-tools`: a job's first bash "
+                             "and IPython call with the pool's tools started ahead vs cold")
     args = parser.parse_args(argv)
     if shutil.which("bwrap") is None:
         Console(stderr=True).print("bubblewrap (bwrap) is not installed")
