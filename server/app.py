@@ -148,8 +148,11 @@ class Server:
         self._prev_runtime = set_sandbox_runtime(cfg.sandbox.runtime)
         if self.sandbox_factory is None:
             self.sandbox_factory = build_sandbox_factory(cfg)
-            if (pool := sandbox_pool_of(self.sandbox_factory)) is not None:
-                pool.start()  # fill now: the first jobs find ready sandboxes
+            pool = sandbox_pool_of(self.sandbox_factory)
+            if pool is not None and not (cfg.cluster.ray or cfg.cluster.workers):
+                # Fill now, so the first jobs find ready sandboxes (with node agents the jobs'
+                # sandboxes are theirs: each agent's pool fills at its first job).
+                pool.start()
         if self.llm is None and cfg.llm.backends:
             from rollout.server.llm.factory import build_pool  # heavy (torch): only when configured
 
