@@ -175,8 +175,9 @@ async def test_close_destroys_every_ready_sandbox(cfg: SandboxConfig) -> None:
     await pool.close()
     assert entries(cfg) == [] and mounts_below(Path(cfg.state_dir)) == []
     assert not any(pid is not None and alive(pid) for pid in pids)
-    assert await create_sandbox(cfg, pool=pool) is not None  # closed: made cold
-    assert pool.ready_count() == 0
+    cold = await create_sandbox(cfg, pool=pool)  # closed: made cold
+    await cold.destroy()
+    assert pool.ready_count() == 0 and entries(cfg) == []
 
 
 def _serve(state: Path) -> subprocess.Popen[str]:
