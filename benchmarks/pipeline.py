@@ -198,7 +198,7 @@ def _load() -> str:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=max(120, Console().width))
     ok = True
     if args.only in (None, "overhead"):
         g = await _grpc_run(args.jobs, args.queued)
@@ -270,21 +270,37 @@ async def _bench(args: argparse.Namespace) -> int:
         bound_coupled = total / sum(times)
         bound_sized = min(k / x for k, x in zip(sized, times, strict=True))
         t = Table(title=f"(b) overlap: {n} jobs, stage sleeps {args.sleeps} ms, "
-                        f"{total} workers in all")
-        for col in ("configuration", "jobs/s", "bound", "of bound"):
+                        f"{total} workers in all (n-job bound: with the pipeline's fill and "
+                        "drain)")
+        for col in ("configuration", "jobs/s", "bound", "of bound", "n-job bound",
+                    "of n-job bound"):
             t.add_column(col)
         eq_rate = n / eq_s
         ok &= eq_rate >= 0.9 * bound_eq
-        t.add_row(f"pipeline, equal pools {w}/{w}/{w}", f"{eq_rate:.1f}", f"{bound_eq:.1f}",
-                  f"{eq_rate / bound_eq:.0%} (target >= 90%)")
-        t.add_row(f"baseline: coupled pool of {total}", f"{n / coupled_s:.1f}",
-                  f"{bound_coupled:.1f}", f"{n / coupled_s / bound_coupled:.0%}")
-        t.add_row(f"pipeline, sized pools {sized[0]}/{sized[1]}/{sized[2]}",
-                  f"{n / sized_s:.1f}", f"{bound_sized:.1f}",
-                  f"{n / sized_s / bound_sized:.0%}")
+        rows = ((f"pipeline, equal pools {w}/{w}/{w}", eq_s, bound_eq, (w, w, w), times),
+                (f"baseline: coupled pool of {total}", coupled_s, bound_coupled, (total,),
+                 (sum(times),)),
+                (f"pipeline, sized pools {sized[0]}/{sized[1]}/{sized[2]}", sized_s,
+                 bound_sized, tuple(sized), times))
+        for k, (name, secs, bound, pools, stage_s) in enumerate(rows):
+            finite = n / _makespan(n, pools, stage_s)
+            if k == 0:
+                ok &= n / secs >= 0.95 * finite
+            t.add_row(name, f"{n / secs:.1f}", f"{bound:.1f}", f"{n / secs / bound:.0%}"
+                      + (" (≥ 90%)" if k == 0 else ""), f"{finite:.1f}",
+                      f"{n / secs / finite:.0%}" + (" (≥ 95%)" if k == 0 else ""))
         console.print(t)
     console.print("[green]targets met[/green]" if ok else "[red]some targets missed[/red]")
     return 0
+
+
+def _makespan(n: int, pools: tuple[int, ...], stage_s: tuple[float, ...]) -> float:
+    """The shortest time ``n`` jobs can take through stages of ``pools`` workers each and
+    ``stage_s`` seconds each: the busiest stage's ceil(n / workers) rounds, plus the other
+    stages of its first job before it and of its last job after it (filling and draining the
+    pipeline, which the steady-state bound leaves out)."""
+    total = sum(stage_s)
+    return max(-(-n // k) * x + total - x for k, x in zip(pools, stage_s, strict=True))
 
 
 def _counts(text: str) -> list[int]:
