@@ -100,7 +100,8 @@ class BenchServer:
 
     def __init__(self, state_dir: str | Path, *, workers: int = 0, slots: int = 8,
                  stage_workers: int = 8, profile: str | Path | None = None,
-                 start_timeout_s: float = 240.0, dashboard: bool = False) -> None:
+                 start_timeout_s: float = 240.0, dashboard: bool = False,
+                 pythonpath: str | Path | None = None) -> None:
         self.state_dir = str(state_dir)
         self.dashboard = dashboard
         self.dashboard_port = 0
@@ -109,6 +110,9 @@ class BenchServer:
         self.stage_workers = stage_workers
         self.profile = profile
         self.start_timeout_s = start_timeout_s
+        self.pythonpath = pythonpath
+        """A tree whose ``rollout`` package is another checkout's (``baseline_tree``): the
+        server runs that code, e.g. the commit before a change, in the same run."""
         self.proc: asyncio.subprocess.Process | None = None
         self.port = 0
 
@@ -134,6 +138,9 @@ class BenchServer:
         # Ray (--workers) turns token authentication on by default; this private instance
         # listens on loopback only, as the cluster tests' does.
         env = {**os.environ, **LocalRayCluster.DRIVER_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(self.pythonpath), *filter(None, [os.environ.get("PYTHONPATH")])])
         self.proc = await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, env=env)
         assert self.proc.stdout is not None
@@ -166,6 +173,33 @@ class BenchServer:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+PACKAGES = ("client", "entrypoints", "benchmarks", "server", "runtime", "trainer_adapters")
+"""Top folders of a checkout that the install maps to ``rollout.<name>``."""
+
+
+def baseline_tree(ref: str, into: Path) -> Path:
+    """The code of git commit ``ref`` of this checkout, unpacked below ``into`` (``git
+    archive``: no worktree, no branch touched), with a ``rollout`` package of links laid out
+    as the install maps it; put the returned path first on PYTHONPATH to run that code."""
+    import io
+    import subprocess
+    import tarfile
+
+    repo = Path(__file__).resolve().parents[1]
+    blob = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", ref],
+                          capture_output=True, check=True).stdout
+    src = into / "src"
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(src, filter="data")
+    tree_ = into / "tree"
+    (tree_ / "rollout").mkdir(parents=True)
+    for pkg in PACKAGES:
+        (tree_ / "rollout" / pkg).symlink_to(src / pkg)
+    (tree_ / "rollout" / "v1").symlink_to(src / "proto" / "rollout" / "v1")
+    (tree_ / "rollout" / "__init__.py").symlink_to(src / "proto" / "rollout" / "__init__.py")
+    return tree_
 
 
 @dataclass

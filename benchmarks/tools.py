@@ -5,9 +5,13 @@ Measured in one run on this machine:
 * a trivial bash command through the ``bash`` tool API (pty + sentinel) in a sandbox, beside
   a tmux send-keys/capture-pane loop (how the reference system drove its shells);
 * IPython ``1+1`` over the ``ipc`` transport (kernel inside the sandbox), beside ``tcp``;
-* sandbox create + first command + destroy, beside a bare ``bwrap ... true`` spawn.
+* sandbox create + first command + destroy, beside a bare ``bwrap ... true`` spawn;
+* the warm pool (``sandbox.pool_size``): a sandbox ready from the pool (taken, the job's
+  files written) and ready + its first command (run in the parked launch), beside a cold
+  create and a cold create + first command, and the bare ``bwrap ... true`` spawn.
 
-Targets: bash p50 <= 1 ms and p95 <= 2 ms; IPython ipc p50 <= 5 ms; lifecycle p50 <= 30 ms.
+Targets: bash p50 <= 1 ms and p95 <= 2 ms; IPython ipc p50 <= 5 ms; lifecycle p50 <= 30 ms;
+pool ready p50 <= 2 ms; cold create + first command p50 <= 10 ms.
 The reference system's published figures (780 ms tmux, 420 ms pty per shell command) are
 printed for context; they were not measured here.
 """
@@ -29,7 +33,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox import Sandbox, SandboxConfig, create_sandbox, procs
+from rollout.runtime.sandbox.pool import PoolSettings, SandboxPool
 from rollout.runtime.tools import make_tools
 from rollout.runtime.tools.ipython import IPythonKernel
 
@@ -137,6 +142,138 @@ async def bench_lifecycle(cfg: SandboxConfig, n: int) -> Row:
     return Row("sandbox create + first command + destroy", await _timed(n, one), 30.0)
 
 
+async def bench_pool(cfg: SandboxConfig, n: int) -> list[Row]:
+    """Pool rows beside cold ones, interleaved so both see the same machine. Each pooled
+    sample waits until the pool is full again, so the background refill of the previous
+    sample does not run inside this one (in a busy server it runs beside other jobs)."""
+    pool = SandboxPool(cfg, PoolSettings(size=2))
+    pool.start()
+    files = {"task.txt": "x"}
+    ready, ready_first, cold, cold_first = [], [], [], []
+    try:
+        for i in range(n + 3):
+            async with asyncio.timeout(60):
+                while pool.ready_count() < 2:
+                    await asyncio.sleep(0.005)
+            t0 = time.perf_counter()
+            sb = await create_sandbox(cfg, pool=pool, workspace_files=files)
+            t1 = time.perf_counter()
+            res = await sb.exec("cat task.txt")
+            t2 = time.perf_counter()
+            assert res.stdout == "x" and getattr(sb, "parked_pid", None) is None, res
+            await sb.destroy()
+            t3 = time.perf_counter()
+            cb = await create_sandbox(cfg, workspace_files=files)
+            t4 = time.perf_counter()
+            res = await cb.exec("cat task.txt")
+            t5 = time.perf_counter()
+            assert res.stdout == "x", res
+            await cb.destroy()
+            if i >= 3:  # warm-up
+                ready.append((t1 - t0) * 1e3)
+                ready_first.append((t2 - t0) * 1e3)
+                cold.append((t4 - t3) * 1e3)
+                cold_first.append((t5 - t3) * 1e3)
+        assert pool.stats().misses == 0
+    finally:
+        await pool.close()
+    return [Row("pool: sandbox ready (taken, files written)", ready, 2.0),
+            Row("pool: ready + first command (parked launch)", ready_first),
+            Row("cold: sandbox created (files written)", cold),
+            Row("cold: created + first command", cold_first, 10.0)]
+
+
+def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
+    """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``
+    spawned as the server spawns it (by the spawner thread, which is in the sandboxes' memory
+    cgroup, so the launch is born inside), the same line spawned by another thread (its
+    prologue joins the cgroup, as every launch did before), then that line with one more link
+    taken out per row; interleaved, so every variant sees the same machine. Blocking: run it
+    in the spawner (``procs.in_spawner``)."""
+    import concurrent.futures
+    import os
+
+    full = sb.command_argv(["true"])
+    env = sb.spawn_env()
+    rest = full[full.index("prlimit"):]
+    seccomp = full[5] if full[0] == "sh" and "--seccomp" in full else None
+    bwrap_on = rest[rest.index("bwrap"):]
+    cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
+    no_setpriv = [*bwrap_on[:cut], "true"]
+    variants = [
+        ("full launch line, spawned as the server does (born in the cgroup)", full, True),
+        ("full launch line, spawned by another thread (joins the cgroup)", full, False),
+        ("  without the sh prologue (seccomp fd passed directly; not joined)", rest, False),
+        ("  without prlimit", bwrap_on, False), ("  without setpriv", no_setpriv, False)]
+    other = concurrent.futures.ThreadPoolExecutor(1)
+
+    def one(argv: list[str]) -> float:
+        fds: tuple[int, ...] = ()
+        if seccomp and argv[0] != "sh":
+            fd = os.open(seccomp, os.O_RDONLY)
+            fds = (fd,)
+            argv = [str(fd) if a == "9" and argv[j - 1] == "--seccomp" else a
+                    for j, a in enumerate(argv)]
+        try:
+            t = time.perf_counter()
+            subprocess.run(argv, env=env, pass_fds=fds, check=True)
+            return (time.perf_counter() - t) * 1e3
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    samples: list[list[float]] = [[] for _ in variants]
+    try:
+        for i in range(n + 3):
+            for k, (_, argv, here) in enumerate(variants):
+                ms = one(argv) if here else other.submit(one, argv).result()
+                if i >= 3:
+                    samples[k].append(ms)
+    finally:
+        other.shutdown()
+    return [Row(f"chain: {name}", x) for (name, _, _), x in zip(variants, samples, strict=True)]
+
+
+async def bench_pool_tools(cfg: SandboxConfig, n: int) -> list[Row]:
+    """A job's first tool call from INIT on: with the pool's tools started ahead
+    (``sandbox.pool_tools``) against a cold sandbox whose tool starts on first use; bash and
+    IPython samples alternate, pooled and cold interleaved."""
+    pool = SandboxPool(cfg, PoolSettings(size=1, tools=("bash", "python")))
+    pool.start()
+    rows: dict[str, list[float]] = {k: [] for k in ("pb", "cb", "pp", "cp")}
+
+    async def first_call(sb: Sandbox, tool: str) -> None:
+        if tool == "bash":
+            res = await (await sb.bash()).run("cat task.txt")
+            assert res.output.strip() == "x", res
+        else:
+            out = await (await sb.ipython()).execute("1+1")
+            assert out.output == "2\n", out
+
+    try:
+        for i in range(2 * n + 2):
+            tool = "bash" if i % 2 == 0 else "python"
+            async with asyncio.timeout(120):
+                while pool.ready_count() < 1:
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.15)  # the refill's delay: let nothing else run meanwhile
+            for pooled in (True, False):
+                t = time.perf_counter()
+                sb = await create_sandbox(cfg, pool=pool if pooled else None,
+                                          workspace_files={"task.txt": "x"})
+                await first_call(sb, tool)
+                ms = (time.perf_counter() - t) * 1e3
+                await sb.destroy()
+                if i >= 2:
+                    rows[("p" if pooled else "c") + tool[0]].append(ms)
+    finally:
+        await pool.close()
+    return [Row("pool (tools started): ready + first bash-tool command", rows["pb"]),
+            Row("cold: created + bash started + first command", rows["cb"]),
+            Row("pool (tools started): ready + first IPython call", rows["pp"]),
+            Row("cold: created + kernel started + first IPython call", rows["cp"])]
+
+
 async def bench_bare_bwrap(n: int) -> Row:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
             "--proc", "/proc", "true"]
@@ -146,17 +283,36 @@ async def bench_bare_bwrap(n: int) -> Row:
     return Row("baseline: bare `bwrap ... true` spawn", await _timed(n, one))
 
 
-async def run(n: int) -> list[Row]:
+PARTS = ("bash", "ipython", "sandbox", "chain", "pool-tools")
+
+
+async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
     tmp = tempfile.mkdtemp(prefix="rbench", dir="/tmp")
     cfg = SandboxConfig(state_dir=Path(tmp) / "state")
+    rows: list[Row] = []
     try:
-        bash = await bench_bash(cfg, n)
-        tmux = Row("baseline: tmux send-keys + capture-pane", await asyncio.to_thread(
-            _tmux_samples, max(20, n // 20)))
-        ipc, tcp = await bench_ipython(cfg, max(50, n // 4))
-        life = await bench_lifecycle(cfg, max(20, n // 20))
-        bare = await bench_bare_bwrap(max(20, n // 20))
-        return [bash, tmux, ipc, tcp, life, bare]
+        if "bash" in parts:
+            rows.append(await bench_bash(cfg, n))
+            rows.append(Row("baseline: tmux send-keys + capture-pane", await asyncio.to_thread(
+                _tmux_samples, max(20, n // 20))))
+        if "ipython" in parts:
+            rows += await bench_ipython(cfg, max(50, n // 4))
+        if "sandbox" in parts:
+            rows.append(await bench_lifecycle(cfg, max(20, n // 20)))
+            rows += await bench_pool(cfg, max(20, n // 20))
+            rows.append(await bench_bare_bwrap(max(20, n // 20)))
+        if "pool-tools" in parts:
+            rows += await bench_pool_tools(cfg, max(5, n // 100))
+        if "chain" in parts:
+            sb = await create_sandbox(cfg)
+            try:
+                await procs.in_spawner(lambda: None)  # its cgroup join has run
+                rows += await procs.in_spawner(_chain_samples, sb, max(20, n // 20))
+            finally:
+                await sb.destroy()
+            if "sandbox" not in parts:
+                rows.append(await bench_bare_bwrap(max(20, n // 20)))
+        return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -172,13 +328,28 @@ def render(rows: list[Row], console: Console) -> None:
         met = {True: "[green]yes[/]", False: "[red]NO[/]", None: ""}[r.ok]
         table.add_row(r.name, str(len(r.samples)), f"{r.p50:.3f}", f"{r.p95:.3f}", target, met)
     console.print(table)
-    bash, tmux, ipc, tcp = rows[0], rows[1], rows[2], rows[3]
-    console.print(f"tmux / pty bash (p50): [bold]{tmux.p50 / bash.p50:.0f}x[/] slower; "
-                  f"ipc vs tcp (p50): {ipc.p50:.2f} vs {tcp.p50:.2f} ms")
-    console.print(f"context, not measured here: the reference system publishes "
-                  f"{REFERENCE_TMUX_MS:.0f} ms (tmux) and {REFERENCE_PTY_MS:.0f} ms (pty) per "
-                  f"shell command; ours is {REFERENCE_PTY_MS / bash.p50:.0f}x below its pty "
-                  "figure")
+    by = {r.name: r for r in rows}
+    bash, tmux = by.get("bash `true` via tool API (pty, bwrap)"), by.get(
+        "baseline: tmux send-keys + capture-pane")
+    ipc, tcp = by.get("IPython `1+1` over ipc (kernel in bwrap)"), by.get(
+        "IPython `1+1` over tcp (kernel in bwrap)")
+    if bash and tmux:
+        console.print(f"tmux / pty bash (p50): [bold]{tmux.p50 / bash.p50:.0f}x[/] slower")
+    if ipc and tcp:
+        console.print(f"ipc vs tcp (p50): {ipc.p50:.2f} vs {tcp.p50:.2f} ms")
+    ready, first = by.get("pool: sandbox ready (taken, files written)"), by.get(
+        "pool: ready + first command (parked launch)")
+    cold, bare = by.get("cold: created + first command"), by.get(
+        "baseline: bare `bwrap ... true` spawn")
+    if ready and first and cold and bare:
+        console.print(f"p50: pool ready {ready.p50:.2f} ms, pool ready + first command "
+                      f"{first.p50:.2f} ms, cold create + first command {cold.p50:.2f} ms, "
+                      f"bare bwrap {bare.p50:.2f} ms")
+    if bash:
+        console.print(f"context, not measured here: the reference system publishes "
+                      f"{REFERENCE_TMUX_MS:.0f} ms (tmux) and {REFERENCE_PTY_MS:.0f} ms (pty) "
+                      f"per shell command; ours is {REFERENCE_PTY_MS / bash.p50:.0f}x below "
+                      "its pty figure")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,11 +359,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="bash samples (other rows scale from it; default 2000)")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when a target is missed (noisy machines: off by default)")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS[:3]),
+                        help="which parts to run (default: bash ipython sandbox); `sandbox` is "
+                             "the lifecycle, the warm pool and bare bwrap; `chain` profiles a "
+                             "cold launch line link by link; `pool-tools`: a job's first bash "
+                             "and IPython call with the pool's tools started ahead vs cold")
     args = parser.parse_args(argv)
     if shutil.which("bwrap") is None:
         Console(stderr=True).print("bubblewrap (bwrap) is not installed")
         return 2
-    rows = asyncio.run(run(args.iterations))
+    rows = asyncio.run(run(args.iterations, tuple(args.only)))
     render(rows, Console())
     return 1 if args.strict and any(r.ok is False for r in rows) else 0
 

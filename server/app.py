@@ -149,6 +149,11 @@ class Server:
         self._prev_runtime = set_sandbox_runtime(cfg.sandbox.runtime)
         if self.sandbox_factory is None:
             self.sandbox_factory = build_sandbox_factory(cfg)
+            pool = sandbox_pool_of(self.sandbox_factory)
+            if pool is not None and not (cfg.cluster.ray or cfg.cluster.workers):
+                # Fill now, so the first jobs find ready sandboxes (with node agents the jobs'
+                # sandboxes are theirs: each agent's pool fills at its first job).
+                pool.start()
         if self.llm is None and cfg.llm.backends:
             from rollout.server.llm.factory import build_pool  # heavy (torch): only when configured
 
@@ -277,6 +282,8 @@ class Server:
         if self.sandbox_factory is not None:
             from rollout.runtime.sandbox import settle_abandoned
 
+            if (pool := sandbox_pool_of(self.sandbox_factory)) is not None:
+                await pool.close()  # a stopped server holds no ready sandbox either
             # INITs cancelled while their sandbox was being made: the making thread tears
             # it down; wait for that, so a stopped server holds no mount.
             if left := await settle_abandoned(self.cfg.pipeline.cleanup_deadline_s):
@@ -350,7 +357,20 @@ def build_sandbox_factory(cfg: Config) -> Any:
         raise InvalidArgument(f"sandbox.runtime must be 'bwrap' or 'apptainer', got "
                               f"{cfg.sandbox.runtime!r}", "BAD_CONFIG", "sandbox.runtime")
     reap_stale_logged(sb_cfg.sandboxes_dir)
+    if sb_cfg.runtime == "bwrap" and cfg.sandbox.pool_size > 0 and image is None:
+        from rollout.runtime.sandbox.pool import PoolSettings, SandboxPool
+
+        pool = SandboxPool(sb_cfg, PoolSettings(size=cfg.sandbox.pool_size,
+                                                memory_bytes=cfg.sandbox.pool_memory_bytes,
+                                                idle_s=cfg.sandbox.pool_idle_s,
+                                                tools=tuple(cfg.sandbox.pool_tools)))
+        return functools.partial(create_sandbox, sb_cfg, pool=pool)
     return functools.partial(create_sandbox, sb_cfg)
+
+
+def sandbox_pool_of(factory: Any) -> Any:
+    """The warm pool a :func:`build_sandbox_factory` factory takes from, or None."""
+    return factory.keywords.get("pool") if isinstance(factory, functools.partial) else None
 
 
 def reap_stale_logged(root: Path) -> None:

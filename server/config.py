@@ -192,6 +192,18 @@ class SandboxSection:
     default is 256)."""
     max_open_files: int = 65536
     """The most RLIMIT_NOFILE a job may ask for (the default is 1024)."""
+    pool_size: int = 0
+    """bwrap: ready sandboxes kept per sandbox shape (made, with their first launch parked,
+    before a job asks), so INIT takes one instead of making one; 0 = no pool. Only plain
+    sandboxes are pooled (no image, no binds). See docs/operating.md "Warm sandbox pool"."""
+    pool_memory_bytes: int = 512 << 20
+    """bwrap: no new pooled sandbox while the ready ones' processes hold this much RSS."""
+    pool_idle_s: float = 60.0
+    """bwrap: a pooled shape nobody took for this long is emptied until a job asks again."""
+    pool_tools: list[str] = field(default_factory=list)
+    """bwrap: tools started in each pooled sandbox before a job takes it, ``bash`` and/or
+    ``python`` (the IPython kernel: about a second off a job's first python call, tens of MB
+    per ready sandbox); only for jobs that open their sandbox without an environment."""
 
 
 @dataclass
@@ -303,6 +315,15 @@ def _check(cfg: Config) -> None:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgument(f"config key 'sandbox.visible_paths': {path!r} is not an "
                                   "absolute path", "BAD_CONFIG", "sandbox.visible_paths")
+    for tool in cfg.sandbox.pool_tools:
+        if tool not in ("bash", "python"):
+            raise InvalidArgument(f"config key 'sandbox.pool_tools': {tool!r} is not a tool "
+                                  "the pool can start; use bash and/or python", "BAD_CONFIG",
+                                  "sandbox.pool_tools")
+    for key in ("pool_size", "pool_memory_bytes", "pool_idle_s"):
+        if getattr(cfg.sandbox, key) < 0:
+            raise InvalidArgument(f"config key 'sandbox.{key}': {getattr(cfg.sandbox, key)!r} "
+                                  "is negative; use 0 or more", "BAD_CONFIG", f"sandbox.{key}")
 
 
 def _parse(raw: str) -> Any:

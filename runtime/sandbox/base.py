@@ -25,9 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from rollout.runtime.sandbox import hardening, hostfs, view
+
+if TYPE_CHECKING:
+    from rollout.runtime.sandbox.pool import SandboxPool
 
 Network = Literal["none", "loopback"]
 SandboxT = TypeVar("SandboxT", bound="Sandbox")
@@ -263,6 +266,11 @@ class Sandbox(abc.ABC):
     def untrack(self, pid: int) -> None:
         """Forget a tracked process that has exited (its pid may be reused)."""
         self._pids.discard(pid)
+
+    @property
+    def tracked_pids(self) -> frozenset[int]:
+        """The long-lived processes (launchers) the sandbox kills on destroy."""
+        return frozenset(self._pids)
 
     def control_dir(self) -> tuple[Path, str]:
         """(host path, sandbox path) of a private directory for sockets (kernel ipc)."""
@@ -585,7 +593,8 @@ def runtime_of(factory: Any) -> str | None:
 async def create_sandbox(config: SandboxConfig | None = None, *,
                          workspace_files: Mapping[str, bytes | str] | None = None,
                          env: Mapping[str, str] | None = None, network: Network = "none",
-                         limits: SandboxLimits | None = None, **options: Any) -> Sandbox:
+                         limits: SandboxLimits | None = None, pool: SandboxPool | None = None,
+                         **options: Any) -> Sandbox:
     """Create a started sandbox. Use ``functools.partial(create_sandbox, cfg)`` as
     ``JobContext.sandbox_factory``. If anything fails half-way, what was made is removed.
 
@@ -594,7 +603,9 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
     for jobs that must reach a service on the host's 127.0.0.1 (e.g. a local grader); it
     reaches whatever the host reaches, so use it only for trusted environments.
     Per-sandbox options: ``binds=`` ((host dir, sandbox path, writable) triples) on both
-    runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image)."""
+    runtimes; bwrap ``rootfs=``; apptainer ``image=`` (this sandbox's own image).
+    ``pool``: a :class:`~rollout.runtime.sandbox.pool.SandboxPool` to take a ready sandbox
+    from when it holds one of this shape; otherwise the sandbox is made here."""
     config = config or SandboxConfig()
     if limits is not None and (above := limits.above(config.max_limits)):
         raise SandboxError(f"sandbox limits above this server's ceilings ({', '.join(above)}); "
@@ -603,6 +614,12 @@ async def create_sandbox(config: SandboxConfig | None = None, *,
     if network not in ("none", "loopback"):
         raise SandboxError(f"network must be 'none' or 'loopback', got {network!r}",
                            "INVALID_SANDBOX_OPTIONS")
+    if pool is not None:
+        pooled = await pool.take(config, **options, network=network,
+                                 limits=limits or config.limits,
+                                 workspace_files=workspace_files or {}, env=env or {})
+        if pooled is not None:
+            return pooled
     if config.runtime == "bwrap":
         from rollout.runtime.sandbox.bwrap import BwrapSandbox
         return await BwrapSandbox.create(config, workspace_files=workspace_files or {},

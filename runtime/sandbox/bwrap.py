@@ -34,12 +34,14 @@ the sandboxed command: an unprivileged uid, no capabilities, nothing it can rega
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import functools
 import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -64,6 +66,9 @@ from rollout.runtime.sandbox.images import ImageLease, inject
 
 CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
+PARKED_EXEC = (Path(__file__).resolve().parent.parent / "envs" / "in_sandbox"
+               / "parked_exec.py")
+"""The waiter a parked launch runs (:meth:`BwrapSandbox.park`)."""
 log = logging.getLogger(__name__)
 
 
@@ -138,6 +143,9 @@ class BwrapSandbox(Sandbox):
         self._lock_fd = lock_fd
         self._lease = lease
         self._launches = 0
+        self._parked: subprocess.Popen[bytes] | None = None
+        self._parked_needle: bytes | None = None
+        self._parked_ready = -1
         # A launch's file binds must land on new top-level names: none the host's root (or the
         # rootfs) has, and none this sandbox already binds.
         self._root = str(rootfs) if rootfs else "/"
@@ -186,6 +194,8 @@ class BwrapSandbox(Sandbox):
         for host, inside, writable in extra_binds:
             mounts += ["--bind" if writable else "--ro-bind", host, inside]
         cgroup, seccomp = _hardening(config)
+        if cgroup is not None:
+            procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
         if seccomp is not None:
             ns += ["--seccomp", hardening.SECCOMP_FD]
@@ -356,6 +366,69 @@ class BwrapSandbox(Sandbox):
         return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
                 "--chdir", cwd or self.default_cwd, *self._drop, *argv]
 
+    def park(self) -> None:
+        """Start the launch of this sandbox's next command before anyone asks for it: the
+        whole chain runs now and waits in the parked waiter, which :meth:`exec` hands the
+        command to. Blocking: run it in the spawner thread (``procs.in_spawner``), whose
+        thread outlives the launch as ``--die-with-parent`` needs. Used by the sandbox pool;
+        :meth:`wait_parked` says when the waiter is up."""
+        if self._parked is not None:
+            return
+        ready_r, ready_w = os.pipe()
+        try:
+            argv = self.command_argv([self.python, "-I", "-S", "-c", _parked_script(),
+                                      str(ready_w)])
+            proc = procs.spawn_parked(argv, self.spawn_env(), pass_fds=(ready_w,))
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
+        self.track(proc.pid)
+        self._parked, self._parked_needle = proc, self._needle(argv)
+        self._parked_ready = ready_r
+
+    async def wait_parked(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait (at most ``timeout``) until the parked waiter reads its command; False when
+        it died first or the time ran out (then :meth:`exec` launches afresh or waits)."""
+        fd, self._parked_ready = self._parked_ready, -1
+        if fd < 0:
+            return self._parked is not None
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        try:
+            async with asyncio.timeout(timeout):
+                await readable.wait()
+            return os.read(fd, 1) == b"R"
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    def prepare(self, files: Mapping[str, bytes | str], env: Mapping[str, str]) -> None:
+        """Give a pooled sandbox its job's workspace files and environment (what
+        :meth:`create` would have written; blocking when there are files)."""
+        for rel, data in files.items():
+            hostfs.write_beneath(self.workspace, rel,
+                                 data.encode() if isinstance(data, str) else data, 0o644,
+                                 self._owner())
+        self.env.update(env)
+
+    @property
+    def parked_pid(self) -> int | None:
+        """The pid of the parked launch waiting for this sandbox's next command, if any."""
+        return self._parked.pid if self._parked is not None else None
+
+    def _take_parked(self) -> subprocess.Popen[bytes] | None:
+        proc, self._parked = self._parked, None
+        if proc is not None and proc.poll() is not None:  # it died: launch afresh
+            self.untrack(proc.pid)
+            _close_pipes(proc)
+            return None
+        return proc
+
     @staticmethod
     def _needle(argv: Sequence[str]) -> bytes | None:
         """What identifies one launch's processes in /proc/*/cmdline."""
@@ -381,8 +454,17 @@ class BwrapSandbox(Sandbox):
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20,
                    file_binds: Sequence[tuple[str, str]] = ()) -> ExecResult:
-        argv = self.command_argv(["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd),
-                                 cwd=cwd, file_binds=file_binds)
+        command = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        parked = None if file_binds else self._take_parked()
+        if parked is not None:
+            self._check_alive()
+            return await procs.run_collect(
+                command, env={},
+                timeout=timeout if timeout is not None else self.limits.default_timeout_s,
+                stdin=stdin, max_output=max_output, on_exit=self.untrack,
+                orphan_needle=self._parked_needle, parked=parked,
+                request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
+        argv = self.command_argv(command, cwd=cwd, file_binds=file_binds)
         return await procs.run_collect(
             argv, env=self.spawn_env(env),
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,
@@ -394,6 +476,14 @@ class BwrapSandbox(Sandbox):
         # Every launch of this sandbox carries its tag; killing a launch's bwrap ends its PID
         # namespace, and with it whatever the launch left running in the background.
         procs.spawner_barrier()
+        if self._parked_ready >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._parked_ready)
+            self._parked_ready = -1
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            procs.stop_process(parked)
+            _close_pipes(parked)
         procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
@@ -414,3 +504,15 @@ class BwrapSandbox(Sandbox):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+@functools.lru_cache(maxsize=1)
+def _parked_script() -> str:
+    return PARKED_EXEC.read_text()
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()

@@ -198,6 +198,7 @@ def release_memory_cgroup(state_dir: str) -> None:
             return
         _GROUPS.pop(state_dir, None)
         if procs is not None:
+            _evict_thread(procs)
             try:
                 procs.parent.rmdir()
             except OSError as e:  # EBUSY: a process outlived its sandbox; swept later
@@ -315,16 +316,105 @@ def seccomp_program(directory: str) -> Path | None:
         return None
 
 
+# --------------------------------------------------------------- the spawner thread's group
+#
+# Joining a cgroup (a write to cgroup.procs) waits for an RCU grace period: about 0.1 ms on an
+# idle machine, 2-10 ms on a loaded one, on every launch. A child is born in the cgroup of the
+# *thread* that forks it, and cgroup v1 lets one thread join a group alone, so the thread that
+# spawns every launch (``procs``' spawner) joins the group once; the launch's prologue then
+# sees it is inside already and skips the write. The prologue still checks and joins when not
+# (cgroup v2, another group, the thread not moved yet): the cap never depends on this.
+
+_THREAD_GROUP: dict[str, Path | int] = {}
+"""The spawner thread's group while it is in one: ``procs`` (its cgroup.procs), ``tid``,
+``home`` (the ``tasks`` file of the group it came from)."""
+
+
+def thread_joined(cgroup_procs: Path) -> bool:
+    """Whether the spawner thread is in this group (so launches are born inside it)."""
+    return _THREAD_GROUP.get("procs") == cgroup_procs
+
+
+def join_thread(cgroup_procs: Path) -> bool:
+    """Move the calling thread into the (cgroup v1) group of ``cgroup_procs`` when it is in no
+    sandbox group yet; True when it is in that group now. Call it from the spawner thread."""
+    group = cgroup_procs.parent
+    with _GROUPS_LOCK:
+        if _THREAD_GROUP:
+            return _THREAD_GROUP.get("procs") == cgroup_procs
+        root = group.parent
+        line = _memory_line("thread-self")
+        if line is None or not (group / "tasks").exists() or not (root / "tasks").exists():
+            return False  # v2 (no per-thread memory groups) or not ours to move
+        home = root / line.split(":", 2)[2].lstrip("/") / "tasks"
+        tid = threading.get_native_id()
+        try:
+            (group / "tasks").write_text(str(tid))
+        except OSError as e:
+            log.debug("spawner thread stays outside %s: %s", group, e)
+            return False
+        _THREAD_GROUP.update(procs=cgroup_procs, tid=tid, home=home)
+        return True
+
+
+def _evict_thread(cgroup_procs: Path) -> None:
+    """Before the group goes: move the spawner thread back where it came from (called with
+    ``_GROUPS_LOCK`` held), else the rmdir fails with EBUSY."""
+    if _THREAD_GROUP.get("procs") != cgroup_procs:
+        return
+    tid, home = _THREAD_GROUP["tid"], _THREAD_GROUP["home"]
+    _THREAD_GROUP.clear()
+    if not os.path.exists(f"/proc/self/task/{tid}"):
+        return  # the thread has ended (interpreter exit): it is in no group any more
+    for target in (home, cgroup_procs.parent.parent / "tasks"):
+        try:
+            Path(str(target)).write_text(str(tid))
+            return
+        except OSError:
+            continue
+    log.warning("could not move the sandbox spawner thread out of %s", cgroup_procs.parent)
+
+
+def _memory_line(which: str) -> str | None:
+    """The memory controller's line of ``/proc/<which>/cgroup`` (``ID:memory:/path``)."""
+    try:
+        with open(f"/proc/{which}/cgroup") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and "memory" in parts[1].split(","):
+                    return line.rstrip("\n")
+    except OSError:
+        return None
+    return None
+
+
+def _inside_test(cgroup_procs: Path) -> str:
+    """A ``sh`` test (builtins only: no exec) that is true when the launch's process is in
+    the group already: its ``/proc/self/cgroup`` memory line names exactly that group."""
+    line = _memory_line("self")
+    if line is None:
+        return "false"
+    hierarchy, controllers = line.split(":", 2)[:2]
+    want = f"{hierarchy}:{controllers}:/{cgroup_procs.parent.name}"
+    return ('in=; while IFS= read -r l; do [ "$l" = ' + _sh_quote(want)
+            + ' ] && in=1; done < /proc/self/cgroup; [ -n "$in" ]')
+
+
+def _sh_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
 def launch_wrapper(cgroup_procs: Path | None, seccomp_file: Path | None) -> list[str]:
     """A ``sh`` prologue that joins the memory cgroup (before anything is forked, so every
-    process of the launch is in it) and opens the seccomp program on fd 9 for
-    ``bwrap --seccomp 9``; it then execs the rest of the line (same pid, so killing the launch
-    still works). Fails closed: a launch that cannot join the cgroup does not run."""
+    process of the launch is in it) unless it was born inside (see :func:`join_thread`), and
+    opens the seccomp program on fd 9 for ``bwrap --seccomp 9``; it then execs the rest of the
+    line (same pid, so killing the launch still works). Fails closed: a launch that cannot
+    join the cgroup does not run."""
     if cgroup_procs is None and seccomp_file is None:
         return []
     script = []
     if cgroup_procs is not None:
-        script.append('echo $$ > "$1" || exit 125')
+        script.append(f'{_inside_test(cgroup_procs)} || {{ echo $$ > "$1" || exit 125; }}')
     if seccomp_file is not None:
         script.append('exec 9< "$2" || exit 125')
     script.append('shift 2; exec "$@"')

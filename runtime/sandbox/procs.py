@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import json
 import logging
 import os
 import random
@@ -37,6 +38,7 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
                       on_spawn: Callable[[int], None] | None = None,
                       on_exit: Callable[[int], None] | None = None,
                       orphan_needle: bytes | None = None, drain_grace_s: float = 0.5,
+                      parked: subprocess.Popen[bytes] | None = None, request: bytes = b"",
                       ) -> ExecResult:
     """Run ``argv`` (a whole sandbox launcher line) to completion.
 
@@ -47,17 +49,28 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
     On timeout or cancellation the launcher's process group is SIGKILLed; the sandbox's PID 1
     is in that group, and its death takes every process of the launch with it (including
     commands that ignore SIGINT). ``orphan_needle`` (see :func:`sweep`) is the backstop.
+
+    ``parked``: a launch started earlier (:func:`spawn_parked`) that waits for its command,
+    which ``request`` (:func:`parked_request`) gives it on its stdin; ``argv`` and ``env``
+    are then unused (the pool's warm sandboxes: the launch chain ran before the job asked).
+    The caller tracked it when it was spawned.
     """
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
-    spawn = loop.run_in_executor(_SPAWNER, _popen, list(argv), dict(env), stdin is not None)
-    try:
-        proc: subprocess.Popen[bytes] = await asyncio.shield(spawn)
-    except asyncio.CancelledError:
-        spawn.add_done_callback(lambda f: _abandon_future(f, orphan_needle))
-        raise
-    if on_spawn:
-        on_spawn(proc.pid)
+    header = b""
+    if parked is not None:
+        proc = parked
+        header = request
+    else:
+        spawn = loop.run_in_executor(_SPAWNER, _popen, list(argv), dict(env),
+                                     stdin is not None)
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            spawn.add_done_callback(lambda f: _abandon_future(f, orphan_needle))
+            raise
+        if on_spawn:
+            on_spawn(proc.pid)
     out, err = CappedOutput.split(max_output), CappedOutput.split(max_output)
     eofs = [asyncio.Event(), asyncio.Event()]
     exited = asyncio.Event()
@@ -71,8 +84,8 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
         readers.append(fd)
     loop.add_reader(pidfd, exited.set)
     feeder = None
-    if stdin is not None and proc.stdin is not None:
-        feeder = _StdinFeeder(loop, proc.stdin, stdin)
+    if (stdin is not None or header) and proc.stdin is not None:
+        feeder = _StdinFeeder(loop, proc.stdin, header + (stdin or b""))
     timed_out = stuck = False
     try:
         # asyncio.timeout, never wait_for: on Python 3.11 wait_for swallows a cancel that
@@ -121,6 +134,24 @@ async def run_collect(argv: Sequence[str], *, env: Mapping[str, str], timeout: f
     return ExecResult(exit_code=code, stdout=out.text(), stderr=stderr, timed_out=timed_out,
                       truncated=bool(out.dropped or err.dropped),
                       duration_s=time.perf_counter() - start)
+
+
+def parked_request(argv: Sequence[str], env: Mapping[str, str], cwd: str = "") -> bytes:
+    """What a parked launch reads before it execs: one length line, then a JSON object with
+    the command, its environment and its directory (``runtime/envs/in_sandbox/parked_exec.py``
+    reads it; everything after it on the pipe is the command's own stdin)."""
+    body = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode()
+    return b"%d\n" % len(body) + body
+
+
+def spawn_parked(argv: Sequence[str], env: Mapping[str, str],
+                 pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start a launch whose command is the parked waiter (blocking: call it in the spawner,
+    :func:`in_spawner`, whose thread outlives the launch, as ``--die-with-parent`` needs).
+    ``pass_fds``: the pipe end the waiter signals readiness on."""
+    return subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.PIPE,
+                            start_new_session=True, pass_fds=pass_fds)
 
 
 def _popen(argv: list[str], env: dict[str, str], with_stdin: bool) -> subprocess.Popen[bytes]:
@@ -349,6 +380,17 @@ def _signal(pid: int, sig: int, leader: bool) -> None:
 def _late_reap(proc: Any) -> None:
     with contextlib.suppress(Exception):
         proc.wait()
+
+
+def join_spawner(cgroup_procs: Path) -> None:
+    """Ask the spawner thread to join the sandboxes' memory cgroup, so the launches it spawns
+    are born inside and skip the per-launch join (``hardening.join_thread``). Queued behind
+    the spawns already asked for, never waited on: until it has run, launches join as ever."""
+    from rollout.runtime.sandbox import hardening
+
+    if not hardening.thread_joined(cgroup_procs):
+        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+            _SPAWNER.submit(hardening.join_thread, cgroup_procs)
 
 
 async def in_spawner(fn: Callable[..., T], *args: Any) -> T:

@@ -136,8 +136,14 @@ def _duration_s(d: Duration, default: float) -> float:
 # ----------------------------------------------------------------------------- job spec
 
 
+_DEFAULT_SAMPLING = SamplingParams()
+_DEFAULT_LIMITS = Limits()
+
+
 def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
-    base = SamplingParams()
+    if not p.ByteSize():  # unset (most submits): the defaults, valid by construction
+        return _DEFAULT_SAMPLING
+    base = _DEFAULT_SAMPLING
     sp = SamplingParams(
         temperature=p.temperature if p.HasField("temperature") else base.temperature,
         top_p=p.top_p if p.HasField("top_p") else base.top_p,
@@ -227,7 +233,9 @@ def chat_to_proto(c: ChatOptions) -> job_pb2.ChatOptions:
 
 
 def limits_from_proto(p: job_pb2.Limits) -> Limits:
-    base = Limits()
+    if not p.ByteSize():
+        return _DEFAULT_LIMITS
+    base = _DEFAULT_LIMITS
     for name in ("init_timeout", "run_timeout", "eval_timeout", "tool_timeout"):
         d = getattr(p, name)
         if d.seconds < 0 or d.nanos < 0:

@@ -197,10 +197,12 @@ class NodeAgent:
         """Release every job held here, then sweep the agent's sandbox root, so a closed
         agent leaves no sandbox, mount or memory cgroup on its host."""
         from rollout.runtime.sandbox import settle_abandoned
-        from rollout.server.app import reap_stale_logged
+        from rollout.server.app import reap_stale_logged, sandbox_pool_of
 
         for job_id in list(self._jobs):
             await self.release(job_id, 5.0)
+        if (pool := sandbox_pool_of(self.sandbox_factory)) is not None:
+            await pool.close()
         # INITs cancelled while their sandbox was being made tear it down in a thread: wait
         # for that first, or the sweep sees those sandboxes as live (locked) and skips them.
         await settle_abandoned(10.0)

@@ -14,8 +14,11 @@ Why it works this way:
   memory without bound (the events it does get are still in order per job, with gaps). The
   servicer may write many of them in one frame.
 - Flow control (``max_unacked``): once that many deliveries are outstanding, further deliveries
-  wait in the store (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
-  max-outstanding-messages.
+  wait (progress still flows) until acks arrive, like Pub/Sub StreamingPull's
+  max-outstanding-messages. They wait in memory while the memory budget allows (held back,
+  released in order as acks come), else in the store: a client that acks in batches behind a
+  fast pipeline would otherwise have each of them written, dropped and read back and decoded
+  again, which cost the server more than the job itself did.
 - Memory (``budget``, server/pipeline/delivery_budget.py): a delivery is taken into memory only
   while the session's share and the server's total allow; it is released once the servicer has
   written it to the client (:meth:`Subscription.sent`). A session that does not read holds at
@@ -101,6 +104,9 @@ class Subscription:
         self._fetch = fetch
         self._page_size = page_size
         self._events: deque[Event] = deque()
+        self._held_back: deque[tuple[TrajectoryReady, JobFinished]] = deque()
+        """Deliveries taken into memory (charged to the budget) that flow control holds until
+        acks make room; all above what ``_events`` holds, all below what the store holds."""
         self._outstanding: set[int] = set()
         self._cursor = 0
         """Highest delivery id queued to the consumer (or acknowledged before attach)."""
@@ -153,13 +159,14 @@ class Subscription:
 
     @property
     def in_memory(self) -> int:
-        """Events held in memory now (what paging bounds)."""
-        return len(self._events)
+        """Events held in memory now (what paging bounds; a held-back delivery is two)."""
+        return len(self._events) + 2 * len(self._held_back)
 
     @property
     def unacked(self) -> int:
         """Outstanding deliveries plus those waiting in the store (held back)."""
-        return len(self._outstanding) + (self._in_store if self._behind else 0)
+        return (len(self._outstanding) + len(self._held_back)
+                + (self._in_store if self._behind else 0))
 
     def _room(self) -> int:
         if not self.max_unacked:
@@ -187,11 +194,15 @@ class Subscription:
         if did <= self._cursor:
             return  # a page from the store carried it already
         size = held_bytes(ready.trajectory)
-        if self._behind or not self._room() or not self._fits(size):
+        if self._behind or not self._fits(size):
             self._behind = True
             self._in_store += 1
             self._dropped_max = max(self._dropped_max, did)
             self._wake()
+            return
+        if self._held_back or not self._room():
+            self._charge(ready, size)  # in memory, but not sent until acks make room
+            self._held_back.append((ready, finished))
             return
         self._queue(ready, finished, size)
         self._wake()
@@ -206,10 +217,25 @@ class Subscription:
         await self._fill()
 
     def _queue(self, ready: TrajectoryReady, finished: JobFinished, size: int) -> None:
-        self._cursor = ready.delivery_id
+        self._charge(ready, size)
+        self._send(ready, finished)
+
+    def _send(self, ready: TrajectoryReady, finished: JobFinished) -> None:
         self._outstanding.add(ready.delivery_id)
         self._events.append(ready)
         self._events.append(finished)
+
+    def _release_held_back(self) -> None:
+        """Move held-back deliveries to the consumer, oldest first, as flow control allows."""
+        moved = False
+        while self._held_back and self._room():
+            self._send(*self._held_back.popleft())
+            moved = True
+        if moved:
+            self._wake()
+
+    def _charge(self, ready: TrajectoryReady, size: int) -> None:
+        self._cursor = ready.delivery_id
         if self._budget is not None:
             self._held[ready.delivery_id] = self._held.get(ready.delivery_id, 0) + size
             self.held_bytes += size
@@ -266,7 +292,8 @@ class Subscription:
 
     async def _fill_locked(self) -> None:
         while True:
-            if not self._behind or self._closed or self._fetch is None or self._starved:
+            if (not self._behind or self._closed or self._fetch is None or self._starved
+                    or self._held_back):  # those go first; the store holds newer ones
                 return
             room = self._room()
             if not room:
@@ -307,6 +334,7 @@ class Subscription:
             self._outstanding.discard(d)
         if through:
             self._outstanding = {d for d in self._outstanding if d > through}
+        self._release_held_back()
         if self._behind:
             self._wake()
 
@@ -353,6 +381,7 @@ class Subscription:
             return
         self._closed = True
         self._events.clear()
+        self._held_back.clear()
         if self._budget is not None:
             self._budget.forget(id(self))
             self._budget.release(self.held_bytes)

@@ -84,6 +84,36 @@ async def test_max_unacked_holds_trajectories_until_acks(tmp_path):
         assert [e.delivery_id for e in sub.drain() if isinstance(e, TrajectoryReady)] == [4]
 
 
+async def test_held_back_deliveries_wait_in_memory_while_the_budget_allows(tmp_path):
+    """Flow control holds deliveries in memory (not read back from the store) while the memory
+    budget has room, and releases them in id order as acks come; once the budget is full,
+    later ones wait in the store and still come in order after the held ones."""
+    for budget, reads_wanted in ((1 << 30, False), (1, True)):
+        async with running_scheduler(tmp_path / f"db{budget}", delivery_memory_bytes=budget,
+                                     session_memory_bytes=budget) as (sched, _):
+            reads: list[int] = []
+            real = sched.store.unacked
+
+            async def spy(client_id, *, after=0, limit=-1, real=real, reads=reads):
+                got = await real(client_id, after=after, limit=limit)
+                reads.extend(d.delivery_id for d in got)
+                return got
+
+            sched.store.unacked = spy  # type: ignore[method-assign]
+            sub = await sched.attach("t", max_unacked=2)
+            await sched.submit([spec(f"j{i}") for i in range(6)], "t")
+            await _all_done(sched, 6)
+            seen = []
+            while len(seen) < 6:
+                ev = await asyncio.wait_for(sub.__anext__(), 5)
+                if isinstance(ev, TrajectoryReady):
+                    seen.append(ev.delivery_id)
+                    sub.sent(ev.delivery_id)  # what the servicer does once it is written
+                    await sched.ack("t", [ev.delivery_id])
+            assert seen == [1, 2, 3, 4, 5, 6]
+            assert bool(reads) == reads_wanted, reads
+
+
 async def test_status_and_prometheus_metrics(tmp_path):
     async with running_scheduler(tmp_path / "db", init_workers=2) as (sched, handler):
         await sched.submit([spec(f"j{i}") for i in range(5)] + [spec("f", fail="run")], "t")

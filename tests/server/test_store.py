@@ -102,6 +102,36 @@ async def test_many_small_writes_share_transactions(tmp_path):
         await store.close()
 
 
+async def test_an_op_that_raises_takes_back_only_its_own_writes(tmp_path):
+    """Ops share transactions; one that raises half-way leaves nothing of itself, and every
+    other op of its batch commits exactly once."""
+    store = JobStore(tmp_path / "s.db")
+    await store.open()
+    try:
+        await store._write(lambda c: c.execute("CREATE TABLE t (x INTEGER)"), True)
+
+        def good(i: int):
+            return lambda c: c.execute("INSERT INTO t VALUES (?)", (i,)).rowcount
+
+        def bad(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO t VALUES (-1)")
+            raise ValueError("half-way")
+
+        for _ in range(8):  # several rounds: some land in one batch with the bad op
+            futs = [store._write(good(i), True) for i in range(5)]
+            futs.insert(2, store._write(bad, True))
+            results = await asyncio.gather(*futs, return_exceptions=True)
+            assert isinstance(results[2], ValueError)
+            assert results[:2] + results[3:] == [1] * 5
+        txns, ops = store.write_stats
+        assert txns < ops, "some ops shared a transaction"
+        rows = await store._read(lambda c: c.execute(
+            "SELECT x, COUNT(*) FROM t GROUP BY x ORDER BY x").fetchall())
+        assert rows == [(i, 8) for i in range(5)]
+    finally:
+        await store.close()
+
+
 async def test_list_pages_in_submission_order_with_filters(tmp_path):
     store = JobStore(tmp_path / "s.db")
     await store.open()
