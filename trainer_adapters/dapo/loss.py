@@ -14,7 +14,11 @@ Per token, with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
 - token-mean aggregation over the *whole batch*: the sum over all masked tokens divided by the
   batch's token count (``num_tokens``), not a mean of per-sequence means, so long and short
   answers weigh the same per token. With gradient accumulation every micro-batch divides by the
-  token count of the whole batch, which makes the accumulated gradient equal the full-batch one.
+  token count of the whole batch, which makes the accumulated gradient equal the full-batch one;
+- or rollout-mean (``row_weights``): each rollout weighs the same whatever its number of
+  segments or tokens. A token of a rollout with ``n`` loss tokens (over all its segments) in a
+  batch of ``R`` rollouts weighs ``1 / (R n)``. With one segment per rollout this is verl's
+  ``seq-mean-token-mean``.
 """
 
 from __future__ import annotations
@@ -74,11 +78,14 @@ def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cfg: ClipConfig, *, rollout_logp: torch.Tensor | None = None,
-                num_tokens: float | None = None) -> tuple[torch.Tensor, LossStats]:
+                num_tokens: float | None = None, row_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, LossStats]:
     """The loss of one (micro-)batch; all tensors ``[B, T]`` (advantages may be ``[B, 1]``).
 
     ``num_tokens``: the normaliser, the masked-token count of the whole batch this micro-batch
-    belongs to; defaults to this call's own count.
+    belongs to; defaults to this call's own count. ``row_weights`` (``[B, 1]``), when given,
+    replaces it: each token's loss is multiplied by its row's weight and summed (rollout-mean
+    passes ``1 / (rollouts x the rollout's loss tokens)``, see :func:`rollout_weights`).
     """
     mask = mask.to(logp.dtype)
     advantages = advantages.to(logp.dtype).expand_as(logp)
@@ -99,8 +106,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         truncated = torch.exp((old_logp - rollout_logp).detach()) > cfg.tis_cap
         per_token = per_token * weights
     count = mask.sum()
-    denominator = count if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
-    loss = (per_token * mask).sum() / denominator.clamp(min=1)
+    if row_weights is not None:
+        loss = (per_token * mask * row_weights.to(logp.dtype)).sum()
+    else:
+        denominator = count if num_tokens is None else torch.as_tensor(num_tokens,
+                                                                       dtype=logp.dtype)
+        loss = (per_token * mask).sum() / denominator.clamp(min=1)
 
     def frac(flags: torch.Tensor) -> float:
         return float((flags.to(mask.dtype) * mask).sum() / count.clamp(min=1))
@@ -112,6 +123,34 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         approx_kl=float(((old_logp - logp).detach() * mask).sum() / count.clamp(min=1)),
         tokens=int(count))
     return loss, stats
+
+
+LOSS_AGG_MODES = ("token-mean", "rollout-mean")
+"""How the per-token losses of a batch add up: every token the same (``token-mean``), or every
+rollout the same (``rollout-mean``)."""
+
+
+def rollout_weights(rollouts: list[str], loss_tokens: list[int], mode: str) -> list[float]:
+    """Per training row, the weight of each of its loss tokens.
+
+    ``rollouts`` names each row's rollout (rows of one rollout: its segments or chains share the
+    name) and ``loss_tokens`` counts each row's loss tokens. ``token-mean``: ``1 / total tokens``
+    for every row. ``rollout-mean``: ``1 / (R x n_r)`` with ``R`` rollouts and ``n_r`` the loss
+    tokens of the row's rollout over all its rows, so each rollout's tokens sum to ``1 / R``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if len(rollouts) != len(loss_tokens):
+        raise ValueError("one rollout name per row")
+    if mode == "token-mean":
+        total = max(sum(loss_tokens), 1)
+        return [1.0 / total] * len(rollouts)
+    per_rollout: dict[str, int] = {}
+    for name, n in zip(rollouts, loss_tokens, strict=True):
+        per_rollout[name] = per_rollout.get(name, 0) + n
+    counted = [name for name, n in per_rollout.items() if n > 0]
+    return [1.0 / (len(counted) * per_rollout[name]) if per_rollout[name] else 0.0
+            for name in rollouts]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,

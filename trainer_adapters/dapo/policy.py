@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from rollout.client.batcher import Sample
-from rollout.trainer_adapters.dapo.loss import ClipConfig, policy_loss, token_logprobs
+from rollout.trainer_adapters.dapo.loss import (
+    ClipConfig,
+    policy_loss,
+    rollout_weights,
+    token_logprobs,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,11 @@ class TrainItem:
 
     sample: Sample
     advantage: float
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The training row: one segment of one rollout."""
+        return (self.sample.job_id, self.sample.flat.segment)
 
 
 @dataclass(frozen=True)
@@ -76,9 +86,12 @@ class Policy:
             return self.base_lr * (self.updates + 1) / self.warmup_steps
         return self.base_lr
 
-    def _tensors(self, items: Sequence[TrainItem]) -> dict[str, torch.Tensor]:
+    def _tensors(self, items: Sequence[TrainItem],
+                 weights: dict[tuple[str, int], float] | None = None) -> dict[str, torch.Tensor]:
         """Right-padded, shifted by one: position t of ``targets`` is predicted from
-        ``input_ids[:t+1]``, and masks/logprobs are aligned with the targets."""
+        ``input_ids[:t+1]``, and masks/logprobs are aligned with the targets. ``weights``: each
+        row's per-token loss weight (see :func:`rollout_weights`)."""
+        weights = weights or {}
         width = max(len(i.sample.flat.token_ids) for i in items) - 1
         pad = self.tokenizer.pad_token_id or 0
 
@@ -95,6 +108,8 @@ class Policy:
             "rollout_logp": torch.tensor([row(i.sample.flat.logprobs[1:], 0.0) for i in items],
                                          dtype=torch.float32),
             "advantages": torch.tensor([[i.advantage] for i in items], dtype=torch.float32),
+            "row_weights": torch.tensor([[weights.get(i.key, 0.0)] for i in items],
+                                        dtype=torch.float32),
         }
         return {k: v.to(self.device) for k, v in out.items()}
 
@@ -112,14 +127,17 @@ class Policy:
             yield ordered[start:start + size]
 
     def update(self, items: Sequence[TrainItem], clip: ClipConfig, *, temperature: float,
-               micro_batch_size: int, grad_clip: float, mini_batches: int = 1) -> UpdateStats:
+               micro_batch_size: int, grad_clip: float, mini_batches: int = 1,
+               loss_agg: str = "token-mean") -> UpdateStats:
         """One DAPO step over ``items`` (``mini_batches`` optimizer steps; gradients of each
-        mini-batch accumulated over micro-batches of ``micro_batch_size`` samples)."""
+        mini-batch accumulated over micro-batches of ``micro_batch_size`` samples). ``loss_agg``
+        weighs every loss token the same (``token-mean``) or every rollout the same
+        (``rollout-mean``), within each mini-batch."""
         started = time.monotonic()
         items = [i for i in items if any(i.sample.flat.loss_mask)]
         if not items:
             raise ValueError("nothing to train on: no sample has a model token")
-        old: dict[str, torch.Tensor] = {}
+        old: dict[tuple[str, int], torch.Tensor] = {}
         if mini_batches > 1:
             # Off-policy within the step: the reference ("old") logprobs must be those of the
             # weights before the first optimizer step, so compute them all up front.
@@ -127,7 +145,7 @@ class Policy:
                 for mb in self._micro_batches(items, micro_batch_size):
                     lp, _ = self._logprobs(self._tensors(mb), temperature)
                     for k, item in enumerate(mb):
-                        old[item.sample.job_id] = lp[k].detach()
+                        old[item.key] = lp[k].detach()
         per_mini = max(1, -(-len(items) // mini_batches))
         totals = dict(loss=0.0, entropy=0.0, clip_low=0.0, clip_high=0.0, dual_clip=0.0,
                       tis_truncated=0.0, approx_kl=0.0)
@@ -135,23 +153,26 @@ class Policy:
         grad_norms = []
         for m in range(0, len(items), per_mini):
             mini = items[m:m + per_mini]
-            n_tokens = float(sum(sum(i.sample.flat.loss_mask[1:]) for i in mini))
+            weights = dict(zip((i.key for i in mini), rollout_weights(
+                [i.sample.job_id for i in mini],
+                [sum(i.sample.flat.loss_mask[1:]) for i in mini], loss_agg), strict=True))
             for group in self._param_groups():
                 group["lr"] = self.lr
             self.optimizer.zero_grad(set_to_none=True)
             for mb in self._micro_batches(mini, micro_batch_size):
-                t = self._tensors(mb)
+                t = self._tensors(mb, weights)
                 logp, entropy = self._logprobs(t, temperature)
                 if old:
-                    old_lp = torch.stack([_fit(old[i.sample.job_id], logp.shape[1])
+                    old_lp = torch.stack([_fit(old[i.key], logp.shape[1])
                                           for i in mb])
                 else:
                     old_lp = logp.detach()  # one optimizer step per batch: on-policy
                 loss, st = policy_loss(logp, old_lp, t["advantages"], t["mask"], clip,
-                                       rollout_logp=t["rollout_logp"], num_tokens=n_tokens)
+                                       rollout_logp=t["rollout_logp"],
+                                       row_weights=t["row_weights"])
                 loss.backward()
                 w = st.tokens
-                totals["loss"] += float(loss.detach()) * n_tokens
+                totals["loss"] += float(loss.detach())  # micro-batch parts sum to the mini's
                 totals["entropy"] += float((entropy.detach() * t["mask"]).sum())
                 for key in ("clip_low", "clip_high", "dual_clip", "tis_truncated", "approx_kl"):
                     totals[key] += getattr(st, key) * w
@@ -163,7 +184,7 @@ class Policy:
             self.updates += 1
         denom = max(loss_tokens, 1)
         return UpdateStats(
-            loss=totals["loss"] / denom, entropy=totals["entropy"] / denom,
+            loss=totals["loss"] / max(len(grad_norms), 1), entropy=totals["entropy"] / denom,
             clip_low=totals["clip_low"] / denom, clip_high=totals["clip_high"] / denom,
             dual_clip=totals["dual_clip"] / denom, tis_truncated=totals["tis_truncated"] / denom,
             approx_kl=totals["approx_kl"] / denom, grad_norm=max(grad_norms),

@@ -40,6 +40,7 @@ eps_low = 0.2
 eps_high = 0.28
 dual_clip_c = 3.0             # 0 disables
 tis_cap = 2.0                 # 0 disables the truncated importance-sampling correction
+loss_agg = "token-mean"       # or "rollout-mean": each rollout weighs the same
 overlong_cache = 16           # soft overlong punishment: the last N tokens of an episode's
                               # budget (max_tokens x max_turns) ramp to -1; 0 disables
 adv_eps = 1e-6
@@ -129,6 +130,11 @@ class AlgoSection:
     eps_high: float = 0.28
     dual_clip_c: float = 3.0
     tis_cap: float = 2.0
+    loss_agg: str = "token-mean"
+    """``token-mean``: every loss token of a mini-batch weighs the same (DAPO's choice: a long
+    answer's tokens are not diluted). ``rollout-mean``: every rollout weighs the same whatever
+    its number of segments or tokens (for harness trajectories whose segment counts vary: a
+    rollout split into five segments must not get five times the say)."""
     overlong_cache: int = 16
     adv_eps: float = 1e-6
     kl_coef: float = 0.0
@@ -169,6 +175,11 @@ class DapoConfig:
                             self.rollout.max_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        from rollout.trainer_adapters.dapo.loss import LOSS_AGG_MODES
+
+        if self.algo.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"algo.loss_agg must be one of {LOSS_AGG_MODES}, got "
+                             f"{self.algo.loss_agg!r}")
         budget = self.rollout.max_tokens * max(self.rollout.max_turns, 1)
         if self.algo.overlong_cache >= budget:
             raise ValueError(f"algo.overlong_cache ({self.algo.overlong_cache}) must be smaller "

@@ -251,7 +251,7 @@ class DapoTrainer:
         upd = await asyncio.to_thread(
             policy.update, items, clip, temperature=cfg.rollout.temperature,
             micro_batch_size=cfg.algo.micro_batch_size, grad_clip=cfg.algo.grad_clip,
-            mini_batches=cfg.algo.mini_batches)
+            mini_batches=cfg.algo.mini_batches, loss_agg=cfg.algo.loss_agg)
         t1 = time.monotonic()
         self.version += 1
         weights = self.run_dir / "weights" / f"v{self.version}"
