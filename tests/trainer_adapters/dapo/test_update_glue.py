@@ -127,8 +127,8 @@ def reference_loss(model: torch.nn.Module, rows: list[tuple[list[int], list[int]
     return total / n_tokens
 
 
-def sgd_policy(lr: float) -> Policy:
-    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0)
+def sgd_policy(lr: float, logit_chunk: int = 1024) -> Policy:
+    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0, logit_chunk=logit_chunk)
     # Plain SGD: the parameter change is exactly -lr * gradient, so the test reads the
     # gradient the update computed (AdamW's first step is about lr * sign(g) and would hide
     # a wrong scale).
@@ -150,12 +150,15 @@ def assert_same_params(got: list[torch.Tensor], want: list[torch.Tensor], scale:
     assert worst < 1e-3 * scale, f"parameters differ from the reference step by {worst}"
 
 
-@pytest.mark.parametrize("micro_batch_size", [1, 3])
-def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int) -> None:
+@pytest.mark.parametrize(("micro_batch_size", "logit_chunk"), [(1, 1024), (3, 1024), (3, 0),
+                                                              (3, 4)])
+def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int,
+                                                       logit_chunk: int) -> None:
     """One mini-batch, split into micro-batches: the token mean over the whole batch (9 masked
-    next-tokens: 2 + 2 + 4 + 1), each token's own advantage, the mask on the right tokens."""
+    next-tokens: 2 + 2 + 4 + 1), each token's own advantage, the mask on the right tokens;
+    with the logits whole (0), or 4 positions at a time (recomputed in the backward pass)."""
     lr = 1.0
-    policy = sgd_policy(lr)
+    policy = sgd_policy(lr, logit_chunk)
     ref = copy.deepcopy(policy.model).float().eval()
     before = params(policy.model)
     policy.model.eval()  # dropout-free either way; eval keeps the two forwards identical
