@@ -219,7 +219,10 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
                         output_logprobs=list(result.logprobs),
                         policy_version=result.policy_version, finish_reason=result.finish_reason,
                         backend=result.backend, latency_s=time.monotonic() - started,
-                        preempted_retries=retries, logprobs_kind=result.logprobs_kind)
+                        preempted_retries=retries, logprobs_kind=result.logprobs_kind,
+                        routed_experts=list(result.routed_experts),
+                        routed_expert_top_k=result.routed_expert_top_k,
+                        routed_expert_layers=result.routed_expert_layers)
             final_text = await asyncio.to_thread(ledger.add_output, turn.output_ids)
             turns.append(turn)
             if result.finish_reason == "deadline":

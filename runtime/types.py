@@ -255,6 +255,11 @@ class Turn:
     logprobs_kind: str = ""
     """``processed`` or ``raw`` as the engine reported it; not carried by the proto per turn
     (the trajectory carries the common kind)."""
+    routed_experts: list[int] = field(default_factory=list)
+    """Mixture-of-experts routing per output token, flattened ``[token][layer][k]`` (see
+    ``Turn.routed_experts`` in the proto); empty when the backend reports none."""
+    routed_expert_top_k: int = 0
+    routed_expert_layers: int = 0
 
     @property
     def loss_mask(self) -> list[int]:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
@@ -158,7 +159,9 @@ def _output(sample: VerlSample) -> AgentLoopOutput:
         prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
         response_mask=sample.response_mask, response_logprobs=sample.response_logprobs,
         reward_score=sample.reward_score, num_turns=sample.num_turns, metrics=metrics,
-        extra_fields=sample.extra_fields)
+        extra_fields=sample.extra_fields,
+        routed_experts=None if sample.routed_experts is None
+        else np.asarray(sample.routed_experts, dtype=np.int16))
 
 
 __all__ = ["AGENT_NAME", "RolloutServiceAgentLoop", "ServiceSettings"]

@@ -89,6 +89,10 @@ class VerlSample:
     """verl counts chat messages: the prompt, each assistant turn, each tool observation."""
     metrics: dict[str, float]
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    routed_experts: list[list[list[int]]] | None = None
+    """verl's ``AgentLoopOutput.routed_experts`` for routing replay: ``[position][layer][k]``
+    over ``prompt_ids + response_ids`` (what verl's router replay indexes by absolute
+    position); None for a dense model."""
 
 
 def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
@@ -210,6 +214,14 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
             valid = False
     if not valid:
         mask = [0] * len(mask)
+    routed = None
+    if flat.routed_experts and flat.token_ids:
+        per = flat.routed_expert_layers * flat.routed_expert_top_k
+        start = flat.prompt_length - len(prompt)  # a cut prompt keeps its tail
+        rows = [flat.routed_experts[(start + p) * per:(start + p + 1) * per]
+                for p in range(len(prompt) + len(response))]
+        k = flat.routed_expert_top_k
+        routed = [[row[j:j + k] for j in range(0, per, k)] for row in rows]
 
     reward = float(flat.reward) if succeeded else 0.0
     info: dict[str, float] = {"reward": reward, "rollout_valid": float(valid),
@@ -236,7 +248,7 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
     return VerlSample(
         prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=logprobs,
         reward_score=reward, num_turns=1 + flat.num_turns + observations,
-        metrics=dict(metrics or {}), extra_fields=extra)
+        metrics=dict(metrics or {}), extra_fields=extra, routed_experts=routed)
 
 
 def pad_batch(samples: Sequence[VerlSample], *, prompt_length: int, response_length: int,

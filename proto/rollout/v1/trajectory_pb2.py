@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from rollout.v1 import job_pb2 as rollout_dot_v1_dot_job__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollout/v1/trajectory.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14rollout/v1/job.proto\"\xae\x02\n\x04Turn\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fobservation_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ntool_calls\x18\n \x03(\t\x12/\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x19\n\x11preempted_retries\x18\x0c \x01(\x05J\x04\x08\x07\x10\x08\"\x94\x02\n\x0cStageTimings\x12-\n\ninit_queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04init\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\trun_queue\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03run\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\neval_queue\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04\x65val\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd2\x05\n\nTrajectory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.rollout.v1.Turn\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12G\n\x11reward_components\x18\x05 \x03(\x0b\x32,.rollout.v1.Trajectory.RewardComponentsEntry\x12\x39\n\x12termination_reason\x18\x06 \x01(\x0e\x32\x1d.rollout.v1.TerminationReason\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.rollout.v1.StageTimings\x12\x36\n\x08metadata\x18\x08 \x03(\x0b\x32$.rollout.v1.Trajectory.MetadataEntry\x12$\n\x05state\x18\t \x01(\x0e\x32\x15.rollout.v1.Job.State\x12#\n\x05\x65rror\x18\n \x01(\x0b\x32\x14.rollout.v1.JobError\x12\x32\n\x06labels\x18\x0b \x03(\x0b\x32\".rollout.v1.Trajectory.LabelsEntry\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12/\n\rlogprobs_kind\x18\r \x01(\x0e\x32\x18.rollout.v1.LogprobsKind\x12%\n\x08segments\x18\x0e \x03(\x0b\x32\x13.rollout.v1.Segment\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"\x9b\x01\n\x07Segment\x12\x12\n\nfirst_turn\x18\x01 \x01(\x05\x12*\n\x06reason\x18\x02 \x01(\x0e\x32\x1a.rollout.v1.Segment.Reason\"P\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x10\n\x0cREASON_FIRST\x10\x01\x12\x1c\n\x18REASON_HISTORY_REWRITTEN\x10\x02*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x05*\xcb\x03\n\x11TerminationReason\x12\"\n\x1eTERMINATION_REASON_UNSPECIFIED\x10\x00\x12 \n\x1cTERMINATION_REASON_SUBMITTED\x10\x01\x12#\n\x1fTERMINATION_REASON_NO_TOOL_CALL\x10\x02\x12 \n\x1cTERMINATION_REASON_MAX_TURNS\x10\x03\x12#\n\x1fTERMINATION_REASON_TOKEN_BUDGET\x10\x04\x12%\n!TERMINATION_REASON_CONTEXT_LENGTH\x10\x05\x12\x1f\n\x1bTERMINATION_REASON_DEADLINE\x10\x06\x12 \n\x1cTERMINATION_REASON_CANCELLED\x10\x07\x12\x1c\n\x18TERMINATION_REASON_ERROR\x10\x08\x12*\n&TERMINATION_REASON_WORKSPACE_TOO_LARGE\x10\t\x12+\n\'TERMINATION_REASON_WORKSPACE_UNGRADABLE\x10\n\x12#\n\x1fTERMINATION_REASON_EVAL_TIMEOUT\x10\x0b\x42\x64\n\x15\x63om.rolloutservice.v1B\x0fTrajectoryProtoP\x01Z+rollout-service/gen/go/rollout/v1;rolloutv1\xaa\x02\nRollout.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollout/v1/trajectory.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14rollout/v1/job.proto\"\x81\x03\n\x04Turn\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fobservation_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12*\n\x07latency\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ntool_calls\x18\n \x03(\t\x12/\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x19\n\x11preempted_retries\x18\x0c \x01(\x05\x12\x16\n\x0erouted_experts\x18\r \x03(\x05\x12\x1b\n\x13routed_expert_top_k\x18\x0e \x01(\x05\x12\x1c\n\x14routed_expert_layers\x18\x0f \x01(\x05J\x04\x08\x07\x10\x08\"\x94\x02\n\x0cStageTimings\x12-\n\ninit_queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04init\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\trun_queue\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03run\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\neval_queue\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04\x65val\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd2\x05\n\nTrajectory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.rollout.v1.Turn\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12G\n\x11reward_components\x18\x05 \x03(\x0b\x32,.rollout.v1.Trajectory.RewardComponentsEntry\x12\x39\n\x12termination_reason\x18\x06 \x01(\x0e\x32\x1d.rollout.v1.TerminationReason\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.rollout.v1.StageTimings\x12\x36\n\x08metadata\x18\x08 \x03(\x0b\x32$.rollout.v1.Trajectory.MetadataEntry\x12$\n\x05state\x18\t \x01(\x0e\x32\x15.rollout.v1.Job.State\x12#\n\x05\x65rror\x18\n \x01(\x0b\x32\x14.rollout.v1.JobError\x12\x32\n\x06labels\x18\x0b \x03(\x0b\x32\".rollout.v1.Trajectory.LabelsEntry\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12/\n\rlogprobs_kind\x18\r \x01(\x0e\x32\x18.rollout.v1.LogprobsKind\x12%\n\x08segments\x18\x0e \x03(\x0b\x32\x13.rollout.v1.Segment\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"\x9b\x01\n\x07Segment\x12\x12\n\nfirst_turn\x18\x01 \x01(\x05\x12*\n\x06reason\x18\x02 \x01(\x0e\x32\x1a.rollout.v1.Segment.Reason\"P\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x10\n\x0cREASON_FIRST\x10\x01\x12\x1c\n\x18REASON_HISTORY_REWRITTEN\x10\x02*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x05*\xcb\x03\n\x11TerminationReason\x12\"\n\x1eTERMINATION_REASON_UNSPECIFIED\x10\x00\x12 \n\x1cTERMINATION_REASON_SUBMITTED\x10\x01\x12#\n\x1fTERMINATION_REASON_NO_TOOL_CALL\x10\x02\x12 \n\x1cTERMINATION_REASON_MAX_TURNS\x10\x03\x12#\n\x1fTERMINATION_REASON_TOKEN_BUDGET\x10\x04\x12%\n!TERMINATION_REASON_CONTEXT_LENGTH\x10\x05\x12\x1f\n\x1bTERMINATION_REASON_DEADLINE\x10\x06\x12 \n\x1cTERMINATION_REASON_CANCELLED\x10\x07\x12\x1c\n\x18TERMINATION_REASON_ERROR\x10\x08\x12*\n&TERMINATION_REASON_WORKSPACE_TOO_LARGE\x10\t\x12+\n\'TERMINATION_REASON_WORKSPACE_UNGRADABLE\x10\n\x12#\n\x1fTERMINATION_REASON_EVAL_TIMEOUT\x10\x0b\x42\x64\n\x15\x63om.rolloutservice.v1B\x0fTrajectoryProtoP\x01Z+rollout-service/gen/go/rollout/v1;rolloutv1\xaa\x02\nRollout.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,24 +40,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_TRAJECTORY_LABELSENTRY']._loaded_options = None
   _globals['_TRAJECTORY_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1565
-  _globals['_FINISHREASON']._serialized_end=1742
-  _globals['_TERMINATIONREASON']._serialized_start=1745
-  _globals['_TERMINATIONREASON']._serialized_end=2204
+  _globals['_FINISHREASON']._serialized_start=1648
+  _globals['_FINISHREASON']._serialized_end=1825
+  _globals['_TERMINATIONREASON']._serialized_start=1828
+  _globals['_TERMINATIONREASON']._serialized_end=2287
   _globals['_TURN']._serialized_start=98
-  _globals['_TURN']._serialized_end=400
-  _globals['_STAGETIMINGS']._serialized_start=403
-  _globals['_STAGETIMINGS']._serialized_end=679
-  _globals['_TRAJECTORY']._serialized_start=682
-  _globals['_TRAJECTORY']._serialized_end=1404
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=1244
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=1299
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1301
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1348
-  _globals['_TRAJECTORY_LABELSENTRY']._serialized_start=1350
-  _globals['_TRAJECTORY_LABELSENTRY']._serialized_end=1395
-  _globals['_SEGMENT']._serialized_start=1407
-  _globals['_SEGMENT']._serialized_end=1562
-  _globals['_SEGMENT_REASON']._serialized_start=1482
-  _globals['_SEGMENT_REASON']._serialized_end=1562
+  _globals['_TURN']._serialized_end=483
+  _globals['_STAGETIMINGS']._serialized_start=486
+  _globals['_STAGETIMINGS']._serialized_end=762
+  _globals['_TRAJECTORY']._serialized_start=765
+  _globals['_TRAJECTORY']._serialized_end=1487
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=1327
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=1382
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1384
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1431
+  _globals['_TRAJECTORY_LABELSENTRY']._serialized_start=1433
+  _globals['_TRAJECTORY_LABELSENTRY']._serialized_end=1478
+  _globals['_SEGMENT']._serialized_start=1490
+  _globals['_SEGMENT']._serialized_end=1645
+  _globals['_SEGMENT_REASON']._serialized_start=1565
+  _globals['_SEGMENT_REASON']._serialized_end=1645
 # @@protoc_insertion_point(module_scope)
