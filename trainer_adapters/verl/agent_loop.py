@@ -107,10 +107,6 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         self.max_turns = self.settings.max_turns or int(
             _get(multi_turn, "max_assistant_turns") or 0)
         self.group_size = int(_get(self.rollout_config, "n") or 1)
-        # verl's V1 trainer (TransferQueue) takes a list of outputs per sample and computes
-        # GRPO advantages per session (rollout) from its final output; the legacy worker takes
-        # exactly one output per sample.
-        self.many_outputs = bool(_get(_get(self.config, "trainer"), "use_v1"))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any
                   ) -> AgentLoopOutput | list[AgentLoopOutput]:
@@ -134,7 +130,11 @@ class RolloutServiceAgentLoop(AgentLoopBase):
             outcome, prompt_length=self.prompt_length, response_length=self.response_length,
             reward_components=s.reward_components, overlong=s.overlong,
             fallback_prompt_ids=fallback)
-        if self.many_outputs:
+        if "session_id" in kwargs:
+            # verl's V1 worker (AgentLoopWorkerTQ) calls every loop with the sample's session
+            # (rollout) id, keys each output {uid}_{session}_{index} and computes GRPO
+            # advantages per session from its final output; the legacy worker passes no
+            # session id and takes exactly one output per sample.
             return [_output(x) for x in samples if any(x.response_mask)]
         return _output(samples[-1])
 
