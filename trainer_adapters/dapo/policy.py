@@ -89,8 +89,12 @@ class Policy:
         if gradient_checkpointing:
             # The backward pass then keeps one layer's activations at a time, recomputing the
             # rest, instead of every layer's for the whole micro-batch.
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:  # transformers >= 5.x's name
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay)
         self.base_lr = lr

@@ -150,18 +150,23 @@ def assert_same_params(got: list[torch.Tensor], want: list[torch.Tensor], scale:
     assert worst < 1e-3 * scale, f"parameters differ from the reference step by {worst}"
 
 
-@pytest.mark.parametrize(("micro_batch_size", "logit_chunk"), [(1, 1024), (3, 1024), (3, 0),
-                                                              (3, 4)])
-def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int,
-                                                       logit_chunk: int) -> None:
+@pytest.mark.parametrize(("micro_batch_size", "logit_chunk", "checkpointing"),
+                         [(1, 1024, False), (3, 1024, False), (3, 0, False), (3, 4, False),
+                          (3, 4, True)])
+def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int, logit_chunk: int,
+                                                       checkpointing: bool) -> None:
     """One mini-batch, split into micro-batches: the token mean over the whole batch (9 masked
     next-tokens: 2 + 2 + 4 + 1), each token's own advantage, the mask on the right tokens;
-    with the logits whole (0), or 4 positions at a time (recomputed in the backward pass)."""
+    with the logits whole (0), or 4 positions at a time (recomputed in the backward pass), and
+    with the layers' activations recomputed (gradient checkpointing, active in train mode)."""
     lr = 1.0
-    policy = sgd_policy(lr, logit_chunk)
+    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0, logit_chunk=logit_chunk,
+                    gradient_checkpointing=checkpointing)
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=lr)
     ref = copy.deepcopy(policy.model).float().eval()
     before = params(policy.model)
-    policy.model.eval()  # dropout-free either way; eval keeps the two forwards identical
+    if not checkpointing:  # the tiny model has no dropout: train and eval forwards agree
+        policy.model.eval()
     policy.update(items_of(SAMPLES), NO_CLIP, temperature=TEMPERATURE,
                   micro_batch_size=micro_batch_size, grad_clip=1e9)
     loss = reference_loss(ref, SAMPLES, None)
