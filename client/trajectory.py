@@ -67,6 +67,14 @@ class Flat:
     segment: int = 0
     """Which token sequence of the trajectory this is (see :func:`flatten_segments`)."""
     num_segments: int = 1
+    routed_experts: list[int] = field(default_factory=list)
+    """Routing replay (R3) for a mixture-of-experts policy: per position of ``token_ids``, the
+    experts each MoE layer chose there, flattened ``[position][layer][k]``. Position ``p`` holds
+    the routing the engine used at ``p`` when it produced token ``p + 1`` (where the trainer
+    computes that token's logprob); positions the engine reported nothing for hold zeros.
+    Empty when no turn carries routing."""
+    routed_expert_layers: int = 0
+    routed_expert_top_k: int = 0
 
     @property
     def response_ids(self) -> list[int]:
@@ -106,7 +114,23 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
     mask: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    routed_shape = next(((t.routed_expert_layers, t.routed_expert_top_k) for t in traj.turns
+                         if len(t.routed_experts)), (0, 0))
+    width = routed_shape[0] * routed_shape[1]
+    routed: list[int] = []
     for n, turn in enumerate(traj.turns):
+        if width and len(turn.routed_experts) not in (0, width * len(turn.output_ids)):
+            raise ValueError(f"turn {n}: {len(turn.routed_experts)} routed expert ids for "
+                             f"{len(turn.output_ids)} output tokens of {width} each")
+        if width and (turn.routed_expert_layers, turn.routed_expert_top_k) not in (
+                routed_shape, (0, 0)):
+            raise ValueError(f"turn {n}: routed experts of another shape than turn 0's")
+        if width:
+            start = len(ids) + len(turn.prompt_ids) - 1  # produced output token 0
+            need = (start + len(turn.output_ids)) * width
+            routed += [0] * (need - len(routed))
+            if len(turn.routed_experts):
+                routed[start * width:need] = list(turn.routed_experts)
         if len(turn.output_logprobs) != len(turn.output_ids):
             raise ValueError(f"turn {n}: {len(turn.output_ids)} output ids but "
                              f"{len(turn.output_logprobs)} logprobs")
@@ -119,6 +143,8 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         mask += turn_mask
         logprobs += [0.0] * p + list(turn.output_logprobs) + [0.0] * obs
         versions += [0] * p + [turn.policy_version] * o + [0] * obs
+    if width:
+        routed = (routed + [0] * (len(ids) * width - len(routed)))[:len(ids) * width]
     # A mask of 1 on a non-output position would have no logprob; zero it out explicitly.
     logprobs = [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)]
     return Flat(
@@ -135,7 +161,9 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         error_reason=traj.error.reason if traj.HasField("error") else "",
         labels=dict(traj.labels), seed=traj.seed if traj.HasField("seed") else None,
         logprobs_kind=job_pb2.LogprobsKind.Name(traj.logprobs_kind)
-        .removeprefix("LOGPROBS_KIND_") if traj.logprobs_kind else "")
+        .removeprefix("LOGPROBS_KIND_") if traj.logprobs_kind else "",
+        routed_experts=routed, routed_expert_layers=routed_shape[0],
+        routed_expert_top_k=routed_shape[1])
 
 
 def flatten_segments(traj: trajectory_pb2.Trajectory, *,

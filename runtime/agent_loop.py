@@ -185,9 +185,11 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
     slowest_turn_s = 0.0
     termination = TerminationReason.MAX_TURNS
     observation_role = "tool"
+    prompt_tokens = 0
     try:
         prompt_ids, reasoning_opened, observation_role = await asyncio.to_thread(
             _start, ledger, chat)
+        prompt_tokens = len(ledger.token_ids)
         for index in range(max_turns):
             used = len(ledger.token_ids)
             room = min(budget, limit_ctx or budget) - used
@@ -217,7 +219,10 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
                         output_logprobs=list(result.logprobs),
                         policy_version=result.policy_version, finish_reason=result.finish_reason,
                         backend=result.backend, latency_s=time.monotonic() - started,
-                        preempted_retries=retries, logprobs_kind=result.logprobs_kind)
+                        preempted_retries=retries, logprobs_kind=result.logprobs_kind,
+                        routed_experts=list(result.routed_experts),
+                        routed_expert_top_k=result.routed_expert_top_k,
+                        routed_expert_layers=result.routed_expert_layers)
             final_text = await asyncio.to_thread(ledger.add_output, turn.output_ids)
             turns.append(turn)
             if result.finish_reason == "deadline":
@@ -262,7 +267,9 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
     metadata = {"final_text": final_text, "num_turns": str(len(turns)),
                 "template_append_only": str(ledger.append_only).lower(),
                 "tool_call_format": fmt, "observation_role": observation_role,
-                "preempted_retries": str(sum(t.preempted_retries for t in turns))}
+                "preempted_retries": str(sum(t.preempted_retries for t in turns)),
+                # A trainer names this when the prompt alone filled the token budget (no turn).
+                "prompt_tokens": str(prompt_tokens)}
     if SUBMITTED_ANSWER_KEY in ctx.state:
         metadata[SUBMITTED_ANSWER_KEY] = str(ctx.state[SUBMITTED_ANSWER_KEY])
     return RunOutcome(turns=list(turns), termination=termination, metadata=metadata)

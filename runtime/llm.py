@@ -8,7 +8,7 @@ text to the model and never re-tokenizes what the model produced.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rollout.runtime.types import SamplingParams
@@ -67,6 +67,12 @@ class GenerateResult:
     logprobs_kind: str = "processed"
     """What ``logprobs`` are: ``processed`` (under the sampled distribution) or ``raw``
     (log-softmax of the unmodified logits); see :attr:`SamplingParams.logprobs_mode`."""
+    routed_experts: list[int] = field(default_factory=list)
+    """For a mixture-of-experts model whose backend reports routing: per output token, the
+    experts chosen in each MoE layer at the position that produced it, flattened
+    ``[token][layer][k]``; empty otherwise."""
+    routed_expert_top_k: int = 0
+    routed_expert_layers: int = 0
 
 
 @runtime_checkable

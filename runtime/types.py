@@ -263,6 +263,11 @@ class Turn:
     trained: bool = True
     """False for a side call's turn (a request a harness preset marks as not the agent's
     work, e.g. title generation): its output keeps its ids and logprobs but loss mask 0."""
+    routed_experts: list[int] = field(default_factory=list)
+    """Mixture-of-experts routing per output token, flattened ``[token][layer][k]`` (see
+    ``Turn.routed_experts`` in the proto); empty when the backend reports none."""
+    routed_expert_top_k: int = 0
+    routed_expert_layers: int = 0
 
     @property
     def loss_mask(self) -> list[int]:

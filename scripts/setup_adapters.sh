@@ -104,6 +104,12 @@ install_verl() {
   $pip install -q "transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
     ray omegaconf hydra-core pillow codetiming datasets cachetools fastapi uvicorn pydantic \
     numpy pandas pyarrow dill packaging pytest pytest-asyncio pytest-timeout
+  # verl's V1 trainer modules (verl.trainer.ppo.v1: its per-rollout GRPO advantages over
+  # several outputs per sample, TransferQueue keys) and ray_trainer's compute_advantage import
+  # these at module level (found by importing both in this venv); --no-deps keeps ray without
+  # [default], tensordict pinned above, and peft/accelerate from pulling another torch.
+  $pip install -q --no-deps TransferQueue==0.1.11 torchdata==0.11.0 peft accelerate
+  $pip install -q pyzmq msgspec psutil "prometheus_client>=0.20.0" aiohttp
 }
 
 install_nemo_gym() {

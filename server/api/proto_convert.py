@@ -410,7 +410,9 @@ def turn_to_proto(t: Turn) -> trajectory_pb2.Turn:
         finish_reason=_FINISH_TO_PROTO.get(t.finish_reason,
                                            trajectory_pb2.FINISH_REASON_UNSPECIFIED),
         backend=t.backend, latency=seconds_to_duration(t.latency_s), tool_calls=t.tool_calls,
-        preempted_retries=t.preempted_retries)
+        preempted_retries=t.preempted_retries, routed_experts=t.routed_experts,
+        routed_expert_top_k=t.routed_expert_top_k,
+        routed_expert_layers=t.routed_expert_layers)
 
 
 def turn_from_proto(p: trajectory_pb2.Turn) -> Turn:
@@ -420,7 +422,9 @@ def turn_from_proto(p: trajectory_pb2.Turn) -> Turn:
         policy_version=p.policy_version,
         finish_reason=_FINISH_FROM_PROTO.get(p.finish_reason, ""), backend=p.backend,
         latency_s=_duration_s(p.latency, 0.0), tool_calls=list(p.tool_calls),
-        preempted_retries=p.preempted_retries, trained=_output_trained(p))
+        preempted_retries=p.preempted_retries, trained=_output_trained(p),
+        routed_experts=list(p.routed_experts), routed_expert_top_k=p.routed_expert_top_k,
+        routed_expert_layers=p.routed_expert_layers)
 
 
 def _output_trained(p: trajectory_pb2.Turn) -> bool:

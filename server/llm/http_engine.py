@@ -96,6 +96,27 @@ class _Turn:
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     version: int | None = None
+    routed: str | None = None
+    """vLLM's ``routed_experts`` (base64 ``.npy``) from the generate protocol's last reply."""
+    prompt_len: int = 0
+
+
+def routed_for_output(encoded: str, prompt_len: int, n_output: int
+                      ) -> tuple[list[int], int, int]:
+    """Turn vLLM's routed experts (``(tokens - 1, layers, k)`` over prompt and output: the
+    routing at every position that was forwarded) into the trajectory's form: per output token,
+    the routing at the position that produced it (``prompt_len - 1 + i``), flattened
+    ``[token][layer][k]``. Empty when vLLM covered too few positions (an aborted turn)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    arr = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if arr.ndim != 3 or prompt_len < 1 or arr.shape[0] < prompt_len - 1 + n_output:
+        return [], 0, 0
+    rows = arr[prompt_len - 1:prompt_len - 1 + n_output]
+    return [int(x) for x in rows.reshape(-1)], int(arr.shape[1]), int(arr.shape[2])
 
 
 class HttpEngine(Engine):
@@ -162,7 +183,7 @@ class HttpEngine(Engine):
         stream = self.stream if self.stream is not None else request.timeout_s is not None
         path, body = self._body(request, stream)
         headers = {SESSION_HEADER: request.session_id, LOGPROBS_HEADER: wanted}
-        turn = _Turn(self.logprobs_mode)
+        turn = _Turn(self.logprobs_mode, prompt_len=len(request.prompt_ids))
         call = asyncio.ensure_future(self._call(path, body, headers, turn))
         self._inflight.setdefault(request.session_id, set()).add(call)
         try:
@@ -198,9 +219,12 @@ class HttpEngine(Engine):
         if len(turn.logprobs) != len(turn.ids):
             raise EngineError(f"{self.name}: {len(turn.ids)} tokens but {len(turn.logprobs)} "
                               "logprobs (was the request sent with logprobs: 0?)")
+        routed, layers, k = (routed_for_output(turn.routed, turn.prompt_len, len(turn.ids))
+                             if turn.routed else ([], 0, 0))
         return GenerateResult(list(turn.ids), list(turn.logprobs), finish,
                               turn.version if turn.version is not None else self._version,
-                              self.name, turn.kind)
+                              self.name, turn.kind, routed_experts=routed,
+                              routed_expert_top_k=k, routed_expert_layers=layers)
 
     def _body(self, request: GenerateRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         s = request.sampling
@@ -237,6 +261,8 @@ class HttpEngine(Engine):
             if self.protocol == "generate":
                 ids = [int(t) for t in choice.get("token_ids") or []]
                 values = [float(c["logprob"]) for c in logprobs.get("content") or []]
+                if choice.get("routed_experts"):  # vLLM >= 0.32 with routed-expert return on
+                    turn.routed = str(choice["routed_experts"])
             else:
                 tokens = logprobs.get("tokens") or []
                 ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") \

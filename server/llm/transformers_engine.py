@@ -96,6 +96,9 @@ class _Seq:
         self.version = 0
         self.cached_tokens = 0
         self.prefill_s = 0.0
+        self.routed: list[int] = []
+        """MoE routing per output token, flattened [token][layer][k] (R3)."""
+        self.routed_layers = 0
 
     @property
     def session_id(self) -> str:
@@ -107,6 +110,15 @@ def cache_keyword(model: Any) -> str:
     transformers, ``past_key_values`` before (the old name still works there but warns)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def moe_top_k(config: Any) -> int:
+    """``k`` of a mixture-of-experts config (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE name it
+    ``num_experts_per_tok``, the expert count ``num_experts`` or ``num_local_experts``); 0 for a
+    dense model."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    k = getattr(config, "num_experts_per_tok", None)
+    return int(k) if experts and k else 0
 
 
 def pick_threads(cores: int | None = None, load: float | None = None) -> int:
@@ -172,6 +184,9 @@ class TransformersEngine(Engine):
         self._cache_kw = cache_keyword(self.model)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+        self.moe_top_k = moe_top_k(self.model.config)
+        """Experts per token of a mixture-of-experts model (0: dense). Such a model's turns
+        carry the router's choices per output token, for routing replay in the trainer."""
         self.eos_ids = frozenset() if ignore_eos else frozenset(self._eos_ids())
         self.kv_store = KVStore(kv_cache_budget_bytes)
         self.turn_stats: collections.deque[TurnStats] = collections.deque(maxlen=4096)
@@ -421,7 +436,10 @@ class TransformersEngine(Engine):
         return GenerateResult(output_ids=list(seq.output), logprobs=list(seq.logprobs),
                               finish_reason=finish or seq.finish or "abort",
                               policy_version=seq.version,
-                              backend=self.name, logprobs_kind=seq.sampler.logprobs_kind)
+                              backend=self.name, logprobs_kind=seq.sampler.logprobs_kind,
+                              routed_experts=list(seq.routed),
+                              routed_expert_top_k=self.moe_top_k if seq.routed else 0,
+                              routed_expert_layers=seq.routed_layers if seq.routed else 0)
 
     # ----------------------------------------------------------------- worker thread
     @torch.inference_mode()
@@ -442,10 +460,12 @@ class TransformersEngine(Engine):
         members = [s for s in self._active if s.finish is None]
         self._batch = DecodeBatch.rebuild(self._batch, members) if members else None
         if self._batch is not None:
-            logits = self._forward_decode(self._batch)
+            logits, routing = self._forward_decode(self._batch)
             tokens, logprobs = sample(logits, [s.sampler for s in self._batch.seqs])
-            for seq, token, logprob in zip(self._batch.seqs, tokens, logprobs, strict=True):
+            for row, (seq, token, logprob) in enumerate(zip(self._batch.seqs, tokens, logprobs,
+                                                            strict=True)):
                 seq.length += 1
+                self._record_routing(seq, routing, row)
                 self._append(seq, token, logprob)
         for seq in self._active:
             if seq.finish is not None:
@@ -502,7 +522,8 @@ class TransformersEngine(Engine):
         single = len(seqs) == 1  # no padding: skip the mask
         out = self.model(input_ids=batch.ids, position_ids=batch.positions,
                          attention_mask=None if single else batch.mask,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache},
+                         **self._router_kwargs())
         if not single:
             self.batched_prefills += 1
             self.batched_cached_prefills += batch.past_width > 0
@@ -514,18 +535,39 @@ class TransformersEngine(Engine):
             seq.length = len(seq.prompt)
             seq.cached_tokens = batch.cached[row]
             seq.prefill_s = elapsed
+            # The first output token was sampled from the last prompt position's logits.
+            width = batch.ids.shape[1]
+            self._record_routing(seq, getattr(out, "router_logits", None),
+                                 row * width + width - 1)
             self._append(seq, tokens[row], logprobs[row])
 
-    def _forward_decode(self, batch: DecodeBatch[_Seq]) -> torch.Tensor:
+    def _forward_decode(self, batch: DecodeBatch[_Seq]) -> tuple[torch.Tensor, Any]:
+        """The next-token logits of each row, and the MoE router logits (None if dense)."""
         last = torch.tensor([[s.output[-1]] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.length] for s in batch.seqs], device=self.device)
         mask = batch.attention_mask(self.device)
         out = self.model(input_ids=last, position_ids=positions, attention_mask=mask,
-                         use_cache=True, **{self._cache_kw: batch.cache})
+                         use_cache=True, **{self._cache_kw: batch.cache},
+                         **self._router_kwargs())
         batch.width += 1
         self.decode_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch.seqs))
-        return out.logits[:, -1, :]
+        return out.logits[:, -1, :], getattr(out, "router_logits", None)
+
+    def _router_kwargs(self) -> dict[str, Any]:
+        return {"output_router_logits": True} if self.moe_top_k else {}
+
+    def _record_routing(self, seq: _Seq, router_logits: Any, index: int) -> None:
+        """Append the experts each MoE layer chose at flat position ``index`` of the forward
+        (row-major over batch and positions, as the router logits are laid out): the top-k of
+        the router's logits, which is the selection of softmax-then-top-k routers (Qwen-MoE,
+        Mixtral); a router that adds a bias before choosing (DeepSeek-V3) is not covered."""
+        if not self.moe_top_k or not router_logits:
+            return
+        layers = [layer[index] for layer in router_logits]
+        chosen = torch.stack(layers).topk(self.moe_top_k, dim=-1).indices  # [layers, k]
+        seq.routed.extend(int(e) for e in chosen.flatten().tolist())
+        seq.routed_layers = len(layers)
 
     def _append(self, seq: _Seq, token: int, logprob: float) -> None:
         seq.output.append(token)

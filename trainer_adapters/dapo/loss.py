@@ -14,7 +14,11 @@ Per token, with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
 - token-mean aggregation over the *whole batch*: the sum over all masked tokens divided by the
   batch's token count (``num_tokens``), not a mean of per-sequence means, so long and short
   answers weigh the same per token. With gradient accumulation every micro-batch divides by the
-  token count of the whole batch, which makes the accumulated gradient equal the full-batch one.
+  token count of the whole batch, which makes the accumulated gradient equal the full-batch one;
+- or rollout-mean (``row_weights``): each rollout weighs the same whatever its number of
+  segments or tokens. A token of a rollout with ``n`` loss tokens (over all its segments) in a
+  batch of ``R`` rollouts weighs ``1 / (R n)``. With one segment per rollout this is verl's
+  ``seq-mean-token-mean``.
 """
 
 from __future__ import annotations
@@ -74,11 +78,16 @@ def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cfg: ClipConfig, *, rollout_logp: torch.Tensor | None = None,
-                num_tokens: float | None = None) -> tuple[torch.Tensor, LossStats]:
+                num_tokens: float | None = None, row_weights: torch.Tensor | None = None,
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
     """The loss of one (micro-)batch; all tensors ``[B, T]`` (advantages may be ``[B, 1]``).
 
     ``num_tokens``: the normaliser, the masked-token count of the whole batch this micro-batch
-    belongs to; defaults to this call's own count.
+    belongs to; defaults to this call's own count. ``row_weights`` (``[B, 1]``), when given,
+    replaces it: each token's loss is multiplied by its row's weight and summed (rollout-mean
+    passes ``1 / (rollouts x the rollout's loss tokens)``, see :func:`rollout_weights`).
+    ``is_weights`` (``[B, T]``, constant): importance weights from
+    :func:`rollout.trainer_adapters.dapo.correction.correct`, used instead of ``cfg.tis_cap``.
     """
     mask = mask.to(logp.dtype)
     advantages = advantages.to(logp.dtype).expand_as(logp)
@@ -94,13 +103,19 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual = negative & (per_token > cap)
         per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
     truncated = torch.zeros_like(negative)
-    if rollout_logp is not None and cfg.tis_cap is not None:
+    if is_weights is not None:
+        per_token = per_token * is_weights.to(logp.dtype).detach()
+    elif rollout_logp is not None and cfg.tis_cap is not None:
         weights = importance_weights(old_logp, rollout_logp, cfg.tis_cap)
         truncated = torch.exp((old_logp - rollout_logp).detach()) > cfg.tis_cap
         per_token = per_token * weights
     count = mask.sum()
-    denominator = count if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
-    loss = (per_token * mask).sum() / denominator.clamp(min=1)
+    if row_weights is not None:
+        loss = (per_token * mask * row_weights.to(logp.dtype)).sum()
+    else:
+        denominator = count if num_tokens is None else torch.as_tensor(num_tokens,
+                                                                       dtype=logp.dtype)
+        loss = (per_token * mask).sum() / denominator.clamp(min=1)
 
     def frac(flags: torch.Tensor) -> float:
         return float((flags.to(mask.dtype) * mask).sum() / count.clamp(min=1))
@@ -112,6 +127,64 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         approx_kl=float(((old_logp - logp).detach() * mask).sum() / count.clamp(min=1)),
         tokens=int(count))
     return loss, stats
+
+
+LOSS_AGG_MODES = ("token-mean", "rollout-mean")
+"""How the per-token losses of a batch add up: every token the same (``token-mean``), or every
+rollout the same (``rollout-mean``)."""
+
+
+def rollout_weights(rollouts: list[str], loss_tokens: list[int], mode: str) -> list[float]:
+    """Per training row, the weight of each of its loss tokens.
+
+    ``rollouts`` names each row's rollout (rows of one rollout: its segments or chains share the
+    name) and ``loss_tokens`` counts each row's loss tokens. ``token-mean``: ``1 / total tokens``
+    for every row. ``rollout-mean``: ``1 / (R x n_r)`` with ``R`` rollouts and ``n_r`` the loss
+    tokens of the row's rollout over all its rows, so each rollout's tokens sum to ``1 / R``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if len(rollouts) != len(loss_tokens):
+        raise ValueError("one rollout name per row")
+    if mode == "token-mean":
+        total = max(sum(loss_tokens), 1)
+        return [1.0 / total] * len(rollouts)
+    per_rollout: dict[str, int] = {}
+    for name, n in zip(rollouts, loss_tokens, strict=True):
+        per_rollout[name] = per_rollout.get(name, 0) + n
+    counted = [name for name, n in per_rollout.items() if n > 0]
+    return [1.0 / (len(counted) * per_rollout[name]) if per_rollout[name] else 0.0
+            for name in rollouts]
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
+                           temperature: float = 1.0, chunk: int = 512
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` from the model's last hidden states (``[B, T, H]``) and its output
+    layer, ``chunk`` positions at a time, without ever holding the batch's full-vocabulary
+    logits: each chunk's logits exist only inside a checkpointed function, and the backward
+    pass recomputes them chunk by chunk instead of keeping them. Peak memory for the logits is
+    one chunk's ``chunk x vocabulary`` floats (and its softmax), not ``B x T x vocabulary``.
+    Entropy is a metric (no gradient flows through it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = token_logprobs(head(h), t, temperature)
+        return lp, ent.detach()
+
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    logps, ents = [], []
+    for start in range(0, flat_h.shape[0], max(chunk, 1)):
+        h, t = flat_h[start:start + chunk], flat_t[start:start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(piece, h, t, use_reentrant=False)
+        else:
+            lp, ent = piece(h, t)
+        logps.append(lp)
+        ents.append(ent)
+    shape = targets.shape
+    return torch.cat(logps).reshape(shape), torch.cat(ents).reshape(shape)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,

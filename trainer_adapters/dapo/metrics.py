@@ -20,12 +20,36 @@ COLUMNS = (
     "stale_dropped", "failed_samples", "entropy", "clip_low", "clip_high", "dual_clip",
     "tis_truncated", "approx_kl", "loss", "grad_norm", "lr", "response_length",
     "rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_train_s",
-    "time_push_s", "time_eval_s", "elapsed_s",
+    "time_push_s", "time_eval_s", "peak_rss_gib", "mismatch_kl_token", "mismatch_kl_seq",
+    "mismatch_masked", "mismatch_weight_mean", "elapsed_s",
 )
 """``accuracy``: fraction of all completed training samples of the step with reward 1 (before
 dynamic sampling); ``reward_mean``: mean shaped reward of the kept samples the loss saw;
 ``turns`` / ``tool_calls``: per episode, over the same samples as ``accuracy``; ``heldout_*``:
-the same over the held-out evaluation."""
+the same over the held-out evaluation; ``peak_rss_gib``: the process's peak resident memory
+during the step (rollouts, update and push; with an in-process server it includes the server);
+``mismatch_*``: rollout-vs-trainer mismatch before the update (see ``loss.mismatch_metrics``)."""
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak-RSS window: Linux resets ``VmHWM`` on writing 5 to ``clear_refs``
+    (a no-op where that is not allowed)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gib() -> float | str:
+    """Peak resident memory since :func:`reset_peak_rss` (``VmHWM``), in GiB; ``""`` where
+    /proc is not available."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return ""
 
 
 class MetricsLog:
@@ -74,9 +98,14 @@ class MetricsLog:
                   ("response_length", "response length (tokens)"),
                   ("stale_dropped", "stale dropped / cancelled samples"),
                   ("turns", "turns / tool calls per episode (train)"),
-                  ("heldout_turns", "turns / tool calls per episode (held-out)")]
-        fig, axes = plt.subplots(2, 5, figsize=(20, 7))
-        for ax, (key, title) in zip(axes.flat, panels, strict=True):
+                  ("heldout_turns", "turns / tool calls per episode (held-out)"),
+                  ("mismatch_kl_token", "rollout vs trainer KL: token / sequence"),
+                  ("mismatch_masked", "mismatch: fraction masked / mean weight"),
+                  ("peak_rss_gib", "peak RSS per step (GiB)")]
+        fig, axes = plt.subplots(3, 5, figsize=(20, 10.5))
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        for ax, (key, title) in zip(axes.flat, panels, strict=False):
             xs, ys = _series(self.rows, key)
             ax.plot(xs, ys, marker="o" if key.startswith("heldout") else None)
             if key == "clip_high":
@@ -85,6 +114,12 @@ class MetricsLog:
             if key == "stale_dropped":
                 ax.plot(*_series(self.rows, "cancelled_samples"))
                 ax.legend(["stale", "cancelled"])
+            if key == "mismatch_kl_token":
+                ax.plot(*_series(self.rows, "mismatch_kl_seq"))
+                ax.legend(["per token", "per sequence"])
+            if key == "mismatch_masked":
+                ax.plot(*_series(self.rows, "mismatch_weight_mean"))
+                ax.legend(["masked", "mean IS weight"])
             if key in ("turns", "heldout_turns"):
                 calls = "tool_calls" if key == "turns" else "heldout_tool_calls"
                 ax.plot(*_series(self.rows, calls), marker="o" if key != "turns" else None)
@@ -119,7 +154,8 @@ def _line(row: Mapping[str, Any]) -> str:
             f"tools {f('tool_calls', '.2f')} "
             f"roll {f('rollout_tokens_per_s', '.0f')} tok/s train "
             f"{f('train_tokens_per_s', '.0f')} tok/s t {f('time_rollout_s', '.0f')}+"
-            f"{f('time_train_s', '.0f')}+{f('time_push_s', '.1f')}s{held}")
+            f"{f('time_train_s', '.0f')}+{f('time_push_s', '.1f')}s "
+            f"rss {f('peak_rss_gib', '.2f')} GiB{held}")
 
 
 def paired_bootstrap(before: Sequence[float], after: Sequence[float], *, samples: int = 10_000,

@@ -39,7 +39,17 @@ micro_batch_size = 8
 eps_low = 0.2
 eps_high = 0.28
 dual_clip_c = 3.0             # 0 disables
-tis_cap = 2.0                 # 0 disables the truncated importance-sampling correction
+tis_cap = 2.0                 # upper bound of the importance weights; 0 disables them
+is_level = "token"            # importance weights per "token", per "sequence", or "none"
+is_mode = "truncate"          # "truncate" (TIS, capped at tis_cap) or "mask" (MIS: 0 outside
+is_lower = 0.5                #   [is_lower, tis_cap])
+rs_level = "none"             # rejection by ratio bounds: "token", "sequence" or "none"
+rs_lower = 0.5
+rs_upper = 2.0
+bypass = false                # rollout logprobs as the old policy
+loss_agg = "token-mean"       # or "rollout-mean": each rollout weighs the same
+logit_chunk = 1024            # positions of full-vocabulary logits held at once; 0 = all
+gradient_checkpointing = false
 overlong_cache = 16           # soft overlong punishment: the last N tokens of an episode's
                               # budget (max_tokens x max_turns) ramp to -1; 0 disables
 adv_eps = 1e-6
@@ -129,7 +139,34 @@ class AlgoSection:
     eps_high: float = 0.28
     dual_clip_c: float = 3.0
     tis_cap: float = 2.0
+    is_level: str = "token"
+    """Importance weights for the rollout-vs-trainer mismatch: ``token`` (one per token),
+    ``sequence`` (one per sequence, the product of its token ratios) or ``none``."""
+    is_mode: str = "truncate"
+    """``truncate``: weights capped at ``tis_cap`` (TIS). ``mask``: weights outside
+    ``[is_lower, tis_cap]`` set to 0 (masked IS)."""
+    is_lower: float = 0.5
+    rs_level: str = "none"
+    """Rejection: ``token`` drops tokens whose ratio pi_train / pi_rollout is outside
+    ``[rs_lower, rs_upper]``; ``sequence`` drops whole sequences whose geometric-mean ratio
+    is; ``none`` drops nothing."""
+    rs_lower: float = 0.5
+    rs_upper: float = 2.0
+    bypass: bool = False
+    """Use the rollout's logprobs as the old policy (the PPO ratio pi_theta / pi_rollout then
+    carries the correction; no importance weights)."""
+    loss_agg: str = "token-mean"
+    """``token-mean``: every loss token of a mini-batch weighs the same (DAPO's choice: a long
+    answer's tokens are not diluted). ``rollout-mean``: every rollout weighs the same whatever
+    its number of segments or tokens (for harness trajectories whose segment counts vary: a
+    rollout split into five segments must not get five times the say)."""
     overlong_cache: int = 16
+    logit_chunk: int = 1024
+    """Positions whose full-vocabulary logits exist at once when computing log-probabilities
+    and entropy (forward and backward); 0 materialises the micro-batch's logits whole."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (less
+    memory for long episodes, about a third more compute)."""
     adv_eps: float = 1e-6
     kl_coef: float = 0.0
     """Reserved: DAPO drops the KL term; a non-zero value is rejected (no reference model)."""
@@ -169,11 +206,31 @@ class DapoConfig:
                             self.rollout.max_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        from rollout.trainer_adapters.dapo.loss import LOSS_AGG_MODES
+
+        if self.algo.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"algo.loss_agg must be one of {LOSS_AGG_MODES}, got "
+                             f"{self.algo.loss_agg!r}")
+        self.correction()  # raises naming the bad key
         budget = self.rollout.max_tokens * max(self.rollout.max_turns, 1)
         if self.algo.overlong_cache >= budget:
             raise ValueError(f"algo.overlong_cache ({self.algo.overlong_cache}) must be smaller "
                              f"than an episode's budget, rollout.max_tokens x max_turns "
                              f"({budget})")
+
+
+    def correction(self) -> Any:
+        """The mismatch correction the ``[algo]`` keys select."""
+        from rollout.trainer_adapters.dapo.correction import CorrectionConfig
+
+        a = self.algo
+        level = a.is_level if a.tis_cap else "none"
+        try:
+            return CorrectionConfig(is_level=level, is_mode=a.is_mode, is_lower=a.is_lower,
+                                    is_upper=a.tis_cap or 1.0, rs_level=a.rs_level,
+                                    rs_lower=a.rs_lower, rs_upper=a.rs_upper, bypass=a.bypass)
+        except ValueError as exc:
+            raise ValueError(f"[algo] mismatch correction: {exc}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None

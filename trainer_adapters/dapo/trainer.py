@@ -30,7 +30,12 @@ from rollout.trainer_adapters.dapo import task_set as shipped
 from rollout.trainer_adapters.dapo.advantages import group_advantages, overlong_penalty
 from rollout.trainer_adapters.dapo.evaluate import EvalResult, evaluate
 from rollout.trainer_adapters.dapo.loss import ClipConfig
-from rollout.trainer_adapters.dapo.metrics import MetricsLog, paired_bootstrap
+from rollout.trainer_adapters.dapo.metrics import (
+    MetricsLog,
+    paired_bootstrap,
+    peak_rss_gib,
+    reset_peak_rss,
+)
 from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
 from rollout.trainer_adapters.dapo.run_config import DapoConfig
 from rollout.trainer_adapters.dapo.weights import WeightPusher
@@ -152,7 +157,8 @@ class DapoTrainer:
         policy = await asyncio.to_thread(
             Policy, self.model_dir, device=cfg.model.device, lr=cfg.algo.lr,
             warmup_steps=cfg.algo.warmup_steps, weight_decay=cfg.algo.weight_decay,
-            betas=cfg.algo.betas, seed=cfg.run.seed)
+            betas=cfg.algo.betas, seed=cfg.run.seed, logit_chunk=cfg.algo.logit_chunk,
+            gradient_checkpointing=cfg.algo.gradient_checkpointing)
         clip = ClipConfig(eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
                           dual_clip_c=cfg.algo.dual_clip_c or None,
                           tis_cap=cfg.algo.tis_cap or None)
@@ -227,6 +233,7 @@ class DapoTrainer:
                     pusher: WeightPusher) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.monotonic()
+        reset_peak_rss()
         batch = await batcher.next_batch()
         t_roll = time.monotonic() - t0
         st = batch.stats
@@ -251,7 +258,8 @@ class DapoTrainer:
         upd = await asyncio.to_thread(
             policy.update, items, clip, temperature=cfg.rollout.temperature,
             micro_batch_size=cfg.algo.micro_batch_size, grad_clip=cfg.algo.grad_clip,
-            mini_batches=cfg.algo.mini_batches)
+            mini_batches=cfg.algo.mini_batches, loss_agg=cfg.algo.loss_agg,
+            correction=cfg.correction())
         t1 = time.monotonic()
         self.version += 1
         weights = self.run_dir / "weights" / f"v{self.version}"
@@ -266,10 +274,12 @@ class DapoTrainer:
             "policy_version": self.version, "reward_mean": reward_mean, "entropy": upd.entropy,
             "clip_low": upd.clip_low, "clip_high": upd.clip_high, "dual_clip": upd.dual_clip,
             "tis_truncated": upd.tis_truncated, "approx_kl": upd.approx_kl, "loss": upd.loss,
-            "grad_norm": upd.grad_norm,
+            "grad_norm": upd.grad_norm, "mismatch_kl_token": upd.mismatch_kl_token,
+            "mismatch_kl_seq": upd.mismatch_kl_seq, "mismatch_masked": upd.mismatch_masked,
+            "mismatch_weight_mean": upd.mismatch_weight_mean,
             "response_length": sum(i.sample.generated_tokens for i in items) / len(items),
             "train_tokens_per_s": upd.tokens / max(upd.seconds, 1e-9),
-            "time_train_s": upd.seconds, "time_push_s": t_push})
+            "time_train_s": upd.seconds, "time_push_s": t_push, "peak_rss_gib": peak_rss_gib()})
         return row
 
     def _prune_weights(self) -> None:

@@ -8,7 +8,12 @@ included) and answers with nemo-gym's own response models, so NeMo RL's Gym inte
 it unchanged: one token-carrying item per model call (``prompt_token_ids`` contiguous,
 ``generation_token_ids``, ``generation_log_probs``), ``reward``, ``reward_components``, and
 ``mask_sample`` for a job that failed or was cancelled (its reward is no measurement of the
-policy).
+policy), set both at the top level (nemo-gym's field) and in ``instance_config`` (the only
+place NeMo RL's GRPO reads it: ``_extract_mask_sample_flags`` in ``nemo_rl/experience/
+rollouts.py`` takes ``full_result["instance_config"]["mask_sample"]`` and
+``_apply_mask_sample_filter`` zeroes those samples' ``loss_multiplier``). NeMo RL still counts
+a masked sample's reward in its group baseline (``calculate_baseline_and_std_per_prompt`` is
+called with an all-ones valid mask); an agent cannot change that, see the trainer guide.
 
 Three rules keep NeMo RL's post-processing and metrics whole:
 
@@ -50,7 +55,7 @@ from pydantic import ConfigDict
 from rollout.client.specs import job_spec
 from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
 from rollout.trainer_adapters.nemo_rl.message_log import gym_output_items
-from rollout.v1 import job_pb2
+from rollout.v1 import job_pb2, trajectory_pb2
 
 _FAILURE_KINDS: dict[int, str] = {  # JobError.Code -> nemo_gym.failure_kinds vocabulary
     job_pb2.JobError.Code.CODE_TIMEOUT: "agent_timeout",
@@ -69,7 +74,12 @@ class RolloutServiceAgentConfig(BaseResponsesAPIAgentConfig):
     max_turns: int = 0
     """Most LLM turns per job; 0 keeps the environment's default."""
     total_token_budget: int = 0
-    """Most tokens per trajectory; 0 keeps the service's default."""
+    """Most tokens per trajectory; 0 takes ``max_total_sequence_length`` when set, else the
+    service's default."""
+    max_total_sequence_length: int = 0
+    """NeMo RL's ``policy.max_total_sequence_length``: the job's token budget, so the service
+    stops an episode where NeMo RL would cut it. 0 leaves the budget to
+    ``total_token_budget``."""
     reward_components: list[str] = []
     """Component names reported in ``rollout_reward_components`` of every answer (0.0 when
     missing), so per-component columns line up; empty reports what each job measured."""
@@ -119,6 +129,8 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             response=self._response(body.responses_create_params, outcome),
             reward=reward, reward_components={"reward": reward},
             mask_sample=not outcome.succeeded,
+            **({} if outcome.succeeded else {"instance_config": {
+                **dict(extra.get("instance_config") or {}), "mask_sample": True}}),
             failure_kind=failure_kind,
             failure_reason=(f"{error.reason}: {error.message}" if error is not None else None),
             rollout_job_id=traj.job_id, rollout_state=outcome.state_name,
@@ -143,8 +155,9 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             sampling["top_p"] = float(params.top_p)
         if params.max_output_tokens:
             sampling["max_tokens_per_turn"] = int(params.max_output_tokens)
-        if self.config.total_token_budget:
-            sampling["total_token_budget"] = self.config.total_token_budget
+        budget = self.config.total_token_budget or self.config.max_total_sequence_length
+        if budget:
+            sampling["total_token_budget"] = budget
         spec: dict[str, Any] = {"job_id": f"gym/{uuid.uuid4().hex}",
                                 "environment": environment or self.config.environment,
                                 "task": dict(task), "sampling": sampling}
@@ -156,9 +169,22 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             raise HTTPException(422, str(exc)) from None
         runner = shared_runner(self.config.address, self.config.token or None)
         try:
-            return await runner.run(proto)
+            outcome = await runner.run(proto)
         except ValueError as exc:  # JobRejectedError: the service named what to fix
             raise HTTPException(422, str(exc)) from None
+        traj = outcome.trajectory
+        if outcome.succeeded and not traj.turns and traj.termination_reason in (
+                trajectory_pb2.TERMINATION_REASON_TOKEN_BUDGET,
+                trajectory_pb2.TERMINATION_REASON_CONTEXT_LENGTH):
+            # The prompt alone filled the budget: the episode trained on nothing, silently.
+            raise HTTPException(422, (
+                f"job {traj.job_id}: its prompt alone filled the job's token budget of "
+                f"{proto.sampling.total_token_budget} tokens (its prompt has "
+                f"{traj.metadata.get('prompt_tokens', 'more than that many')} tokens), so the "
+                f"episode produced no turn; raise "
+                f"policy.max_total_sequence_length (the agent's max_total_sequence_length) "
+                f"above the prompt's length"))
+        return outcome
 
     def _response(self, params: NeMoGymResponseCreateParamsNonStreaming,
                   outcome: JobOutcome) -> NeMoGymResponse:

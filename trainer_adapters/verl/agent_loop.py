@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
@@ -33,7 +34,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from rollout.trainer_adapters.job_runner import shared_runner
-from rollout.trainer_adapters.verl.job_mapping import job_for_sample, to_verl_sample
+from rollout.trainer_adapters.verl.job_mapping import VerlSample, job_for_sample, to_verl_samples
 
 AGENT_NAME = "rollout_service"
 
@@ -107,7 +108,13 @@ class RolloutServiceAgentLoop(AgentLoopBase):
             _get(multi_turn, "max_assistant_turns") or 0)
         self.group_size = int(_get(self.rollout_config, "n") or 1)
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any
+                  ) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """The sample's row (legacy trainer: the trajectory's last segment), or under verl's V1
+        trainer every trainable segment as one output each, in order: one rollout, one vote,
+        whatever its number of segments. A failed or wholly masked rollout then returns no
+        output at all, which V1 leaves out of the group's statistics (the legacy worker has no
+        such way: its row stays, masked, and its reward 0 stays in the group mean)."""
         s = self.settings
         spec = job_for_sample(
             kwargs, sampling_params, environment=s.environment,
@@ -119,18 +126,17 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         fallback: list[int] = []
         if not outcome.trajectory.turns:
             fallback = await self._render_prompt(kwargs.get("raw_prompt"))
-        sample = to_verl_sample(
+        samples = to_verl_samples(
             outcome, prompt_length=self.prompt_length, response_length=self.response_length,
             reward_components=s.reward_components, overlong=s.overlong,
             fallback_prompt_ids=fallback)
-        metrics = AgentLoopMetrics(**{k: v for k, v in sample.metrics.items()
-                                      if k in AgentLoopMetrics.model_fields})
-        metrics.num_preempted = int(sample.metrics.get("num_preempted", -1))
-        return AgentLoopOutput(
-            prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
-            response_mask=sample.response_mask, response_logprobs=sample.response_logprobs,
-            reward_score=sample.reward_score, num_turns=sample.num_turns, metrics=metrics,
-            extra_fields=sample.extra_fields)
+        if "session_id" in kwargs:
+            # verl's V1 worker (AgentLoopWorkerTQ) calls every loop with the sample's session
+            # (rollout) id, keys each output {uid}_{session}_{index} and computes GRPO
+            # advantages per session from its final output; the legacy worker passes no
+            # session id and takes exactly one output per sample.
+            return [_output(x) for x in samples if any(x.response_mask)]
+        return _output(samples[-1])
 
     async def _render_prompt(self, raw_prompt: Any) -> list[int]:
         """verl's own rendering of the prompt: the row of a job that never produced a turn."""
@@ -142,6 +148,20 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids][-self.prompt_length:]
+
+
+def _output(sample: VerlSample) -> AgentLoopOutput:
+    """verl's own output type for one row."""
+    metrics = AgentLoopMetrics(**{k: v for k, v in sample.metrics.items()
+                                  if k in AgentLoopMetrics.model_fields})
+    metrics.num_preempted = int(sample.metrics.get("num_preempted", -1))
+    return AgentLoopOutput(
+        prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
+        response_mask=sample.response_mask, response_logprobs=sample.response_logprobs,
+        reward_score=sample.reward_score, num_turns=sample.num_turns, metrics=metrics,
+        extra_fields=sample.extra_fields,
+        routed_experts=None if sample.routed_experts is None
+        else np.asarray(sample.routed_experts, dtype=np.int16))
 
 
 __all__ = ["AGENT_NAME", "RolloutServiceAgentLoop", "ServiceSettings"]

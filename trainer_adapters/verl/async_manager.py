@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,13 @@ from verl.utils.model import compute_position_id_with_mask
 from rollout.client.aio import RolloutClient
 from rollout.client.batcher import Batch, BatcherConfig, Group, GroupBatcher
 from rollout.trainer_adapters.verl.agent_loop import ServiceSettings
-from rollout.trainer_adapters.verl.job_mapping import _scalar, from_flat, job_for_sample, pad_batch
+from rollout.trainer_adapters.verl.job_mapping import (
+    VerlSample,
+    _scalar,
+    from_flat,
+    job_for_sample,
+    pad_batch,
+)
 
 _SOURCE_KEYS = ("uid", "raw_prompt", "extra_info", "index", "data_source", "reward_model",
                 "agent_name")
@@ -271,18 +277,18 @@ class StreamingRolloutManager:
 
     def _to_dataproto(self, groups: list[Group], stats: dict[str, Any],
                       policy_version: int) -> DataProto:
-        samples, sources = [], []
-        for group in groups:
-            uid = str(dict(group.prompt.get("metadata", {})).get("uid", group.group_id))
-            source = self._sources.get(uid, {"uid": uid})
-            for s in group.samples:
-                for flat in s.flats:  # one row per token sequence of a harness trajectory
-                    samples.append(from_flat(
-                        flat, succeeded=True, turn_versions=s.turn_versions,
-                        prompt_length=self.prompt_length, response_length=self.response_length,
-                        reward_components=self.settings.reward_components,
-                        overlong=self.settings.overlong))
-                    sources.append(source)
+        rows = rollout_rows(groups, self._sources, prompt_length=self.prompt_length,
+                            response_length=self.response_length,
+                            reward_components=self.settings.reward_components,
+                            overlong=self.settings.overlong)
+        stats = {**stats, "segments_dropped": rows.segments_dropped,
+                 "rollouts_untrainable": rows.rollouts_untrainable}
+        if not rows.samples:
+            raise NoUsableGroups(
+                f"no trainable row in this step: {rows.rollouts_untrainable} rollouts had no "
+                f"row left to train (answers cut at rollout.response_length with overlong=mask, "
+                f"or every segment's prompt over rollout.prompt_length)")
+        samples, sources = rows.samples, rows.sources
         padded = pad_batch(samples, prompt_length=self.prompt_length,
                            response_length=self.response_length,
                            pad_token_id=self.pad_token_id)
@@ -300,6 +306,8 @@ class StreamingRolloutManager:
             arr = np.empty(len(samples), dtype=object)
             arr[:] = [s.extra_fields.get(key) for s in samples]
             non_tensors[key] = arr
+        non_tensors["rollout_key"] = np.array(rows.keys, dtype=object)
+        non_tensors["rollout_index"] = np.array(rows.rollout_index, dtype=np.int64)
         info_keys = list(samples[0].extra_fields["reward_extra_info"]) if samples else []
         for key in info_keys:
             non_tensors[key] = np.array([s.extra_fields["reward_extra_info"][key]
@@ -316,6 +324,62 @@ class StreamingRolloutManager:
             await self._batcher.session.aclose()
         if self._client is not None:
             await self._client.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRows:
+    """The training rows of a step's groups: only rows with a model token to train, each with
+    its rollout's key (``{uid}_{rollout}_{row}``, verl V1's TransferQueue key format, which
+    ``compute_advantage_for_multi_trajectories`` parses)."""
+
+    samples: list[VerlSample]
+    sources: list[dict[str, Any]]
+    keys: list[str]
+    rollout_index: list[int]
+    """Per row, which rollout of its group (``uid``) it belongs to."""
+    segments_dropped: int
+    """Rows left out because they had nothing to train (a later segment over
+    ``prompt_length``, an answer cut with ``overlong: mask``)."""
+    rollouts_untrainable: int
+    """Rollouts with no row left: absent from the batch, so absent from the group
+    statistics."""
+
+
+def rollout_rows(groups: Sequence[Group], sources: Mapping[str, Mapping[str, Any]], *,
+                 prompt_length: int, response_length: int,
+                 reward_components: Sequence[str] = (), overlong: str = "mask") -> RolloutRows:
+    """One vote per rollout: every rollout (sample) of a group becomes its trainable rows (one
+    per segment or chain), all with the rollout's reward and one rollout key, so group
+    statistics taken per rollout (``compute_advantage_for_multi_trajectories``) count it once
+    whatever its number of rows. A row with nothing to train is left out: it would not change
+    the loss, and as a rollout's final row its all-zero mask would erase the advantage verl
+    reads from that row. A rollout with no trainable row is left out entirely, so a masked
+    rollout never counts in its group's mean or std."""
+    samples: list[VerlSample] = []
+    out_sources: list[dict[str, Any]] = []
+    keys: list[str] = []
+    index: list[int] = []
+    dropped = untrainable = 0
+    for group in groups:
+        uid = str(dict(group.prompt.get("metadata", {})).get("uid", group.group_id))
+        source = dict(sources.get(uid, {"uid": uid}))
+        for r, s in enumerate(group.samples):
+            rows = [from_flat(flat, succeeded=True, turn_versions=s.turn_versions,
+                              prompt_length=prompt_length, response_length=response_length,
+                              reward_components=reward_components, overlong=overlong)
+                    for flat in s.flats]
+            kept = [row for row in rows if any(row.response_mask)]
+            dropped += len(rows) - len(kept)
+            if not kept:
+                untrainable += 1
+                continue
+            for k, row in enumerate(kept):
+                samples.append(row)
+                out_sources.append(source)
+                keys.append(f"{uid}_{r}_{k}")
+                index.append(r)
+    return RolloutRows(samples=samples, sources=out_sources, keys=keys, rollout_index=index,
+                       segments_dropped=dropped, rollouts_untrainable=untrainable)
 
 
 def _rows(prompts: DataProto) -> list[dict[str, Any]]:

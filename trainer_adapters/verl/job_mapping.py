@@ -24,7 +24,17 @@ What verl does with these fields, and why each rule below exists:
   part did earn it).
 - A prompt longer than ``prompt_length`` is a configuration error, not a sample to mask: the
   service renders one prompt per task, so every sample would be masked. It raises, naming the
-  length to configure.
+  length to configure. So does a job whose prompt alone filled the job's token budget (it ends
+  with no turn at all and would train on nothing). A *later* segment of a harness trajectory is
+  different: its prompt is the harness's rewritten history, which can outgrow
+  ``prompt_length`` in one episode and not in the next. That segment alone is dropped (its row
+  trains nothing; ``rollout_segments_dropped`` counts it and a warning names the job); the
+  step and the rollout's other segments go on.
+- One vote per rollout. A harness trajectory may hold several segments (or chains), each its own
+  row. Rows of one rollout share the rollout's reward and carry ``rollout_key``
+  (``{uid}_{rollout}_{row}``, the key format of verl's V1 TransferQueue) so that verl's
+  ``compute_advantage_for_multi_trajectories`` takes the group statistics over rollouts (the
+  final row of each rollout) and gives every row its rollout's advantage.
 - A failed or cancelled job has no genuine reward (the service reports 0). Scoring it 0 would
   teach the policy that whatever it did was wrong, when a sandbox crashed or a group was cut
   short; so its response mask is all zero (no token of it is trained on) and ``rollout_valid``
@@ -35,6 +45,8 @@ What verl does with these fields, and why each rule below exists:
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -55,7 +67,10 @@ episode's reward (``truncate``). See the module docstring."""
 
 
 class PromptTooLong(ValueError):
-    """The service's rendered prompt does not fit ``prompt_length``."""
+    """The service's rendered prompt does not fit ``prompt_length`` (or the job's budget)."""
+
+
+log = logging.getLogger(__name__)
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:/-]")
 
@@ -74,30 +89,51 @@ class VerlSample:
     """verl counts chat messages: the prompt, each assistant turn, each tool observation."""
     metrics: dict[str, float]
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    routed_experts: list[list[list[int]]] | None = None
+    """verl's ``AgentLoopOutput.routed_experts`` for routing replay: ``[position][layer][k]``
+    over ``prompt_ids + response_ids`` (what verl's router replay indexes by absolute
+    position); None for a dense model."""
 
 
 def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
                    reward_components: Sequence[str] = (), overlong: str = "mask",
                    fallback_prompt_ids: Sequence[int] = ()) -> VerlSample:
     """Map a finished job (a :class:`rollout.trainer_adapters.job_runner.JobOutcome`:
-    ``trajectory``, ``state``, ``error``) to verl's fields.
+    ``trajectory``, ``state``, ``error``) to verl's fields: one row, the trajectory's last
+    segment (the one that ends the episode; see :func:`to_verl_samples` for every segment).
 
     ``fallback_prompt_ids`` is the prompt verl itself would have built; it stands in when the job
     produced no turn (it failed in INIT, or was cancelled while queued), so the padded batch
     still has a real prompt row.
     """
+    return to_verl_samples(job, prompt_length=prompt_length, response_length=response_length,
+                           reward_components=reward_components, overlong=overlong,
+                           fallback_prompt_ids=fallback_prompt_ids)[-1]
+
+
+def to_verl_samples(job: Any, *, prompt_length: int, response_length: int,
+                    reward_components: Sequence[str] = (), overlong: str = "mask",
+                    fallback_prompt_ids: Sequence[int] = ()) -> list[VerlSample]:
+    """One row per segment of the job's trajectory, in order, each with the rollout's reward.
+    A row that cannot be trained (failed job, cut answer, later segment over ``prompt_length``)
+    has an all-zero response mask and ``rollout_valid`` False."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if prompt_length <= 0 or response_length <= 0:
         raise ValueError("prompt_length and response_length must be positive")
     traj: trajectory_pb2.Trajectory = job.trajectory
     succeeded = job.state == job_pb2.Job.State.STATE_SUCCEEDED
-    # keep_failed: a failed job still yields its row (masked out below), never a missing one.
-    # verl takes one sequence per sample: of a harness trajectory with several (its harness
-    # rewrote its history) the last one, which ends the episode; the streaming manager
-    # (async_manager) trains every one as its own row.
+    if succeeded and not traj.turns and traj.termination_reason in (
+            trajectory_pb2.TERMINATION_REASON_TOKEN_BUDGET,
+            trajectory_pb2.TERMINATION_REASON_CONTEXT_LENGTH):
+        raise PromptTooLong(
+            f"job {traj.job_id}: its {traj.metadata.get('prompt_tokens', '?')}-token prompt "
+            f"alone filled the job's token budget of prompt_length + response_length = "
+            f"{prompt_length + response_length}, so the episode produced no turn and "
+            f"would train on nothing. Raise actor_rollout_ref.rollout.prompt_length (and "
+            f"data.max_prompt_length) above the prompt's length.")
+    # keep_failed: a failed job still yields its rows (masked out below), never a missing one.
     views = segment_views(traj)
-    flat = flatten(views[-1], keep_failed=True)
     error = getattr(job, "error", None)
     llm_s = sum(t.latency.ToTimedelta().total_seconds() for t in traj.turns)
     run_s = traj.timings.run.ToTimedelta().total_seconds()
@@ -108,23 +144,30 @@ def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
         "compute_score": traj.timings.eval.ToTimedelta().total_seconds(),
         "num_preempted": float(sum(getattr(t, "preempted_retries", 0) for t in traj.turns)),
     }
-    sample = from_flat(
-        flat, succeeded=succeeded,
-        turn_versions=[t.policy_version for t in traj.turns if len(t.output_ids)],
-        prompt_length=prompt_length, response_length=response_length,
-        reward_components=reward_components, overlong=overlong,
-        fallback_prompt_ids=fallback_prompt_ids, metrics=metrics,
-        observations=sum(1 for t in views[-1].turns if len(t.observation_ids)))
-    sample.extra_fields.update({
-        "rollout_job_id": traj.job_id,
-        "rollout_state": job_pb2.Job.State.Name(job.state).removeprefix("STATE_"),  # type: ignore[arg-type]
-        "rollout_termination": trajectory_pb2.TerminationReason.Name(
-            traj.termination_reason).removeprefix("TERMINATION_REASON_"),
-        "rollout_segments": len(views),
-    })
-    if error is not None:
-        sample.extra_fields["rollout_error"] = f"{error.reason}: {error.message}"
-    return sample
+    versions = [t.policy_version for t in traj.turns if len(t.output_ids)]
+    samples = []
+    for n, view in enumerate(views):
+        flat = dataclasses.replace(flatten(view, keep_failed=True), segment=n,
+                                   num_segments=len(views))
+        samples.append(from_flat(
+            flat, succeeded=succeeded, turn_versions=versions,
+            prompt_length=prompt_length, response_length=response_length,
+            reward_components=reward_components, overlong=overlong,
+            fallback_prompt_ids=fallback_prompt_ids, metrics=metrics,
+            observations=sum(1 for t in view.turns if len(t.observation_ids))))
+    dropped = sum(1 for s in samples if s.extra_fields.get("rollout_segment_dropped"))
+    for sample in samples:
+        sample.extra_fields.update({
+            "rollout_job_id": traj.job_id,
+            "rollout_state": job_pb2.Job.State.Name(job.state).removeprefix("STATE_"),  # type: ignore[arg-type]
+            "rollout_termination": trajectory_pb2.TerminationReason.Name(
+                traj.termination_reason).removeprefix("TERMINATION_REASON_"),
+            "rollout_segments": len(views),
+            "rollout_segments_dropped": dropped,
+        })
+        if error is not None:
+            sample.extra_fields["rollout_error"] = f"{error.reason}: {error.message}"
+    return samples
 
 
 def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prompt_length: int,
@@ -145,7 +188,16 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
 
     valid = succeeded and bool(response)
     truncated = False
-    if len(prompt) > prompt_length:
+    segment_dropped = False
+    if len(prompt) > prompt_length and flat.token_ids and flat.segment > 0:
+        # The harness's rewritten history outgrew prompt_length: this segment alone cannot be
+        # trained; the step and the rollout's other segments go on.
+        log.warning("job %s: segment %d of %d has a %d-token prompt (the harness's rewritten "
+                    "history), longer than rollout.prompt_length=%d; dropped from training",
+                    flat.job_id, flat.segment + 1, flat.num_segments, len(prompt), prompt_length)
+        segment_dropped, valid = True, False
+        prompt = prompt[-prompt_length:]
+    elif len(prompt) > prompt_length:
         if flat.token_ids:
             raise PromptTooLong(
                 f"job {flat.job_id}: the service rendered a {len(prompt)}-token prompt, longer "
@@ -162,6 +214,14 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
             valid = False
     if not valid:
         mask = [0] * len(mask)
+    routed = None
+    if flat.routed_experts and flat.token_ids:
+        per = flat.routed_expert_layers * flat.routed_expert_top_k
+        start = flat.prompt_length - len(prompt)  # a cut prompt keeps its tail
+        rows = [flat.routed_experts[(start + p) * per:(start + p + 1) * per]
+                for p in range(len(prompt) + len(response))]
+        k = flat.routed_expert_top_k
+        routed = [[row[j:j + k] for j in range(0, per, k)] for row in rows]
 
     reward = float(flat.reward) if succeeded else 0.0
     info: dict[str, float] = {"reward": reward, "rollout_valid": float(valid),
@@ -180,13 +240,15 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
         "truncated": truncated,
         "rollout_valid": valid,
         "rollout_job_id": flat.job_id,
+        "rollout_segment": flat.segment,
+        "rollout_segment_dropped": segment_dropped,
     }
     if observations is None:
         observations = max(flat.num_turns - 1, 0)
     return VerlSample(
         prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=logprobs,
         reward_score=reward, num_turns=1 + flat.num_turns + observations,
-        metrics=dict(metrics or {}), extra_fields=extra)
+        metrics=dict(metrics or {}), extra_fields=extra, routed_experts=routed)
 
 
 def pad_batch(samples: Sequence[VerlSample], *, prompt_length: int, response_length: int,

@@ -56,7 +56,7 @@ TERMINATION_REASON_EVAL_TIMEOUT: TerminationReason
 TERMINATION_REASON_HARNESS_ERROR: TerminationReason
 
 class Turn(_message.Message):
-    __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "backend", "latency", "tool_calls", "finish_reason", "preempted_retries")
+    __slots__ = ("prompt_ids", "output_ids", "output_logprobs", "observation_ids", "loss_mask", "policy_version", "backend", "latency", "tool_calls", "finish_reason", "preempted_retries", "routed_experts", "routed_expert_top_k", "routed_expert_layers")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,9 @@ class Turn(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -79,7 +82,10 @@ class Turn(_message.Message):
     tool_calls: _containers.RepeatedScalarFieldContainer[str]
     finish_reason: FinishReason
     preempted_retries: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., observation_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tool_calls: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., preempted_retries: _Optional[int] = ...) -> None: ...
+    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    routed_expert_top_k: int
+    routed_expert_layers: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., observation_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., latency: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tool_calls: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., preempted_retries: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_expert_top_k: _Optional[int] = ..., routed_expert_layers: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("init_queue", "init", "run_queue", "run", "eval_queue", "eval")

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from rollout.trainer_adapters.dapo.advantages import group_advantages, overlong_penalty
-from rollout.trainer_adapters.dapo.loss import ClipConfig, policy_loss, token_logprobs
+from rollout.trainer_adapters.dapo.loss import (
+    ClipConfig,
+    chunked_token_logprobs,
+    policy_loss,
+    token_logprobs,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_TIS = ClipConfig(tis_cap=None)
@@ -151,6 +156,21 @@ def test_token_logprobs_and_entropy_by_hand() -> None:
     # Temperature 2 halves the logits: p = softmax([0, ln 3 / 2]) = [1/(1+sqrt3), sqrt3/(1+sqrt3)].
     lp2, _ = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
     assert abs(lp2.item() - math.log(1 / (1 + math.sqrt(3)))) < 1e-6
+
+
+def test_chunked_logprobs_equal_the_whole_logits_and_their_gradients() -> None:
+    torch.manual_seed(3)
+    head = torch.nn.Linear(5, 11, bias=False).double()
+    hidden = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 7))
+    whole_lp, whole_ent = token_logprobs(head(hidden), targets, temperature=0.7)
+    (whole_lp * torch.arange(14.0).reshape(2, 7)).sum().backward()
+    want = hidden.grad.clone()
+    hidden.grad = None
+    lp, ent = chunked_token_logprobs(hidden, head, targets, temperature=0.7, chunk=3)
+    (lp * torch.arange(14.0).reshape(2, 7)).sum().backward()
+    assert torch.allclose(lp, whole_lp, atol=1e-12) and torch.allclose(ent, whole_ent)
+    assert torch.allclose(hidden.grad, want, atol=1e-12)
 
 
 VERL_SCRIPT = """

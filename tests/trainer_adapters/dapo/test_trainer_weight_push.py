@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,16 @@ async def test_weights_pushed_mid_rollout_label_every_turn(served: Any, tiny_dir
     assert opened_after == [1] and handler.held > 0
     rows = list((tmp_path / "run" / "metrics.csv").read_text().splitlines())
     assert len(rows) == 1 + 4  # header, step 0 (evaluation), steps 1-3
+    # Every training step reports its peak RSS and the rollout-vs-trainer mismatch (samples
+    # up to one version stale here, so the KL is whatever the lag made it).
+    import csv
+
+    steps = list(csv.DictReader(rows))[1:]
+    assert all(float(r["peak_rss_gib"]) > 0.05 for r in steps), steps
+    assert all(math.isfinite(float(r["mismatch_kl_token"])) and math.isfinite(
+        float(r["mismatch_kl_seq"])) for r in steps), steps
+    assert all(0 <= float(r["mismatch_masked"]) <= 1 and float(r["mismatch_weight_mean"]) > 0
+               for r in steps), steps
 
     checkpoints = {0: tiny_dir, **{v: tmp_path / "run" / "weights" / f"v{v}"
                                    for v in (1, 2, 3)}}

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from rollout.client.batcher import Batch, BatchStats, Group, Sample
 from rollout.client.trajectory import Flat
-from rollout.trainer_adapters.dapo.loss import ClipConfig
+from rollout.trainer_adapters.dapo.loss import ClipConfig, rollout_weights
 from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
 from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import check_logprobs, shape_and_normalise
@@ -126,8 +127,8 @@ def reference_loss(model: torch.nn.Module, rows: list[tuple[list[int], list[int]
     return total / n_tokens
 
 
-def sgd_policy(lr: float) -> Policy:
-    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0)
+def sgd_policy(lr: float, logit_chunk: int = 1024) -> Policy:
+    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0, logit_chunk=logit_chunk)
     # Plain SGD: the parameter change is exactly -lr * gradient, so the test reads the
     # gradient the update computed (AdamW's first step is about lr * sign(g) and would hide
     # a wrong scale).
@@ -149,15 +150,23 @@ def assert_same_params(got: list[torch.Tensor], want: list[torch.Tensor], scale:
     assert worst < 1e-3 * scale, f"parameters differ from the reference step by {worst}"
 
 
-@pytest.mark.parametrize("micro_batch_size", [1, 3])
-def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int) -> None:
+@pytest.mark.parametrize(("micro_batch_size", "logit_chunk", "checkpointing"),
+                         [(1, 1024, False), (3, 1024, False), (3, 0, False), (3, 4, False),
+                          (3, 4, True)])
+def test_one_update_is_the_hand_computed_gradient_step(micro_batch_size: int, logit_chunk: int,
+                                                       checkpointing: bool) -> None:
     """One mini-batch, split into micro-batches: the token mean over the whole batch (9 masked
-    next-tokens: 2 + 2 + 4 + 1), each token's own advantage, the mask on the right tokens."""
+    next-tokens: 2 + 2 + 4 + 1), each token's own advantage, the mask on the right tokens;
+    with the logits whole (0), or 4 positions at a time (recomputed in the backward pass), and
+    with the layers' activations recomputed (gradient checkpointing, active in train mode)."""
     lr = 1.0
-    policy = sgd_policy(lr)
+    policy = Policy(tiny_model_dir(), device="cpu", lr=lr, seed=0, logit_chunk=logit_chunk,
+                    gradient_checkpointing=checkpointing)
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=lr)
     ref = copy.deepcopy(policy.model).float().eval()
     before = params(policy.model)
-    policy.model.eval()  # dropout-free either way; eval keeps the two forwards identical
+    if not checkpointing:  # the tiny model has no dropout: train and eval forwards agree
+        policy.model.eval()
     policy.update(items_of(SAMPLES), NO_CLIP, temperature=TEMPERATURE,
                   micro_batch_size=micro_batch_size, grad_clip=1e9)
     loss = reference_loss(ref, SAMPLES, None)
@@ -202,6 +211,69 @@ def test_two_mini_batches_use_the_old_weights_logprobs_in_the_second() -> None:
     moved = max(float((a - b).abs().max()) for a, b in zip(params(policy.model), before,
                                                             strict=True))
     assert_same_params(params(policy.model), params(ref), moved)
+
+
+def segmented(job: str, rows: list[tuple[list[int], list[int]]], reward: float) -> Sample:
+    """One rollout of several segments (a harness that rewrote its history)."""
+    flats = tuple(replace(sample(job, tokens, mask, reward).flat, segment=n,
+                          num_segments=len(rows)) for n, (tokens, mask) in enumerate(rows))
+    return replace(sample(job, *rows[-1], reward=reward), flat=flats[-1], segments=flats)
+
+
+def test_a_rollout_votes_once_whatever_its_number_of_segments() -> None:
+    # Group rewards per rollout [1, 0, 0, 0]; rollout a0 has three segments, a1 two. Counting
+    # rows would make the mean (3 * 1 + 0 * 4) / 7; per rollout it is 0.25 with sample std
+    # 0.5: advantages +1.5, -0.5, -0.5, -0.5, every segment carrying its rollout's.
+    cfg = load_config(None, {"algo.overlong_cache": 0})
+    seg = ([1, 2, 3], [0, 1, 1])
+    group = [segmented("a0", [seg, seg, seg], 1.0), segmented("a1", [seg, seg], 0.0),
+             generated("a2", 2, 0.0), generated("a3", 2, 0.0)]
+    items, mean = shape_and_normalise(batch_of(group), cfg)
+    assert [(i.sample.job_id, i.sample.flat.segment) for i in items] == [
+        ("a0", 0), ("a0", 1), ("a0", 2), ("a1", 0), ("a1", 1), ("a2", 0), ("a3", 0)]
+    assert [i.advantage for i in items] == pytest.approx(
+        [1.5, 1.5, 1.5, -0.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert mean == pytest.approx(0.25)
+
+
+def test_rollout_weights_give_each_rollout_the_same_total() -> None:
+    # Rollout r0: rows of 3 and 1 loss tokens (4 in all); r1: 2; r2: 6. R = 3.
+    w = rollout_weights(["r0", "r0", "r1", "r2"], [3, 1, 2, 6], "rollout-mean")
+    assert w == pytest.approx([1 / 12, 1 / 12, 1 / 6, 1 / 18])
+    totals = [3 * w[0] + 1 * w[1], 2 * w[2], 6 * w[3]]
+    assert totals == pytest.approx([1 / 3] * 3)
+    assert rollout_weights(["r0", "r0", "r1"], [3, 1, 2], "token-mean") == \
+        pytest.approx([1 / 6] * 3)
+    # A rollout with no loss token counts for nothing (not in R).
+    assert rollout_weights(["r0", "r1"], [4, 0], "rollout-mean") == pytest.approx([1 / 4, 0.0])
+    with pytest.raises(ValueError, match="loss aggregation"):
+        rollout_weights(["r0"], [1], "seq-mean")
+
+
+def test_rollout_mean_update_is_the_hand_computed_step() -> None:
+    """SAMPLES 0 and 1 are two segments of one rollout; 2 and 3 are rollouts of their own.
+    By hand: loss = 1/3 * sum over rollouts of (sum of -A r over its tokens) / its tokens."""
+    lr = 1.0
+    policy = sgd_policy(lr)
+    ref = copy.deepcopy(policy.model).float().eval()
+    before = params(policy.model)
+    policy.model.eval()
+    names = ["r0", "r0", "r1", "r2"]
+    items = [TrainItem(replace(i.sample, job_id=name,
+                               flat=replace(i.sample.flat, job_id=name, segment=k)), i.advantage)
+             for k, (i, name) in enumerate(zip(items_of(SAMPLES), names, strict=True))]
+    policy.update(items, NO_CLIP, temperature=TEMPERATURE, micro_batch_size=2, grad_clip=1e9,
+                  loss_agg="rollout-mean")
+    # reference_loss divides by its rows' token count: the token mean within one rollout.
+    loss = sum((reference_loss(ref, rows, None) for rows in (SAMPLES[:2], SAMPLES[2:3],
+                                                               SAMPLES[3:])), torch.zeros(())) / 3
+    grads = torch.autograd.grad(loss, list(ref.parameters()), allow_unused=True)
+    want = [b - lr * (g if g is not None else torch.zeros_like(b))
+            for b, g in zip(before, grads, strict=True)]
+    moved = max(float((a - b).abs().max()) for a, b in zip(params(policy.model), before,
+                                                            strict=True))
+    assert moved > 1e-4
+    assert_same_params(params(policy.model), want, moved)
 
 
 @pytest.fixture(autouse=True)

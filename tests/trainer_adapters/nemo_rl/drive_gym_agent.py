@@ -40,6 +40,18 @@ def nemo_flatten(gym_result: dict[str, Any]) -> list[dict[str, Any]]:
     return log
 
 
+def nemo_rl_loss_multiplier(gym_results: list[dict[str, Any]]) -> list[float]:
+    """NeMo RL's sample masking, restated (NeMo RL is not installable here; read from
+    NVIDIA-NeMo/RL at 7ea279ab): ``_extract_mask_sample_flags`` (nemo_rl/experience/
+    rollouts.py) reads ``full_result["instance_config"]["mask_sample"]``, defaulting to False,
+    where ``full_result`` is the agent's /run answer; ``_apply_mask_sample_filter``
+    (nemo_rl/algorithms/grpo.py) sets ``loss_multiplier`` to 0 where it is True. Anything else
+    in the answer (a top-level ``mask_sample`` included) is not read."""
+    flags = [bool((r.get("instance_config") or {}).get("mask_sample", False))
+             for r in gym_results]
+    return [0.0 if flag else 1.0 for flag in flags]
+
+
 async def main(req: dict[str, Any]) -> dict[str, Any]:
     import httpx
     from nemo_gym.base_resources_server import (
@@ -65,7 +77,9 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
     config = RolloutServiceAgentConfig(host="127.0.0.1", port=0, entrypoint="gym_agent.py",
                                        name="rollout_service_agent", address=req["address"],
                                        environment="episode",
-                                       reward_components=req.get("reward_components", []))
+                                       reward_components=req.get("reward_components", []),
+                                       max_total_sequence_length=req.get(
+                                           "max_total_sequence_length", 0))
     client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
                           global_config_dict=DictConfig({}))
     agent = RolloutServiceAgent(config=config, server_client=client)
@@ -94,7 +108,9 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
             stored = await service.get_job(body["rollout_job_id"], include_trajectory=True)
             results.append({"status": 200, "body": body,
                             "nemo_flatten": nemo_flatten(json.loads(json.dumps(body))),
-                            "message_log": to_message_log(stored.trajectory)})
+                            "message_log": to_message_log(stored.trajectory),
+                            "budget": stored.job.spec.sampling.total_token_budget,
+                            "loss_multiplier": nemo_rl_loss_multiplier([body])[0]})
         ok = [r["body"] for r in results if r["status"] == 200]
         agg = await http.post("/aggregate_metrics", json={"verify_responses": ok})
         AggregateMetrics.model_validate(agg.json())

@@ -29,10 +29,12 @@ pytestmark = [pytest.mark.usefixtures("gym_venv"), pytest.mark.timeout(180)]
 
 
 async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path,
-                    reward_components: list[str] | None = None) -> dict[str, Any]:
-    (tmp / "req.json").write_text(json.dumps({"address": address, "rows": rows,
-                                              "scaffold_root": str(tmp / "gym"),
-                                              "reward_components": reward_components or []}))
+                    reward_components: list[str] | None = None,
+                    max_total_sequence_length: int = 0) -> dict[str, Any]:
+    (tmp / "req.json").write_text(json.dumps({
+        "address": address, "rows": rows, "scaffold_root": str(tmp / "gym"),
+        "reward_components": reward_components or [],
+        "max_total_sequence_length": max_total_sequence_length}))
     proc = await asyncio.create_subprocess_exec(
         str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")), str(tmp / "req.json"),
         str(tmp / "out.json"), cwd=str(ROOT), env=dict(os.environ),
@@ -54,15 +56,27 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     sums["components"] = {"exact": 1.0, "format": 0.5}  # parts that add up to the reward
     failed = two_turn_tool_episode(base=300, version=1, reward=1.0, fail="eval")
     early = two_turn_tool_episode(base=400, version=1, reward=1.0, fail="init")
+    too_long = two_turn_tool_episode(base=500, prompt_fills_budget=700)
     h = episode_harness(tmp_path / "state")
     await h.start()
     try:
         res = await run_agent(h.address, [row(ok, 0), row(sums, 1), row(failed, 2), {
-            "responses_create_params": {"input": "no task here"}}, row(early, 4)], tmp_path,
-            reward_components=["exact", "format"])
+            "responses_create_params": {"input": "no task here"}}, row(early, 4),
+            row(too_long, 5)], tmp_path, reward_components=["exact", "format"],
+            max_total_sequence_length=640)
     finally:
         await h.stop()
-    r_ok, r_sums, r_failed, r_bad, r_early = res["results"]
+    r_ok, r_sums, r_failed, r_bad, r_early, r_long = res["results"]
+
+    # NeMo RL's masking (restated in the driver from its code: it reads instance_config only)
+    # trains the succeeded jobs and neither failed one.
+    assert [r["loss_multiplier"] for r in (r_ok, r_sums, r_failed, r_early)] == [1, 1, 0, 0]
+    # The job's token budget is NeMo RL's policy.max_total_sequence_length...
+    assert r_ok["budget"] == 640
+    # ...and a prompt that alone fills it is an error naming the job and the prompt's length.
+    assert r_long["status"] == 422
+    assert "700-token" not in r_long["body"] and "700 tokens" in r_long["body"]
+    assert "job gym/" in r_long["body"] and "max_total_sequence_length" in r_long["body"]
 
     # The two-turn tool episode: NeMo RL's flattening of the /run answer, our converter on the
     # stored trajectory, and the hand-derived fixture all agree.

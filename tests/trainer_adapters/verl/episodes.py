@@ -10,7 +10,8 @@ receive from the task alone, independently of the adapter under test::
      "reward": float, "components": {name: float},
      "rewards": [float, ...],             # optional: per sample, by the job id's /<index>
      "fail": "init" | "run" | "eval",     # optional: the stage raises HandlerError
-     "sleep": seconds}                     # optional: RUN waits this long (cancellation tests)
+     "sleep": seconds,                     # optional: RUN waits this long (cancellation tests)
+     "prompt_fills_budget": n}             # optional: no turn, TOKEN_BUDGET, an n-token prompt
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class EpisodeHandler(AgentHandler):
         task = ctx.spec.task
         if task.get("sleep"):
             await asyncio.sleep(float(task["sleep"]))
+        if task.get("prompt_fills_budget"):  # what the built-in loop does with such a prompt
+            return RunOutcome(turns=[], termination=TerminationReason.TOKEN_BUDGET,
+                              metadata={"prompt_tokens": str(task["prompt_fills_budget"])})
         turns = [Turn(prompt_ids=[int(i) for i in t.get("prompt", [])],
                       output_ids=[int(i) for i in t["output"]],
                       output_logprobs=[float(x) for x in t["logprobs"]],

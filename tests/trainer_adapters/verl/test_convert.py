@@ -13,6 +13,7 @@ from rollout.trainer_adapters.verl.job_mapping import (
     PromptTooLong,
     job_for_sample,
     to_verl_sample,
+    to_verl_samples,
 )
 from rollout.v1 import job_pb2, trajectory_pb2
 
@@ -99,3 +100,29 @@ def test_job_for_sample_maps_verl_fields() -> None:
     with pytest.raises(ValueError, match="rollout_task"):
         job_for_sample({"raw_prompt": [], "extra_info": {}}, {}, environment="math",
                        prompt_length=1, response_length=1, group_size=1)
+
+
+def test_a_too_long_later_segment_masks_itself_not_the_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Segment 1 starts at turn 1 with a 5-token prompt (the harness's rewritten history), over
+    # prompt_length 4: that row trains nothing, says why, and nothing raises.
+    job = outcome([{"p": [1, 2], "o": [3, 4]}, {"p": [1, 2, 9, 9, 9], "o": [5]}])
+    job.trajectory.segments.add(first_turn=0)
+    job.trajectory.segments.add(first_turn=1)
+    with caplog.at_level("WARNING"):
+        rows = to_verl_samples(job, prompt_length=4, response_length=4)
+    assert [r.response_mask for r in rows] == [[1, 1], [0]]
+    assert rows[1].extra_fields["rollout_segment_dropped"] is True
+    assert rows[0].extra_fields["rollout_segments_dropped"] == 1
+    assert "job j: segment 2 of 2 has a 5-token prompt" in caplog.text
+    last = to_verl_sample(job, prompt_length=4, response_length=4)
+    assert last.response_mask == [0] and last.extra_fields["rollout_valid"] is False
+
+
+def test_a_prompt_that_fills_the_whole_budget_is_an_error_naming_job_and_length() -> None:
+    job = outcome([])
+    job.trajectory.termination_reason = trajectory_pb2.TERMINATION_REASON_TOKEN_BUDGET
+    job.trajectory.metadata["prompt_tokens"] = "900"
+    with pytest.raises(PromptTooLong, match=r"job j: its 900-token prompt .* budget of "
+                                            r"prompt_length \+ response_length = 12"):
+        to_verl_sample(job, prompt_length=4, response_length=8, fallback_prompt_ids=[1] * 4)
