@@ -80,10 +80,23 @@ class MetricsLog:
                 if key != "step" and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, int(full["step"]))
             self._tb.flush()
+        if len(self.rows) == 1:
+            self.console.print(FIELDS, markup=False, highlight=False)
         self.console.print(_line(full))
         self.plot()
 
     def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = self.figure()
+        fig.savefig(self.png_path, dpi=80)
+        plt.close(fig)
+
+    def figure(self) -> Any:
+        """The curves as a matplotlib figure, one panel per quantity (``plot`` saves it)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -107,28 +120,32 @@ class MetricsLog:
             ax.axis("off")
         for ax, (key, title) in zip(axes.flat, panels, strict=False):
             xs, ys = _series(self.rows, key)
-            ax.plot(xs, ys, marker="o" if key.startswith("heldout") else None)
+            # Markers on every series: after one step a line has one point, which a line
+            # without markers does not draw at all (the panel looked empty).
+            ax.plot(xs, ys, marker="o")
+            if not xs:
+                ax.text(0.5, 0.5, NO_DATA.get(key, "no value logged yet"), ha="center",
+                        va="center", transform=ax.transAxes, fontsize=9, color="grey")
             if key == "clip_high":
-                ax.plot(*_series(self.rows, "clip_low"), label="low")
+                ax.plot(*_series(self.rows, "clip_low"), marker="o", label="low")
                 ax.legend(["high", "low"])
             if key == "stale_dropped":
-                ax.plot(*_series(self.rows, "cancelled_samples"))
+                ax.plot(*_series(self.rows, "cancelled_samples"), marker="o")
                 ax.legend(["stale", "cancelled"])
             if key == "mismatch_kl_token":
-                ax.plot(*_series(self.rows, "mismatch_kl_seq"))
+                ax.plot(*_series(self.rows, "mismatch_kl_seq"), marker="o")
                 ax.legend(["per token", "per sequence"])
             if key == "mismatch_masked":
-                ax.plot(*_series(self.rows, "mismatch_weight_mean"))
+                ax.plot(*_series(self.rows, "mismatch_weight_mean"), marker="o")
                 ax.legend(["masked", "mean IS weight"])
             if key in ("turns", "heldout_turns"):
                 calls = "tool_calls" if key == "turns" else "heldout_tool_calls"
-                ax.plot(*_series(self.rows, calls), marker="o" if key != "turns" else None)
+                ax.plot(*_series(self.rows, calls), marker="o")
                 ax.legend(["turns", "tool calls"])
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
         fig.tight_layout()
-        fig.savefig(self.png_path, dpi=80)
-        plt.close(fig)
+        return fig
 
     def close(self) -> None:
         if self._tb is not None:
@@ -138,6 +155,25 @@ class MetricsLog:
 def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
     pts = [(float(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+FIELDS = (
+    "fields of each step line: v = policy version the step trained; acc = train accuracy (share "
+    "of all the step's samples with reward 1); reward = mean shaped reward of the samples the "
+    "loss saw; kept = share of groups kept by dynamic sampling (rewards not all equal); rounds "
+    "= generation rounds to fill the batch; stale / cancel = samples dropped as too old / "
+    "cancelled; H = mean token entropy; clip = share of tokens clipped low/high; len = mean "
+    "response tokens; turns / tools = per episode; roll / train = tokens per second; t = "
+    "seconds of rollout + training + weight push; rss = the process's peak memory; held-out = "
+    "greedy accuracy on the held-out tasks (when evaluated). metrics.csv holds every column.")
+"""The legend printed once, above the first step line."""
+
+NO_DATA = {
+    "heldout_accuracy": "held-out evaluation not run yet",
+    "heldout_turns": "held-out evaluation not run yet",
+    "peak_rss_gib": "not measured on this platform",
+}
+"""Why a panel is empty, said in the panel instead of leaving a blank box."""
 
 
 def _line(row: Mapping[str, Any]) -> str:

@@ -52,3 +52,37 @@ def test_metrics_log_writes_csv_and_png(tmp_path: Path) -> None:
     assert list(rows[0]) == list(COLUMNS)
     assert rows[1]["stale_dropped"] == "3" and rows[0]["heldout_accuracy"] == "0.25"
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_after_one_step_every_panel_shows_a_point_or_says_why_not(tmp_path: Path) -> None:
+    """A newcomer's first run showed 8 of 10 panels empty after one step: a line with one
+    point draws nothing unless it has a marker."""
+    console_file = tmp_path / "console.txt"
+    log = MetricsLog(tmp_path, Console(file=open(console_file, "w"), width=400))
+    log.log({"step": 1, "policy_version": 1, "accuracy": 0.5, "reward_mean": 0.4,
+             "kept_group_ratio": 0.75, "entropy": 1.2, "clip_low": 0.01, "clip_high": 0.02,
+             "response_length": 30.0, "generation_rounds": 1, "stale_dropped": 0,
+             "cancelled_samples": 0, "turns": 2.0, "tool_calls": 1.0,
+             "mismatch_kl_token": 0.01, "mismatch_kl_seq": 0.2, "mismatch_masked": 0.0,
+             "mismatch_weight_mean": 1.0, "peak_rss_gib": 1.5})
+    fig = log.figure()
+    shown = 0
+    for ax in fig.axes:
+        if not ax.get_title():
+            continue  # a spare cell of the grid
+        points = [line for line in ax.get_lines() if len(line.get_xdata()) > 0
+                  and line.get_marker() not in (None, "None", "", " ")]
+        said = [t.get_text() for t in ax.texts]
+        assert points or said, f"panel {ax.get_title()!r} is empty and says nothing"
+        shown += bool(points)
+    # Only the held-out panels have nothing after a training step; they say so.
+    assert shown == sum(1 for ax in fig.axes if ax.get_title()) - 2
+    log.log({"step": 2, "policy_version": 2, "accuracy": 0.6})
+    log.close()
+    text = console_file.read_text()
+    assert text.count("fields of each step line") == 1  # the legend, once, above step 1
+    # Every label the step line uses is explained in the legend.
+    for label in ("acc", "reward", "kept", "rounds", "stale", "cancel", "H", "clip", "len",
+                  "turns", "tools", "roll", "train", "t", "rss"):
+        assert f"{label} " in text.split("\n", 1)[1]
+        assert f" {label} =" in text or f"; {label} " in text or f"{label} =" in text, label
