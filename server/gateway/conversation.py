@@ -523,7 +523,7 @@ class JobConversation:
         chat = self._chat
         assert chat is not None
         messages, template_tools = self._template(request.messages, request, first=True)
-        ledger = ChatLedger(chat, messages, template_tools)
+        ledger = ChatLedger(chat, messages, template_tools, check_append_only=False)
         ledger.start()
         generation = chat.render(messages, add_generation_prompt=True, tools=template_tools)
         return ledger, generation.rstrip().endswith(THINK_OPEN)
