@@ -231,20 +231,22 @@ async def _generate(request: web.Request, lease: LeaseResources, body: Any,
         pieces = live.pieces(serving)
         first = await anext(pieces)  # an error before any text is the API's JSON
         stream = await _sse(request)
+        live.out = stream
         try:
             async for name, event in dialect.stream(_chain(first, pieces), parsed, model,
                                                     answer_id):
-                await stream.write(_data(event, name))
+                live.buffer.append(_data(event, name))
         except (BadRequest, web.HTTPException) as exc:  # after text went out: an error event
             status = getattr(exc, "status", 500)
-            await stream.write(_data(dialect.error_body(
+            live.buffer.append(_data(dialect.error_body(
                 status, getattr(exc, "code", "http_error"), str(exc), ""),
                 "error" if dialect is MESSAGES else ""))
+            await live.flush()
             await stream.write_eof()
             return stream
         _remember(lease, dialect, parsed, serving.result()[0], answer_id)
-        if dialect.stream_end:
-            await stream.write(dialect.stream_end)
+        live.buffer.append(dialect.stream_end)
+        await live.flush()
         await stream.write_eof()
         return stream
     finally:
@@ -255,12 +257,22 @@ async def _generate(request: web.Request, lease: LeaseResources, body: Any,
 
 
 class _Live:
-    """A streamed request's text pieces, from the generation to the writer. Pieces that
-    arrive while the writer is busy go out joined, as one delta."""
+    """A streamed request's text pieces, from the generation to the writer, and the writer's
+    buffer. Pieces that arrive while the writer is busy go out joined, as one delta."""
 
     def __init__(self) -> None:
         self._waiting: list[TextDelta] = []
         self._ready = asyncio.Event()
+        self.out: web.StreamResponse | None = None
+        self.buffer: list[bytes] = []
+        """Encoded events not written yet: written together whenever the stream would
+        wait for the generation, and at its end (one write for what is ready at once)."""
+
+    async def flush(self) -> None:
+        if self.out is not None and self.buffer:
+            data = b"".join(self.buffer)
+            self.buffer.clear()
+            await self.out.write(data)
 
     def put(self, delta: TextDelta) -> None:
         self._waiting.append(delta)
@@ -273,7 +285,9 @@ class _Live:
                      ) -> AsyncIterator[Piece]:
         sent = False
         while True:
-            await self._ready.wait()
+            if not self._ready.is_set():
+                await self.flush()
+                await self._ready.wait()
             self._ready.clear()
             if self._waiting:
                 waiting, self._waiting = self._waiting, []
