@@ -251,3 +251,19 @@ async def test_the_scripted_engine_streams_token_by_token(tok: Any) -> None:
     assert [p.finish_reason for p in pieces] == [""] * (len(pieces) - 1) + ["stop"]
     assert [i for p in pieces for i in p.output_ids] == whole.output_ids
     await pool.close()
+
+
+async def test_a_backend_that_fails_before_its_first_piece_is_retried_elsewhere(
+        tok: Any) -> None:
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    bad = ScriptedEngine(tok, {}, name="bad", end_of_turn_id=eot, token_latency_s=0.001)
+    good = ScriptedEngine(tok, {"s": [REPLY]}, name="good", end_of_turn_id=eot,
+                          token_latency_s=0.001)
+    pool = BackendPool([bad, good], health_interval_s=0)  # equal load: "bad" is tried first
+    request = GenerateRequest(prompt_ids=[1, 2], sampling=SamplingParams(), max_tokens=512,
+                              session_id="s")
+    pieces = [p async for p in pool.generate_stream(request)]
+    assert [i for p in pieces for i in p.output_ids] == [
+        *tok.encode(REPLY, add_special_tokens=False), eot]
+    assert not pool.get("bad").healthy and pool.get("good").in_flight == 0
+    await pool.close()
