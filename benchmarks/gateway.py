@@ -6,8 +6,10 @@
     the previous ids reused and the answer's tool calls parsed) and on the backend pool directly
     (a ``GenerateRequest`` with prompt ids of the same length). Per request: request in to the
     first content token out (``stream: true``) and to the last byte; p50 / p99 of each and the
-    gateway's added time. The pool has no streaming interface, so a gateway answer streams once
-    the turn is generated: its first token and last token are close together.
+    gateway's added time. The gateway streams the pool's pieces as they come; the scripted
+    policy here gives each turn as one piece (``--latency-ms`` is a per-turn wait), so first
+    and last token stay close: the streaming itself is shown by
+    ``tests/server/gateway/test_streaming.py``.
 (b) trainer tokens — multi-turn episodes (each turn a tool call and its observation) through the
     gateway: the tokens a trainer receives from the merged trajectory (one sequence per segment)
     against one sequence per request (what a proxy that records each request on its own hands

@@ -7,7 +7,7 @@ text to the model and never re-tokenizes what the model produced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,3 +91,20 @@ class LLMClient(Protocol):
     async def end_session(self, session_id: str) -> None:
         """The trajectory is done: free its cached KV and its sticky route."""
         ...
+
+
+async def stream_generate(llm: LLMClient, request: GenerateRequest,
+                          ) -> AsyncGenerator[GenerateResult, None]:
+    """Run one turn as it is generated: each piece holds the tokens (and their logprobs)
+    sampled since the previous piece, ``finish_reason=""`` on every piece but the last. The
+    pieces' ``output_ids`` (and ``logprobs``) joined are exactly the turn :meth:`generate`
+    would have returned, so a caller that streams records the same turn.
+
+    A client with a ``generate_stream`` method (the backend pool) streams; any other
+    :class:`LLMClient` gives its whole turn as one piece."""
+    streaming = getattr(llm, "generate_stream", None)
+    if streaming is None:
+        yield await llm.generate(request)
+        return
+    async for piece in streaming(request):
+        yield piece

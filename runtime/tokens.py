@@ -182,11 +182,12 @@ class ChatTokenizer:
     def delta(self, history: Sequence[Message], output_ids: Sequence[int],
               new_messages: Sequence[Message], *, assistant_text: str | None = None,
               tools: Sequence[Mapping[str, Any]] | None = None,
-              add_generation_prompt: bool = True) -> Delta:
+              add_generation_prompt: bool = True, check_append_only: bool = True) -> Delta:
         """Ids to append after ``output_ids`` (the raw ids of the assistant turn that follows
         ``history``) so that ``new_messages`` and the next generation prompt come after it.
 
-        ``assistant_text`` (the decoded output) is used only to check append-only-ness."""
+        ``assistant_text`` (the decoded output) is used only to check append-only-ness;
+        without ``check_append_only`` the delta's ``append_only`` is True unchecked."""
         assistant = {"role": "assistant", "content": _SENTINEL}
         conv = [*history, assistant, *new_messages]
         tail_obs = _after_sentinel(self.render(conv, add_generation_prompt=False, tools=tools))
@@ -203,7 +204,7 @@ class ChatTokenizer:
         emitted = _overlap(list(output_ids), obs_ids, bound)
         return Delta(observation_ids=obs_ids[emitted:], prompt_ids=self.encode(prompt_text),
                      closing_ids=obs_ids[emitted:bound],
-                     append_only=self.is_append_only(
+                     append_only=not check_append_only or self.is_append_only(
                          [*history, {"role": "assistant", "content": assistant_text or ""}],
                          new_messages, tools=tools))
 
@@ -281,6 +282,9 @@ class ChatLedger:
     token_ids: list[int] = field(default_factory=list)
     append_only: bool = True
     """False once any delta found a template that rewrites history (reported, not fixed)."""
+    check_append_only: bool = True
+    """Check it on every delta (two more renders of the whole conversation); a ledger whose
+    owner never reports ``append_only`` (the gateway's chains) skips that work."""
     _awaiting_output: bool = False
     _last_output: list[int] = field(default_factory=list)
 
@@ -312,7 +316,8 @@ class ChatLedger:
             raise RuntimeError("add_messages needs a model turn before it")
         delta = self.chat.delta(self.messages[:-1], self._last_output, new_messages,
                                 assistant_text=self.messages[-1]["content"], tools=self.tools,
-                                add_generation_prompt=add_generation_prompt)
+                                add_generation_prompt=add_generation_prompt,
+                                check_append_only=self.check_append_only)
         self.token_ids.extend(delta.observation_ids + delta.prompt_ids)
         self.messages.extend(dict(m) for m in new_messages)
         self.append_only = self.append_only and delta.append_only

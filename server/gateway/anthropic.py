@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import ServedTurn
+from rollout.server.gateway.conversation import Piece, ServedTurn, TextDelta
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -199,31 +199,59 @@ def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str
                       "output_tokens": answer.completion_tokens}}
 
 
-def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
-           ) -> Iterator[tuple[str, dict[str, Any]]]:
-    message = {**respond(answer, request, model, answer_id), "content": [], "stop_reason": None,
-               "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 0}}
-    yield "message_start", {"type": "message_start", "message": message}
-    for index, block in enumerate(_blocks(answer)):
-        start: dict[str, Any]
-        if block["type"] == "thinking":
-            start = {"type": "thinking", "thinking": "", "signature": ""}
-            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-        elif block["type"] == "text":
-            start = {"type": "text", "text": ""}
-            delta = {"type": "text_delta", "text": block["text"]}
+async def stream(pieces: AsyncIterator[Piece], request: ChatRequest, model: str,
+                 answer_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Messages stream events: the text block's deltas as they are generated, then the
+    remaining blocks (thinking, tool uses) whole at the end."""
+    opened = False
+    index = 0
+    async for piece in pieces:
+        if isinstance(piece, TextDelta):
+            if not opened:
+                opened = True
+                yield _message_start(request, model, answer_id, piece.prompt_tokens)
+                yield "content_block_start", {"type": "content_block_start", "index": 0,
+                                              "content_block": {"type": "text", "text": ""}}
+            yield "content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": {"type": "text_delta", "text": piece.text}}
+            continue
+        answer = piece
+        blocks = _blocks(answer)
+        if opened:  # the text block went out as it came; no thinking block precedes it
+            yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+            index = 1
+            blocks = [b for b in blocks if b["type"] == "tool_use"]
         else:
-            start = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield "content_block_start", {"type": "content_block_start", "index": index,
-                                      "content_block": start}
-        yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                      "delta": delta}
-        yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    yield "message_delta", {"type": "message_delta", "delta": {
-        "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None},
-        "usage": {"output_tokens": answer.completion_tokens}}
-    yield "message_stop", {"type": "message_stop"}
+            yield _message_start(request, model, answer_id, answer.prompt_tokens)
+        for block in blocks:
+            start: dict[str, Any]
+            if block["type"] == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+                delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+            elif block["type"] == "text":
+                start = {"type": "text", "text": ""}
+                delta = {"type": "text_delta", "text": block["text"]}
+            else:
+                start = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield "content_block_start", {"type": "content_block_start", "index": index,
+                                          "content_block": start}
+            yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": delta}
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+            index += 1
+        yield "message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": STOP_REASONS[answer.finish_reason], "stop_sequence": None},
+            "usage": {"output_tokens": answer.completion_tokens}}
+        yield "message_stop", {"type": "message_stop"}
+
+
+def _message_start(request: ChatRequest, model: str, answer_id: str,
+                   prompt_tokens: int) -> tuple[str, dict[str, Any]]:
+    return "message_start", {"type": "message_start", "message": {
+        "id": answer_id, "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:

@@ -38,6 +38,7 @@ to the turn's ``prompt_ids``), so each chain's ids are the concatenation of its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -47,13 +48,19 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.runtime.agent_loop import MAX_DRAWN_SEED, MAX_PREEMPTED_RETRIES, context_length_of
 from rollout.runtime.gateway import GatewayOptions, HarnessCapture
-from rollout.runtime.llm import GenerateRequest, GenerateResult, LLMClient, LLMUnavailable
+from rollout.runtime.llm import (
+    GenerateRequest,
+    GenerateResult,
+    LLMClient,
+    LLMUnavailable,
+    stream_generate,
+)
 from rollout.runtime.tokens import ChatLedger, ChatTokenizer, LedgerMark
 from rollout.runtime.toolcalls import (
     MISTRAL_TAG,
@@ -101,6 +108,75 @@ class ServedTurn:
     sampled: list[tuple[str, float]] = field(default_factory=list)
     """Each output token's text and logprob, end-of-turn tokens left out; filled only for a
     request that asks for ``logprobs``."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of a streamed answer's text, sent before the turn ends."""
+
+    text: str
+    prompt_tokens: int
+    """The prompt's length (a stream's opening event reports it)."""
+
+
+Piece = TextDelta | ServedTurn
+"""What a dialect's stream is made from: text pieces as they come, then the answer."""
+
+Listener = Callable[[TextDelta], None]
+"""Takes each piece of an answer's text as it is generated (``serve_streaming``)."""
+
+_CALL_MARKS = {"hermes": (OPEN,), "mistral": (MISTRAL_TAG,), "llama3": (PYTHON_TAG, "{")}
+
+
+class _LiveText:
+    """The part of a generating answer's text that is certainly the start of its final
+    ``content``, so it can be sent before the turn ends without ever taking text back.
+
+    The final content is the decoded output with leading reasoning removed, cut before the
+    first tool call and stripped; so this holds back leading text that may still become a
+    ``<think>`` block, everything from a possible call's first mark on (where the request
+    has tools), trailing whitespace, and a trailing partial UTF-8 character. The text is
+    decoded from the exact sampled ids, as the committed turn's is."""
+
+    def __init__(self, chat: ChatTokenizer, strip: Callable[[list[int]], list[int]],
+                 marks: Sequence[str]) -> None:
+        self._chat = chat
+        self._strip = strip
+        self._marks = marks
+        self._ids: list[int] = []
+        self.sent = ""
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Take newly sampled ids; return the text that became safe to send (maybe "")."""
+        self._ids.extend(ids)
+        safe = self._safe(self._chat.decode(self._strip(self._ids)))
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def rest(self, content: str) -> str:
+        """What of the final ``content`` is still to send."""
+        if content.startswith(self.sent):
+            return content[len(self.sent):]
+        log.warning("streamed text is not a prefix of the answer's content (a re-issued "
+                    "turn?); the rest is not sent")
+        return ""
+
+    def _safe(self, text: str) -> str:
+        body = text.lstrip()
+        if THINK_OPEN.startswith(body[:len(THINK_OPEN)]):
+            return ""  # may still open a reasoning block (or is empty)
+        cut = len(body)
+        for mark in self._marks:
+            found = body.find(mark)
+            if found != -1:
+                cut = min(cut, found)
+            for k in range(min(len(mark) - 1, len(body)), 0, -1):
+                if body.endswith(mark[:k]):  # the mark may be being written
+                    cut = min(cut, len(body) - k)
+                    break
+        return body[:cut].rstrip().rstrip("\ufffd").rstrip()
 
 
 @dataclass(eq=False)
@@ -186,15 +262,28 @@ class JobConversation:
     async def serve(self, request: ChatRequest) -> ServedTurn:
         """Answer one request: from a retry's earlier answer, from a generation already
         running for the same request, or from a new generation on the chain it extends."""
+        answer, _ = await self.serve_streaming(request, None)
+        return answer
+
+    async def serve_streaming(self, request: ChatRequest, listener: Listener | None,
+                              ) -> tuple[ServedTurn, str]:
+        """:meth:`serve`, giving ``listener`` the answer's text as it is generated where it
+        is a new generation that can stream (see :class:`_LiveText`). Returns the answer and
+        the part of its ``content`` the listener was not given."""
         keys = [m.key() for m in request.messages]
         side = self.options.is_side_call(request.model, request.system_text(),
                                          request.metadata)
         ident: Ident = (request.tools_key(), side, tuple(keys))
-        answer = await self._answer_for(request, ident, keys)
-        return self._with_logprobs(answer) if request.logprobs is not None else answer
+        live: list[_LiveText] = []
+        answer = await self._answer_for(request, ident, keys, listener, live)
+        rest = live[0].rest(answer.content) if live else answer.content
+        if request.logprobs is not None:
+            answer = self._with_logprobs(answer)
+        return answer, rest
 
-    async def _answer_for(self, request: ChatRequest, ident: Ident,
-                          keys: list[Key]) -> ServedTurn:
+    async def _answer_for(self, request: ChatRequest, ident: Ident, keys: list[Key],
+                          listener: Listener | None = None,
+                          live: list[_LiveText] | None = None) -> ServedTurn:
         async with self._lock:
             await self._ensure_chat()
             await self._admit(request)  # before anything is tokenized
@@ -204,7 +293,13 @@ class JobConversation:
             flight = self._flights.get(ident)
             if flight is None:
                 prepared = await self._prepare(request, ident, keys)
-                flight = _Flight(asyncio.ensure_future(self._run(prepared, request)))
+                feed = None
+                if listener is not None and live is not None:
+                    text = self._live_text(prepared.chain, request)
+                    if text is not None:
+                        live.append(text)
+                        feed = _feeder(text, listener, prepared.total)
+                flight = _Flight(asyncio.ensure_future(self._run(prepared, request, feed)))
                 flight.task.add_done_callback(functools.partial(self._settle, prepared))
                 self._flights[ident] = flight
         flight.waiters += 1
@@ -349,7 +444,18 @@ class JobConversation:
         covered = sum(1 for r in best.requests if len(r) + 1 <= shared)
         return best, SegmentReason.HISTORY_REWRITTEN, covered
 
-    async def _run(self, prepared: _Prepared, request: ChatRequest) -> ServedTurn:
+    def _live_text(self, chain: _Chain, request: ChatRequest) -> _LiveText | None:
+        """How a streamed answer on ``chain`` is sent as it comes; None: at the end (the
+        template opened reasoning, or the request wants each token's logprob with its text)."""
+        chat = self._chat
+        if chat is None or chain.reasoning_opened or request.logprobs is not None:
+            return None
+        marks = _CALL_MARKS[self._fmt] if request.tools and request.tool_choice != "none" \
+            else ()
+        return _LiveText(chat, chain.ledger.strip_end_of_turn, marks)
+
+    async def _run(self, prepared: _Prepared, request: ChatRequest,
+                   feed: Callable[[Sequence[int]], None] | None = None) -> ServedTurn:
         try:
             async with self._slots:
                 self.generating += 1
@@ -357,7 +463,7 @@ class JobConversation:
                 try:
                     result, retries = await self._generate(
                         prepared.chain.ledger.token_ids, request, prepared.max_tokens,
-                        prepared.index)
+                        prepared.index, feed)
                 finally:
                     self.generating -= 1
         except BaseException:
@@ -432,7 +538,7 @@ class JobConversation:
         chat = self._chat
         assert chat is not None
         messages, template_tools = self._template(request.messages, request, first=True)
-        ledger = ChatLedger(chat, messages, template_tools)
+        ledger = ChatLedger(chat, messages, template_tools, check_append_only=False)
         ledger.start()
         generation = chat.render(messages, add_generation_prompt=True, tools=template_tools)
         return ledger, generation.rstrip().endswith(THINK_OPEN)
@@ -504,7 +610,8 @@ class JobConversation:
         return out, None
 
     async def _generate(self, prompt: Sequence[int], request: ChatRequest, max_tokens: int,
-                        index: int) -> tuple[GenerateResult, int]:
+                        index: int, feed: Callable[[Sequence[int]], None] | None = None,
+                        ) -> tuple[GenerateResult, int]:
         spec = self.spec
         stop = tuple(dict.fromkeys((*spec.sampling.stop, *request.stop)))
         sampling = dataclasses.replace(spec.sampling, stop=stop)
@@ -514,12 +621,14 @@ class JobConversation:
             if left <= 0:
                 raise BadRequest("the job's RUN deadline has passed", status=504,
                                  code="deadline_exceeded")
+            turn = GenerateRequest(
+                prompt_ids=list(prompt), sampling=sampling, max_tokens=max_tokens,
+                session_id=spec.job_id, group_id=spec.group_id,
+                min_policy_version=spec.min_policy_version, seed=self._seed + index,
+                timeout_s=left)
             try:
-                result = await self.llm.generate(GenerateRequest(
-                    prompt_ids=list(prompt), sampling=sampling, max_tokens=max_tokens,
-                    session_id=spec.job_id, group_id=spec.group_id,
-                    min_policy_version=spec.min_policy_version, seed=self._seed + index,
-                    timeout_s=left))
+                result = await (self.llm.generate(turn) if feed is None
+                                else _streamed(self.llm, turn, feed))
             except LLMUnavailable as exc:
                 raise BadRequest(f"no model backend could serve the request: {exc}",
                                  status=503, code="backend_unavailable") from exc
@@ -567,6 +676,37 @@ class JobConversation:
         return dataclasses.replace(answer, sampled=[
             (chat.decode([i]), lp)
             for i, lp in zip(kept, answer.turn.output_logprobs, strict=False)])
+
+
+def _feeder(text: _LiveText, listener: Listener,
+            prompt_tokens: int) -> Callable[[Sequence[int]], None]:
+    def feed(ids: Sequence[int]) -> None:
+        delta = text.feed(ids)
+        if delta:
+            listener(TextDelta(delta, prompt_tokens))
+    return feed
+
+
+async def _streamed(llm: LLMClient, request: GenerateRequest,
+                    feed: Callable[[Sequence[int]], None]) -> GenerateResult:
+    """One turn through ``stream_generate``, each piece's ids fed on as they come; the
+    result is the pieces joined (the same turn ``generate`` returns)."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    last: GenerateResult | None = None
+    async with contextlib.aclosing(stream_generate(llm, request)) as pieces:
+        async for piece in pieces:
+            ids.extend(piece.output_ids)
+            logprobs.extend(piece.logprobs)
+            last = piece
+            if piece.output_ids and piece.finish_reason not in ("preempted", "abort"):
+                feed(piece.output_ids)
+            if piece.finish_reason:
+                break
+    if last is None or not last.finish_reason:
+        raise LLMUnavailable("the backend's stream ended without a finish reason")
+    return GenerateResult(ids, logprobs, last.finish_reason, last.policy_version, last.backend,
+                          last.logprobs_kind)
 
 
 async def _rendering(call: Any) -> Any:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import ServedTurn
+from rollout.server.gateway.conversation import Piece, ServedTurn, TextDelta
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -163,12 +163,13 @@ def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str
             "usage": _usage(answer)}
 
 
-def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
-           ) -> Iterator[tuple[str, dict[str, Any]]]:
+async def stream(pieces: AsyncIterator[Piece], request: ChatRequest, model: str,
+                 answer_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """The answer as ``chat.completion.chunk`` objects (unnamed events), in the order OpenAI
-    sends them: the role, the text, each call (id and name first, then its arguments), the
-    finish reason, and the usage in a chunk of its own with no choices when
-    ``stream_options.include_usage`` asks for it. The route ends the stream with ``[DONE]``."""
+    sends them: the role, the text (as it is generated), each call (id and name first, then
+    its arguments), the finish reason, and the usage in a chunk of its own with no choices
+    when ``stream_options.include_usage`` asks for it. The route ends the stream with
+    ``[DONE]``."""
     base = {"id": answer_id, "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model}
 
@@ -177,16 +178,27 @@ def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
         return "", {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                          "logprobs": logprobs}]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    if answer.content:
-        yield chunk({"content": answer.content}, logprobs=_logprob_content(answer, request))
-    for i, c in enumerate(answer.tool_calls):
-        yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                     "function": {"name": c.name, "arguments": ""}}]})
-        yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
-    yield chunk({}, answer.finish_reason)
-    if request.include_usage:
-        yield "", {**base, "choices": [], "usage": _usage(answer)}
+    live = False
+    async for piece in pieces:
+        if isinstance(piece, TextDelta):
+            if not live:
+                live = True
+                yield chunk({"role": "assistant", "content": ""})
+            yield chunk({"content": piece.text})
+            continue
+        answer = piece
+        if not live:
+            yield chunk({"role": "assistant", "content": ""})
+            if answer.content:
+                yield chunk({"content": answer.content},
+                            logprobs=_logprob_content(answer, request))
+        for i, c in enumerate(answer.tool_calls):
+            yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                         "function": {"name": c.name, "arguments": ""}}]})
+            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+        yield chunk({}, answer.finish_reason)
+        if request.include_usage:
+            yield "", {**base, "choices": [], "usage": _usage(answer)}
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rollout.server.gateway.conversation import ServedTurn
+from rollout.server.gateway.conversation import Piece, ServedTurn, TextDelta
 from rollout.server.gateway.messages import (
     BadRequest,
     CallItem,
@@ -131,10 +131,12 @@ def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str
                            answer)
 
 
-def output_items(answer: ServedTurn) -> list[dict[str, Any]]:
+def output_items(answer: ServedTurn, message_id: str = "") -> list[dict[str, Any]]:
+    """``message_id``: the id a streamed message item was opened with."""
     items: list[dict[str, Any]] = []
     if answer.content:
-        items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+        items.append({"id": message_id or f"msg_{uuid.uuid4().hex}", "type": "message",
+                      "role": "assistant",
                       "status": "completed", "content": [
                           {"type": "output_text", "text": answer.content, "annotations": [],
                            "logprobs": []}]})
@@ -168,52 +170,64 @@ def response_object(response_id: str, model: str, request: ChatRequest, status: 
     return body
 
 
-def stream(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str,
-           ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The API's event sequence, each event named by its type."""
-    for event in _events(answer_id, model, request, answer):
-        yield event["type"], event
-
-
-def _events(response_id: str, model: str, request: ChatRequest,
-            answer: ServedTurn) -> Iterator[dict[str, Any]]:
+async def stream(pieces: AsyncIterator[Piece], request: ChatRequest, model: str,
+                 answer_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The API's event sequence, each event named by its type: the message's text deltas as
+    they are generated, the function calls whole at the end."""
     seq = iter(range(1 << 30))
-    items = output_items(answer)
-    yield {"type": "response.created", "sequence_number": next(seq), "response":
-           response_object(response_id, model, request, "in_progress", [], None)}
-    yield {"type": "response.in_progress", "sequence_number": next(seq), "response":
-           response_object(response_id, model, request, "in_progress", [], None)}
-    for index, item in enumerate(items):
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            yield {"type": "response.output_item.added", "sequence_number": next(seq),
-                   "output_index": index, "item": {**item, "status": "in_progress",
-                                                   "content": []}}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            yield {"type": "response.content_part.added", "sequence_number": next(seq),
-                   **ids, "part": part}
-            yield {"type": "response.output_text.delta", "sequence_number": next(seq), **ids,
-                   "delta": text, "logprobs": []}
-            yield {"type": "response.output_text.done", "sequence_number": next(seq), **ids,
-                   "text": text, "logprobs": []}
-            yield {"type": "response.content_part.done", "sequence_number": next(seq), **ids,
-                   "part": {**part, "text": text}}
-        else:
-            yield {"type": "response.output_item.added", "sequence_number": next(seq),
-                   "output_index": index, "item": {**item, "status": "in_progress",
-                                                   "arguments": ""}}
-            ids = {"item_id": item["id"], "output_index": index}
-            yield {"type": "response.function_call_arguments.delta",
-                   "sequence_number": next(seq), **ids, "delta": item["arguments"]}
-            yield {"type": "response.function_call_arguments.done",
-                   "sequence_number": next(seq), **ids, "arguments": item["arguments"],
-                   "name": item["name"]}
-        yield {"type": "response.output_item.done", "sequence_number": next(seq),
-               "output_index": index, "item": item}
-    final = response_object(response_id, model, request, "completed", items, answer)
-    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-    yield {"type": kind, "sequence_number": next(seq), "response": final}
+    message_id = ""
+    ids: dict[str, Any] = {}
+    sent = ""
+
+    def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, "sequence_number": next(seq), **fields}
+
+    yield event("response.created", response=response_object(
+        answer_id, model, request, "in_progress", [], None))
+    yield event("response.in_progress", response=response_object(
+        answer_id, model, request, "in_progress", [], None))
+    async for piece in pieces:
+        if isinstance(piece, TextDelta):
+            if not message_id:
+                message_id = f"msg_{uuid.uuid4().hex}"
+                ids = {"item_id": message_id, "output_index": 0, "content_index": 0}
+                yield event("response.output_item.added", output_index=0, item={
+                    "id": message_id, "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []})
+                yield event("response.content_part.added", **ids, part=_part(""))
+            sent += piece.text
+            yield event("response.output_text.delta", **ids, delta=piece.text, logprobs=[])
+            continue
+        answer = piece
+        items = output_items(answer, message_id)
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                if not message_id:
+                    ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                    yield event("response.output_item.added", output_index=index,
+                                item={**item, "status": "in_progress", "content": []})
+                    yield event("response.content_part.added", **ids, part=_part(""))
+                    yield event("response.output_text.delta", **ids, delta=text, logprobs=[])
+                yield event("response.output_text.done", **ids, text=text, logprobs=[])
+                yield event("response.content_part.done", **ids, part=_part(text))
+            else:
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "arguments": ""})
+                call = {"item_id": item["id"], "output_index": index}
+                yield event("response.function_call_arguments.delta", **call,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", **call,
+                            arguments=item["arguments"], name=item["name"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        final = response_object(answer_id, model, request, "completed", items, answer)
+        kind = "response.incomplete" if final["status"] == "incomplete" \
+            else "response.completed"
+        yield event(kind, response=final)
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def error_body(status: int, code: str, message: str, param: str = "") -> dict[str, Any]:

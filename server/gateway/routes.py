@@ -18,14 +18,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from rollout.server.gateway import anthropic, openai_chat, responses
-from rollout.server.gateway.conversation import JobConversation, ServedTurn
+from rollout.server.gateway.conversation import JobConversation, Piece, ServedTurn, TextDelta
 from rollout.server.gateway.messages import BadRequest, ChatRequest, Message, RequestLimits
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ class Dialect:
     """``(body, limits, previous)``: ``previous`` is the conversation a Responses request's
     ``previous_response_id`` names (None for the others)."""
     respond: Callable[[ServedTurn, ChatRequest, str, str], dict[str, Any]]
-    stream: Callable[[ServedTurn, ChatRequest, str, str], Iterator[tuple[str, dict[str, Any]]]]
+    stream: Callable[[AsyncIterator[Piece], ChatRequest, str, str],
+                     AsyncIterator[tuple[str, dict[str, Any]]]]
+    """Named (or unnamed) SSE events from the answer's pieces: text as it is generated,
+    then the answer (its calls, its finish)."""
     error_body: ErrorBody
     new_id: Callable[[], str]
     stream_end: bytes = b""
@@ -226,21 +229,100 @@ async def _models(request: web.Request, lease: LeaseResources, _: Any,
 async def _generate(request: web.Request, lease: LeaseResources, body: Any,
                     dialect: Dialect) -> web.StreamResponse:
     parsed = dialect.parse(body, request.app[LIMITS_KEY], _previous(lease, body, dialect))
-    answer = await lease.conversation.serve(parsed)
     answer_id = dialect.new_id()
+    model = parsed.model or lease.conversation.model_name
+    if not parsed.stream:
+        answer = await lease.conversation.serve(parsed)
+        _remember(lease, dialect, parsed, answer, answer_id)
+        return web.json_response(dialect.respond(answer, parsed, model, answer_id))
+    live = _Live()
+    serving = asyncio.ensure_future(lease.conversation.serve_streaming(parsed, live.put))
+    serving.add_done_callback(live.wake)
+    try:
+        pieces = live.pieces(serving)
+        first = await anext(pieces)  # an error before any text is the API's JSON
+        stream = await _sse(request)
+        live.out = stream
+        try:
+            async for name, event in dialect.stream(_chain(first, pieces), parsed, model,
+                                                    answer_id):
+                live.buffer.append(_data(event, name))
+        except (BadRequest, web.HTTPException) as exc:  # after text went out: an error event
+            status = getattr(exc, "status", 500)
+            live.buffer.append(_data(dialect.error_body(
+                status, getattr(exc, "code", "http_error"), str(exc), ""),
+                "error" if dialect is MESSAGES else ""))
+            await live.flush()
+            await stream.write_eof()
+            return stream
+        _remember(lease, dialect, parsed, serving.result()[0], answer_id)
+        live.buffer.append(dialect.stream_end)
+        await live.flush()
+        await stream.write_eof()
+        return stream
+    finally:
+        if not serving.done():  # the client left: the generation stops, its chain rolls back
+            serving.cancel()
+            with contextlib.suppress(BaseException):
+                await serving
+
+
+class _Live:
+    """A streamed request's text pieces, from the generation to the writer, and the writer's
+    buffer. Pieces that arrive while the writer is busy go out joined, as one delta."""
+
+    def __init__(self) -> None:
+        self._waiting: list[TextDelta] = []
+        self._ready = asyncio.Event()
+        self.out: web.StreamResponse | None = None
+        self.buffer: list[bytes] = []
+        """Encoded events not written yet: written together whenever the stream would
+        wait for the generation, and at its end (one write for what is ready at once)."""
+
+    async def flush(self) -> None:
+        if self.out is not None and self.buffer:
+            data = b"".join(self.buffer)
+            self.buffer.clear()
+            await self.out.write(data)
+
+    def put(self, delta: TextDelta) -> None:
+        self._waiting.append(delta)
+        self._ready.set()
+
+    def wake(self, _: Any = None) -> None:
+        self._ready.set()
+
+    async def pieces(self, serving: asyncio.Future[tuple[ServedTurn, str]],
+                     ) -> AsyncIterator[Piece]:
+        sent = False
+        while True:
+            if not self._ready.is_set():
+                await self.flush()
+                await self._ready.wait()
+            self._ready.clear()
+            if self._waiting:
+                waiting, self._waiting = self._waiting, []
+                sent = True
+                yield TextDelta("".join(d.text for d in waiting), waiting[0].prompt_tokens)
+            if serving.done():
+                break
+        answer, rest = serving.result()
+        if sent and rest:
+            yield TextDelta(rest, answer.prompt_tokens)
+        yield answer
+
+
+async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    yield first
+    async for piece in rest:
+        yield piece
+
+
+def _remember(lease: LeaseResources, dialect: Dialect, parsed: ChatRequest,
+              answer: ServedTurn, answer_id: str) -> None:
     if dialect is RESPONSES:
         lease.last_response = (answer_id, [
             *parsed.messages, Message("assistant", answer.content, tuple(answer.tool_calls))])
-    model = parsed.model or lease.conversation.model_name
-    if not parsed.stream:
-        return web.json_response(dialect.respond(answer, parsed, model, answer_id))
-    stream = await _sse(request)
-    for name, event in dialect.stream(answer, parsed, model, answer_id):
-        await stream.write(_data(event, name))
-    if dialect.stream_end:
-        await stream.write(dialect.stream_end)
-    await stream.write_eof()
-    return stream
 
 
 def _previous(lease: LeaseResources, body: Mapping[str, Any],

@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +241,62 @@ class BackendPool:
                 continue
             self._sticky[request.session_id] = backend.name
             return result
+        raise LLMUnavailable(f"turn failed on {len(tried)} backends: {'; '.join(errors)}")
+
+    async def generate_stream(self, request: GenerateRequest,
+                              ) -> AsyncGenerator[GenerateResult, None]:
+        """Route one turn like :meth:`generate` and pass on its tokens as the engine produces
+        them (``runtime.llm.stream_generate``'s pieces). A backend that fails before its first
+        piece is ejected and the turn retried elsewhere; one that fails after sending tokens
+        ends the turn with :class:`LLMUnavailable` (the caller has shown them already)."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        now = time.monotonic()
+        ends = None if request.timeout_s is None else now + max(0.0, request.timeout_s)
+        deadline = now + self.wait_for_backend_s if ends is None else \
+            min(now + self.wait_for_backend_s, ends)
+        while len(tried) < self.max_attempts:
+            try:
+                backend = await self._select(request, tried, deadline)
+            except LLMUnavailable:
+                if ends is not None and time.monotonic() >= ends:
+                    yield GenerateResult([], [], "deadline", request.min_policy_version, "",
+                                         request.sampling.logprobs_mode)
+                    return
+                raise
+            tried.add(backend.name)
+            if request.group_id:
+                self._remember_group(request.group_id, backend.name)
+            turn = request if ends is None else \
+                dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
+            started = False
+            backend.in_flight += 1
+            self._push(backend)
+            try:
+                async with contextlib.aclosing(backend.engine.generate_stream(turn)) as pieces:
+                    async for piece in pieces:
+                        started = True
+                        if piece.finish_reason:
+                            backend.served += 1
+                            self._sticky[request.session_id] = backend.name
+                        yield piece
+                        if piece.finish_reason:
+                            return
+                raise EngineError("the backend's stream ended without a finish reason")
+            except EngineError as exc:
+                errors.append(f"{backend.name}: {exc}")
+                self._eject(backend, str(exc))
+                if self._sticky.get(request.session_id) == backend.name:
+                    del self._sticky[request.session_id]
+                if self._groups.get(request.group_id) == backend.name:
+                    del self._groups[request.group_id]
+                if started:
+                    raise LLMUnavailable(f"{backend.name} failed mid-turn: {exc}") from exc
+            finally:
+                backend.in_flight -= 1
+                if backend.name in self._backends:
+                    self._push(backend)
+                self._notify()
         raise LLMUnavailable(f"turn failed on {len(tried)} backends: {'; '.join(errors)}")
 
     async def end_session(self, session_id: str) -> None:

@@ -7,6 +7,7 @@ The backend pool (``server/llm/backend_pool.py``) owns a set of engines and impl
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from rollout.runtime.llm import GenerateRequest, GenerateResult
@@ -35,6 +36,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Generate one turn. Raises :class:`EngineError` when the backend fails."""
+
+    async def generate_stream(self, request: GenerateRequest,
+                              ) -> AsyncGenerator[GenerateResult, None]:
+        """Generate one turn as it comes: pieces of new tokens, ``finish_reason=""`` on all
+        but the last (see :func:`rollout.runtime.llm.stream_generate`). An engine that cannot
+        stream gives its whole turn as one piece."""
+        yield await self.generate(request)
 
     async def abort(self, session_id: str) -> None:  # noqa: B027 - optional
         """Stop the session's in-flight generation, if any (job cancelled)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,8 @@ class ScriptedEngine(Engine):
 
     def __init__(self, tokenizer: Any, scripts: Script, *, name: str = "scripted",
                  policy_version: int = 0, end_of_turn_id: int | None = None,
-                 latency_s: float = 0.0, turns: dict[str, int] | None = None) -> None:
+                 latency_s: float = 0.0, turns: dict[str, int] | None = None,
+                 token_latency_s: float = 0.0) -> None:
         self.name = name
         self._tokenizer = tokenizer
         self._scripts = scripts
@@ -57,6 +58,9 @@ class ScriptedEngine(Engine):
             raise ValueError("tokenizer has no eos_token_id; pass end_of_turn_id")
         self.end_of_turn_id = eot
         self.latency_s = latency_s
+        self.token_latency_s = token_latency_s
+        """With :meth:`generate_stream`: the wait before each token (a model's decode step),
+        so a streamed turn's first token comes out before its last is produced."""
         self._turns: dict[str, int] = turns if turns is not None else {}
         self._aborts: dict[str, set[asyncio.Event]] = {}
         self._preempted: set[asyncio.Event] = set()
@@ -136,6 +140,41 @@ class ScriptedEngine(Engine):
             return GenerateResult(half, [0.0] * len(half), "deadline", self._version, self.name)
         output, finish = self._cut([*ids, self.end_of_turn_id], request)
         return GenerateResult(output, [0.0] * len(output), finish, self._version, self.name)
+
+    async def generate_stream(self, request: GenerateRequest,
+                              ) -> AsyncGenerator[GenerateResult, None]:
+        """The turn token by token, ``token_latency_s`` apart (abortable). Without a per-token
+        latency, or with a deadline or a preemption to honour, the whole turn comes as one
+        piece from :meth:`generate` (the cut-turn rules live there)."""
+        too_slow = request.timeout_s is not None and \
+            request.timeout_s < self.token_latency_s * (request.max_tokens + 1)
+        if self.token_latency_s <= 0 or self.latency_s > 0 or too_slow:
+            yield await self.generate(request)
+            return
+        self.requests.append(request)
+        sid = request.session_id
+        turn = self._turns.get(sid, 0)
+        message = self.message_for(sid, turn)
+        self._turns[sid] = turn + 1
+        aborted = asyncio.Event()
+        self._aborts.setdefault(sid, set()).add(aborted)
+        try:
+            ids = await asyncio.to_thread(self._encode, message)
+            output, finish = self._cut([*ids, self.end_of_turn_id], request)
+            for i, token in enumerate(output):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.token_latency_s):
+                        await aborted.wait()
+                if aborted.is_set():
+                    yield GenerateResult([], [], "abort", self._version, self.name)
+                    return
+                last = i == len(output) - 1
+                yield GenerateResult([token], [0.0], finish if last else "", self._version,
+                                     self.name)
+        finally:
+            self._aborts[sid].discard(aborted)
+            if not self._aborts[sid]:
+                del self._aborts[sid]
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))

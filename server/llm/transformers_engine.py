@@ -263,6 +263,10 @@ class TransformersEngine(Engine):
             self._give_up(seq)
             raise
 
+    def generate_stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateResult, None]:
+        """The pool's streaming interface: :meth:`stream`."""
+        return self.stream(request)
+
     def _submit(self, request: GenerateRequest) -> _Seq:
         if self._closed:
             raise EngineError(f"{self.name} is closed")
