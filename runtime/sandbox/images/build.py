@@ -48,18 +48,28 @@ MAX_CONTEXT_FILES = 100_000
 
 @dataclass(frozen=True)
 class BuildLimits:
-    """rlimits of every ``RUN`` step (``buildah --ulimit``)."""
+    """rlimits of every ``RUN`` step (``buildah --ulimit``). buildah takes Docker's ulimit
+    names, which have no address-space limit (``as`` is refused, and every ``RUN`` step with
+    it): memory is bounded by the build's timeout and the machine, not here."""
 
     cpu_seconds: int = 3600
     file_size_bytes: int = 8 << 30
     open_files: int = 65536
-    address_space_bytes: int = 16 << 30
 
     def ulimit_args(self) -> list[str]:
-        return [f"--ulimit=cpu={self.cpu_seconds}:{self.cpu_seconds}",
-                f"--ulimit=fsize={self.file_size_bytes}:{self.file_size_bytes}",
-                f"--ulimit=nofile={self.open_files}:{self.open_files}",
-                f"--ulimit=as={self.address_space_bytes}:{self.address_space_bytes}"]
+        # A limit above this process's own hard limit cannot be set (buildah fails the RUN
+        # step with EPERM): each is clamped to what the server itself may raise to.
+        import resource
+
+        def clamp(which: int, value: int) -> int:
+            hard = resource.getrlimit(which)[1]
+            return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+        cpu = clamp(resource.RLIMIT_CPU, self.cpu_seconds)
+        fsize = clamp(resource.RLIMIT_FSIZE, self.file_size_bytes)
+        nofile = clamp(resource.RLIMIT_NOFILE, self.open_files)
+        return [f"--ulimit=cpu={cpu}:{cpu}", f"--ulimit=fsize={fsize}:{fsize}",
+                f"--ulimit=nofile={nofile}:{nofile}"]
 
 
 @dataclass(frozen=True)
