@@ -33,6 +33,8 @@ BENCHES = {
     "pipeline": "what the pipeline itself costs (jobs/s over gRPC vs in-process, memory) and "
                 "whether stages overlap",
     "tools": "bash, IPython and sandbox latency inside bubblewrap, beside tmux and bare bwrap",
+    "images": "container images as sandbox roots: cold fetch + unpack, warm image sandbox "
+              "beside the plain one, concurrent first use of one image",
     "llm": "in-process engine: batching, KV reuse across turns, batched prefill, balancing",
     "swe": "swe INIT with a per-task environment: cold cache (builds the venv) vs warm "
            "(reuses it) vs no task environment, and EVAL of the gold patch",

@@ -1,0 +1,26 @@
+"""``rollout bench images`` runs end to end on a small N and prints its comparison."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from rollout.benchmarks import images
+from tests.fixtures.images import skip_unless_images
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_bench_images_prints_cold_warm_baseline_and_concurrent(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    skip_unless_images()
+    args = images.argparse.Namespace(iterations=3, cold=1, concurrent=3, base=False,
+                                     strict=False)
+    assert images.asyncio.run(images.run(args, Console(width=200))) == 0
+    out = capsys.readouterr().out
+    for row in ("cold: fetch + check + unpack", "warm: image sandbox", "baseline: plain bwrap",
+                "concurrent first use: 3 sandboxes"):
+        assert row in out, out
+    assert "warm image / plain p50:" in out
+    # One fetch served the concurrent first uses: one image in that cache, not three.
+    assert "first use: 1 (one fetch" in " ".join(out.split())
