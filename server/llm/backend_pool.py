@@ -203,6 +203,23 @@ class BackendPool:
         return None
 
     # ----------------------------------------------------------------- LLMClient
+    def _turn_clock(self, request: GenerateRequest) -> tuple[float | None, float]:
+        """(when the turn's own time ends or None, until when to wait for a backend)."""
+        now = time.monotonic()
+        ends = None if request.timeout_s is None else now + max(0.0, request.timeout_s)
+        wait = now + self.wait_for_backend_s
+        return ends, wait if ends is None else min(wait, ends)
+
+    def _failed(self, backend: Backend, request: GenerateRequest, exc: EngineError,
+                errors: list[str]) -> None:
+        """A backend failed a turn: eject it and forget the routes that pointed at it."""
+        errors.append(f"{backend.name}: {exc}")
+        self._eject(backend, str(exc))
+        if self._sticky.get(request.session_id) == backend.name:
+            del self._sticky[request.session_id]
+        if self._groups.get(request.group_id) == backend.name:
+            del self._groups[request.group_id]
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Route one turn (see the module docstring).
 
@@ -212,10 +229,7 @@ class BackendPool:
         """
         tried: set[str] = set()
         errors: list[str] = []
-        now = time.monotonic()
-        ends = None if request.timeout_s is None else now + max(0.0, request.timeout_s)
-        deadline = now + self.wait_for_backend_s if ends is None else \
-            min(now + self.wait_for_backend_s, ends)
+        ends, deadline = self._turn_clock(request)
         while len(tried) < self.max_attempts:
             try:
                 backend = await self._select(request, tried, deadline)
@@ -232,12 +246,7 @@ class BackendPool:
             try:
                 result = await self._dispatch(backend, turn)
             except EngineError as exc:
-                errors.append(f"{backend.name}: {exc}")
-                self._eject(backend, str(exc))
-                if self._sticky.get(request.session_id) == backend.name:
-                    del self._sticky[request.session_id]
-                if self._groups.get(request.group_id) == backend.name:
-                    del self._groups[request.group_id]
+                self._failed(backend, request, exc, errors)
                 continue
             self._sticky[request.session_id] = backend.name
             return result
@@ -251,10 +260,7 @@ class BackendPool:
         ends the turn with :class:`LLMUnavailable` (the caller has shown them already)."""
         tried: set[str] = set()
         errors: list[str] = []
-        now = time.monotonic()
-        ends = None if request.timeout_s is None else now + max(0.0, request.timeout_s)
-        deadline = now + self.wait_for_backend_s if ends is None else \
-            min(now + self.wait_for_backend_s, ends)
+        ends, deadline = self._turn_clock(request)
         while len(tried) < self.max_attempts:
             try:
                 backend = await self._select(request, tried, deadline)
@@ -284,12 +290,7 @@ class BackendPool:
                             return
                 raise EngineError("the backend's stream ended without a finish reason")
             except EngineError as exc:
-                errors.append(f"{backend.name}: {exc}")
-                self._eject(backend, str(exc))
-                if self._sticky.get(request.session_id) == backend.name:
-                    del self._sticky[request.session_id]
-                if self._groups.get(request.group_id) == backend.name:
-                    del self._groups[request.group_id]
+                self._failed(backend, request, exc, errors)
                 if started:
                     raise LLMUnavailable(f"{backend.name} failed mid-turn: {exc}") from exc
             finally:
