@@ -10,6 +10,7 @@ logprobs drawn from a fixed pattern instead of the scripted 0.0, so the page has
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -176,3 +177,36 @@ async def screenshot(page: Any, tmp_path: Path, name: str) -> Path:
         Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
         shutil.copy(out, Path(SCREENSHOTS) / out.name)
     return out
+
+
+@contextlib.asynccontextmanager
+async def live_endpoint(hub: Any, principal: Any, render: Any, *, min_interval_s: float = 0.0,
+                        refresh_s: float = 0.0) -> AsyncIterator[int]:
+    """One live stream (``server/dashboard/live.py``) served alone at ``/live`` on a loopback
+    port, for tests of the stream itself; yields the port."""
+    from aiohttp import web
+
+    from rollout.server.dashboard import live
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await live.stream(request, hub, live.Watcher(hub, principal), render,
+                                 min_interval_s=min_interval_s, refresh_s=refresh_s)
+
+    app = web.Application()
+    app.router.add_get("/live", handler)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def open_live(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection that asked for ``/live`` and read the response's headers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    await writer.drain()
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    return reader, writer

@@ -19,7 +19,9 @@ from tests.server.dashboard.conftest import (
     OPS,
     DashServer,
     call,
+    live_endpoint,
     login,
+    open_live,
     screenshot,
 )
 
@@ -201,8 +203,6 @@ async def test_a_browser_that_stops_reading_is_dropped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A live page whose reader stalls costs the server one bounded write buffer until the
     write times out, then the stream is closed; nothing piles up for it meanwhile."""
-    from aiohttp import web
-
     monkeypatch.setattr(live, "WRITE_TIMEOUT_S", 1.0)
     hub = live.Hub()
     renders = 0
@@ -212,22 +212,8 @@ async def test_a_browser_that_stops_reading_is_dropped(
         renders += 1
         return live.Update([("x", "y" * 256_000)])
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await live.stream(request, hub, live.Watcher(hub, OPERATOR), render,
-                                 min_interval_s=0.0, refresh_s=0.01)
-
-    app = web.Application()
-    app.router.add_get("/live", handler)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        await writer.drain()
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # then never reads
+    async with live_endpoint(hub, OPERATOR, render, refresh_s=0.01) as port:
+        _, writer = await open_live(port)  # then never reads
         for _ in range(300):
             if hub.count == 0 and renders:
                 break
@@ -237,8 +223,6 @@ async def test_a_browser_that_stops_reading_is_dropped(
         await asyncio.sleep(0.5)
         assert renders == stalled_after  # and nothing is rendered for it any more
         writer.close()
-    finally:
-        await runner.cleanup()
 
 
 async def test_with_tls_the_dashboard_speaks_https_and_its_cookie_is_secure(

@@ -8,12 +8,12 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from aiohttp import web
 
 from rollout.runtime.types import JobState
 from rollout.server.dashboard import live
 from rollout.server.dashboard.pages import job_page_complete
 from rollout.server.tenancy.auth import OPERATOR
+from tests.server.dashboard.conftest import live_endpoint, open_live
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,25 +42,10 @@ async def test_a_page_that_connects_gets_the_current_state_before_any_event() ->
         seen.append(changes)
         return live.Update([("state", "FINISHED")], last=True)
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await live.stream(request, hub, live.Watcher(hub, OPERATOR), render,
-                                 min_interval_s=0.0, refresh_s=0)
-
-    app = web.Application()
-    app.router.add_get("/live", handler)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        await writer.drain()
+    async with live_endpoint(hub, OPERATOR, render) as port:
+        reader, writer = await open_live(port)
         body = await asyncio.wait_for(reader.readuntil(b"event: done"), 30)
         writer.close()
-    finally:
-        await runner.cleanup()
     assert b"event: parts" in body and b"FINISHED" in body
     assert b"event: done" in body
     assert seen and seen[0].many

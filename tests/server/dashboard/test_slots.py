@@ -20,6 +20,7 @@ from rollout.server.dashboard.sessions import MAX_SESSIONS_PER_IDENTITY, Session
 from rollout.server.startup import StartupError
 from rollout.server.tenancy.auth import OPERATOR, Authenticator, Principal
 from tests.client.conftest import _no_sandbox, make_config
+from tests.server.dashboard.conftest import live_endpoint, open_live
 
 pytestmark = pytest.mark.timeout(90)
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
@@ -128,8 +129,6 @@ async def test_a_stream_nobody_reads_gives_its_slot_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Only keep-alives go out (nothing changes), the browser reads nothing, and its slot is
     free again after ``MAX_STREAM_S``, however much the socket's buffers still take."""
-    from aiohttp import web
-
     monkeypatch.setattr(live, "KEEPALIVE_S", 0.05)
     monkeypatch.setattr(live, "MAX_STREAM_S", 1.0)
     hub = live.Hub()
@@ -137,34 +136,19 @@ async def test_a_stream_nobody_reads_gives_its_slot_back(
     async def render(_: live.Changes) -> live.Update:
         return live.Update([])
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await live.stream(request, hub, live.Watcher(hub, Principal("alice")), render,
-                                 min_interval_s=0.0, refresh_s=0)
-
-    app = web.Application()
-    app.router.add_get("/live", handler)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     writers = []
-    try:
-        for _ in range(live.MAX_WATCHERS_PER_IDENTITY):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            await writer.drain()
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # then never reads
-            writers.append(writer)
-        assert hub.count == live.MAX_WATCHERS_PER_IDENTITY
-        assert hub.refusal(live.Watcher(hub, Principal("alice")))
-        for _ in range(100):
-            if hub.count == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert hub.count == 0, "unread streams still hold their slots"
-        assert not hub.refusal(live.Watcher(hub, Principal("alice")))
-    finally:
-        for w in writers:
-            w.close()
-        await runner.cleanup()
+    async with live_endpoint(hub, Principal("alice"), render) as port:
+        try:
+            for _ in range(live.MAX_WATCHERS_PER_IDENTITY):
+                writers.append((await open_live(port))[1])  # then never reads
+            assert hub.count == live.MAX_WATCHERS_PER_IDENTITY
+            assert hub.refusal(live.Watcher(hub, Principal("alice")))
+            for _ in range(100):
+                if hub.count == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert hub.count == 0, "unread streams still hold their slots"
+            assert not hub.refusal(live.Watcher(hub, Principal("alice")))
+        finally:
+            for w in writers:
+                w.close()
