@@ -27,23 +27,16 @@ import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 RUNNERS = ("pytest", "django", "sympy", "unittest")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _BY_REPO = {"django/django": "django", "sympy/sympy": "sympy"}
 
-# ``python -m unittest`` would put the repository first on sys.path before unittest is
-# imported: a ``unittest.py`` the agent adds would be the runner. So unittest comes from the
-# interpreter first, then the repository goes in front, as ``-m`` would have put it.
-UNITTEST_LAUNCH = """\
-import sys
-if sys.path and sys.path[0] in ("", "."):
-    del sys.path[0]
-import unittest
-sys.path.insert(0, sys.argv[1])
-unittest.main(module=None, argv=["python -m unittest", *sys.argv[2:]])
-"""
+UNITTEST_LAUNCH = Path(__file__).resolve().parents[1] / "in_sandbox" / "unittest_launch.py"
+"""``python -c`` text that runs unittest with the repository off ``sys.path`` until unittest is
+imported."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +124,7 @@ def command(runner: Runner, python: str, workspace: str, options: tuple[str, ...
     env, opts = split_assignments(runner.options if options is None else options)
     prefix = ["env", *env] if env else []
     if runner.name == "unittest":
-        return [*prefix, python, "-c", UNITTEST_LAUNCH, workspace, *opts, *tests]
+        return [*prefix, python, "-c", UNITTEST_LAUNCH.read_text(), workspace, *opts, *tests]
     return [*prefix, python, runner.script, *opts, *tests]
 
 
@@ -150,6 +143,12 @@ def unittest_name(name: str) -> str:
     """``test_x (mod.Class.test_x)`` (Python >= 3.11) as ``test_x (mod.Class)``."""
     m = _OLD_STYLE.match(name.strip())
     return f"{m.group(1)} ({m.group(2)})" if m else name.strip()
+
+
+def runner_outcome(name: str, outcomes: Mapping[str, str]) -> str:
+    """The outcome of a test named as FAIL_TO_PASS names it for a log-reading runner
+    (``MISSING`` when the record lacks it)."""
+    return outcomes.get(unittest_name(name), "MISSING")
 
 
 _RANK = {"PASSED": 0, "SKIPPED": 1, "FAILED": 2, "ERROR": 3}

@@ -4,16 +4,19 @@ fix 0, and result lines the code under test prints itself earn nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
+from rollout.runtime.envs.grading.verdict import GradeReport, Verdict, verdict
 from rollout.runtime.envs.swe import handler as swe_env
 from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.handler import SweHandler
 from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call
+from tests.runtime.envs.test_swe_exploits import ignore_exit_status
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,7 +121,7 @@ async def test_printed_result_lines_win_when_the_last_line_counts(
     """Control: read the way the harness's parsers read a log (the last line for a test
     wins) and without the exit-status check, the printed lines turn the bug into 1."""
     monkeypatch.setattr(swe_runners, "_worse", lambda old, new: new)
-    monkeypatch.setattr(swe_env, "exit_status_agrees", lambda outcomes, status: True)
+    ignore_exit_status(monkeypatch)
     task, path, line = PRINTED_AT_EXIT[runner]
     result = await rollout(SweHandler(), task, [print_at_exit(task, path, line), SUBMIT])
     assert result.reward.value == 1.0, result.reward.info
@@ -224,3 +227,39 @@ def test_logs_are_read_with_the_worse_outcome_kept() -> None:
     assert outcomes["test_one"] == "PASSED"
     assert outcomes["test_two"] == "FAILED"  # the later "ok" does not undo it
     assert outcomes["test_three"] == "ERROR"
+
+
+# Finding 4: the failures filtered out of the log, then a hang at exit, so the run times out
+# with a log in which every test passed and no exit status to contradict it.
+FILTER_AND_HANG = (
+    "import atexit, sys, time\n\n\nclass _Filter:\n"
+    "    def __init__(self, stream):\n        self.stream = stream\n"
+    "    def write(self, text):\n"
+    "        text = 'ok' if text == 'FAIL' else text.replace('FAIL:', 'note:')\n"
+    "        return self.stream.write(text)\n"
+    "    def __getattr__(self, name):\n        return getattr(self.stream, name)\n\n\n"
+    "sys.stderr = _Filter(sys.stderr)\n"
+    "atexit.register(time.sleep, 600)\n")
+
+
+async def test_a_timed_out_run_earns_0_whatever_its_log_says(rollout: Rollout) -> None:
+    step = call("bash", command=f"cat >> tinydj/__init__.py <<'EOF'\n{FILTER_AND_HANG}EOF\n")
+    task = dict(UNITTEST, test_timeout_s=8)
+    result = await rollout(SweHandler(), task, [step, SUBMIT])
+    assert result.reward.value == 0.0, result.reward.info
+    assert "timed out" in result.reward.info["error"], result.reward.info
+
+
+async def test_a_timed_out_run_wins_when_graded_on_its_partial_log(
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: graded on the partial log with the exit-status check skipped (the previous
+    release), the filtered log and the hang earn 1. The screen is off: it sees the
+    ``sys.stderr`` assignment."""
+    def as_if_it_ended(report: GradeReport) -> Verdict:
+        return verdict(dataclasses.replace(report, timed_out=False, exit_status=0,
+                                           problems=()))
+    monkeypatch.setattr(swe_env, "verdict", as_if_it_ended)
+    step = call("bash", command=f"cat >> tinydj/__init__.py <<'EOF'\n{FILTER_AND_HANG}EOF\n")
+    task = dict(UNITTEST, test_timeout_s=8)
+    result = await rollout(SweHandler(), task, [step, SUBMIT])
+    assert result.reward.value == 1.0, result.reward.info
