@@ -23,12 +23,16 @@ a copy of the agent's working tree without ``.git``:
    ``*.pyo``): Python runs a cached module whose recorded source size and mtime match instead
    of the source, so a ``.pyc`` left by the agent's own test runs (an edit within the same
    second, same size) or planted on purpose would be judged instead of the patch.
-4. The screen: every line the agent's diff adds to a ``.py`` file that is still the agent's
-   is matched against :data:`SCREEN` (imports of the test framework, its runner functions,
-   the grader's names, ``/proc/self/fd``, ...); a match that the file did not already have at
-   ``BASE`` is reported, and the grader scores the run 0. The code under test has no business
-   with the machinery that judges it; a repository whose own code is that machinery (pytest
-   itself, Django's test runner) already mentions it at ``BASE`` and passes.
+4. The screen: every file the agent's change leaves different from ``BASE`` (any text file,
+   not only ``.py``: Python runs whatever some code reads and executes) is read from disk
+   and each line matched against :data:`SCREEN` (imports of the test framework, its runner
+   functions, the grader's names, ``/proc/self/fd``, ...); a match that the file did not
+   already have at ``BASE`` is reported, and the grader scores the run 0. The code under test
+   has no business with the machinery that judges it; a repository whose own code is that
+   machinery (pytest itself, Django's test runner) already mentions it at ``BASE`` and
+   passes. Git is asked only which files changed, with ``.git/info/attributes`` overriding
+   every ``.gitattributes`` of the tree (``*.py -diff`` would make ``git diff`` print
+   "Binary files differ"), and no diff, textconv or filter driver configured.
 5. The test patch is applied (exit 97 when it does not apply).
 
 Prints one JSON line: which files were put back, how many bytecode files were removed, what
@@ -37,7 +41,6 @@ the screen found.
 
 from __future__ import annotations
 
-import codecs
 import configparser
 import json
 import os
@@ -69,6 +72,7 @@ SCREEN = [(re.compile(pattern), why) for pattern, why in (
      "inspects, rewrites or ends its own process"),
 )]
 _MAX_FINDINGS = 20
+_MAX_SCREENED = 4 << 20
 PATCH_FAILED = 97
 _GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
             "GIT_TERMINAL_PROMPT": "0"}
@@ -171,39 +175,56 @@ def is_test_module(name: str) -> bool:
     return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
 
 
-def unquote(name: str) -> str:
-    """A path as git's diff header writes it (C-quoted when it holds odd characters)."""
-    if not (name.startswith('"') and name.endswith('"')):
-        return name
-    return codecs.escape_decode(name[1:-1].encode())[0].decode("utf-8", "replace")
+def neutral_attributes() -> None:
+    """Make git see files as bytes: ``.git/info/attributes`` outranks every
+    ``.gitattributes`` of the tree, so the agent's (``*.py -diff``, a textconv or filter
+    driver, an eol conversion) changes nothing the grader asks git; this ``.git`` has no diff
+    or filter drivers configured, and no system or global configuration is read."""
+    os.makedirs(os.path.join(".git", "info"), exist_ok=True)
+    with open(os.path.join(".git", "info", "attributes"), "w") as f:
+        f.write("* -text -filter -ident -working-tree-encoding -export-subst !diff !eol\n")
+
+
+def changed_files(base: str) -> list[str]:
+    """Every path whose content differs from ``base``, untracked and ignored files included
+    (the agent's ``.gitignore`` must not hide a file from the screen)."""
+    # This .git is the grader's own, so its index may hold the agent's tree.
+    git("add", "--force", "-A")
+    names = git("diff", "--cached", "--name-only", "--no-renames", "-z", base).decode()
+    git("reset", "-q")
+    return [n for n in names.split("\0") if n]
+
+
+def read_text(path: str) -> str | None:
+    """A regular file's text as it is on disk (None: a link, gone, or binary). Every text file
+    is screened, not only ``.py``: Python runs any file some code reads and executes."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read(_MAX_SCREENED)
+    if b"\0" in data[:8192]:
+        return None
+    return data.decode("utf-8", "replace")
 
 
 def screen(base: str, in_base: set[str]) -> list[str]:
-    """What the agent's remaining ``.py`` changes add that reaches into the test machinery
-    (see :data:`SCREEN`), each as ``PATH: why: line``."""
-    # This .git is the grader's own, so its index may hold the agent's tree; --force: the
-    # agent's .gitignore must not hide a file from the screen.
-    git("add", "--force", "-A")
-    diff = git("diff", "--cached", "--no-color", "--no-ext-diff", "--no-renames", "-U0", base,
-               "--", "*.py").decode("utf-8", "replace")
+    """What the agent's remaining changes add that reaches into the test machinery (see
+    :data:`SCREEN`), each as ``PATH: why: line``. Read from the files themselves, never from
+    ``git diff``'s rendering of them."""
     findings: list[str] = []
-    path, before = "", ""
-    for line in diff.splitlines():
-        if line.startswith("+++ "):
-            name = unquote(line[4:])
-            path = name[2:] if name.startswith("b/") else ""
-            before = (git("show", f"{base}:{path}").decode("utf-8", "replace")
-                      if path in in_base else "")
+    for path in changed_files(base):
+        text = read_text(path)
+        if text is None:
             continue
-        if not path or not line.startswith("+") or line.startswith("+++"):
-            continue
-        for pattern, why in SCREEN:
-            if pattern.search(line[1:]) and not pattern.search(before):
-                findings.append(f"{path}: {why}: {line[1:].strip()[:160]}")
-                break
-        if len(findings) >= _MAX_FINDINGS:
-            break
-    git("reset", "-q")
+        before = (git("cat-file", "blob", f"{base}:{path}").decode("utf-8", "replace")
+                  if path in in_base else "")
+        for line in text.splitlines():
+            for pattern, why in SCREEN:
+                if pattern.search(line) and not pattern.search(before):
+                    findings.append(f"{path}: {why}: {line.strip()[:160]}")
+                    break
+            if len(findings) >= _MAX_FINDINGS:
+                return findings
     return findings
 
 
@@ -215,6 +236,7 @@ def is_bytecode(path: str) -> bool:
 def main(argv: list[str]) -> int:
     source, kind, base, patch, *named = argv[1:]
     fresh_git(source, kind, base)
+    neutral_attributes()
     in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
     restored, bytecode = protect(base, set(named), in_base)
     found = screen(base, in_base)
