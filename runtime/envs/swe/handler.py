@@ -71,9 +71,10 @@ from rollout.runtime.envs.common import (
     string_env,
     write_private,
 )
+from rollout.runtime.envs.grading.honeypots import Planted, plant
 from rollout.runtime.envs.grading.isolated import end_agent, open_grader
 from rollout.runtime.envs.grading.pytest_log import files_of, outcome_of, parse_plugin_report
-from rollout.runtime.envs.grading.verdict import GradeReport, Verdict, verdict
+from rollout.runtime.envs.grading.verdict import GradeReport, Honeypots, Verdict, verdict
 from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.repo_cut import cut_at_base
 from rollout.runtime.envs.swe.runners import Runner, runner_outcome
@@ -168,6 +169,11 @@ def reward_of(decided: Verdict, info: Mapping[str, str]) -> Reward:
 
 class SweHandler(AgentHandler):
     name = ENV
+
+    def __init__(self, *, honeypots: bool = True) -> None:
+        self.honeypots = honeypots
+        """Plant honeypot tests at every evaluation (:mod:`...grading.honeypots`); off only
+        for measuring what they cost and for the controls of the tests."""
 
     def validate_task(self, task: Mapping[str, Any]) -> None:
         check_task_object(task, ENV)
@@ -272,7 +278,9 @@ class SweHandler(AgentHandler):
         runner = task_runner(task)
         zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
         src = await write_private(grader, "repo-source", data)
-        patch = await write_private(grader, "test.patch", task["test_patch"])
+        planted = (plant(task["test_patch"], runner.name, f2p + p2p) if self.honeypots
+                   else Planted(task["test_patch"], Honeypots(), ()))
+        patch = await write_private(grader, "test.patch", planted.patch)
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
@@ -296,13 +304,15 @@ class SweHandler(AgentHandler):
             info["import_paths"] = ",".join(paths)
         paths = [posixpath.join(grader.workspace_in_sandbox, p) for p in paths]
         if runner.name == "pytest":
-            run = await self._run_pytest(grader, task, f2p + p2p, timeout, paths)
+            run = await self._run_pytest(grader, task, [*f2p, *p2p, *planted.run_also],
+                                         timeout, paths)
         else:
             run = await self._run_logged(grader, task, runner, timeout, paths)
         info.update(run.info)
+        info["honeypots_planted"] = str(len(planted.honeypots.names))
         report = GradeReport(tuple(f2p), tuple(p2p), run.outcomes, run.exit_status,
                              run.runner_status, run.completed, run.timed_out,
-                             (*problems, *run.problems),
+                             (*problems, *run.problems), planted.honeypots,
                              lookup=outcome_of if runner.name == "pytest" else runner_outcome)
         return reward_of(verdict(report), info)
 
