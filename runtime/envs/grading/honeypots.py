@@ -69,9 +69,39 @@ def _method(name: str, runner: str) -> str:
     return m.group(1) if m else name.strip()
 
 
-def _honeypot_name(runner: str, path: str, anchor: str, named: Sequence[str], new: str
-                   ) -> str:
-    """``new`` named as the runner names the test beside which it is planted (``anchor``)."""
+def _modules(path: str, named: Sequence[str]) -> list[str]:
+    """The dotted modules of named unittest-style tests that ``path`` is (Django labels are
+    relative to ``tests/``, unittest's to the root)."""
+    dotted = path[:-len(".py")].replace("/", ".")
+    found = []
+    for n in named:
+        m = _UNITTEST_NAME.match(n.strip())
+        if m:
+            module = m.group(2).rpartition(".")[0]
+            if dotted == module or dotted.endswith("." + module):
+                found.append(module)
+    return found
+
+
+def _enclosing_class(lines: list[str], at: int, indent: str) -> str:
+    """The class a method added at ``at`` is in: the nearest ``class`` line above it, less
+    indented, in the patch's lines or in a hunk header's context."""
+    for line in reversed(lines[:at]):
+        m = _HUNK.match(line.rstrip("\n"))
+        text = m.group(5).strip() if m else line[1:]
+        c = re.match(r"^(\s*)class (\w+)", text)
+        if c and len(c.group(1)) < len(indent):
+            return c.group(2)
+        if m is None and line[1:].strip() and len(line[1:]) - len(line[1:].lstrip()) < len(
+                indent) and not line[1:].lstrip().startswith(("#", "@", ")")):
+            return ""  # left the class without seeing its line
+    return ""
+
+
+def _honeypot_name(runner: str, path: str, anchor: str, named: Sequence[str], new: str,
+                   cls: str = "") -> str:
+    """``new`` named as the runner names the test beside which it is planted (``anchor``,
+    in class ``cls``)."""
     if runner == "pytest":
         for n in named:
             parts = n.split("::")
@@ -83,7 +113,8 @@ def _honeypot_name(runner: str, path: str, anchor: str, named: Sequence[str], ne
             m = _UNITTEST_NAME.match(n.strip())
             if m and m.group(1) == anchor:
                 return f"{new} ({m.group(2)})"
-        return ""
+        modules = _modules(path, named)
+        return f"{new} ({modules[0]}.{cls})" if modules and cls else ""
     return new
 
 
@@ -123,11 +154,15 @@ def plant(test_patch: str, runner: str, named: Sequence[str]) -> Planted:
             continue
         lines = section.lines
         spot = None
+        # Beside a named test the patch adds; for a unittest-style runner, beside any test
+        # the patch adds to a module a named test is in (a test named by its docstring).
+        in_module = runner in ("django", "unittest") and bool(_modules(section.path, named))
         for i, line in enumerate(lines):
             m = _DEF.match(line[1:]) if line.startswith("+") else None
-            if m and m.group(2) in methods:
+            if m and (m.group(2) in methods or in_module):
                 spot = (i, m.group(1), m.group(2))
-                break
+                if m.group(2) in methods:
+                    break
         if spot is None:
             continue
         at, indent, anchor = spot
@@ -141,7 +176,8 @@ def plant(test_patch: str, runner: str, named: Sequence[str]) -> Planted:
         names: list[tuple[str, bool]] = []
         for holds in secrets.SystemRandom().sample((False, True), 2):
             name = _fresh_name(words, taken)
-            full = _honeypot_name(runner, section.path, anchor, named, name)
+            full = _honeypot_name(runner, section.path, anchor, named, name,
+                                  _enclosing_class(lines, spot[0], indent))
             if not full:
                 continue
             names.append((full, holds))

@@ -46,6 +46,7 @@ docs/grading.md lists the checks and what they cannot stop. """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import posixpath
 import re
@@ -53,7 +54,7 @@ import secrets
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,8 @@ class TestRun:
     timed_out: bool
     problems: tuple[str, ...]
     info: Mapping[str, str]
+    docs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """First docstring line -> tests it describes (unittest-style runners)."""
 
 
 def _status(run: Any) -> int | None:
@@ -313,7 +316,8 @@ class SweHandler(AgentHandler):
         report = GradeReport(tuple(f2p), tuple(p2p), run.outcomes, run.exit_status,
                              run.runner_status, run.completed, run.timed_out,
                              (*problems, *run.problems), planted.honeypots,
-                             lookup=outcome_of if runner.name == "pytest" else runner_outcome)
+                             lookup=outcome_of if runner.name == "pytest" else functools.partial(
+                                 runner_outcome, docs=run.docs))
         return reward_of(verdict(report), info)
 
     async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
@@ -367,17 +371,35 @@ class SweHandler(AgentHandler):
                                    grader.workspace_in_sandbox, options,
                                    swe_runners.directives(runner,
                                                           patched_files(task["test_patch"])))
+        report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
+        env[swe_runners.REPORT_VAR] = report
         run = await grader.exec(
             ["bash", "-c", 'exec "$@" 2>&1', "run-tests", *argv],
             timeout=timeout, cwd=grader.workspace_in_sandbox, env=env, max_output=4 << 20)
         await grader.stop_processes()
-        outcomes, parser = swe_runners.parse_log(runner, run.output)
+        raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
+                                max_output=_MAX_REPORT + 1)
+        record = swe_runners.parse_record(raw.stdout) if raw.ok else None
+        logged, parser = swe_runners.parse_log(runner, run.output)
         info = {"exit_status": str(run.exit_code), "parser": parser}
+        problems: list[str] = []
+        if record is None:
+            info["log"] = run.output[-1000:]
+            return TestRun({}, _status(run), None, False, run.timed_out, (), info)
+        if record.tampered:
+            problems.append("the code under test replaced the test runner's functions while "
+                            "the tests ran")
+            info["tampered"] = "; ".join(record.tampered)[:1000]
+        if runner.name == "sympy":  # no TestResult: the log, from a run that reached its end
+            outcomes = logged
+        else:
+            outcomes = swe_runners.cross_checked(record, logged)
+            info["parser"] = f"recorder+{parser}"
         if not outcomes:
             info["log"] = run.output[-1000:]
-            return TestRun({}, _status(run), None, True, run.timed_out,
-                           (f"the {runner.name} runner's log names no test",), info)
-        return TestRun(outcomes, _status(run), None, True, run.timed_out, (), info)
+            problems.append(f"the {runner.name} runner recorded no test")
+        return TestRun(outcomes, _status(run), record.exitstatus, True, run.timed_out,
+                       tuple(problems), info, record.docs)
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
