@@ -32,15 +32,18 @@ started. The test patch stays on the host until EVAL, which grades where the age
 (:mod:`rollout.runtime.envs.grading.isolated`): a fresh sandbox (its own uid when the server is
 root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file a
 test runner loads by configuration, the test directories of the named tests and of the test
-patch, and the runner's own files are put back to ``base_commit``, the agent's diff is screened
-for code that reaches into the test framework or the grader, then the test patch applied
-(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`). pytest runs only the named tests (their
-node ids), with plugin autoload off; their outcomes come from a report file
-(:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every process of the
-run is dead, never from stdout, and the plugin checks the runner's own functions while the tests
-run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
-their logs (:mod:`rollout.runtime.envs.swe.runners`). Reward 1 iff every FAIL_TO_PASS and every
-PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found tampering;
+patch, the runner's own files and the test machinery they import are put back to
+``base_commit``, the agent's changed files are screened for code that reaches into the test
+framework or the grader, then the test patch applied, with honeypot tests planted in it
+(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). pytest
+runs only the named tests (their node ids), with plugin autoload off; their outcomes come from a
+report file (:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every
+process of the run is dead, never from stdout, and the plugin checks the runner's own functions
+while the tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
+start through a recorder of unittest's results, their logs only a cross-check
+(:mod:`rollout.runtime.envs.swe.runners`). One :class:`GradeReport` holds what the run left and
+:func:`verdict` decides. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test PASSED (an
+expected failure or a skip does not) and no check found tampering;
 docs/grading.md lists the checks and what they cannot stop. """
 
 from __future__ import annotations
@@ -287,7 +290,8 @@ class SweHandler(AgentHandler):
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
-             *protected_paths(task, runner, f2p + p2p)],
+             *protected_paths(task, runner, f2p + p2p),
+             *(f"imports:{p}" for p in import_roots(task, runner, f2p + p2p))],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
@@ -451,6 +455,16 @@ def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -
                 out.add("/".join(parts[:i + 1]) + "/")
                 break
     return sorted(out)
+
+
+def import_roots(task: Mapping[str, Any], runner: Runner, named: list[str]) -> list[str]:
+    """Files whose imports lead to the test machinery the grading tree restores: the runner's
+    script and the test files (of the test patch and of the named pytest tests)."""
+    files = [runner.script] if runner.script else []
+    files += [f for f in patched_files(task["test_patch"]) if f.endswith(".py")]
+    if runner.name == "pytest":
+        files += files_of(named)
+    return list(dict.fromkeys(files))
 
 
 def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:

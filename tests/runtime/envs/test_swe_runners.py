@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from rollout.runtime.envs.swe.handler import SweHandler
 from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import InvalidArgument
 from tests.runtime.envs.conftest import Rollout, call
-from tests.runtime.envs.test_swe_exploits import ignore_exit_status
+from tests.runtime.envs.test_swe_exploits import ignore_exit_status, unprotect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -315,3 +316,30 @@ async def test_control_read_from_the_log_a_printed_ok_forges_a_docstring_named_t
     forged = await rollout(SweHandler(honeypots=False), DOCSTRINGS, [PRINTS_OK, SUBMIT])
     assert forged.reward.value == 1.0, forged.reward.info
     assert forged.reward.info["exit_status"] == "1"
+
+
+# Finding 5: the shipped SymPy-style runner's own module is not in the hand list of runner
+# files; made to run no test, every test "passes" and the runner exits 0.
+RUNNER_RUNS_NOTHING = [
+    edit("tinysym/testing/runtests.py", "            try:\n                func()\n",
+         "            try:\n                pass\n"),
+    edit("tinysym/testing/pytest.py", "def raises(expected, code):\n",
+         "def raises(expected, code):  # helper\n"),
+]
+NO_DERIVED_SUPPORT = ("tree", "    support = support_modules(base, roots, patch, in_base)\n",
+                      "    support = set()\n")
+
+
+async def test_test_machinery_the_runner_imports_is_restored(rollout: Rollout) -> None:
+    # The honeypots would catch it too: off, so the restore alone decides.
+    result = await rollout(SweHandler(honeypots=False), SYMPY, [*RUNNER_RUNS_NOTHING, SUBMIT])
+    assert result.reward.value == 0.0, result.reward.info
+    restored = result.reward.info["restored"].split(",")
+    assert {"tinysym/testing/runtests.py", "tinysym/testing/pytest.py"} <= set(restored)
+
+
+async def test_control_a_runner_module_left_as_the_agent_made_it_earns_1(
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    unprotect(monkeypatch, tmp_path, NO_DERIVED_SUPPORT)
+    result = await rollout(SweHandler(honeypots=False), SYMPY, [*RUNNER_RUNS_NOTHING, SUBMIT])
+    assert result.reward.value == 1.0, result.reward.info
