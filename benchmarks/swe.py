@@ -10,7 +10,8 @@ Measured in one run on this machine, on one shipped task whose environment must 
 * baseline: INIT of the same task without its environment (the server's interpreter), which
   is what INIT does for a task without one;
 * EVAL of the gold patch on the warm environment: stop the agent, copy its workspace into a
-  grading sandbox, fresh ``.git`` at base, restore, test patch, the named tests.
+  grading sandbox, fresh ``.git`` at base, restore, test patch, the named tests; with the
+  honeypot tests planted (the default) and, interleaved as its baseline, without them.
 
 The wheelhouse must hold the task's packages (``python -m rollout.runtime.tasksets.shipped prepare
 runtime/envs/data/swe.jsonl`` fills it; registry access is needed only that once).
@@ -71,8 +72,9 @@ async def _init_once(task: Mapping[str, Any], factory: Any, i: int) -> float:
         return (time.perf_counter() - started) * 1000
 
 
-async def _eval_gold(task: Mapping[str, Any], factory: Any, i: int) -> float:
-    handler = SweHandler()
+async def _eval_gold(task: Mapping[str, Any], factory: Any, i: int, *,
+                     honeypots: bool = True) -> float:
+    handler = SweHandler(honeypots=honeypots)
     ctx = _ctx(task, factory, i)
     async with ctx.resources:
         await handler.init(ctx)
@@ -109,7 +111,11 @@ async def run(task_id: str, cold: int, warm: int) -> list[Row]:
         for i in range(warm):
             warm_ms.append(await _init_once(task, factory, i))
             baseline.append(await _init_once(plain, factory, i))
-        eval_ms = [await _eval_gold(task, factory, i) for i in range(max(3, warm // 3))]
+        # With and without the honeypot tests, interleaved: the same machine load for both.
+        eval_ms, eval_plain = [], []
+        for i in range(max(3, warm // 3)):
+            eval_ms.append(await _eval_gold(task, factory, i))
+            eval_plain.append(await _eval_gold(task, factory, i, honeypots=False))
     finally:
         if previous is None:
             os.environ.pop("ROLLOUT_SWE_ENV_CACHE", None)
@@ -119,7 +125,8 @@ async def run(task_id: str, cold: int, warm: int) -> list[Row]:
     return [Row("INIT, cold env cache (builds the venv)", cold_ms),
             Row("INIT, warm env cache (same repository again)", warm_ms),
             Row("baseline: INIT without the task's environment", baseline),
-            Row("EVAL of the gold patch (grading sandbox, warm env)", eval_ms)]
+            Row("EVAL of the gold patch (grading sandbox, warm env)", eval_ms),
+            Row("baseline: the same EVAL without honeypot tests", eval_plain)]
 
 
 def render(rows: list[Row], task_id: str, console: Console) -> None:
@@ -132,6 +139,9 @@ def render(rows: list[Row], task_id: str, console: Console) -> None:
     cold, warm, base = rows[0], rows[1], rows[2]
     console.print(f"warm INIT is {cold.p50 / warm.p50:.0f}x faster than cold and costs "
                   f"{warm.p50 - base.p50:+.0f} ms against INIT without an environment")
+    honey, plain = rows[3], rows[4]
+    console.print(f"EVAL with honeypot tests is {honey.p50 / plain.p50:.2f}x the EVAL without "
+                  "(goal <= 1.2x)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,9 +186,9 @@ class BwrapSandbox(Sandbox):
         if rootfs is None and image is None:
             # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
             # inside although the sandbox gets a /tmp of its own.
-            for prefix in interpreters:
-                if prefix.startswith("/tmp/"):
-                    mounts += view.ro_bind_below(prefix, "/tmp/")
+            # Masks inside it follow (a wheel install keeps the service's package in it).
+            mounts += view.rebinds_below(interpreters, "/tmp/",
+                                         view.never_visible(state, config.hide_paths))
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         for host, inside, writable in extra_binds:

@@ -34,6 +34,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -161,37 +162,106 @@ def never_visible(state_dir: str, hide: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(paths))
 
 
+@dataclass(frozen=True)
+class HostView:
+    """What of the host a minimal view holds, as one value: the trees bound read-only and the
+    paths covered wherever a bound tree holds them. :meth:`args` is the only place that orders
+    them, and it puts every mask after every bind that holds it (a mask emitted before the bind
+    of a tree that contains it is undone by that bind: a wheel install in a venv outside
+    ``/usr`` keeps the service's package, shipped task data included, inside the interpreter's
+    tree, and binding the interpreter after the mask showed it again)."""
+
+    system: tuple[str, ...]
+    """Host trees (``/usr``, ``/bin`` ...): bound, or recreated as the links they are."""
+    etc_dir: str
+    """The curated ``/etc`` (see :func:`curated_etc`)."""
+    visible: tuple[str, ...] = ()
+    """Operator-added trees (``visible_paths``)."""
+    interpreters: tuple[str, ...] = ()
+    """Interpreter prefixes (venv, base installation), each bound alone at its own path."""
+    masked: tuple[str, ...] = ()
+    """Paths covered by an empty tmpfs wherever a bound tree holds them."""
+
+    def binds(self) -> list[tuple[str, str]]:
+        """(kind, path) of each tree bound, in the order they are decided: ``symlink``
+        (system links), ``bind`` (a tree bound read-only at its own path)."""
+        out: list[tuple[str, str]] = []
+        bound: list[str] = []
+        for path in self.system:
+            if os.path.islink(path):
+                out.append(("symlink", path))
+            elif os.path.isdir(path):
+                out.append(("bind", path))
+                bound.append(path)
+        for path in self.visible:
+            real = os.path.realpath(path)
+            if os.path.exists(real) and not any(_is_under(real, b) for b in bound):
+                out.append(("bind", real))
+                bound.append(real)
+        for prefix in self.interpreters:
+            # Alone, even inside a tree that is bound but masked (the server's venv inside
+            # its checkout, the checkout itself bound by ``visible``).
+            if os.path.isdir(prefix) and (not any(_is_under(prefix, b) for b in bound) or any(
+                    _is_under(prefix, m) for m in self.masked)):
+                out.append(("bind", prefix))
+                bound.append(prefix)
+        return out
+
+    def masks(self) -> list[str]:
+        """The masked paths some bound tree holds (a mask over nothing bound is not needed)."""
+        bound = [p for kind, p in self.binds() if kind == "bind"]
+        return [m for m in self.masked
+                if os.path.isdir(m) and any(_is_under(m, b) and m != b for b in bound)]
+
+    def args(self) -> tuple[str, ...]:
+        """bwrap arguments: the root tmpfs, ``/etc``, ``/proc``, ``/dev``, the binds, then the
+        masks. A bind that lies inside a mask (an interpreter inside a masked checkout) is the
+        one exception a mask does not cover, so binds and masks are emitted by depth, a mask
+        after the binds of its own depth: every mask comes after every bind that holds it, and
+        a bind inside a mask after that mask (and before the masks inside it)."""
+        head: list[str] = ["--tmpfs", "/"]
+        ops: list[tuple[int, int, str, list[str]]] = []
+        for kind, path in self.binds():
+            if kind == "symlink":
+                head += ["--symlink", os.readlink(path), path]
+            elif path in self.system:
+                head += ["--ro-bind", path, path]
+            else:
+                bind = ro_bind_below(path, "/") if os.path.isdir(path) else [
+                    "--ro-bind", path, path]
+                ops.append((_depth(path), 0, path, bind))
+        head += ["--ro-bind", self.etc_dir, "/etc", "--proc", "/proc", "--dev", "/dev"]
+        for path in self.masks():
+            ops.append((_depth(path), 1, path, ["--tmpfs", path]))
+        ops.sort(key=lambda op: op[:3])
+        return (*head, *(arg for *_, args in ops for arg in args))
+
+
+def _depth(path: str) -> int:
+    return len([p for p in path.split("/") if p])
+
+
 @functools.lru_cache(maxsize=16)
 def minimal_binds(state_dir: str, etc_dir: str, system: tuple[str, ...],
                   visible: tuple[str, ...], masked: tuple[str, ...],
                   interpreters: tuple[str, ...]) -> tuple[str, ...]:
     """bwrap arguments of a minimal root (cached: the same for every sandbox of a server)."""
-    args: list[str] = ["--tmpfs", "/"]
-    bound: list[str] = []
-    for path in system:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-            bound.append(path)
-    args += ["--ro-bind", etc_dir, "/etc", "--proc", "/proc", "--dev", "/dev"]
-    for path in visible:
-        real = os.path.realpath(path)
-        if os.path.exists(real) and not any(_is_under(real, b) for b in bound):
-            args += ro_bind_below(real, "/") if os.path.isdir(real) else [
-                "--ro-bind", real, real]
-            bound.append(real)
-    for path in masked:
-        if os.path.isdir(path) and any(_is_under(path, b) and path != b for b in bound):
-            args += ["--tmpfs", path]
-    # Last: an interpreter inside a masked tree (the server's venv inside its checkout, the
-    # checkout itself bound by ``visible``) is bound back alone.
-    for prefix in interpreters:
-        if not any(_is_under(prefix, b) for b in bound) or any(
-                _is_under(prefix, m) for m in masked):
-            args += ro_bind_below(prefix, "/")
-            bound.append(prefix)
-    return tuple(args)
+    return HostView(system, etc_dir, visible, interpreters, masked).args()
+
+
+def rebinds_below(prefixes: Iterable[str], under: str, masked: Iterable[str]
+                  ) -> list[str]:
+    """Bind each of ``prefixes`` that lies below ``under`` (a tree the sandbox replaces, such
+    as its own ``/tmp``) back in, then the masks inside them: after the binds, as
+    :meth:`HostView.args`."""
+    args: list[str] = []
+    back = [p for p in prefixes if p.startswith(under)]
+    for prefix in back:
+        args += ro_bind_below(prefix, under)
+    for mask in masked:
+        if os.path.isdir(mask) and any(_is_under(mask, p) for p in back):
+            args += ["--tmpfs", mask]
+    return args
 
 
 @functools.lru_cache(maxsize=8)

@@ -249,7 +249,8 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
         started = time.monotonic()
         env_dir, built = await ensure_env(spec, factory, checkout)
         rows.append({"task": task_key(task), "env": spec.key, "built": built,
-                     "seconds": round(time.monotonic() - started, 2), "path": str(env_dir)})
+                     "seconds": round(time.monotonic() - started, 2), "path": str(env_dir),
+                     **({"lock": str(env_dir / "lock.txt")} if spec.pip_packages else {})})
     rows.append({"fetched": fetched})
     return rows
 

@@ -1,8 +1,10 @@
 """Builds the swe grading tree. Runs INSIDE the grading sandbox, stdlib only, before any code
 of the agent runs there.
 
-``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [PATH ...]`` in a directory that holds
-a copy of the agent's working tree without ``.git``:
+``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [PATH ...] [imports:FILE ...]`` in a
+directory that holds a copy of the agent's working tree without ``.git`` (each
+``imports:FILE``, the runner's script and the test files, is where :func:`support_modules`
+starts: the test machinery they import is put back like each ``PATH``):
 
 1. A fresh ``.git`` from the task's source (``KIND`` bundle or archive), reset to ``BASE`` with
    the working tree left as the agent made it: the agent's diff over a clean base, with none of
@@ -23,12 +25,16 @@ a copy of the agent's working tree without ``.git``:
    ``*.pyo``): Python runs a cached module whose recorded source size and mtime match instead
    of the source, so a ``.pyc`` left by the agent's own test runs (an edit within the same
    second, same size) or planted on purpose would be judged instead of the patch.
-4. The screen: every line the agent's diff adds to a ``.py`` file that is still the agent's
-   is matched against :data:`SCREEN` (imports of the test framework, its runner functions,
-   the grader's names, ``/proc/self/fd``, ...); a match that the file did not already have at
-   ``BASE`` is reported, and the grader scores the run 0. The code under test has no business
-   with the machinery that judges it; a repository whose own code is that machinery (pytest
-   itself, Django's test runner) already mentions it at ``BASE`` and passes.
+4. The screen: every file the agent's change leaves different from ``BASE`` (any text file,
+   not only ``.py``: Python runs whatever some code reads and executes) is read from disk
+   and each line matched against :data:`SCREEN` (imports of the test framework, its runner
+   functions, the grader's names, ``/proc/self/fd``, ...); a match that the file did not
+   already have at ``BASE`` is reported, and the grader scores the run 0. The code under test
+   has no business with the machinery that judges it; a repository whose own code is that
+   machinery (pytest itself, Django's test runner) already mentions it at ``BASE`` and
+   passes. Git is asked only which files changed, with ``.git/info/attributes`` overriding
+   every ``.gitattributes`` of the tree (``*.py -diff`` would make ``git diff`` print
+   "Binary files differ"), and no diff, textconv or filter driver configured.
 5. The test patch is applied (exit 97 when it does not apply).
 
 Prints one JSON line: which files were put back, how many bytecode files were removed, what
@@ -37,7 +43,7 @@ the screen found.
 
 from __future__ import annotations
 
-import codecs
+import ast
 import configparser
 import json
 import os
@@ -69,6 +75,7 @@ SCREEN = [(re.compile(pattern), why) for pattern, why in (
      "inspects, rewrites or ends its own process"),
 )]
 _MAX_FINDINGS = 20
+_MAX_SCREENED = 4 << 20
 PATCH_FAILED = 97
 _GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
             "GIT_TERMINAL_PROMPT": "0"}
@@ -171,39 +178,56 @@ def is_test_module(name: str) -> bool:
     return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
 
 
-def unquote(name: str) -> str:
-    """A path as git's diff header writes it (C-quoted when it holds odd characters)."""
-    if not (name.startswith('"') and name.endswith('"')):
-        return name
-    return codecs.escape_decode(name[1:-1].encode())[0].decode("utf-8", "replace")
+def neutral_attributes() -> None:
+    """Make git see files as bytes: ``.git/info/attributes`` outranks every
+    ``.gitattributes`` of the tree, so the agent's (``*.py -diff``, a textconv or filter
+    driver, an eol conversion) changes nothing the grader asks git; this ``.git`` has no diff
+    or filter drivers configured, and no system or global configuration is read."""
+    os.makedirs(os.path.join(".git", "info"), exist_ok=True)
+    with open(os.path.join(".git", "info", "attributes"), "w") as f:
+        f.write("* -text -filter -ident -working-tree-encoding -export-subst !diff !eol\n")
+
+
+def changed_files(base: str) -> list[str]:
+    """Every path whose content differs from ``base``, untracked and ignored files included
+    (the agent's ``.gitignore`` must not hide a file from the screen)."""
+    # This .git is the grader's own, so its index may hold the agent's tree.
+    git("add", "--force", "-A")
+    names = git("diff", "--cached", "--name-only", "--no-renames", "-z", base).decode()
+    git("reset", "-q")
+    return [n for n in names.split("\0") if n]
+
+
+def read_text(path: str) -> str | None:
+    """A regular file's text as it is on disk (None: a link, gone, or binary). Every text file
+    is screened, not only ``.py``: Python runs any file some code reads and executes."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read(_MAX_SCREENED)
+    if b"\0" in data[:8192]:
+        return None
+    return data.decode("utf-8", "replace")
 
 
 def screen(base: str, in_base: set[str]) -> list[str]:
-    """What the agent's remaining ``.py`` changes add that reaches into the test machinery
-    (see :data:`SCREEN`), each as ``PATH: why: line``."""
-    # This .git is the grader's own, so its index may hold the agent's tree; --force: the
-    # agent's .gitignore must not hide a file from the screen.
-    git("add", "--force", "-A")
-    diff = git("diff", "--cached", "--no-color", "--no-ext-diff", "--no-renames", "-U0", base,
-               "--", "*.py").decode("utf-8", "replace")
+    """What the agent's remaining changes add that reaches into the test machinery (see
+    :data:`SCREEN`), each as ``PATH: why: line``. Read from the files themselves, never from
+    ``git diff``'s rendering of them."""
     findings: list[str] = []
-    path, before = "", ""
-    for line in diff.splitlines():
-        if line.startswith("+++ "):
-            name = unquote(line[4:])
-            path = name[2:] if name.startswith("b/") else ""
-            before = (git("show", f"{base}:{path}").decode("utf-8", "replace")
-                      if path in in_base else "")
+    for path in changed_files(base):
+        text = read_text(path)
+        if text is None:
             continue
-        if not path or not line.startswith("+") or line.startswith("+++"):
-            continue
-        for pattern, why in SCREEN:
-            if pattern.search(line[1:]) and not pattern.search(before):
-                findings.append(f"{path}: {why}: {line[1:].strip()[:160]}")
-                break
-        if len(findings) >= _MAX_FINDINGS:
-            break
-    git("reset", "-q")
+        before = (git("cat-file", "blob", f"{base}:{path}").decode("utf-8", "replace")
+                  if path in in_base else "")
+        for line in text.splitlines():
+            for pattern, why in SCREEN:
+                if pattern.search(line) and not pattern.search(before):
+                    findings.append(f"{path}: {why}: {line.strip()[:160]}")
+                    break
+            if len(findings) >= _MAX_FINDINGS:
+                return findings
     return findings
 
 
@@ -212,11 +236,110 @@ def is_bytecode(path: str) -> bool:
             or "__pycache__" in os.path.normpath(path).split(os.sep)[:-1])
 
 
+_SUPPORT_DIRS = re.compile(r"tests?|testing|test_?tools|test_?utils|testutils|tests?_\w+|"
+                           r"\w+_tests?")
+_SUPPORT_FILES = re.compile(r"(?:conftest|runtests|testing|test_?tools|test_?utils|"
+                            r"test_\w+|\w+_tests?)\.py")
+
+
+def is_support(path: str) -> bool:
+    """Test machinery by its place: a module in a test folder (``tests``, ``testing``,
+    ``test_tools``, ...), or a runner / helper / test module by name. ``test`` alone is not
+    one: Django's ``django/test/`` is the library's product, which fixes may change."""
+    *dirs, name = path.split("/")
+    return (any(d != "test" and _SUPPORT_DIRS.fullmatch(d) for d in dirs)
+            or bool(_SUPPORT_FILES.fullmatch(name)))
+
+
+def _imports(source: str) -> list[tuple[str, int]]:
+    """(dotted name, relative level) of every import, submodule candidates of ``from X
+    import a`` included."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        found = re.findall(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", source,
+                           re.MULTILINE)
+        return [(a or b, 0) for a, b in found]
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            out.append((module, node.level))
+            out += [(f"{module}.{a.name}" if module else a.name, node.level)
+                    for a in node.names]
+    return out
+
+
+def _resolve(name: str, level: int, importer: str, in_base: set[str]) -> list[str]:
+    """The repository files an import loads: the module and its packages' ``__init__.py``,
+    searched where the runners put the repository (its root, ``tests/``, ``src/``, the
+    importer's folder)."""
+    folder = os.path.dirname(importer)
+    if level:
+        for _ in range(level - 1):
+            folder = os.path.dirname(folder)
+        roots = [folder + "/" if folder else ""]
+    else:
+        roots = ["", "tests/", "src/", folder + "/" if folder else ""]
+    parts = [p for p in name.split(".") if p]
+    for root in dict.fromkeys(roots):
+        files = []
+        for i in range(1, len(parts) + 1):
+            stem = root + "/".join(parts[:i])
+            if f"{stem}/__init__.py" in in_base:
+                files.append(f"{stem}/__init__.py")
+            elif f"{stem}.py" in in_base and i == len(parts):
+                files.append(f"{stem}.py")
+            elif i == 1:
+                break
+        if files:
+            return files
+    return []
+
+
+def support_modules(base: str, roots: list[str], patch: str, in_base: set[str]) -> set[str]:
+    """The test machinery of the repository that the runner and the test files import, as
+    ``BASE`` has them (and as the test patch adds imports): each imported module that
+    :func:`is_support` calls machinery, and what those import in turn, never following the
+    library code the tests exercise."""
+    todo: list[tuple[str, str]] = []
+    for path in roots:
+        if path in in_base:
+            todo.append((path, git("cat-file", "blob", f"{base}:{path}").decode(
+                "utf-8", "replace")))
+    with open(patch, encoding="utf-8", errors="replace") as f:
+        current = ""
+        for line in f:
+            if line.startswith("+++ b/"):
+                current = line[6:].strip()
+            elif line.startswith("+") and current:
+                todo.append((current, line[1:].strip()))
+    found: set[str] = set()
+    seen: set[str] = set()
+    while todo:
+        importer, source = todo.pop()
+        for name, level in _imports(source):
+            for target in _resolve(name, level, importer, in_base):
+                if target in found or target in seen or not is_support(target):
+                    continue
+                found.add(target)
+                seen.add(target)
+                todo.append((target, git("cat-file", "blob", f"{base}:{target}").decode(
+                    "utf-8", "replace")))
+    return found
+
+
 def main(argv: list[str]) -> int:
     source, kind, base, patch, *named = argv[1:]
+    roots = [n[len("imports:"):] for n in named if n.startswith("imports:")]
+    named = [n for n in named if not n.startswith("imports:")]
     fresh_git(source, kind, base)
+    neutral_attributes()
     in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
-    restored, bytecode = protect(base, set(named), in_base)
+    support = support_modules(base, roots, patch, in_base)
+    restored, bytecode = protect(base, set(named) | support, in_base)
     found = screen(base, in_base)
     # A src/ layout: packages under src/ that the checkout's root does not have.
     under_src = {p.split("/")[1] for p in in_base if p.startswith("src/") and p.count("/") == 2
@@ -229,6 +352,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(proc.stderr)
         return PATCH_FAILED
     sys.stdout.write(json.dumps({"restored": restored, "bytecode_removed": bytecode,
+                                 "support": sorted(support),
                                  "screen": found,
                                  "import_paths": ["src"] if under_src - at_root else []}) + "\n")
     return 0

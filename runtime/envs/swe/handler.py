@@ -32,20 +32,24 @@ started. The test patch stays on the host until EVAL, which grades where the age
 (:mod:`rollout.runtime.envs.grading.isolated`): a fresh sandbox (its own uid when the server is
 root) gets a copy of the agent's tree over a fresh ``.git`` at ``base_commit``; every file a
 test runner loads by configuration, the test directories of the named tests and of the test
-patch, and the runner's own files are put back to ``base_commit``, the agent's diff is screened
-for code that reaches into the test framework or the grader, then the test patch applied
-(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`). pytest runs only the named tests (their
-node ids), with plugin autoload off; their outcomes come from a report file
-(:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every process of the
-run is dead, never from stdout, and the plugin checks the runner's own functions while the tests
-run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest`` report through
-their logs (:mod:`rollout.runtime.envs.swe.runners`). Reward 1 iff every FAIL_TO_PASS and every
-PASS_TO_PASS test PASSED (an expected failure or a skip does not) and no check found tampering;
+patch, the runner's own files and the test machinery they import are put back to
+``base_commit``, the agent's changed files are screened for code that reaches into the test
+framework or the grader, then the test patch applied, with honeypot tests planted in it
+(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). pytest
+runs only the named tests (their node ids), with plugin autoload off; their outcomes come from a
+report file (:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every
+process of the run is dead, never from stdout, and the plugin checks the runner's own functions
+while the tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
+start through a recorder of unittest's results, their logs only a cross-check
+(:mod:`rollout.runtime.envs.swe.runners`). One :class:`GradeReport` holds what the run left and
+:func:`verdict` decides. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test PASSED (an
+expected failure or a skip does not) and no check found tampering;
 docs/grading.md lists the checks and what they cannot stop. """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import posixpath
 import re
@@ -53,6 +57,7 @@ import secrets
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +75,14 @@ from rollout.runtime.envs.common import (
     string_env,
     write_private,
 )
+from rollout.runtime.envs.grading.honeypots import Planted, plant
 from rollout.runtime.envs.grading.isolated import end_agent, open_grader
-from rollout.runtime.envs.grading.pytest_log import (
-    PASSING,
-    files_of,
-    judge,
-    outcome_of,
-    parse_plugin_report,
-)
+from rollout.runtime.envs.grading.pytest_log import files_of, outcome_of, parse_plugin_report
+from rollout.runtime.envs.grading.verdict import GradeReport, Honeypots, Verdict, verdict
 from rollout.runtime.envs.swe import images as swe_images
 from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.repo_cut import cut_at_base
-from rollout.runtime.envs.swe.runners import Runner
+from rollout.runtime.envs.swe.runners import Runner, runner_outcome
 from rollout.runtime.envs.swe.taskenv import EnvSpec, ensure_env, image_options, sandbox_options
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import runtime_of
@@ -131,21 +132,7 @@ GRADE_TREE_SOURCE = IN_SANDBOX / "swe_grade_tree.py"
 REPORT_PLUGIN_SOURCE = IN_SANDBOX / "pytest_report_plugin.py"
 REPORT_PLUGIN = "rollout_pytest_report"
 _PATCH_FAILED = 97
-# ``python -m pytest`` would put the repository first on sys.path before pytest is imported:
-# a ``pytest.py`` or ``_pytest/`` the agent adds would be the test runner (and could write the
-# report itself), and a file named like the report plugin would replace it. So pytest and the
-# plugin are imported from the environment first, and only then does the repository go to the
-# front of sys.path, where ``python -m pytest`` would have put it for the code under test.
-_LAUNCH = """\
-import sys
-if sys.path and sys.path[0] in ("", "."):
-    del sys.path[0]
-import rollout_pytest_report
-import pytest
-sys.path.insert(0, sys.argv[1])
-sys.argv[:] = ["pytest", *sys.argv[2:]]
-raise SystemExit(getattr(pytest, "console_main", pytest.main)())
-"""
+LAUNCH_SOURCE = IN_SANDBOX / "pytest_launch.py"
 OPTIONS_KEY = "swe.sandbox_options"
 """``ctx.state`` key: the sandbox options INIT used (the task environment's binds), which the
 grading sandbox needs as well."""
@@ -154,8 +141,47 @@ _IMPORT_ERROR = re.compile(r"(?:ModuleNotFoundError|ImportError): [^\n]{1,300}")
 _TEST_DIR = re.compile(r"tests?|testing|tests?_\w+|\w+_tests?")
 
 
+@dataclass(frozen=True)
+class TestRun:
+    """What one run of the tests left, for the :class:`GradeReport`."""
+
+    outcomes: Mapping[str, str]
+    exit_status: int | None
+    runner_status: int | None
+    completed: bool
+    timed_out: bool
+    problems: tuple[str, ...]
+    info: Mapping[str, str]
+    docs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """First docstring line -> tests it describes (unittest-style runners)."""
+
+
+def _status(run: Any) -> int | None:
+    return None if run.timed_out else int(run.exit_code)
+
+
+def reward_of(decided: Verdict, info: Mapping[str, str]) -> Reward:
+    """The reward and its ``info`` for a verdict (``info``: what the grader found on the
+    way)."""
+    out = dict(info)
+    out["failing"] = ",".join(decided.failing)[:1000]
+    if decided.reasons:
+        out["error"] = "; ".join(decided.reasons)
+    if decided.void:
+        out["screen"] = (f"{decided.void}; {out['screen']}" if out.get("screen")
+                         else decided.void)
+        out["honeypots"] = "; ".join(decided.caught)[:1000]
+    return Reward(decided.reward, {"fail_to_pass": decided.fail_to_pass,
+                                   "pass_to_pass": decided.pass_to_pass}, out)
+
+
 class SweHandler(AgentHandler):
     name = ENV
+
+    def __init__(self, *, honeypots: bool = True) -> None:
+        self.honeypots = honeypots
+        """Plant honeypot tests at every evaluation (:mod:`...grading.honeypots`); off only
+        for measuring what they cost and for the controls of the tests."""
 
     def validate_task(self, task: Mapping[str, Any]) -> None:
         check_task_object(task, ENV)
@@ -270,11 +296,14 @@ class SweHandler(AgentHandler):
         runner = task_runner(task)
         zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
         src = await write_private(grader, "repo-source", data)
-        patch = await write_private(grader, "test.patch", task["test_patch"])
+        planted = (plant(task["test_patch"], runner.name, f2p + p2p) if self.honeypots
+                   else Planted(task["test_patch"], Honeypots(), ()))
+        patch = await write_private(grader, "test.patch", planted.patch)
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
-             *protected_paths(task, runner, f2p + p2p)],
+             *protected_paths(task, runner, f2p + p2p),
+             *(f"imports:{p}" for p in import_roots(task, runner, f2p + p2p))],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
@@ -284,7 +313,6 @@ class SweHandler(AgentHandler):
         tree_report = json.loads(prepared.stdout or "{}")
         info = {"restored": ",".join(tree_report.get("restored", []))[:1000],
                 "runner": runner.name}
-        # Reasons for a 0 that no test outcome can outweigh; every one found is reported.
         problems: list[str] = []
         if tree_report.get("screen"):
             problems.append("the change reaches into the test framework or the grader")
@@ -295,30 +323,21 @@ class SweHandler(AgentHandler):
             info["import_paths"] = ",".join(paths)
         paths = [posixpath.join(grader.workspace_in_sandbox, p) for p in paths]
         if runner.name == "pytest":
-            outcomes = await self._run_pytest(grader, task, f2p + p2p, timeout, info, problems,
-                                              paths)
+            run = await self._run_pytest(grader, task, [*f2p, *p2p, *planted.run_also],
+                                         timeout, paths)
         else:
-            outcomes = await self._run_logged(grader, task, runner, timeout, info, problems,
-                                              paths)
-        if "error" not in info and not exit_status_agrees(outcomes or {},
-                                                          info.get("exit_status", "")):
-            problems.append(f"the runner's exit status ({info['exit_status']}) disagrees with "
-                            "the recorded outcomes, in which every test passed")
-        verdict = judge(outcomes or {}, f2p, p2p)
-        failing = [n for n, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
-                   if o not in PASSING]
-        info["failing"] = ",".join(failing)[:1000]
-        if problems:
-            info["error"] = "; ".join(problems)
-            return Reward(0.0, {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
-                                "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
-        return Reward(1.0 if verdict.resolved else 0.0,
-                      {"fail_to_pass": verdict.passed_fraction("fail_to_pass"),
-                       "pass_to_pass": verdict.passed_fraction("pass_to_pass")}, info)
+            run = await self._run_logged(grader, task, runner, timeout, paths)
+        info.update(run.info)
+        info["honeypots_planted"] = str(len(planted.honeypots.names))
+        report = GradeReport(tuple(f2p), tuple(p2p), run.outcomes, run.exit_status,
+                             run.runner_status, run.completed, run.timed_out,
+                             (*problems, *run.problems), planted.honeypots,
+                             lookup=outcome_of if runner.name == "pytest" else functools.partial(
+                                 runner_outcome, docs=run.docs))
+        return reward_of(verdict(report), info)
 
     async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
-                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
-                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
+                          timeout: float, paths: list[str]) -> TestRun:  # noqa: ASYNC109
         plugin_dir = posixpath.dirname(await write_private(
             grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
         # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
@@ -332,37 +351,29 @@ class SweHandler(AgentHandler):
         await grader.stop_processes()
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
                                 max_output=_MAX_REPORT + 1)
-        report_data = parse_plugin_report(raw.stdout) if raw.ok else None
-        info["pytest_exit"] = info["exit_status"] = str(run.exit_code)
-        if report_data is not None:
-            if report_data.foreign_hooks:
-                problems.append("the code under test registered pytest hooks that decide "
-                                "outcomes")
-                info["hooks"] = "; ".join(report_data.foreign_hooks)[:1000]
-            if report_data.tampered:
-                problems.append("the code under test replaced the test runner's functions "
-                                "while the tests ran")
-                info["tampered"] = "; ".join(report_data.tampered)[:1000]
-            if report_data.exitstatus is not None and report_data.exitstatus != run.exit_code \
-                    and not run.timed_out:
-                problems.append(f"pytest's exit status ({run.exit_code}) is not the one its "
-                                f"session reported ({report_data.exitstatus})")
-        if run.timed_out:
-            info["error"] = f"tests timed out after {timeout:g} s"
-        elif report_data is None:
-            info["error"] = "pytest wrote no report (it could not start or was killed)"
+        data = parse_plugin_report(raw.stdout) if raw.ok else None
+        info = {"pytest_exit": str(run.exit_code), "exit_status": str(run.exit_code)}
+        problems: list[str] = []
+        if data is None:
             info["log"] = run.output[-1000:]
-        elif named and all(outcome_of(n, report_data.outcomes) in ("ERROR", "MISSING")
-                           for n in named):
+            return TestRun({}, _status(run), None, False, run.timed_out, (), info)
+        if data.foreign_hooks:
+            problems.append("the code under test registered pytest hooks that decide outcomes")
+            info["hooks"] = "; ".join(data.foreign_hooks)[:1000]
+        if data.tampered:
+            problems.append("the code under test replaced the test runner's functions while "
+                            "the tests ran")
+            info["tampered"] = "; ".join(data.tampered)[:1000]
+        if named and all(outcome_of(n, data.outcomes) in ("ERROR", "MISSING") for n in named):
             # Nothing ran: say why when it is an import, never a silent 0.
             missing = _IMPORT_ERROR.search(run.output)
             if missing is not None:
-                info["error"] = f"the tests could not import their code: {missing.group(0)}"
-        return report_data.outcomes if report_data is not None else None
+                problems.append(f"the tests could not import their code: {missing.group(0)}")
+        return TestRun(data.outcomes, _status(run), data.exitstatus, True, run.timed_out,
+                       tuple(problems), info)
 
     async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
-                          timeout: float, info: dict[str, str],  # noqa: ASYNC109
-                          problems: list[str], paths: list[str]) -> dict[str, str] | None:
+                          timeout: float, paths: list[str]) -> TestRun:  # noqa: ASYNC109
         """A runner that reports only through its log (Django, SymPy, unittest)."""
         spec = EnvSpec.of(task)
         options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
@@ -376,18 +387,35 @@ class SweHandler(AgentHandler):
                                    grader.workspace_in_sandbox, options,
                                    swe_runners.directives(runner,
                                                           patched_files(task["test_patch"])))
+        report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
+        env[swe_runners.REPORT_VAR] = report
         run = await grader.exec(
             ["bash", "-c", 'exec "$@" 2>&1', "run-tests", *argv],
             timeout=timeout, cwd=grader.workspace_in_sandbox, env=env, max_output=4 << 20)
         await grader.stop_processes()
-        outcomes, parser = swe_runners.parse_log(runner, run.output)
-        info.update(exit_status=str(run.exit_code), parser=parser)
-        if run.timed_out:
-            info["error"] = f"tests timed out after {timeout:g} s"
-        elif not outcomes:
-            info["error"] = f"the {runner.name} runner's log names no test"
+        raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
+                                max_output=_MAX_REPORT + 1)
+        record = swe_runners.parse_record(raw.stdout) if raw.ok else None
+        logged, parser = swe_runners.parse_log(runner, run.output)
+        info = {"exit_status": str(run.exit_code), "parser": parser}
+        problems: list[str] = []
+        if record is None:
             info["log"] = run.output[-1000:]
-        return outcomes
+            return TestRun({}, _status(run), None, False, run.timed_out, (), info)
+        if record.tampered:
+            problems.append("the code under test replaced the test runner's functions while "
+                            "the tests ran")
+            info["tampered"] = "; ".join(record.tampered)[:1000]
+        if runner.name == "sympy":  # no TestResult: the log, from a run that reached its end
+            outcomes = logged
+        else:
+            outcomes = swe_runners.cross_checked(record, logged)
+            info["parser"] = f"recorder+{parser}"
+        if not outcomes:
+            info["log"] = run.output[-1000:]
+            problems.append(f"the {runner.name} runner recorded no test")
+        return TestRun(outcomes, _status(run), record.exitstatus, True, run.timed_out,
+                       tuple(problems), info, record.docs)
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
@@ -413,13 +441,6 @@ def import_paths(task: Mapping[str, Any], found: list[str]) -> list[str]:
     its own runs from the checkout, where a src/ layout (``found`` by the grading tree) is
     importable only with src/ on the path; a task with a spec installs its package."""
     return [] if EnvSpec.of(task) is not None else [p for p in found if p == "src"]
-
-
-def exit_status_agrees(outcomes: Mapping[str, str], exit_status: str) -> bool:
-    """False when every test on record passed and the runner still exited nonzero: something
-    rewrote the record (a wrapped recorder, a printed result line)."""
-    return not (outcomes and all(o == "PASSED" for o in outcomes.values())
-                and exit_status != "0")
 
 
 def task_runner(task: Mapping[str, Any]) -> Runner:
@@ -448,14 +469,25 @@ def protected_paths(task: Mapping[str, Any], runner: Runner, named: list[str]) -
     return sorted(out)
 
 
+def import_roots(task: Mapping[str, Any], runner: Runner, named: list[str]) -> list[str]:
+    """Files whose imports lead to the test machinery the grading tree restores: the runner's
+    script and the test files (of the test patch and of the named pytest tests)."""
+    files = [runner.script] if runner.script else []
+    files += [f for f in patched_files(task["test_patch"]) if f.endswith(".py")]
+    if runner.name == "pytest":
+        files += files_of(named)
+    return list(dict.fromkeys(files))
+
+
 def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
-    """pytest through :data:`_LAUNCH` (``python`` is the task environment's when it has one,
+    """pytest through :data:`LAUNCH_SOURCE` (``python`` is the task environment's when it has one,
     the image's own with ``spec.image``), the options of the task's ``spec.test_cmd`` and the
     grader's: the report plugin, no cache, the task's plugins. The named node ids follow."""
     spec = EnvSpec.of(task)
     env, options = swe_runners.split_assignments(spec.test_cmd if spec else ())
     args = [*(["env", *env] if env else []),
-            spec.run_python if spec else "python", "-c", _LAUNCH, workspace, *options,
+            spec.run_python if spec else "python", "-c", LAUNCH_SOURCE.read_text(), workspace,
+            *options,
             "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
         args += ["-p", plugin]

@@ -23,27 +23,22 @@ screen, the runner's exit status against a log in which everything passed); see
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 RUNNERS = ("pytest", "django", "sympy", "unittest")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _BY_REPO = {"django/django": "django", "sympy/sympy": "sympy"}
 
-# ``python -m unittest`` would put the repository first on sys.path before unittest is
-# imported: a ``unittest.py`` the agent adds would be the runner. So unittest comes from the
-# interpreter first, then the repository goes in front, as ``-m`` would have put it.
-UNITTEST_LAUNCH = """\
-import sys
-if sys.path and sys.path[0] in ("", "."):
-    del sys.path[0]
-import unittest
-sys.path.insert(0, sys.argv[1])
-unittest.main(module=None, argv=["python -m unittest", *sys.argv[2:]])
-"""
+RECORDER = Path(__file__).resolve().parents[1] / "in_sandbox" / "unittest_recorder.py"
+"""``python -c`` text that starts a runner with the repository off ``sys.path`` until unittest is
+imported and its result methods record each outcome (see the script)."""
+REPORT_VAR = "ROLLOUT_UNITTEST_REPORT"
 
 
 @dataclass(frozen=True)
@@ -130,9 +125,10 @@ def command(runner: Runner, python: str, workspace: str, options: tuple[str, ...
     runner's defaults), then the tests."""
     env, opts = split_assignments(runner.options if options is None else options)
     prefix = ["env", *env] if env else []
+    start = [*prefix, python, "-c", RECORDER.read_text(), workspace]
     if runner.name == "unittest":
-        return [*prefix, python, "-c", UNITTEST_LAUNCH, workspace, *opts, *tests]
-    return [*prefix, python, runner.script, *opts, *tests]
+        return [*start, "unittest", *opts, *tests]
+    return [*start, "script", runner.script, *opts, *tests]
 
 
 def split_assignments(options: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -150,6 +146,63 @@ def unittest_name(name: str) -> str:
     """``test_x (mod.Class.test_x)`` (Python >= 3.11) as ``test_x (mod.Class)``."""
     m = _OLD_STYLE.match(name.strip())
     return f"{m.group(1)} ({m.group(2)})" if m else name.strip()
+
+
+def runner_outcome(name: str, outcomes: Mapping[str, str],
+                   docs: Mapping[str, tuple[str, ...]] | None = None) -> str:
+    """The outcome of a test named as FAIL_TO_PASS names it for a unittest-style or SymPy
+    runner: ``method (module.Class)`` in either Python's form, or the first line of its
+    docstring (``docs``: docstring -> the method-form names of the tests it describes; the
+    worst of theirs); ``MISSING`` when the record lacks it."""
+    key = unittest_name(name)
+    if key in outcomes:
+        return outcomes[key]
+    found = [outcomes[k] for k in (docs or {}).get(name.strip(), ()) if k in outcomes]
+    if not found:
+        return "MISSING"
+    return max(found, key=lambda o: _RANK.get(o, 3))
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the recorder wrote at the runner's own end (see the script)."""
+
+    outcomes: dict[str, str]
+    """``method (module.Class)`` -> outcome (empty for SymPy's runner)."""
+    docs: dict[str, tuple[str, ...]]
+    """First docstring line -> the tests it describes."""
+    exitstatus: int
+    tampered: tuple[str, ...]
+
+
+def parse_record(text: str) -> Record | None:
+    """The recorder's JSON; None when it is not one (never written: a killed run)."""
+    try:
+        data = json.loads(text)
+        tests, status, tampered = data["tests"], data["exitstatus"], data.get("tampered", [])
+        if data.get("end") is not True or not isinstance(status, int):
+            return None
+        outcomes = {unittest_name(k): str(v["outcome"]) for k, v in tests.items()}
+        docs: dict[str, list[str]] = {}
+        for k, v in tests.items():
+            if v.get("doc"):
+                docs.setdefault(str(v["doc"]), []).append(unittest_name(k))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Record(outcomes, {d: tuple(n) for d, n in docs.items()}, status,
+                  tuple(str(t) for t in tampered))
+
+
+def cross_checked(record: Record, log_outcomes: Mapping[str, str]) -> dict[str, str]:
+    """The record's outcomes, each made worse where the log reports worse for the same test
+    (by its method name, or its docstring): the log is a cross-check, never a source; a name
+    only the log has (a line the code under test printed) counts for nothing."""
+    merged: dict[str, str] = _Outcomes(record.outcomes)
+    for name, outcome in log_outcomes.items():
+        key = unittest_name(name)
+        for target in ((key,) if key in record.outcomes else record.docs.get(name.strip(), ())):
+            merged[target] = outcome
+    return dict(merged)
 
 
 _RANK = {"PASSED": 0, "SKIPPED": 1, "FAILED": 2, "ERROR": 3}

@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +62,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from packaging.requirements import Requirement
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from rollout.runtime.envs.common import DATA_DIR, host_path, invalid
 from rollout.runtime.envs.swe.runners import split_test_cmd
@@ -102,11 +106,15 @@ for cmd in ${pre[@]+"${pre[@]}"}; do bash -c "$cmd"; done
 "$py" -m venv __VENV__
 export PATH=__VENV__/bin:$PATH VIRTUAL_ENV=__VENV__
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-export PIP_FIND_LINKS="$ROLLOUT_FIND_LINKS"
-if [ ${#pkgs[@]} -gt 0 ]; then python -m pip install -q "${pkgs[@]}"; fi
+export PIP_FIND_LINKS=__ENV__/wheels
+# Exactly the wheels of the task's lock, each checked against its hash: nothing another
+# task's build put into the shared wheelhouse reaches this environment.
+if [ ${#pkgs[@]} -gt 0 ]; then
+  python -m pip install -q --require-hashes --no-deps -r __ENV__/lock.txt
+fi
 if [ -n "$install" ]; then bash -c "$install"; fi
 python -m pip freeze --all
-""".replace("__VENV__", VENV)
+""".replace("__VENV__", VENV).replace("__ENV__", ENV_MOUNT)
 
 
 @dataclass(frozen=True)
@@ -354,11 +362,10 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
     root = cache_dir()
     tmp = root / f".{spec.key}.{uuid.uuid4().hex[:8]}"
     await asyncio.to_thread(tmp.mkdir, 0o755)
-    houses = wheelhouses()
     binds = [(str(tmp), ENV_MOUNT, True), *interpreter_binds(spec.python)]
-    binds += [(str(h), _WHEEL_MOUNT.format(i), False) for i, h in enumerate(houses)]
-    links = " ".join(_WHEEL_MOUNT.format(i) for i in range(len(houses)))
     try:
+        if spec.pip_packages:
+            await asyncio.to_thread(lock_wheels, spec.python, list(spec.pip_packages), tmp)
         sandbox = await sandbox_factory(binds=binds)
         try:
             if (owner := sandbox.owner()) is not None:
@@ -367,7 +374,7 @@ async def _build(spec: EnvSpec, sandbox_factory: Callable[..., Awaitable[Any]],
             started = time.monotonic()
             result = await sandbox.exec(
                 ["bash", "-c", _BUILD, "build", spec.python, spec.install, *spec.pre_install,
-                 "--", *spec.pip_packages], env={"ROLLOUT_FIND_LINKS": links},
+                 "--", *spec.pip_packages],
                 timeout=timeout, cwd=sandbox.workspace_in_sandbox)
             if not result.ok:
                 raise HandlerError(
@@ -412,7 +419,7 @@ async def build_wheels(python: str, requirements: list[str], wheelhouse: Path,
                 os.chown(out, *owner)
             result = await sandbox.exec(
                 [python, "-m", "pip", "wheel", "-q", "--disable-pip-version-check",
-                 "--wheel-dir", _WHEEL_OUT, "--", *requirements],
+                 "--no-deps", "--wheel-dir", _WHEEL_OUT, "--", *requirements],
                 env=env, timeout=timeout, cwd=sandbox.workspace_in_sandbox)
             if not result.ok:
                 raise HandlerError(f"building wheels of {requirements} in a sandbox failed "
@@ -420,24 +427,88 @@ async def build_wheels(python: str, requirements: list[str], wheelhouse: Path,
                                    "ENV_BUILD_FAILED")
         finally:
             await sandbox.destroy()
-        return await asyncio.to_thread(_take_wheels, out, wheelhouse)
+        return await asyncio.to_thread(_take_wheels, out, wheelhouse, requirements)
     finally:
         await asyncio.to_thread(shutil.rmtree, out, True)
 
 
-def _take_wheels(out: Path, wheelhouse: Path) -> list[str]:
-    """Copy the regular ``*.whl`` files a build sandbox wrote (never following its links)."""
+def _take_wheels(out: Path, wheelhouse: Path, requirements: list[str]) -> list[str]:
+    """Copy the wheels a build sandbox wrote of the distributions it was asked for (regular
+    ``*.whl`` files only, never following its links). A wheel of any other distribution was
+    put there by the build code (a ``setup.py`` dropping a wheel named like a common build
+    dependency, whose ``.pth`` would run in every environment that installs it): the whole
+    build is refused, naming it. A wheel already in the wheelhouse is never replaced."""
     from rollout.runtime.sandbox import hostfs
 
+    asked = {canonicalize_name(Requirement(r).name) for r in requirements}
+    names = sorted(n for n in os.listdir(out) if n.endswith(".whl"))
+    unasked = [n for n in names if _wheel_name(n) not in asked]
+    if unasked:
+        raise HandlerError(f"building {requirements} in a sandbox wrote wheels of "
+                           f"distributions nobody asked for: {unasked}; refused (nothing of "
+                           "this build was put into the wheelhouse)", "ENV_BUILD_FAILED")
     taken = []
-    for name in sorted(os.listdir(out)):
-        if name.endswith(".whl") and hostfs.kind_beneath(out, name) == "file":
-            data = hostfs.read_beneath(out, name, 1 << 31)
-            tmp = wheelhouse / f".{name}.{uuid.uuid4().hex[:8]}"
-            tmp.write_bytes(data)
-            os.replace(tmp, wheelhouse / name)
-            taken.append(name)
+    for name in names:
+        if hostfs.kind_beneath(out, name) != "file":
+            continue
+        data = hostfs.read_beneath(out, name, 1 << 31)
+        target = wheelhouse / name
+        if target.exists():
+            if target.read_bytes() != data:
+                raise HandlerError(f"building {requirements} in a sandbox wrote {name}, and "
+                                   f"the wheelhouse {wheelhouse} already holds a different "
+                                   "wheel of that name; refused (a wheel is never replaced)",
+                                   "ENV_BUILD_FAILED")
+            continue
+        tmp = wheelhouse / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, target)  # fails if the name appeared meanwhile: never replaced
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        taken.append(name)
     return taken
+
+
+def _wheel_name(filename: str) -> str:
+    try:
+        return str(parse_wheel_filename(filename)[0])
+    except InvalidWheelFilename:
+        return filename
+
+
+def lock_wheels(python: str, requirements: list[str], env_dir: Path) -> list[str]:
+    """The task's lock: resolve ``requirements`` against the wheelhouses on the host (binary
+    wheels only, no index: nothing runs), copy exactly the wheels chosen into
+    ``env_dir/wheels`` and write ``env_dir/lock.txt`` (``name==version --hash=sha256:...``
+    per wheel), which the build installs with ``--require-hashes``. Returns its lines."""
+    version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    links = [a for h in wheelhouses() for a in ("--find-links", str(h))]
+    wheels = env_dir / "wheels"
+    wheels.mkdir(mode=0o755)
+    with tempfile.TemporaryDirectory(prefix="rollout-lock-") as scratch:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-index", *links,
+             "--python-version", version, "--only-binary=:all:",
+             "--disable-pip-version-check", "-d", scratch, "--", *requirements],
+            capture_output=True, text=True, cwd=scratch)
+        if proc.returncode != 0:
+            raise HandlerError(f"the wheelhouse cannot satisfy {requirements} for Python "
+                               f"{version} (`rollout tasks prepare FILE` fills it): "
+                               f"{proc.stderr[-1500:]}", "ENV_BUILD_FAILED")
+        lines = []
+        for name in sorted(os.listdir(scratch)):
+            if not name.endswith(".whl"):
+                continue
+            data = (Path(scratch) / name).read_bytes()
+            (wheels / name).write_bytes(data)
+            dist, ver, *_ = parse_wheel_filename(name)
+            lines.append(f"{dist}=={ver} --hash=sha256:{hashlib.sha256(data).hexdigest()}")
+    (env_dir / "lock.txt").write_text("".join(f"{line}\n" for line in lines))
+    return lines
 
 
 def _seal(path: Path, freeze: str, seconds: float) -> None:

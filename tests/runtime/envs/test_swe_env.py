@@ -54,6 +54,9 @@ async def test_gold_patch_earns_1(task: dict[str, Any], rollout: Rollout) -> Non
     assert result.outcome.termination is TerminationReason.SUBMITTED
     assert result.reward.value == 1.0, result.reward.info
     assert result.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 1.0}
+    # Honeypots were planted and, in an honest run, left the reward to the named tests.
+    assert result.reward.info["honeypots_planted"] == "2", result.reward.info
+    assert "screen" not in result.reward.info
 
 
 @pytest.mark.parametrize("task", TASKS, ids=IDS)
@@ -64,6 +67,7 @@ async def test_no_change_earns_0(task: dict[str, Any], rollout: Rollout) -> None
     assert result.reward.components["fail_to_pass"] < 1.0
     assert result.reward.components["pass_to_pass"] == 1.0
     assert set(result.reward.info["failing"].split(",")) == set(task["FAIL_TO_PASS"])
+    assert "screen" not in result.reward.info, result.reward.info
 
 
 @pytest.mark.parametrize("task", TASKS, ids=IDS)
