@@ -11,7 +11,7 @@ Bounds, stated plainly (what ``buildah --isolation chroot`` allows, and no more)
 - **time**: the whole build has a wall-clock deadline; past it buildah is killed (its process
   group) and the build fails with the log's tail.
 - **resources**: every ``RUN`` step gets rlimits through ``--ulimit`` (CPU seconds, file size,
-  open files, address space); chroot isolation has no cgroup of its own, so there is no
+  open files, data segment); chroot isolation has no cgroup of its own, so there is no
   memory cgroup per build.
 - **network**: ``network="host"`` (the default) gives ``RUN`` steps the host's network, which
   is what ``apt-get``/``pip`` need to reach the package registries; ``network="none"`` gives
@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -50,26 +51,27 @@ MAX_CONTEXT_FILES = 100_000
 class BuildLimits:
     """rlimits of every ``RUN`` step (``buildah --ulimit``). buildah takes Docker's ulimit
     names, which have no address-space limit (``as`` is refused, and every ``RUN`` step with
-    it): memory is bounded by the build's timeout and the machine, not here."""
+    it): ``data`` is the memory bound."""
 
     cpu_seconds: int = 3600
     file_size_bytes: int = 8 << 30
     open_files: int = 65536
+    data_bytes: int = 16 << 30
+    """RLIMIT_DATA (heap and private mappings): buildah's ``--ulimit`` has no address-space
+    limit, so this is the memory bound a step gets."""
 
     def ulimit_args(self) -> list[str]:
-        # A limit above this process's own hard limit cannot be set (buildah fails the RUN
-        # step with EPERM): each is clamped to what the server itself may raise to.
-        import resource
-
-        def clamp(which: int, value: int) -> int:
-            hard = resource.getrlimit(which)[1]
-            return value if hard == resource.RLIM_INFINITY else min(value, hard)
-
-        cpu = clamp(resource.RLIMIT_CPU, self.cpu_seconds)
-        fsize = clamp(resource.RLIMIT_FSIZE, self.file_size_bytes)
-        nofile = clamp(resource.RLIMIT_NOFILE, self.open_files)
-        return [f"--ulimit=cpu={cpu}:{cpu}", f"--ulimit=fsize={fsize}:{fsize}",
-                f"--ulimit=nofile={nofile}:{nofile}"]
+        """``--ulimit`` flags, each at most the server's own hard limit (a step cannot be
+        given more than buildah itself has)."""
+        out = []
+        for name, res, want in (("cpu", resource.RLIMIT_CPU, self.cpu_seconds),
+                                ("fsize", resource.RLIMIT_FSIZE, self.file_size_bytes),
+                                ("nofile", resource.RLIMIT_NOFILE, self.open_files),
+                                ("data", resource.RLIMIT_DATA, self.data_bytes)):
+            hard = resource.getrlimit(res)[1]
+            value = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            out.append(f"--ulimit={name}={value}:{value}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,10 @@ def build_image(cache: ImageCache, spec: BuildSpec, *,
 def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
            env: Mapping[str, str] | None) -> CachedImage:
     storage = cache.root / "buildah"
+    # vfs: no mounts, so a build killed at its deadline leaves files to delete, never a mount
+    # on the host (overlay storage left one per killed build).
     store = ["--root", str(storage / "root"), "--runroot", str(storage / "run"),
-             *cache.registry.global_args()]
+             "--storage-driver", "vfs", *cache.registry.global_args()]
     tag = f"localhost/rollout-build:{key}"
     staging = cache.root / "tmp" / f"build-{uuid.uuid4().hex[:12]}.{os.getpid()}"
     staging.mkdir(parents=True)
