@@ -155,7 +155,11 @@ async def test_sandbox_and_grader_start_the_tasks_image(fake: Fake) -> None:
     assert run[run.index(grader) + 1:run.index(grader) + 3] == ["python3.11", "-c"]
     assert run[run.index("/workspace", run.index(grader)) + 1] == "-rA"
     named = named_tests(MDURL, "FAIL_TO_PASS") + named_tests(MDURL, "PASS_TO_PASS")
-    assert run[-len(named):] == named
+    # The named tests, then the honeypots planted beside them (grading/honeypots.py): one
+    # must-fail and one must-pass per test file, in the same file.
+    tail = run[-(len(named) + 2):]
+    assert tail[:len(named)] == named
+    assert all(t.startswith("tests/test_mdurl.py::") and t not in named for t in tail[len(named):])
 
 
 async def test_a_task_without_an_image_binds_its_venv_read_only(fake: Fake) -> None:

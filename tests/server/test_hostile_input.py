@@ -327,10 +327,11 @@ async def test_task_path_roots_config_replaces_the_defaults(tmp_path: Path) -> N
 
 
 async def test_a_bwrap_server_refuses_a_task_image_at_submit(harness: ServerHarness) -> None:
-    """A task naming its own Apptainer image on a bwrap server is refused when submitted (the
-    server tells task validation its runtime), not after queueing for INIT."""
+    """A task naming an Apptainer-only image (``oras://``) on a bwrap server is refused when
+    submitted (the server tells task validation its runtime), not after queueing for INIT.
+    (``docker://`` and OCI references run on bwrap too: docs/images.md.)"""
     spec = _swe_task(load_tasks("swe")[0]["repo_source"])
-    spec.task["spec"] = {"image": "docker://python:3.11", "test_cmd": "pytest -rA"}
+    spec.task["spec"] = {"image": "oras://example.org/img:1", "test_cmd": "pytest -rA"}
     code, reason, details = await _submit_status(harness.address, spec)
     assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TASK"), details
     assert "bwrap" in details
