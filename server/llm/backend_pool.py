@@ -210,6 +210,24 @@ class BackendPool:
         wait = now + self.wait_for_backend_s
         return ends, wait if ends is None else min(wait, ends)
 
+    async def _route(self, request: GenerateRequest, tried: set[str], ends: float | None,
+                     deadline: float) -> tuple[Backend, GenerateRequest] | None:
+        """The backend for the next try of ``request`` and the request as that try sends it
+        (with the turn's remaining time); None when the turn's time ran out before any
+        backend took it."""
+        try:
+            backend = await self._select(request, tried, deadline)
+        except LLMUnavailable:
+            if ends is not None and time.monotonic() >= ends:
+                return None
+            raise
+        tried.add(backend.name)
+        if request.group_id:  # at dispatch, so concurrent samples of the group follow
+            self._remember_group(request.group_id, backend.name)
+        turn = request if ends is None else \
+            dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
+        return backend, turn
+
     def _failed(self, backend: Backend, request: GenerateRequest, exc: EngineError,
                 errors: list[str]) -> None:
         """A backend failed a turn: eject it and forget the routes that pointed at it."""
@@ -231,18 +249,10 @@ class BackendPool:
         errors: list[str] = []
         ends, deadline = self._turn_clock(request)
         while len(tried) < self.max_attempts:
-            try:
-                backend = await self._select(request, tried, deadline)
-            except LLMUnavailable:
-                if ends is not None and time.monotonic() >= ends:
-                    return GenerateResult([], [], "deadline", request.min_policy_version, "",
-                                          request.sampling.logprobs_mode)
-                raise
-            tried.add(backend.name)
-            if request.group_id:  # at dispatch, so concurrent samples of the group follow
-                self._remember_group(request.group_id, backend.name)
-            turn = request if ends is None else \
-                dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
+            routed = await self._route(request, tried, ends, deadline)
+            if routed is None:
+                return _out_of_time(request)
+            backend, turn = routed
             try:
                 result = await self._dispatch(backend, turn)
             except EngineError as exc:
@@ -262,19 +272,11 @@ class BackendPool:
         errors: list[str] = []
         ends, deadline = self._turn_clock(request)
         while len(tried) < self.max_attempts:
-            try:
-                backend = await self._select(request, tried, deadline)
-            except LLMUnavailable:
-                if ends is not None and time.monotonic() >= ends:
-                    yield GenerateResult([], [], "deadline", request.min_policy_version, "",
-                                         request.sampling.logprobs_mode)
-                    return
-                raise
-            tried.add(backend.name)
-            if request.group_id:
-                self._remember_group(request.group_id, backend.name)
-            turn = request if ends is None else \
-                dataclasses.replace(request, timeout_s=max(0.0, ends - time.monotonic()))
+            routed = await self._route(request, tried, ends, deadline)
+            if routed is None:
+                yield _out_of_time(request)
+                return
+            backend, turn = routed
             started = False
             backend.in_flight += 1
             self._push(backend)
@@ -497,3 +499,9 @@ class BackendPool:
             task = asyncio.get_running_loop().create_task(wake())
             self._closers.add(task)
             task.add_done_callback(self._closers.discard)
+
+
+def _out_of_time(request: GenerateRequest) -> GenerateResult:
+    """The turn of a request whose time ran out before any backend took it: no tokens."""
+    return GenerateResult([], [], "deadline", request.min_policy_version, "",
+                          request.sampling.logprobs_mode)
