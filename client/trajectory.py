@@ -108,8 +108,8 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         return None
     if len(_segment_bounds(traj)) > 1:
         raise ValueError(f"trajectory {traj.job_id} holds {len(traj.segments)} token sequences "
-                         "(its harness rewrote its history); flatten_segments() gives one "
-                         "Flat per sequence")
+                         f"({_why_segments(traj)}); flatten_segments() gives one Flat per "
+                         "sequence, each with the trajectory's reward")
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -164,6 +164,28 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         .removeprefix("LOGPROBS_KIND_") if traj.logprobs_kind else "",
         routed_experts=routed, routed_expert_layers=routed_shape[0],
         routed_expert_top_k=routed_shape[1])
+
+
+_SEGMENT_CAUSES = {
+    trajectory_pb2.Segment.REASON_HISTORY_REWRITTEN:
+        "a request that did not carry the answers before it (the harness summarised, edited or "
+        "dropped messages, e.g. a reply it could not parse)",
+    trajectory_pb2.Segment.REASON_NEW_CONVERSATION:
+        "a request of a conversation of its own (a sub-agent, a side call)",
+    trajectory_pb2.Segment.REASON_PARALLEL:
+        "a request sent from one history at the same time as another",
+}
+
+
+def _why_segments(traj: trajectory_pb2.Trajectory) -> str:
+    """Say, per cause, how many segments began and why, so a refused flatten() explains itself
+    (a harness that drops unparseable replies makes one segment per such reply)."""
+    counts: dict[int, int] = {}
+    for seg in traj.segments[1:]:
+        counts[seg.reason] = counts.get(seg.reason, 0) + 1
+    parts = [f"{n} began with {_SEGMENT_CAUSES.get(reason, 'a request of unknown cause')}"
+             for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return "; ".join(parts) or "its turns are split"
 
 
 def flatten_segments(traj: trajectory_pb2.Trajectory, *,

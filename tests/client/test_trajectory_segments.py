@@ -114,3 +114,17 @@ def test_nemo_rl_gets_one_contiguous_sequence_the_last_segment() -> None:
     merged = gym_output_items(harness_trajectory(segments=[]))
     assert [i["prompt_token_ids"] for i in merged if "prompt_token_ids" in i] == [
         [1, 2, 3], [1, 2, 3, 40, 41, 5, 6, 7], [1, 2, 3, 40, 41, 5, 6, 7, 42, 1, 2, 9, 9, 7]]
+
+
+def test_a_refused_flatten_says_why_the_sequences_exist() -> None:
+    # mini-swe-agent drops a reply it cannot parse from its own history, so each such reply's
+    # next request does not carry it: one segment per reply. The refusal must say so, per cause.
+    traj = harness_trajectory(segments=[(0, FIRST), (1, tpb.Segment.REASON_NEW_CONVERSATION),
+                                        (2, REWRITTEN)])
+    with pytest.raises(ValueError) as refused:
+        flatten(traj)
+    text = str(refused.value)
+    assert "holds 3 token sequences" in text
+    assert "1 began with a request that did not carry the answers before it" in text
+    assert "1 began with a request of a conversation of its own" in text
+    assert "flatten_segments()" in text
