@@ -99,3 +99,30 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
             h.wait()
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "failed" not in res.stdout
+
+
+def test_hang_guards_grow_with_the_load() -> None:
+    from tests.conftest import hang_guard_factor
+
+    assert hang_guard_factor(0.3, 2) == 1.0
+    assert hang_guard_factor(14.0, 2) == 6.0
+    assert hang_guard_factor(6.0, 2) == 3.0
+    assert hang_guard_factor(1.0, 2, scale=4.0) == 4.0
+
+
+@pytest.mark.timeout(7)
+def test_guard_probe(request: pytest.FixtureRequest) -> None:
+    """Run by the test below in a child pytest: reports the guard the hook applied."""
+    if "ROLLOUT_GUARD_PROBE" not in os.environ:
+        pytest.skip("run by test_the_scaled_guard_is_the_one_applied")
+    Path(os.environ["ROLLOUT_GUARD_PROBE"]).write_text(
+        str(request.node.get_closest_marker("timeout").args[0]))
+
+
+def test_the_scaled_guard_is_the_one_applied(tmp_path: Path) -> None:
+    probe = tmp_path / "guard"
+    env = {**os.environ, ENV_VAR: "50", "ROLLOUT_GUARD_PROBE": str(probe)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"{Path(__file__).relative_to(ROOT)}::test_guard_probe"],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=100)
+    assert float(probe.read_text()) == 7 * 50
