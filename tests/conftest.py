@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout.runtime.timeouts import timeout_scale
+from tests.util import patience
 
 # Keep the model cache of the test suite in one place across runs (CI and developers), and
 # make sure nothing ever tries to reach a model hub.
@@ -34,29 +34,16 @@ _raise_open_file_limit()
 pytest_plugins = ["tests.fixtures.images"]
 
 
-def hang_guard_factor(load: float, cpus: int, scale: float = 1.0) -> float:
-    """How much longer than its own ``timeout`` a test may take before pytest-timeout calls it
-    hung: runnable processes per core (capped at 6), or ``ROLLOUT_TIMEOUT_SCALE`` when that is
-    larger, never less than 1.
-
-    The per-test timeouts are hang guards sized for an idle 2-core machine, not speed checks.
-    At load 14 a test that builds three images did its full minute of work in 115 s and the
-    120 s guard killed it; a guard that grows with the contention still catches a hang, later.
-    """
-    return max(1.0, scale, min(6.0, load / max(1, cpus)))
-
-
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Scale the test's pytest-timeout guard by :func:`hang_guard_factor`, measured as the test
-    starts (before pytest-timeout's own wrapper reads the marker)."""
+    """Stretch the test's pytest-timeout guard (a hang guard sized for an idle machine, not a
+    speed check) by ``tests.util.patience`` as the test starts, before pytest-timeout's own
+    wrapper reads the marker: a guard that grows with the contention still catches a hang."""
     marker = item.get_closest_marker("timeout")
     kwargs = dict(marker.kwargs) if marker is not None else {}
     base = (marker.args[0] if marker is not None and marker.args
             else kwargs.pop("timeout", getattr(item.config, "_env_timeout", None)))
     kwargs.pop("timeout", None)
     if base:
-        factor = hang_guard_factor(os.getloadavg()[0], os.cpu_count() or 1,
-                                   timeout_scale(os.environ))
-        item.add_marker(pytest.mark.timeout(float(base) * factor, **kwargs), append=False)
+        item.add_marker(pytest.mark.timeout(patience(float(base)), **kwargs), append=False)
     yield

@@ -1,8 +1,9 @@
 """Small helpers shared by tests.
 
-Every fixed wait here is stretched by ``ROLLOUT_TIMEOUT_SCALE`` (``rollout.runtime.timeouts``,
-the same factor the IPython kernel start uses), so a suite run on a loaded machine gets more
-time instead of failing: ``ROLLOUT_TIMEOUT_SCALE=3 pytest``.
+Every fixed wait here is stretched by :func:`patience`: the runnable processes per core at the
+moment (capped at 6), times ``ROLLOUT_TIMEOUT_SCALE`` (``rollout.runtime.timeouts``, the same
+factor the IPython kernel start uses). These waits only detect something that
+never happens; a busy machine gets more time instead of a failure.
 """
 
 from __future__ import annotations
@@ -16,16 +17,33 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.timeouts import scaled
+from rollout.runtime.timeouts import scaled, timeout_scale
 
-__all__ = ["assert_eventually", "scaled"]
+__all__ = ["assert_eventually", "hang_guard_factor", "patience", "scaled"]
+
+
+def hang_guard_factor(load: float, cpus: int, scale: float = 1.0) -> float:
+    """How much longer than on an idle 2-core machine a wait may take before it counts as
+    never: runnable processes per core (at least 1, capped at 6), times ``ROLLOUT_TIMEOUT_SCALE``
+    (which may also shrink it, for tests of the waits themselves).
+
+    At load 14 a test that builds three images did its minute of work in 115 s, and importing
+    torch in a child server took over 60 s: fixed waits failed where nothing was wrong.
+    """
+    return scale * max(1.0, min(6.0, load / max(1, cpus)))
+
+
+def patience(seconds: float) -> float:
+    """``seconds`` stretched by :func:`hang_guard_factor` as the machine is now."""
+    return seconds * hang_guard_factor(os.getloadavg()[0], os.cpu_count() or 1,
+                                       timeout_scale(os.environ))
 
 
 async def assert_eventually(check: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0,
                             interval: float = 0.02, message: str = "") -> Any:
     """Poll ``check`` until it returns something truthy (or stops raising AssertionError);
-    ``timeout`` is scaled by ``ROLLOUT_TIMEOUT_SCALE``."""
-    timeout = scaled(timeout)
+    ``timeout`` is stretched by :func:`patience`."""
+    timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:

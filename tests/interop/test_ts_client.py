@@ -20,6 +20,7 @@ import pytest
 from rollout.client.aio import RolloutClient
 from rollout.v1 import job_pb2
 from tests.client.conftest import ServerHarness
+from tests.util import patience
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ async def _start_child(state: Path, port: int = 0) -> tuple[asyncio.subprocess.P
         sys.executable, "-m", "tests.interop.server_child", str(state), str(port), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
-    line = await asyncio.wait_for(child.stdout.readline(), 60)
+    line = await asyncio.wait_for(child.stdout.readline(), patience(60))
     ready, _, served = line.strip().partition(b" ")
     assert ready == b"READY" and int(served) > 0 and port in (0, int(served)), line
     return child, int(served)
@@ -138,7 +139,7 @@ async def test_generated_ts_client_survives_a_sigkilled_server(
         cwd=TS, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert node.stdout is not None and node.stderr is not None
     try:
-        line = await asyncio.wait_for(node.stdout.readline(), 60)
+        line = await asyncio.wait_for(node.stdout.readline(), patience(60))
         assert line.strip() == b"KILL-ME", line + await node.stderr.read()
         server.send_signal(signal.SIGKILL)  # with kill/1 running and kill/0 acknowledged
         await server.wait()

@@ -23,7 +23,7 @@ from tests.server.handlers import (
     running_scheduler,
     spec,
 )
-from tests.util import assert_eventually
+from tests.util import assert_eventually, patience
 
 ROOT = Path(__file__).resolve().parents[2]
 DONE = [f"done{i}" for i in range(5)]
@@ -53,7 +53,7 @@ async def test_sigkill_mid_run_then_restart_delivers_everything(tmp_path):
         stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     try:
-        line = await asyncio.wait_for(child.stdout.readline(), 40)
+        line = await asyncio.wait_for(child.stdout.readline(), patience(40))
         assert line.strip() == b"READY"
     finally:
         child.send_signal(signal.SIGKILL)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import assert_eventually
+from tests.util import assert_eventually, patience
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,9 +66,9 @@ async def test_a_connection_flood_leaves_other_jobs_answered_and_the_log_quiet(
     assert proc.stdout is not None and proc.stdin is not None
     held: list[socket.socket] = []
     try:
-        leases = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+        leases = [(await asyncio.wait_for(proc.stdout.readline(), patience(60))).decode().split()
                   for _ in range(2)]
-        tcp_port = int(await asyncio.wait_for(proc.stdout.readline(), 10))
+        tcp_port = int(await asyncio.wait_for(proc.stdout.readline(), patience(10)))
         (hostile, hostile_key), (good, good_key) = leases
         assert await _chat(good, good_key, "hello") == 200
         # Requests whose body the client cuts off: no traceback each.

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.util import patience
+
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,7 +46,7 @@ async def test_an_8_mib_request_adds_under_50_mb_and_is_refused_before_tokenizin
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+        line = (await asyncio.wait_for(proc.stdout.readline(), patience(60))).decode().split()
         socket_path, key = line
         status, _ = await _post(socket_path, key, _chat("add 2 and 3"))  # warm every path
         assert status == 200
