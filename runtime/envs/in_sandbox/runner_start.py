@@ -15,7 +15,9 @@ the report plugin or the recorder has taken its fingerprints, or later, while th
 1. :func:`hide` (first, with nothing imported but what the interpreter's start already loaded)
    takes every entry inside the repository (and ``''``) off ``sys.path`` and notes any module
    the interpreter's start already loaded from the repository (a ``sitecustomize.py`` on a path
-   of the environment's ``.pth``): that code ran before the runner, and the run is refused.
+   of the environment's ``.pth``): when the agent added or changed that file, its code ran
+   before the runner, and the run is refused (a repository whose own module an environment's
+   ``.pth`` imports, as setuptools' ``_distutils_hack``, is the task's).
    The handler keeps the repository's ``PYTHONPATH`` entries out of the interpreter's
    environment (they reach :func:`reopen` through ``ROLLOUT_START``), so no module of the
    repository is found at the interpreter's start through them.
@@ -55,11 +57,11 @@ class _Start:
             else:
                 kept.append(entry)
         sys.path[:] = kept
+        self.started = []
         for name, module in list(sys.modules.items()):
             where = getattr(module, "__file__", None)
             if isinstance(where, str) and self.inside(where):
-                self.findings.append(f"started_from_repository: {name} "
-                                     f"({self.relative(where)})")
+                self.started.append((name, self.relative(where)))
 
     def inside(self, path):
         os = sys.modules["os"]
@@ -105,13 +107,17 @@ class _Start:
     def probe(self, added_file, directories, extra=()):
         import json
         import os
-        added = None
+        added = changed = None  # no lists: every file counts as the agent's
         if added_file:
             try:
                 with open(added_file) as f:
-                    added = set(json.loads(f.read()))
-            except (OSError, ValueError):
-                added = None  # no list: every candidate counts as added
+                    lists = json.loads(f.read())
+                added, changed = set(lists["added"]), set(lists["changed"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        for name, rel in self.started:
+            if changed is None or rel in changed:
+                self.findings.append(f"started_from_repository: {name} ({rel})")
         names = self.names() | {n for n in extra if n}
         seen = set()
         for directory in directories:

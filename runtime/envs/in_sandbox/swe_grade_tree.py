@@ -5,8 +5,8 @@ of the agent runs there.
 [added:OUT]`` in a directory that holds a copy of the agent's working tree without ``.git``
 (each ``imports:FILE``, the runner's script and the test files, is where
 :func:`support_modules` starts: the test machinery they import is put back like each ``PATH``;
-``added:OUT`` gets the JSON list of the files the agent added, which the runner's start
-checks for modules that shadow the runner's):
+``added:OUT`` gets the files the agent added and changed, as JSON, which the runner's start
+checks for modules that shadow the runner's or ran at the interpreter's start):
 
 1. A fresh ``.git`` from the task's source (``KIND`` bundle or archive), reset to ``BASE`` with
    the working tree left as the agent made it: the agent's diff over a clean base, with none of
@@ -413,7 +413,9 @@ def main(argv: list[str]) -> int:
     found, changed = screen(base, in_base)
     for where in added_list:  # for the runner's start (runner_start.py): what may shadow
         with open(where, "w") as f:
-            json.dump(sorted(p for p in changed if p not in in_base and os.path.exists(p)), f)
+            present = sorted(p for p in changed if os.path.exists(p))
+            json.dump({"added": [p for p in present if p not in in_base],
+                       "changed": present}, f)
     # A src/ layout: packages under src/ that the checkout's root does not have.
     under_src = {p.split("/")[1] for p in in_base if p.startswith("src/") and p.count("/") == 2
                  and p.endswith("/__init__.py")}
