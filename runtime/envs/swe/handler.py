@@ -35,8 +35,10 @@ test runner loads by configuration, the test directories of the named tests and 
 patch, the runner's own files and the test machinery they import are put back to
 ``base_commit``, the agent's changed files are screened for code that reaches into the test
 framework or the grader, then the test patch applied, with honeypot tests planted in it
-(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). pytest
-runs only the named tests (their node ids), with plugin autoload off; their outcomes come from a
+(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). Every
+runner starts with the repository off ``sys.path`` until its fingerprints are taken, and a
+module the agent added that shadows a standard-library or runner module refuses the run
+(``runner_start.py``). pytest runs only the named tests (their node ids), with plugin autoload off; their outcomes come from a
 report file (:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every
 process of the run is dead, never from stdout, and the plugin checks the runner's own functions
 while the tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
