@@ -39,9 +39,10 @@ framework or the grader, then the test patch applied, with honeypot tests plante
 runner starts with the repository off ``sys.path`` until its fingerprints are taken, and a
 module the agent added that shadows a standard-library or runner module refuses the run
 (``runner_start.py``). pytest runs only the named tests (their node ids), with plugin
-autoload off; their outcomes come from a report file (:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every
-process of the run is dead, never from stdout, and the plugin checks the runner's own functions
-while the tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
+autoload off; their outcomes come from a report file
+(:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every process of the
+run is dead, never from stdout, and the plugin checks the runner's own functions while the
+tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
 start through a recorder of unittest's results, their logs only a cross-check
 (:mod:`rollout.runtime.envs.swe.runners`). One :class:`GradeReport` holds what the run left and
 :func:`verdict` decides. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test PASSED (an
