@@ -39,7 +39,10 @@ import os
 import runpy
 import sys
 import unittest
+import unittest.loader
 import unittest.result
+import unittest.runner
+import unittest.suite
 
 _start = globals()["_start"]  # runner_start.py's, whose text comes first
 _PATH = os.environ.pop("ROLLOUT_UNITTEST_REPORT", "")
@@ -97,12 +100,37 @@ for _method, _outcome in (("addSuccess", "PASSED"), ("addFailure", "FAILED"),
     setattr(_RESULT, _method, _WRAPPED[_method])
 
 
+def _fingerprint(obj):
+    """The object, and for a function its code object and the code's bytes."""
+    func = getattr(obj, "__func__", obj)
+    code = getattr(func, "__code__", None)
+    return (id(obj),) if code is None else (id(obj), id(code), code.co_code)
+
+
+# What runs a test and hands its outcome to the result, taken before any code of the
+# repository can run; names a Python lacks are skipped.
+_WATCHED = {}
+for _owner, _names in ((unittest.case.TestCase, ("run", "__call__", "_callTestMethod",
+                                                 "_callSetUp", "_callTearDown", "doCleanups")),
+                       (unittest.suite.BaseTestSuite, ("run", "__call__")),
+                       (unittest.suite.TestSuite, ("run", "__call__", "_handleClassSetUp")),
+                       (unittest.result.TestResult, ("startTest", "stopTest")),
+                       (unittest.runner.TextTestRunner, ("run",)),
+                       (unittest.loader.TestLoader, ("loadTestsFromTestCase",))):
+    for _attr in _names:
+        if _attr in vars(_owner):
+            _WATCHED[f"{_owner.__module__}.{_owner.__qualname__}.{_attr}"] = (
+                _owner, _attr, _fingerprint(vars(_owner)[_attr]))
+
+
 def _finish(status):
     if _FD < 0:
         return
     tampered = [m for m, f in _WRAPPED.items() if _RESULT.__dict__.get(m) is not f]
     if _FILES and sys.gettrace() is not _tracer:
         tampered.append("the recorder's trace function")
+    tampered += [f"{label} replaced" for label, (owner, name, taken) in _WATCHED.items()
+                 if name not in vars(owner) or _fingerprint(vars(owner)[name]) != taken]
     data = json.dumps({"tests": _tests, "exitstatus": status, "end": True,
                        "tampered": tampered}).encode()
     view, offset = memoryview(data), 0

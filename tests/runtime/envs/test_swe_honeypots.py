@@ -19,7 +19,7 @@ from rollout.runtime.envs.swe import runners as swe_runners
 from rollout.runtime.envs.swe.handler import SweHandler, task_runner
 from rollout.runtime.tasksets.shipped import load_tasks
 from tests.runtime.envs.conftest import Rollout, call
-from tests.runtime.envs.test_swe_exploits import RUNNER_CHECK, SCREEN, unprotect
+from tests.runtime.envs.test_swe_exploits import RECORDER_CHECK, RUNNER_CHECK, SCREEN, unprotect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -103,7 +103,7 @@ SWAPPED_BODIES = append("textstats/__init__.py", (
 
 RECIPES: dict[str, tuple[dict[str, Any], str, tuple[tuple[str, str, str], ...]]] = {
     # (task, step, the other layers that would catch it, switched off)
-    "no-op-unittest-runner": (UNITTEST, NO_OP_UNITTEST_RUNNER, (SCREEN,)),
+    "no-op-unittest-runner": (UNITTEST, NO_OP_UNITTEST_RUNNER, (SCREEN, RECORDER_CHECK)),
     "no-op-pytest-runner": (TEXTSTATS, NO_OP_PYTEST_RUNNER, (SCREEN, RUNNER_CHECK)),
     "rewritten-report": (TEXTSTATS, REWRITTEN_REPORT, (SCREEN,)),
     "forged-unittest-log": (UNITTEST, FORGED_UNITTEST_LOG, (SCREEN,)),
