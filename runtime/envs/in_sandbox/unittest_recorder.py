@@ -202,7 +202,9 @@ def main(argv):
             unittest.main(module=None, argv=["python -m unittest", *args])
     else:
         script = os.path.abspath(args[0])
-        _start.reopen(front=[os.path.dirname(script)])  # as ``python SCRIPT`` puts it
+        # As ``python SCRIPT`` puts it; the repository's root is probed too: Django's and
+        # SymPy's runner scripts put it on sys.path themselves.
+        _start.reopen(front=[os.path.dirname(script)], probe=[workspace])
         sys.argv[:] = args
 
         def run():
