@@ -78,8 +78,9 @@ EXPLOITS: dict[str, tuple[dict[str, Any], list[str], tuple[tuple[str, str, str],
                   "shadowed_module: pytest (pytest.py)"),
     "unittest-package": (UNITTEST, [create("unittest/__init__.py", FAKE_UNITTEST)], (SCREEN,),
                          False, "shadowed_module: unittest (unittest/__init__.py)"),
+    # The report plugin's runner check stays on: it fingerprints the function already patched.
     "sitecustomize": (MDURL, [create("src/sitecustomize.py", SITECUSTOMIZE)],
-                      (SCREEN, RESTORE, RUNNER_CHECK), False,
+                      (SCREEN, RESTORE), False,
                       "started_from_repository: sitecustomize (src/sitecustomize.py)"),
 }
 
