@@ -1,10 +1,12 @@
 """Builds the swe grading tree. Runs INSIDE the grading sandbox, stdlib only, before any code
 of the agent runs there.
 
-``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [PATH ...] [imports:FILE ...]`` in a
-directory that holds a copy of the agent's working tree without ``.git`` (each
-``imports:FILE``, the runner's script and the test files, is where :func:`support_modules`
-starts: the test machinery they import is put back like each ``PATH``):
+``python swe_grade_tree.py SOURCE KIND BASE TEST_PATCH [PATH ...] [imports:FILE ...]
+[added:OUT]`` in a directory that holds a copy of the agent's working tree without ``.git``
+(each ``imports:FILE``, the runner's script and the test files, is where
+:func:`support_modules` starts: the test machinery they import is put back like each ``PATH``;
+``added:OUT`` gets the files the agent added and changed, as JSON, which the runner's start
+checks for modules that shadow the runner's or ran at the interpreter's start):
 
 1. A fresh ``.git`` from the task's source (``KIND`` bundle or archive), reset to ``BASE`` with
    the working tree left as the agent made it: the agent's diff over a clean base, with none of
@@ -32,7 +34,9 @@ starts: the test machinery they import is put back like each ``PATH``):
    already have at ``BASE`` is reported, and the grader scores the run 0. The code under test
    has no business with the machinery that judges it; a repository whose own code is that
    machinery (pytest itself, Django's test runner) already mentions it at ``BASE`` and
-   passes. Git is asked only which files changed, with ``.git/info/attributes`` overriding
+   passes. Documentation (a README, ``.rst``, ``.md``, ``.txt``) is prose: it is screened
+   only when some changed file names it (code that may read and run it). Git is asked only
+   which files changed, with ``.git/info/attributes`` overriding
    every ``.gitattributes`` of the tree (``*.py -diff`` would make ``git diff`` print
    "Binary files differ"), and no diff, textconv or filter driver configured.
 5. The test patch is applied (exit 97 when it does not apply).
@@ -210,15 +214,17 @@ def read_text(path: str) -> str | None:
     return data.decode("utf-8", "replace")
 
 
-def screen(base: str, in_base: set[str]) -> list[str]:
+def screen(base: str, in_base: set[str]) -> tuple[list[str], list[str]]:
     """What the agent's remaining changes add that reaches into the test machinery (see
-    :data:`SCREEN`), each as ``PATH: why: line``. Read from the files themselves, never from
-    ``git diff``'s rendering of them."""
+    :data:`SCREEN`), each as ``PATH: why: line``, and the changed paths. Read from the files
+    themselves, never from ``git diff``'s rendering of them."""
     findings: list[str] = []
-    for path in changed_files(base):
-        text = read_text(path)
-        if text is None:
-            continue
+    changed = changed_files(base)
+    texts = {path: text for path in changed if (text := read_text(path)) is not None}
+    code = [text for path, text in texts.items() if not is_doc(path)]
+    for path, text in texts.items():
+        if is_doc(path) and not any(os.path.basename(path) in other for other in code):
+            continue  # prose that no changed code names, so none reads and runs it
         before = (git("cat-file", "blob", f"{base}:{path}").decode("utf-8", "replace")
                   if path in in_base else "")
         for line in text.splitlines():
@@ -227,8 +233,18 @@ def screen(base: str, in_base: set[str]) -> list[str]:
                     findings.append(f"{path}: {why}: {line.strip()[:160]}")
                     break
             if len(findings) >= _MAX_FINDINGS:
-                return findings
-    return findings
+                return findings, changed
+    return findings, changed
+
+
+_DOC = re.compile(r"(?:\.(?:md|rst|txt|adoc|markdown)|(?:^|/)(?:README|CHANGES|CHANGELOG|"
+                  r"HISTORY|NEWS|AUTHORS)[^/]*)$", re.IGNORECASE)
+
+
+def is_doc(path: str) -> bool:
+    """Documentation: a README or ``.rst`` that mentions ``import pytest`` in an example is
+    prose, screened only when some changed code names the file (and may read and run it)."""
+    return bool(_DOC.search(path))
 
 
 def is_bytecode(path: str) -> bool:
@@ -331,16 +347,75 @@ def support_modules(base: str, roots: list[str], patch: str, in_base: set[str]) 
     return found
 
 
+_DEF_LINE = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)\s*\(")
+_CLASS_LINE = re.compile(r"^(\s*)class\s+(\w+)")
+
+
+def _classes_of(lines: list[str], at: int, indent: int) -> list[str]:
+    """The classes, outermost first, that the line ``at`` (indented ``indent``) is in."""
+    found: list[str] = []
+    for line in reversed(lines[:at]):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "@", ")")):
+            continue
+        width = len(line) - len(line.lstrip())
+        if width < indent:
+            m = _CLASS_LINE.match(line)
+            if m is None:
+                break
+            found.insert(0, m.group(2))
+            indent = width
+            if width == 0:
+                break
+    return found
+
+
+def plant_honeypots(insert: dict) -> bool:
+    """Honeypot tests (from the grader, ``honeypots.Insert``) put into a named test file
+    beside its test ``anchor`` in the classes named, before the anchor's decorators, written
+    as its body is (``self.assert...`` or ``assert``). False when there is no such test."""
+    path = insert["path"]
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        lines = f.read().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        m = _DEF_LINE.match(line)
+        if not m or m.group(2) != insert["anchor"] or \
+                _classes_of(lines, i, len(m.group(1))) != insert["classes"]:
+            continue
+        indent, at = m.group(1), i
+        while at > 0 and lines[at - 1].startswith(indent + "@"):
+            at -= 1
+        style = 2 if "self.assert" in "".join(lines[i:i + 40]) else 1
+        new = []
+        for test in insert["tests"]:
+            new += [f"{indent}def {test[0]}({'self' if indent else ''}):\n",
+                    f"{indent}    {test[style]}\n", "\n"]
+        lines[at:at] = new
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write("".join(lines))
+        return True
+    return False
+
+
 def main(argv: list[str]) -> int:
     source, kind, base, patch, *named = argv[1:]
     roots = [n[len("imports:"):] for n in named if n.startswith("imports:")]
-    named = [n for n in named if not n.startswith("imports:")]
+    added_list = [n[len("added:"):] for n in named if n.startswith("added:")]
+    inserts = [n[len("honeypots:"):] for n in named if n.startswith("honeypots:")]
+    named = [n for n in named if not n.startswith(("imports:", "added:", "honeypots:"))]
     fresh_git(source, kind, base)
     neutral_attributes()
     in_base = set(git("ls-tree", "-r", "-z", "--name-only", base).decode().split("\0")) - {""}
     support = support_modules(base, roots, patch, in_base)
     restored, bytecode = protect(base, set(named) | support, in_base)
-    found = screen(base, in_base)
+    found, changed = screen(base, in_base)
+    for where in added_list:  # for the runner's start (runner_start.py): what may shadow
+        with open(where, "w") as f:
+            present = sorted(p for p in changed if os.path.exists(p))
+            json.dump({"added": [p for p in present if p not in in_base],
+                       "changed": present}, f)
     # A src/ layout: packages under src/ that the checkout's root does not have.
     under_src = {p.split("/")[1] for p in in_base if p.startswith("src/") and p.count("/") == 2
                  and p.endswith("/__init__.py")}
@@ -351,7 +426,12 @@ def main(argv: list[str]) -> int:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         return PATCH_FAILED
+    planted = []
+    for where in inserts:
+        with open(where) as f:
+            planted += [i["path"] for i in json.load(f) if plant_honeypots(i)]
     sys.stdout.write(json.dumps({"restored": restored, "bytecode_removed": bytecode,
+                                 "honeypots_in": planted,
                                  "support": sorted(support),
                                  "screen": found,
                                  "import_paths": ["src"] if under_src - at_root else []}) + "\n")

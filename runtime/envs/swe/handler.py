@@ -35,11 +35,14 @@ test runner loads by configuration, the test directories of the named tests and 
 patch, the runner's own files and the test machinery they import are put back to
 ``base_commit``, the agent's changed files are screened for code that reaches into the test
 framework or the grader, then the test patch applied, with honeypot tests planted in it
-(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). pytest
-runs only the named tests (their node ids), with plugin autoload off; their outcomes come from a
-report file (:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every
-process of the run is dead, never from stdout, and the plugin checks the runner's own functions
-while the tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
+(:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`, :mod:`...grading.honeypots`). Every
+runner starts with the repository off ``sys.path`` until its fingerprints are taken, and a
+module the agent added that shadows a standard-library or runner module refuses the run
+(``runner_start.py``). pytest runs only the named tests (their node ids), with plugin
+autoload off; their outcomes come from a report file
+(:mod:`rollout.runtime.envs.in_sandbox.pytest_report_plugin`) read after every process of the
+run is dead, never from stdout, and the plugin checks the runner's own functions while the
+tests run. Django's ``tests/runtests.py``, SymPy's ``bin/test`` and plain ``unittest``
 start through a recorder of unittest's results, their logs only a cross-check
 (:mod:`rollout.runtime.envs.swe.runners`). One :class:`GradeReport` holds what the run left and
 :func:`verdict` decides. Reward 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test PASSED (an
@@ -154,6 +157,8 @@ class TestRun:
     info: Mapping[str, str]
     docs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """First docstring line -> tests it describes (unittest-style runners)."""
+    refused: tuple[str, ...] = ()
+    """Why the runner's start refused to run the tests (``shadowed_module: NAME (PATH)``)."""
 
 
 def _status(run: Any) -> int | None:
@@ -300,10 +305,18 @@ class SweHandler(AgentHandler):
                    else Planted(task["test_patch"], Honeypots(), ()))
         patch = await write_private(grader, "test.patch", planted.patch)
         tree = await write_private(grader, "swe_grade_tree.py", GRADE_TREE_SOURCE.read_bytes())
+        # The files the agent added, for the runner's start: only a module the agent added
+        # can shadow one of the runner's (a repository may be the runner itself).
+        added = posixpath.join(posixpath.dirname(tree), "added.json")
+        inserts = []
+        if planted.inserts:
+            inserts = ["honeypots:" + await write_private(grader, "honeypots.json", json.dumps(
+                [i.as_json() for i in planted.inserts]))]
         prepared = await grader.exec(
             [getattr(grader, "python", "python3"), tree, src, kind, task["base_commit"], patch,
              *protected_paths(task, runner, f2p + p2p),
-             *(f"imports:{p}" for p in import_roots(task, runner, f2p + p2p))],
+             *(f"imports:{p}" for p in import_roots(task, runner, f2p + p2p)),
+             f"added:{added}", *inserts],
             timeout=min(120.0, ctx.spec.limits.eval_timeout_s),
             cwd=grader.workspace_in_sandbox)
         if not prepared.ok:
@@ -311,6 +324,8 @@ class SweHandler(AgentHandler):
                    else "building the grading tree failed")
             return Reward(0.0, zero, {"error": why, "log": prepared.output[-1000:]})
         tree_report = json.loads(prepared.stdout or "{}")
+        planted = planted.without({i.path for i in planted.inserts}
+                                  - set(tree_report.get("honeypots_in", [])))
         info = {"restored": ",".join(tree_report.get("restored", []))[:1000],
                 "runner": runner.name}
         problems: list[str] = []
@@ -324,9 +339,15 @@ class SweHandler(AgentHandler):
         paths = [posixpath.join(grader.workspace_in_sandbox, p) for p in paths]
         if runner.name == "pytest":
             run = await self._run_pytest(grader, task, [*f2p, *p2p, *planted.run_also],
-                                         timeout, paths)
+                                         timeout, paths, added)
         else:
-            run = await self._run_logged(grader, task, runner, timeout, paths)
+            run = await self._run_logged(grader, task, runner, timeout, paths, added)
+        if run.refused:
+            problems.append("the repository shadows a module of the test runner or the "
+                            "standard library, or ran code before the runner started")
+            found = "; ".join(run.refused)
+            info["screen"] = f"{info['screen']}; {found}"[:2000] if info.get("screen") \
+                else found[:2000]
         info.update(run.info)
         info["honeypots_planted"] = str(len(planted.honeypots.names))
         report = GradeReport(tuple(f2p), tuple(p2p), run.outcomes, run.exit_status,
@@ -337,7 +358,8 @@ class SweHandler(AgentHandler):
         return reward_of(verdict(report), info)
 
     async def _run_pytest(self, grader: Any, task: Mapping[str, Any], named: list[str],
-                          timeout: float, paths: list[str]) -> TestRun:  # noqa: ASYNC109
+                          timeout: float, paths: list[str],  # noqa: ASYNC109
+                          added: str) -> TestRun:
         plugin_dir = posixpath.dirname(await write_private(
             grader, f"plugins/{REPORT_PLUGIN}.py", REPORT_PLUGIN_SOURCE.read_bytes()))
         # A fresh, unguessable path in the grading sandbox's own /tmp: nothing of the agent
@@ -346,7 +368,8 @@ class SweHandler(AgentHandler):
         run = await grader.exec(
             [*test_command(task, grader.workspace_in_sandbox), *named],
             timeout=timeout, cwd=grader.workspace_in_sandbox,
-            env=test_env(task, plugin_dir, report, paths), max_output=1 << 20)
+            env=test_env(task, plugin_dir, report, paths, grader.workspace_in_sandbox, added),
+            max_output=1 << 20)
         # What the tests left running must not touch the report between the run and the read.
         await grader.stop_processes()
         raw = await grader.exec(["head", "-c", str(_MAX_REPORT), "--", report], timeout=30.0,
@@ -354,9 +377,11 @@ class SweHandler(AgentHandler):
         data = parse_plugin_report(raw.stdout) if raw.ok else None
         info = {"pytest_exit": str(run.exit_code), "exit_status": str(run.exit_code)}
         problems: list[str] = []
-        if data is None:
+        refused = tuple(swe_runners.refusals(run.exit_code, run.output))
+        if data is None or refused:
             info["log"] = run.output[-1000:]
-            return TestRun({}, _status(run), None, False, run.timed_out, (), info)
+            return TestRun({}, _status(run), None, False, run.timed_out, (), info,
+                           refused=refused)
         if data.foreign_hooks:
             problems.append("the code under test registered pytest hooks that decide outcomes")
             info["hooks"] = "; ".join(data.foreign_hooks)[:1000]
@@ -373,7 +398,8 @@ class SweHandler(AgentHandler):
                        tuple(problems), info)
 
     async def _run_logged(self, grader: Any, task: Mapping[str, Any], runner: Runner,
-                          timeout: float, paths: list[str]) -> TestRun:  # noqa: ASYNC109
+                          timeout: float, paths: list[str],  # noqa: ASYNC109
+                          added: str) -> TestRun:
         """A runner that reports only through its log (Django, SymPy, unittest)."""
         spec = EnvSpec.of(task)
         options = spec.test_cmd if spec is not None and spec.test_runner == runner.name \
@@ -382,11 +408,13 @@ class SweHandler(AgentHandler):
         # One stream, unbuffered: the log is read in the order it was written, which decides
         # the outcome of a test whose result runs over several lines.
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = ":".join(p for p in (*paths, env.get("PYTHONPATH", "")) if p)
+        files = patched_files(task["test_patch"])
+        set_start_env(env, paths, grader.workspace_in_sandbox, added,
+                      trace=[f for f in files if f.endswith(".py")]
+                      if runner.name == "sympy" else [])
         argv = swe_runners.command(runner, spec.run_python if spec else "python",
                                    grader.workspace_in_sandbox, options,
-                                   swe_runners.directives(runner,
-                                                          patched_files(task["test_patch"])))
+                                   swe_runners.directives(runner, files))
         report = f"/tmp/.rollout-report-{secrets.token_hex(8)}.json"
         env[swe_runners.REPORT_VAR] = report
         run = await grader.exec(
@@ -399,18 +427,17 @@ class SweHandler(AgentHandler):
         logged, parser = swe_runners.parse_log(runner, run.output)
         info = {"exit_status": str(run.exit_code), "parser": parser}
         problems: list[str] = []
-        if record is None:
+        refused = tuple(swe_runners.refusals(run.exit_code, run.output))
+        if record is None or refused:
             info["log"] = run.output[-1000:]
-            return TestRun({}, _status(run), None, False, run.timed_out, (), info)
+            return TestRun({}, _status(run), None, False, run.timed_out, (), info,
+                           refused=refused)
         if record.tampered:
             problems.append("the code under test replaced the test runner's functions while "
                             "the tests ran")
             info["tampered"] = "; ".join(record.tampered)[:1000]
-        if runner.name == "sympy":  # no TestResult: the log, from a run that reached its end
-            outcomes = logged
-        else:
-            outcomes = swe_runners.cross_checked(record, logged)
-            info["parser"] = f"recorder+{parser}"
+        outcomes = swe_runners.cross_checked(record, logged)
+        info["parser"] = f"recorder+{parser}"
         if not outcomes:
             info["log"] = run.output[-1000:]
             problems.append(f"the {runner.name} runner recorded no test")
@@ -486,7 +513,8 @@ def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
     spec = EnvSpec.of(task)
     env, options = swe_runners.split_assignments(spec.test_cmd if spec else ())
     args = [*(["env", *env] if env else []),
-            spec.run_python if spec else "python", "-c", LAUNCH_SOURCE.read_text(), workspace,
+            spec.run_python if spec else "python", "-c", swe_runners.launcher(LAUNCH_SOURCE),
+            workspace,
             *options,
             "-p", REPORT_PLUGIN, "-p", "no:cacheprovider", "-q", "--tb=short"]
     for plugin in task.get("pytest_plugins", []):
@@ -495,17 +523,36 @@ def test_command(task: Mapping[str, Any], workspace: str) -> list[str]:
 
 
 def test_env(task: Mapping[str, Any], plugin_dir: str, report: str,
-             paths: Sequence[str] = ()) -> dict[str, str]:
+             paths: Sequence[str] = (), workspace: str = "/workspace",
+             added: str = "") -> dict[str, str]:
     """Environment of the test run: plugin autoload off unless the task asks for it (the
     server's or the environment's stray plugins change outcomes and cost seconds); ``paths``
-    (a src/ layout's folder) after the plugin's on PYTHONPATH."""
+    (a src/ layout's folder) after the plugin's on PYTHONPATH, for the tests only
+    (:func:`start_env`)."""
     env = string_env(task, "test_env", env=ENV)
     if not task.get("pytest_plugin_autoload", False):
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    env["PYTHONPATH"] = ":".join(p for p in (plugin_dir, *paths, env.get("PYTHONPATH", ""))
-                                 if p)
+    set_start_env(env, [plugin_dir, *paths], workspace, added)
     env["ROLLOUT_PYTEST_REPORT"] = report
     return env
+
+
+def set_start_env(env: dict[str, str], paths: Sequence[str], workspace: str, added: str,
+                  trace: Sequence[str] = ()) -> None:
+    """``PYTHONPATH`` and ``ROLLOUT_START`` of a test run, set in ``env``: ``paths`` in front
+    of the task's ``PYTHONPATH``, of which the interpreter itself gets only the entries outside the
+    repository (so no module of the repository is found while it starts); the whole list
+    reaches the tests through ``runner_start.py`` once the runner's fingerprints are taken,
+    with ``added`` (the grading tree's list of the files the agent added) and ``trace`` (the
+    test files whose functions SymPy's runner calls)."""
+    full = [p for p in (*paths, *env.get("PYTHONPATH", "").split(":")) if p]
+    outside = [p for p in full if posixpath.isabs(p) and p != workspace
+               and not p.startswith(workspace.rstrip("/") + "/")]
+    env[swe_runners.START_VAR] = json.dumps({"pythonpath": full, "added": added,
+                                             "trace": list(trace)})
+    env.pop("PYTHONPATH", None)
+    if outside:
+        env["PYTHONPATH"] = ":".join(outside)
 
 
 def named_tests(task: Mapping[str, Any], name: str) -> list[str]:

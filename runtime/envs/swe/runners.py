@@ -36,9 +36,31 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _BY_REPO = {"django/django": "django", "sympy/sympy": "sympy"}
 
 RECORDER = Path(__file__).resolve().parents[1] / "in_sandbox" / "unittest_recorder.py"
-"""``python -c`` text that starts a runner with the repository off ``sys.path`` until unittest is
-imported and its result methods record each outcome (see the script)."""
+"""``python -c`` text (after :data:`START`'s) that starts a runner with the repository off
+``sys.path`` until unittest is imported and its result methods record each outcome (SymPy's:
+a trace of its test functions; see the script)."""
+START = Path(__file__).resolve().parents[1] / "in_sandbox" / "runner_start.py"
+"""Text in front of every launcher: the repository off ``sys.path`` until the runner's
+fingerprints are taken, then a probe for modules the repository shadows (see the script)."""
 REPORT_VAR = "ROLLOUT_UNITTEST_REPORT"
+START_VAR = "ROLLOUT_START"
+REFUSED = 86
+"""The exit status of a run that ``runner_start.py`` refused before any code of the repository
+ran; each reason on a stderr line after :data:`REFUSED_MARK`."""
+REFUSED_MARK = "rollout-start refused: "
+
+
+def launcher(source: Path) -> str:
+    """``python -c`` text of a launcher: :data:`START`'s first."""
+    return START.read_text() + "\n" + source.read_text()
+
+
+def refusals(exit_code: int, output: str) -> list[str]:
+    """Why :data:`START` refused the run (empty: it did not)."""
+    if exit_code != REFUSED:
+        return []
+    return [line.split(REFUSED_MARK, 1)[1].strip() for line in output.splitlines()
+            if REFUSED_MARK in line][:20]
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,7 @@ def command(runner: Runner, python: str, workspace: str, options: tuple[str, ...
     runner's defaults), then the tests."""
     env, opts = split_assignments(runner.options if options is None else options)
     prefix = ["env", *env] if env else []
-    start = [*prefix, python, "-c", RECORDER.read_text(), workspace]
+    start = [*prefix, python, "-c", launcher(RECORDER), workspace]
     if runner.name == "unittest":
         return [*start, "unittest", *opts, *tests]
     return [*start, "script", runner.script, *opts, *tests]

@@ -167,7 +167,7 @@ def test_runner_of_a_task() -> None:
         "PYTHONWARNINGS='ignore::UserWarning' bin/test -C --verbose")
     assert (runner, options) == ("sympy", ("PYTHONWARNINGS=ignore::UserWarning", "-C",
                                            "--verbose"))
-    recorder = swe_runners.RECORDER.read_text()
+    recorder = swe_runners.launcher(swe_runners.RECORDER)
     assert swe_runners.command(swe_runners.SPECS["sympy"], "python", "/w", options, ["t.py"]) \
         == ["env", "PYTHONWARNINGS=ignore::UserWarning", "python", "-c", recorder, "/w",
             "script", "bin/test", "-C", "--verbose", "t.py"]
@@ -330,8 +330,11 @@ NO_DERIVED_SUPPORT = ("tree", "    support = support_modules(base, roots, patch,
                       "    support = set()\n")
 
 
-async def test_test_machinery_the_runner_imports_is_restored(rollout: Rollout) -> None:
-    # The honeypots would catch it too: off, so the restore alone decides.
+async def test_test_machinery_the_runner_imports_is_restored(
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The honeypots and the record of the test functions would catch it too: off, so the
+    # restore alone decides.
+    monkeypatch.setattr(swe_runners, "cross_checked", lambda record, logged: logged)
     result = await rollout(SweHandler(honeypots=False), SYMPY, [*RUNNER_RUNS_NOTHING, SUBMIT])
     assert result.reward.value == 0.0, result.reward.info
     restored = result.reward.info["restored"].split(",")
@@ -341,5 +344,6 @@ async def test_test_machinery_the_runner_imports_is_restored(rollout: Rollout) -
 async def test_control_a_runner_module_left_as_the_agent_made_it_earns_1(
         rollout: Rollout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     unprotect(monkeypatch, tmp_path, NO_DERIVED_SUPPORT)
+    monkeypatch.setattr(swe_runners, "cross_checked", lambda record, logged: logged)
     result = await rollout(SweHandler(honeypots=False), SYMPY, [*RUNNER_RUNS_NOTHING, SUBMIT])
     assert result.reward.value == 1.0, result.reward.info
