@@ -166,7 +166,7 @@ def flatten(traj: trajectory_pb2.Trajectory, *, keep_failed: bool = False) -> Fl
         routed_expert_top_k=routed_shape[1])
 
 
-_SEGMENT_CAUSES = {
+_SEGMENT_CAUSES: dict[int, str] = {
     trajectory_pb2.Segment.REASON_HISTORY_REWRITTEN:
         "a request that did not carry the answers before it (the harness summarised, edited or "
         "dropped messages, e.g. a reply it could not parse)",
