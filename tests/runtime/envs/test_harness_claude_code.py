@@ -10,6 +10,8 @@ model every token is captured."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -174,3 +176,20 @@ async def test_claude_codes_small_fast_model_calls_are_side_calls(
         assert ("Listed the files" in said) is segment.side_call, said
     assert_each_token_owned_once(result)
     assert result.outcome.metadata["harness_exit"] == "0"
+
+
+def test_claude_code_starts_in_a_root_that_holds_only_its_install() -> None:
+    """Its own loader and C libraries (scripts/harness_loader.py): no /usr, no /lib, nothing of
+    an image, so it runs in a task's own image whatever that holds. It also answers a request
+    there (through the gateway in the tests above, which run in the host's view)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    install = harness_presets.resolve("claude-code").install
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--tmpfs", "/", "--ro-bind",
+            str(install), "/.rollout-harness", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp", "--setenv", "HOME", "/tmp",
+            "/.rollout-harness/node_modules/@anthropic-ai/claude-code/bin/claude.exe",
+            "--version"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Claude Code" in done.stdout
