@@ -49,6 +49,9 @@ class GenerateRequest:
     """Stop generating after this many seconds and return what was generated so far with
     ``finish_reason="deadline"``: the job's RUN deadline, so a turn cut by it keeps its tokens
     (and their logprobs) instead of being thrown away."""
+    top_logprobs: int = 0
+    """Also return, per output token, this many most likely tokens and their logprobs
+    (:attr:`GenerateResult.top_logprobs`): what an API's ``top_logprobs`` asks for. 0: none."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class GenerateResult:
     ``[token][layer][k]``; empty otherwise."""
     routed_expert_top_k: int = 0
     routed_expert_layers: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per output token, when the request asked for ``top_logprobs=k``: the ``k`` most likely
+    tokens of the distribution it was sampled from, as ``(token id, logprob)`` best first, in
+    the same kind as :attr:`logprobs` (the sampled token's entry, where it ranks in the top
+    ``k``, equals its logprob). Empty otherwise. Answers to an API; never in a trajectory."""
 
 
 @runtime_checkable

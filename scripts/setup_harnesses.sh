@@ -8,8 +8,7 @@
 #   harness-codex-<key>            OpenAI Codex CLI from npm (a Node launcher and the native
 #                                  binary of this platform).
 #   harness-claude-code-<key>      Claude Code from npm (@anthropic-ai/claude-code: one native
-#                                  Bun executable of this platform, no Node needed; it needs a
-#                                  glibc in the image).
+#                                  Bun executable of this platform, no Node needed).
 #   harness-opencode-<key>         OpenCode from npm (opencode-ai: likewise a Bun executable).
 #   harness-aider-<key>            aider (PyPI aider-chat) in a copy of the base interpreter of
 #                                  its own (not a venv: a venv names its base by host path).
@@ -17,6 +16,8 @@
 # OpenCode and aider carry their own C runtime (scripts/harness_runtime.py: the loader and every
 # library they load from outside the install, copied into runtime/lib, their entry programs
 # rewritten to use them), so they start in a task image whose /lib is another's or absent.
+# Claude Code survives no such rewrite; it gets its own runtime by changes in place
+# (scripts/harness_loader.py: a private loader whose built-in directories are the install's).
 #
 # Each lives under the set-up cache (like the vLLM and trainer venvs), keyed by its recipe (the
 # install function's text and versions); a harness job's sandbox binds it read-only at
@@ -73,13 +74,18 @@ own_runtime() {  # $1: install directory, then its entry programs (relative)
   "$BASE_PY" scripts/harness_runtime.py "$1" "$MOUNT" "$(patchelf_bin)" "${@:2}"
 }
 
+own_loader() {  # $1: install directory, then its entry programs (relative)
+  "$BASE_PY" scripts/harness_loader.py "$1" "$MOUNT" "${@:2}"
+}
+
 install_claude_code() {  # $1: target directory
   mkdir -p "$1"
   npm install --prefix "$1" --no-audit --no-fund --loglevel=error \
     "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
   "$1/node_modules/.bin/claude" --version >/dev/null
-  # No own C runtime: every rewrite of its loader path or library search path (patchelf 0.14,
-  # 0.17) makes this executable crash at start. It uses the image's glibc.
+  # Every patchelf rewrite of this executable (0.14, 0.17) makes it crash at start: its own C
+  # runtime comes by changes in place instead.
+  own_loader "$1" node_modules/@anthropic-ai/claude-code/bin/claude.exe:--version
 }
 
 install_opencode() {  # $1: target directory
@@ -120,6 +126,11 @@ build() {
   if declare -f "$install" | grep -q own_runtime; then  # the runtime's recipe is part of it
     want="$({ echo "$want"; declare -f own_runtime patchelf_bin; cat scripts/harness_runtime.py
               echo "$CLAUDE_CODE_VERSION $OPENCODE_VERSION $AIDER_VERSION $MOUNT"
+            } | sha256sum | cut -c1-16)"
+  fi
+  if declare -f "$install" | grep -q own_loader; then
+    want="$({ echo "$want"; declare -f own_loader; cat scripts/harness_runtime.py scripts/harness_loader.py
+              echo "$CLAUDE_CODE_VERSION $MOUNT"
             } | sha256sum | cut -c1-16)"
   fi
   dir=$CACHE/harness-$name-$want

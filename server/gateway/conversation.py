@@ -105,9 +105,24 @@ class ServedTurn:
     """The whole prompt the model saw (the chain's ids before this turn's output)."""
     completion_tokens: int
     turn: Turn
-    sampled: list[tuple[str, float]] = field(default_factory=list)
-    """Each output token's text and logprob, end-of-turn tokens left out; filled only for a
-    request that asks for ``logprobs``."""
+    alternatives: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per output token, the most likely tokens ``(id, logprob)`` best first, as many as the
+    request that generated it asked for (``top_logprobs``); kept with the answer, not in the
+    trajectory, so a retry is answered with them too."""
+    sampled: list[SampledToken] = field(default_factory=list)
+    """Each output token's text, logprob and alternatives, end-of-turn tokens left out; filled
+    only for a request that asks for ``logprobs``."""
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One output token as an API's ``logprobs`` shows it: its text (the tokenizer's decoding
+    of its one id, never a re-tokenization of the answer), its logprob, and the most likely
+    tokens of its step as ``(text, logprob)`` best first."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,7 +293,7 @@ class JobConversation:
         answer = await self._answer_for(request, ident, keys, listener, live)
         rest = live[0].rest(answer.content) if live else answer.content
         if request.logprobs is not None:
-            answer = self._with_logprobs(answer)
+            answer = self._with_logprobs(answer, request.logprobs)
         return answer, rest
 
     async def _answer_for(self, request: ChatRequest, ident: Ident, keys: list[Key],
@@ -625,7 +640,7 @@ class JobConversation:
                 prompt_ids=list(prompt), sampling=sampling, max_tokens=max_tokens,
                 session_id=spec.job_id, group_id=spec.group_id,
                 min_policy_version=spec.min_policy_version, seed=self._seed + index,
-                timeout_s=left)
+                timeout_s=left, top_logprobs=request.logprobs or 0)
             try:
                 result = await (self.llm.generate(turn) if feed is None
                                 else _streamed(self.llm, turn, feed))
@@ -661,11 +676,13 @@ class JobConversation:
             "length" if result.finish_reason in ("length", "deadline") else "stop")
         return ServedTurn(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls,
                           finish_reason=finish, prompt_tokens=prompt_tokens,
-                          completion_tokens=len(result.output_ids), turn=turn)
+                          completion_tokens=len(result.output_ids), turn=turn,
+                          alternatives=list(result.top_logprobs))
 
-    def _with_logprobs(self, answer: ServedTurn) -> ServedTurn:
+    def _with_logprobs(self, answer: ServedTurn, top: int) -> ServedTurn:
         """``answer`` with each sampled token's text and logprob (the end-of-turn tokens left
-        out), for a request that asks for ``logprobs``."""
+        out) and up to ``top`` alternatives, for a request that asks for ``logprobs``. Texts
+        are the tokenizer's decoding of each id."""
         chat = self._chat
         if answer.sampled or chat is None:
             return answer
@@ -673,9 +690,12 @@ class JobConversation:
         kept = list(answer.turn.output_ids)
         while kept and kept[-1] in ends:
             kept.pop()
+        alternatives = answer.alternatives or [[] for _ in kept]
         return dataclasses.replace(answer, sampled=[
-            (chat.decode([i]), lp)
-            for i, lp in zip(kept, answer.turn.output_logprobs, strict=False)])
+            SampledToken(chat.decode([i]), lp, tuple((chat.decode([o]), v)
+                                                     for o, v in options[:top]))
+            for i, lp, options in zip(kept, answer.turn.output_logprobs, alternatives,
+                                      strict=False)])
 
 
 def _feeder(text: _LiveText, listener: Listener,
@@ -693,11 +713,13 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
     result is the pieces joined (the same turn ``generate`` returns)."""
     ids: list[int] = []
     logprobs: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
     last: GenerateResult | None = None
     async with contextlib.aclosing(stream_generate(llm, request)) as pieces:
         async for piece in pieces:
             ids.extend(piece.output_ids)
             logprobs.extend(piece.logprobs)
+            tops.extend(piece.top_logprobs)
             last = piece
             if piece.output_ids and piece.finish_reason not in ("preempted", "abort"):
                 feed(piece.output_ids)
@@ -706,7 +728,7 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
     if last is None or not last.finish_reason:
         raise LLMUnavailable("the backend's stream ended without a finish reason")
     return GenerateResult(ids, logprobs, last.finish_reason, last.policy_version, last.backend,
-                          last.logprobs_kind)
+                          last.logprobs_kind, top_logprobs=tops)
 
 
 async def _rendering(call: Any) -> Any:

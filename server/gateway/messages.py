@@ -105,8 +105,8 @@ class ChatRequest:
     include_usage: bool = False
     """A stream ends with the usage (chat's ``stream_options.include_usage``)."""
     logprobs: int | None = None
-    """``None``: no logprobs in the answer; ``k``: the sampled tokens' logprobs, each with up
-    to ``k`` alternatives (only the sampled token is known, so at most that one)."""
+    """``None``: no logprobs in the answer; ``k``: the sampled tokens' logprobs, each with the
+    ``k`` most likely tokens of its step (the backend is asked for them)."""
 
     def tools_key(self) -> str:
         return json.dumps(self.tools, sort_keys=True)

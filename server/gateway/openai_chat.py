@@ -1,9 +1,11 @@
 """OpenAI Chat Completions (``POST /v1/chat/completions``): the dialect's four role functions
 (``parse``, ``respond``, ``stream``, ``error_body``; see ``routes.DIALECTS``).
 
-``logprobs`` / ``top_logprobs`` give each sampled token's own logprob (what the trajectory
-records); the policy's alternatives are not known to the gateway, so ``top_logprobs`` lists the
-sampled token alone.
+``logprobs`` gives each sampled token's own logprob (what the trajectory records);
+``top_logprobs: k`` (0 to 20, OpenAI's bound) adds the ``k`` most likely tokens of each step as
+the backend computed them (same distribution as the sampled logprob), token texts from the
+tokenizer. ``-inf`` (a token the sampling settings exclude) is written ``-9999.0``, as OpenAI and
+vLLM do: JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -70,16 +72,25 @@ def _logprobs(body: Mapping[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
+LOGPROB_FLOOR = -9999.0
+
+
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR),
+            "bytes": list(text.encode())}
+
+
+def logprob_entries(answer: ServedTurn) -> list[dict[str, Any]]:
+    """Each sampled token with its logprob and its step's most likely tokens, in the shape
+    both OpenAI APIs use (chat's ``logprobs.content``, Responses' ``output_text.logprobs``)."""
+    return [{**_entry(t.text, t.logprob), "top_logprobs": [_entry(o, v) for o, v in t.top]}
+            for t in answer.sampled]
+
+
 def _logprob_content(answer: ServedTurn, request: ChatRequest) -> dict[str, Any] | None:
-    """Each sampled token's own logprob; its alternatives are unknown here, so a request for
-    ``top_logprobs`` gets the sampled token alone."""
     if request.logprobs is None:
         return None
-    out = []
-    for text, lp in answer.sampled:
-        entry = {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        out.append({**entry, "top_logprobs": [entry] if request.logprobs else []})
-    return {"content": out, "refusal": None}
+    return {"content": logprob_entries(answer), "refusal": None}
 
 
 def _message(m: Any, i: int) -> Message:

@@ -35,6 +35,10 @@ from rollout.server.gateway.messages import (
     tool_list,
 )
 from rollout.server.gateway.openai_chat import error_body as openai_error_body
+from rollout.server.gateway.openai_chat import logprob_entries
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The ``include`` item that asks for the answer's logprobs."""
 
 
 def parse(body: Mapping[str, Any], limits: RequestLimits,
@@ -64,7 +68,19 @@ def parse(body: Mapping[str, Any], limits: RequestLimits,
         raise BadRequest("stream must be a boolean", param="stream")
     return ChatRequest(messages=messages, tools=tools, tool_choice=_tool_choice(
         body.get("tool_choice")), max_tokens=opt_int(body, "max_output_tokens", 1, 1 << 24),
-        model=str(body.get("model") or ""), stream=stream)
+        model=str(body.get("model") or ""), stream=stream, logprobs=_logprobs(body))
+
+
+def _logprobs(body: Mapping[str, Any]) -> int | None:
+    """``include: ["message.output_text.logprobs"]`` or ``top_logprobs`` (0 to 20) asks for
+    the output text's logprobs, each token with that many alternatives."""
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise BadRequest("include must be a list of strings", param="include")
+    top = opt_int(body, "top_logprobs", 0, 20)
+    if top is None and LOGPROBS_INCLUDE not in include:
+        return None
+    return top or 0
 
 
 def _add_item(messages: list[Message], item: Any, param: str) -> None:
@@ -132,14 +148,15 @@ def respond(answer: ServedTurn, request: ChatRequest, model: str, answer_id: str
 
 
 def output_items(answer: ServedTurn, message_id: str = "") -> list[dict[str, Any]]:
-    """``message_id``: the id a streamed message item was opened with."""
+    """``message_id``: the id a streamed message item was opened with. The text's logprobs
+    are there when the request asked for them (``answer.sampled`` is filled only then)."""
     items: list[dict[str, Any]] = []
     if answer.content:
         items.append({"id": message_id or f"msg_{uuid.uuid4().hex}", "type": "message",
                       "role": "assistant",
                       "status": "completed", "content": [
                           {"type": "output_text", "text": answer.content, "annotations": [],
-                           "logprobs": []}]})
+                           "logprobs": logprob_entries(answer)}]})
     for c in answer.tool_calls:
         items.append({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
                       "status": "completed", "call_id": c.id, "name": c.name,
@@ -203,14 +220,16 @@ async def stream(pieces: AsyncIterator[Piece], request: ChatRequest, model: str,
         for index, item in enumerate(items):
             if item["type"] == "message":
                 text = item["content"][0]["text"]
+                logprobs = item["content"][0]["logprobs"]
                 if not message_id:
                     ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
                     yield event("response.output_item.added", output_index=index,
                                 item={**item, "status": "in_progress", "content": []})
                     yield event("response.content_part.added", **ids, part=_part(""))
-                    yield event("response.output_text.delta", **ids, delta=text, logprobs=[])
-                yield event("response.output_text.done", **ids, text=text, logprobs=[])
-                yield event("response.content_part.done", **ids, part=_part(text))
+                    yield event("response.output_text.delta", **ids, delta=text,
+                                logprobs=logprobs)
+                yield event("response.output_text.done", **ids, text=text, logprobs=logprobs)
+                yield event("response.content_part.done", **ids, part=item["content"][0])
             else:
                 yield event("response.output_item.added", output_index=index,
                             item={**item, "status": "in_progress", "arguments": ""})

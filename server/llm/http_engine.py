@@ -18,7 +18,13 @@ reference, added around v0.11)
     false``. Reply: ``choices[0].logprobs.tokens`` / ``token_logprobs``; ``token_ids`` is used
     when present, else the ids are parsed from ``token_id:<n>``.
 
-``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). vLLM 0.32 answers
+``logprobs: 0`` asks for the sampled token's logprob only (no alternatives). A turn with
+``top_logprobs=k`` (an API caller asked for alternatives) sends ``logprobs: k + 1``: vLLM lists
+the sampled token first and then the most likely ones, cut to the number asked, so one more
+always holds the true top ``k`` (read from ``logprobs.content[i].top_logprobs[j].{token_id,
+logprob}``, or the completions shape's ``top_logprobs[i]`` ``{"token_id:<n>": logprob}``),
+sorted here best first. vLLM refuses more than ``--max-logprobs`` (default 20); the launcher
+starts it with 21. vLLM 0.32 answers
 ``/inference/v1/generate`` in ``output_mode="tokens"`` with ``logprobs.content[i].{token_id,
 logprob}``. ``top_k`` is sent as ``-1`` when disabled (older vLLM rejects 0; newer accepts both).
 A turn's session id travels in the ``X-Rollout-Session`` header, which vLLM ignores and
@@ -94,11 +100,21 @@ class _Turn:
     """Which logprobs these are; the server's reply may say, else what it was started with."""
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per token, its ``top`` most likely alternatives (a request with ``top_logprobs``)."""
+    top: int = 0
     finish: str | None = None
     version: int | None = None
     routed: str | None = None
     """vLLM's ``routed_experts`` (base64 ``.npy``) from the generate protocol's last reply."""
     prompt_len: int = 0
+
+
+def _best(k: int, entries: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The ``k`` most likely of one step's entries, best first. vLLM lists the sampled token
+    first, then the most likely ones; asked for ``k + 1`` it always holds the true top ``k``,
+    and a sampled token ranked below them sorts out of the list."""
+    return sorted(dict(entries).items(), key=lambda e: -e[1])[:k]
 
 
 def routed_for_output(encoded: str, prompt_len: int, n_output: int
@@ -183,7 +199,8 @@ class HttpEngine(Engine):
         stream = self.stream if self.stream is not None else request.timeout_s is not None
         path, body = self._body(request, stream)
         headers = {SESSION_HEADER: request.session_id, LOGPROBS_HEADER: wanted}
-        turn = _Turn(self.logprobs_mode, prompt_len=len(request.prompt_ids))
+        turn = _Turn(self.logprobs_mode, prompt_len=len(request.prompt_ids),
+                     top=request.top_logprobs)
         call = asyncio.ensure_future(self._call(path, body, headers, turn))
         self._inflight.setdefault(request.session_id, set()).add(call)
         try:
@@ -221,10 +238,14 @@ class HttpEngine(Engine):
                               "logprobs (was the request sent with logprobs: 0?)")
         routed, layers, k = (routed_for_output(turn.routed, turn.prompt_len, len(turn.ids))
                              if turn.routed else ([], 0, 0))
+        if turn.top and len(turn.tops) != len(turn.ids):
+            raise EngineError(f"{self.name}: {len(turn.ids)} tokens but top logprobs for "
+                              f"{len(turn.tops)} (does the server honour logprobs: k?)")
         return GenerateResult(list(turn.ids), list(turn.logprobs), finish,
                               turn.version if turn.version is not None else self._version,
                               self.name, turn.kind, routed_experts=routed,
-                              routed_expert_top_k=k, routed_expert_layers=layers)
+                              routed_expert_top_k=k, routed_expert_layers=layers,
+                              top_logprobs=list(turn.tops))
 
     def _body(self, request: GenerateRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         s = request.sampling
@@ -232,7 +253,8 @@ class HttpEngine(Engine):
         params: dict[str, Any] = {
             "max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
             "top_k": s.top_k if s.top_k > 0 else -1, "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": 0, "skip_special_tokens": False,
+            "logprobs": request.top_logprobs + 1 if request.top_logprobs else 0,
+            "skip_special_tokens": False,
         }
         if seed is not None:
             params["seed"] = seed
@@ -260,7 +282,12 @@ class HttpEngine(Engine):
             logprobs = choice.get("logprobs") or {}
             if self.protocol == "generate":
                 ids = [int(t) for t in choice.get("token_ids") or []]
-                values = [float(c["logprob"]) for c in logprobs.get("content") or []]
+                content = logprobs.get("content") or []
+                values = [float(c["logprob"]) for c in content]
+                if turn.top:
+                    turn.tops.extend(_best(turn.top, [
+                        (int(t["token_id"]), float(t["logprob"]))
+                        for t in c.get("top_logprobs") or []]) for c in content)
                 if choice.get("routed_experts"):  # vLLM >= 0.32 with routed-expert return on
                     turn.routed = str(choice["routed_experts"])
             else:
@@ -268,6 +295,11 @@ class HttpEngine(Engine):
                 ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") \
                     is not None else [int(t.removeprefix("token_id:")) for t in tokens]
                 values = [float(v) for v in logprobs.get("token_logprobs") or []]
+                if turn.top:
+                    turn.tops.extend(_best(turn.top, [
+                        (int(t.removeprefix("token_id:")), float(v))
+                        for t, v in (step or {}).items()])
+                        for step in logprobs.get("top_logprobs") or [])
             finish = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(f"{self.name}: malformed reply ({exc!r})") from exc

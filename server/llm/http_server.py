@@ -5,6 +5,9 @@ coordination) run end to end on a machine with no GPU and no vLLM. Routes, with 
 
 - ``POST /inference/v1/generate`` — tokens in, ``choices[0].token_ids`` + logprobs out
   (``logprobs.content[i].{token_id, logprob}``, vLLM's ``output_mode="tokens"`` shape).
+  ``sampling_params.logprobs: k`` adds ``top_logprobs`` as vLLM lists them: the sampled token
+  first, then the most likely ones, ``max(k, 1)`` entries in all; ``-inf`` is sent as ``-9999.0``
+  (JSON has no infinity), as vLLM does.
 - ``POST /v1/completions`` — ``prompt`` as token ids (or text, tokenized here);
   ``return_tokens_as_token_ids`` / ``return_token_ids`` honoured.
 - Both stream with ``"stream": true`` as vLLM does: server-sent events, one ``data: {...}`` chunk
@@ -118,8 +121,24 @@ def _turn(request: web.Request, prompt: list[int], params: dict[str, Any]
     """The engine request, and whether the session is anonymous (released after the turn)."""
     sampling, max_tokens, seed = _sampling(params, _mode(request))
     session = request.headers.get(SESSION_HEADER)
+    try:
+        top = int(params.get("logprobs") or 0)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad sampling parameter: logprobs: {exc}") from exc
     return GenerateRequest(prompt, sampling, max_tokens, session or f"anon-{uuid.uuid4().hex}",
-                           seed=seed), not session
+                           seed=seed, top_logprobs=top), not session
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+def _listed(token: int, logprob: float, top: list[tuple[int, float]]
+            ) -> list[tuple[int, float]]:
+    """One step's entries in vLLM's order: the sampled token, then the most likely others,
+    as many as were asked (at least one)."""
+    others = [(t, lp) for t, lp in top if t != token]
+    return [(token, logprob), *others][:max(len(top), 1)]
 
 
 async def _run(request: web.Request, prompt: list[int],
@@ -170,8 +189,11 @@ async def _stream(request: web.Request, prompt: list[int], params: dict[str, Any
 
 
 def _generate_choice(result: GenerateResult, with_logprobs: bool) -> dict[str, Any]:
-    content = [{"token_id": t, "token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
-               for t, lp in zip(result.output_ids, result.logprobs, strict=True)]
+    tops = result.top_logprobs or [[] for _ in result.output_ids]
+    content = [{"token_id": t, "token": f"token_id:{t}", "logprob": _clamp(lp),
+                "top_logprobs": [{"token_id": o, "logprob": _clamp(v)}
+                                 for o, v in _listed(t, lp, top)] if top else []}
+               for t, lp, top in zip(result.output_ids, result.logprobs, tops, strict=True)]
     return {"index": 0, "token_ids": result.output_ids,
             "finish_reason": result.finish_reason or None,
             "logprobs": {"content": content} if with_logprobs else None}
@@ -203,11 +225,17 @@ def _completion_choice(engine: TransformersEngine, body: dict[str, Any],
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     tokens = [f"token_id:{t}" if as_ids else engine.tokenizer.decode([t])
               for t in result.output_ids]
+    tops = None
+    if result.top_logprobs:
+        tops = [{(f"token_id:{o}" if as_ids else engine.tokenizer.decode([o])): _clamp(v)
+                 for o, v in _listed(t, lp, top)}
+                for t, lp, top in zip(result.output_ids, result.logprobs, result.top_logprobs,
+                                      strict=True)]
     choice: dict[str, Any] = {
         "index": 0, "text": engine.tokenizer.decode(result.output_ids),
         "finish_reason": result.finish_reason or None,
-        "logprobs": {"tokens": tokens, "token_logprobs": result.logprobs,
-                     "top_logprobs": None, "text_offset": []}
+        "logprobs": {"tokens": tokens, "token_logprobs": [_clamp(v) for v in result.logprobs],
+                     "top_logprobs": tops, "text_offset": []}
         if body.get("logprobs") is not None else None}
     if body.get("return_token_ids"):
         choice["token_ids"] = result.output_ids

@@ -57,16 +57,18 @@ class Sampler:
     rng: random.Random | None
     """One uniform per sampled token comes from here; None for greedy rows."""
     raw_logprobs: bool = False
+    top_logprobs: int = 0
+    """How many most likely tokens (with their logprobs) to report per step; 0: none."""
 
     @classmethod
     def create(cls, sampling: SamplingParams, seed: int | None,
-               device: torch.device | None = None) -> Sampler:
+               device: torch.device | None = None, top_logprobs: int = 0) -> Sampler:
         """``device`` is accepted for symmetry with the engine; draws happen on the host."""
         rng = None
         if sampling.temperature >= GREEDY_EPS:
             rng = random.Random(seed)  # None seeds from the OS
         return cls(sampling.temperature, sampling.top_p, sampling.top_k, rng,
-                   sampling.logprobs_mode == "raw")
+                   sampling.logprobs_mode == "raw", top_logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -83,9 +85,12 @@ class Sampler:
 
 
 def validate_request(sampling: SamplingParams, max_tokens: int, prompt_ids: list[int],
-                     vocab_size: int) -> None:
+                     vocab_size: int, top_logprobs: int = 0) -> None:
     """Reject what would make the model misbehave, before it is queued."""
     sampling.validate()
+    if not 0 <= top_logprobs <= vocab_size:
+        raise InvalidArgument(f"top_logprobs must be in [0, {vocab_size}] (the vocabulary), "
+                              f"got {top_logprobs}", "INVALID_SAMPLING_PARAMS", "top_logprobs")
     if max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}",
                               "INVALID_SAMPLING_PARAMS", "max_tokens")
@@ -168,9 +173,16 @@ def _cut_off(values: torch.Tensor, log_z: torch.Tensor, k: torch.Tensor, p: torc
     return values.gather(1, kept - 1), cumulative[:, -1] >= p.squeeze(1)
 
 
-def sample(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` ``[B, vocab]``; return tokens and their logprobs
-    (processed or raw per row, see the module docstring). One host sync for the batch."""
+TopLogprobs = list[tuple[int, float]]
+"""One step's most likely tokens, ``(token id, logprob)`` best first."""
+
+
+def sample(logits: torch.Tensor, samplers: list[Sampler],
+           ) -> tuple[list[int], list[float], list[TopLogprobs]]:
+    """Pick one token per row of ``logits`` ``[B, vocab]``; return tokens, their logprobs
+    (processed or raw per row, see the module docstring) and, for each row whose sampler asks
+    for ``top_logprobs=k``, the ``k`` most likely tokens under that same distribution (empty
+    for the others). One host sync for the batch, two when a row wants its top tokens."""
     device = logits.device
     greedy = [s.greedy for s in samplers]
     processed = processed_logits(
@@ -194,9 +206,18 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[list[int], li
         is_greedy = torch.tensor(greedy, device=device)
         tokens = torch.where(is_greedy, torch.argmax(logits, dim=-1), drawn)
     index = tokens.unsqueeze(1)
-    picked = logprobs.gather(1, index).squeeze(1)
     if any(s.raw_logprobs for s in samplers):
-        raw = torch.log_softmax(logits.float(), dim=-1).gather(1, index).squeeze(1)
         wants_raw = torch.tensor([s.raw_logprobs for s in samplers], device=device)
-        picked = torch.where(wants_raw, raw, picked)
-    return tokens.tolist(), picked.tolist()
+        logprobs = torch.where(wants_raw.unsqueeze(1),
+                               torch.log_softmax(logits.float(), dim=-1), logprobs)
+    picked = logprobs.gather(1, index).squeeze(1)
+    tops: list[TopLogprobs] = [[] for _ in samplers]
+    widest = max(s.top_logprobs for s in samplers)
+    if widest:
+        # One topk for the batch over the very values the sampled logprob is read from, so
+        # the sampled token's entry (where it ranks in the top k) is its logprob exactly.
+        best = torch.topk(logprobs, widest, dim=-1)
+        ids, values = best.indices.tolist(), best.values.tolist()
+        tops = [list(zip(ids[row][:s.top_logprobs], values[row][:s.top_logprobs], strict=True))
+                for row, s in enumerate(samplers)]
+    return tokens.tolist(), picked.tolist(), tops

@@ -48,7 +48,7 @@ from rollout.runtime.types import InvalidArgument
 from rollout.server.llm.decode_batch import DecodeBatch, PrefillBatch, plan_prefill
 from rollout.server.llm.engine import Engine, EngineError
 from rollout.server.llm.kv_store import KVStore, LayerKV, SessionKV, common_prefix
-from rollout.server.llm.sampling import Sampler, sample, validate_request
+from rollout.server.llm.sampling import Sampler, TopLogprobs, sample, validate_request
 from rollout.server.llm.weights import load_state_dict_into
 
 _names = itertools.count()
@@ -80,6 +80,8 @@ class _Seq:
         self.future = future
         self.output: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[TopLogprobs] = []
+        """Per output token, the most likely tokens when the request asked for them."""
         self.kv: SessionKV | None = None  # own cache until the sequence joins the batch
         self.length = 0  # positions holding KV
         self.finish: str | None = None
@@ -251,14 +253,17 @@ class TransformersEngine(Engine):
                 seq.progress.clear()
                 # The worker may be appending to the lists right now: take only complete pairs.
                 ready = min(len(seq.output), len(seq.logprobs))
+                if seq.sampler.top_logprobs:
+                    ready = min(ready, len(seq.tops))
                 if ready > sent and not seq.future.done():
                     yield GenerateResult(seq.output[sent:ready], seq.logprobs[sent:ready], "",
-                                         seq.version, self.name, seq.sampler.logprobs_kind)
+                                         seq.version, self.name, seq.sampler.logprobs_kind,
+                                         top_logprobs=seq.tops[sent:ready])
                     sent = ready
             final = seq.future.result()
             yield GenerateResult(final.output_ids[sent:], final.logprobs[sent:],
                                  final.finish_reason, final.policy_version, final.backend,
-                                 final.logprobs_kind)
+                                 final.logprobs_kind, top_logprobs=final.top_logprobs[sent:])
         except (asyncio.CancelledError, GeneratorExit):
             self._give_up(seq)
             raise
@@ -271,7 +276,7 @@ class TransformersEngine(Engine):
         if self._closed:
             raise EngineError(f"{self.name} is closed")
         validate_request(request.sampling, request.max_tokens, list(request.prompt_ids),
-                         self.vocab_size)
+                         self.vocab_size, request.top_logprobs)
         room = self.max_context - len(request.prompt_ids)
         if room <= 0:
             raise InvalidArgument(
@@ -280,7 +285,8 @@ class TransformersEngine(Engine):
         self._ensure_started()
         seed = request.seed if request.seed is not None else request.sampling.seed
         loop = asyncio.get_running_loop()
-        seq = _Seq(request, Sampler.create(request.sampling, seed, self.device),
+        seq = _Seq(request, Sampler.create(request.sampling, seed, self.device,
+                                           request.top_logprobs),
                    self.eos_ids | frozenset(request.sampling.stop_token_ids),
                    min(request.max_tokens, room), loop.create_future())
         self._pending.append(seq)
@@ -443,7 +449,8 @@ class TransformersEngine(Engine):
                               backend=self.name, logprobs_kind=seq.sampler.logprobs_kind,
                               routed_experts=list(seq.routed),
                               routed_expert_top_k=self.moe_top_k if seq.routed else 0,
-                              routed_expert_layers=seq.routed_layers if seq.routed else 0)
+                              routed_expert_layers=seq.routed_layers if seq.routed else 0,
+                              top_logprobs=list(seq.tops))
 
     # ----------------------------------------------------------------- worker thread
     @torch.inference_mode()
@@ -465,12 +472,12 @@ class TransformersEngine(Engine):
         self._batch = DecodeBatch.rebuild(self._batch, members) if members else None
         if self._batch is not None:
             logits, routing = self._forward_decode(self._batch)
-            tokens, logprobs = sample(logits, [s.sampler for s in self._batch.seqs])
+            tokens, logprobs, tops = sample(logits, [s.sampler for s in self._batch.seqs])
             for row, (seq, token, logprob) in enumerate(zip(self._batch.seqs, tokens, logprobs,
                                                             strict=True)):
                 seq.length += 1
                 self._record_routing(seq, routing, row)
-                self._append(seq, token, logprob)
+                self._append(seq, token, logprob, tops[row])
         for seq in self._active:
             if seq.finish is not None:
                 self._retire(seq)
@@ -531,7 +538,7 @@ class TransformersEngine(Engine):
         if not single:
             self.batched_prefills += 1
             self.batched_cached_prefills += batch.past_width > 0
-        tokens, logprobs = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
+        tokens, logprobs, tops = sample(out.logits[:, -1, :], [s.sampler for s in seqs])
         elapsed = time.perf_counter() - start
         for row, seq in enumerate(seqs):
             layers = batch.row_kv(getattr(out, self._cache_kw), row)
@@ -543,7 +550,7 @@ class TransformersEngine(Engine):
             width = batch.ids.shape[1]
             self._record_routing(seq, getattr(out, "router_logits", None),
                                  row * width + width - 1)
-            self._append(seq, tokens[row], logprobs[row])
+            self._append(seq, tokens[row], logprobs[row], tops[row])
 
     def _forward_decode(self, batch: DecodeBatch[_Seq]) -> tuple[torch.Tensor, Any]:
         """The next-token logits of each row, and the MoE router logits (None if dense)."""
@@ -573,7 +580,9 @@ class TransformersEngine(Engine):
         seq.routed.extend(int(e) for e in chosen.flatten().tolist())
         seq.routed_layers = len(layers)
 
-    def _append(self, seq: _Seq, token: int, logprob: float) -> None:
+    def _append(self, seq: _Seq, token: int, logprob: float, top: TopLogprobs) -> None:
+        if seq.sampler.top_logprobs:
+            seq.tops.append(top)  # first: a streamer reads output, then tops, up to both
         seq.output.append(token)
         seq.logprobs.append(logprob)
         if token in seq.stop_ids or self._hits_stop_string(seq):

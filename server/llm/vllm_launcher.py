@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
+MAX_LOGPROBS = 21
+"""Alternatives a served request may ask for: an API's 20 plus the one the HTTP engine adds."""
 LOGPROBS_FLAGS = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 CPU_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.15",
             "--enforce-eager")
@@ -90,7 +92,9 @@ def build_command(model: str, host: str, port: int, *, served_model_name: str | 
     """The server command line for one backend.
 
     ``logprobs_mode`` (``processed`` / ``raw``) adds ``--logprobs-mode`` and ``scale_out`` adds
-    ``--enable-scale-out``, each unless ``extra_args`` already has the flag.
+    ``--enable-scale-out``, each unless ``extra_args`` already has the flag. ``--max-logprobs``
+    is raised to :data:`MAX_LOGPROBS` (the HTTP engine asks one beyond an API's ``top_logprobs``,
+    whose bound is vLLM's default of 20) unless ``extra_args`` sets it.
     """
     exe = list(executable) if executable else vllm_executable()
     if not exe:
@@ -106,6 +110,8 @@ def build_command(model: str, host: str, port: int, *, served_model_name: str | 
     extra = list(extra_args)
     if logprobs_mode is not None and not any(a.startswith("--logprobs-mode") for a in extra):
         extra += ["--logprobs-mode", LOGPROBS_FLAGS[logprobs_mode]]
+    if not any(a.startswith("--max-logprobs") for a in extra):
+        extra += ["--max-logprobs", str(MAX_LOGPROBS)]
     if scale_out and "--enable-scale-out" not in extra:
         extra.append("--enable-scale-out")
     return command + extra

@@ -10,6 +10,8 @@ model every token is captured."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -45,9 +47,10 @@ def installed() -> None:
 
 
 async def claude(task: dict[str, Any], choose: Any, tok: Any, sandbox_factory: Any,
-                 gateway_rig: GatewayRig, max_turns: int = 6) -> RoutedResult:
+                 gateway_rig: GatewayRig, max_turns: int = 6,
+                 harness: Any = "claude-code") -> RoutedResult:
     return await routed_rollout(
-        HarnessHandler(), harness_task("swe", task, "claude-code"), choose, tokenizer=tok,
+        HarnessHandler(), harness_task("swe", task, harness), choose, tokenizer=tok,
         sandbox_factory=sandbox_factory, gateway=gateway_rig.gateway,
         limits=Limits(max_turns=max_turns, run_timeout_s=180))
 
@@ -135,3 +138,58 @@ async def test_tiny_model_through_claude_code_has_every_token_captured(
                                 total_token_budget=16384))
     assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
     assert_every_token_captured(result)
+
+
+SUMMARY_PROMPT = "Write a short summary label"
+"""How Claude Code's tool-use summary request (to its small fast model) starts its system
+prompt (2.1.332)."""
+LISTED = "LISTED-2"
+
+
+def with_a_summary(prompt: str) -> str:
+    if SUMMARY_PROMPT in prompt:
+        return "Listed the files"
+    if LISTED in prompt:
+        return DONE
+    return bash("ls && echo LISTED-$((1+1))")
+
+
+async def test_claude_codes_small_fast_model_calls_are_side_calls(
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
+    """Real Claude Code traffic: with CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES (an SDK setting a
+    task may turn on) it asks its small fast model to label each tool use. Under the preset
+    that request names a Haiku model (ANTHROPIC_DEFAULT_HAIKU_MODEL), so it is a side-call
+    chain, never trained, while both turns of the main thread are."""
+    harness = {"preset": "claude-code", "env": {"CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES": "1"}}
+    result = await claude(TASKS[0], with_a_summary, tok, sandbox_factory, gateway_rig,
+                          harness=harness)
+    prompts = result.engine.prompts
+    assert result.capture.requests == 3, (result.log, [p[-300:] for p in prompts])
+    assert sum(SUMMARY_PROMPT in p for p in prompts) == 1, result.log
+    segments, turns = result.outcome.segments, result.outcome.turns
+    assert sorted(s.side_call for s in segments) == [False, True], segments
+    starts = [s.first_turn for s in segments] + [len(turns)]
+    for segment, end in zip(segments, starts[1:], strict=True):
+        mine = turns[segment.first_turn:end]
+        assert all(t.trained is not segment.side_call for t in mine), (segment, mine)
+        said = "".join(str(tok.decode(t.output_ids)) for t in mine)
+        assert ("Listed the files" in said) is segment.side_call, said
+    assert_each_token_owned_once(result)
+    assert result.outcome.metadata["harness_exit"] == "0"
+
+
+def test_claude_code_starts_in_a_root_that_holds_only_its_install() -> None:
+    """Its own loader and C libraries (scripts/harness_loader.py): no /usr, no /lib, nothing of
+    an image, so it runs in a task's own image whatever that holds. It also answers a request
+    there (through the gateway in the tests above, which run in the host's view)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    install = harness_presets.resolve("claude-code").install
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--tmpfs", "/", "--ro-bind",
+            str(install), "/.rollout-harness", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp", "--setenv", "HOME", "/tmp",
+            "/.rollout-harness/node_modules/@anthropic-ai/claude-code/bin/claude.exe",
+            "--version"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Claude Code" in done.stdout

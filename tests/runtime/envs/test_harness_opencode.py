@@ -5,18 +5,30 @@ through the real gateway's chat completions (streaming, tool calls).
 The scripted policy answers each request by what it shows: OpenCode writes its session's title
 in a request of its own, beside the main thread, and the preset marks it a side call (a chain
 of its own, never trained). The gold fix through OpenCode's own bash tool earns 1, a summary
-without a change 0; with a real model every token is captured."""
+without a change 0; with a real model every token is captured.
+
+Address space (issue 28 finding 8): OpenCode 1.18.33's first request needs about 3.75 to 4 GiB
+of RLIMIT_AS on the 2-core test machine (bisected with prlimit: 3.5 GiB 0 of 3 runs answered,
+3.75 GiB 1 of 3, 4 GiB 3 of 3); below that Bun's JavaScriptCore aborts in
+``LocalAllocator::allocateSlowCase`` before any request. The sandbox's old fixed 4 GiB sat
+within a few percent of that need, which grows on bigger machines, so the preset raises it;
+the tests show the abort under 3 GiB and that the preset leaves twice what this machine needs.
+"""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.handler import HarnessHandler
+from rollout.runtime.handler import HandlerError
+from rollout.runtime.sandbox.base import SandboxLimits
 from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import Limits, SamplingParams, TerminationReason
 from tests.runtime.envs.conftest import call
@@ -103,6 +115,49 @@ async def test_tiny_model_through_opencode_has_every_token_captured(
                                 total_token_budget=16384))
     assert result.capture.requests >= 1, result.outcome.metadata["harness_log"]
     assert_each_token_owned_once(result)
+
+
+def capped_preset(directory: Path, address_space: int) -> str:
+    """The shipped OpenCode preset with ``address_space`` as its only address-space limit,
+    written as preset ``opencode-capped`` in ``directory`` (put on $ROLLOUT_HARNESS_PRESETS)."""
+    shipped = Path(harness_presets.__file__).with_name("shipped") / "opencode.toml"
+    text = re.sub(r"(?m)^address_space\s*=.*\n", "", shipped.read_text())
+    line = f"address_space = {address_space}\n"
+    text = text.replace("[limits]\n", f"[limits]\n{line}", 1) if "[limits]\n" in text \
+        else f"{text}\n[limits]\n{line}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "opencode-capped.toml").write_text(text)
+    return "opencode-capped"
+
+
+async def test_opencode_aborts_at_start_under_3_gib(
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit is real: under 3 GiB OpenCode dies before its first request, which is the
+    service's failure (HARNESS_NOT_STARTED), not a reward 0."""
+    monkeypatch.setenv("ROLLOUT_HARNESS_PRESETS", str(tmp_path / "presets"))
+    name = capped_preset(tmp_path / "presets", 3 << 30)
+    with pytest.raises(HandlerError) as info:
+        await opencode(TASKS[0], lambda p: DONE, tok, sandbox_factory, gateway_rig,
+                       harness=name)
+    assert info.value.reason == "HARNESS_NOT_STARTED", info.value
+
+
+async def test_the_preset_leaves_opencode_twice_the_address_space_it_needs(
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half of the preset's address space still runs OpenCode's whole session here. Without
+    the preset's raise that half is 2 GiB (half the server's default 4 GiB), where it aborts:
+    the default leaves no room for a bigger machine's needs."""
+    given = harness_presets.resolve("opencode").limits.get(
+        "address_space_bytes", SandboxLimits().address_space_bytes)
+    monkeypatch.setenv("ROLLOUT_HARNESS_PRESETS", str(tmp_path / "presets"))
+    name = capped_preset(tmp_path / "presets", given // 2)
+    result = await opencode(TASKS[0], lambda p: DONE, tok, sandbox_factory, gateway_rig,
+                            harness=name)
+    assert result.capture.requests == 2, result.log  # the title and the main request
+    assert result.outcome.termination is TerminationReason.SUBMITTED
+    assert f"address_space_bytes={given // 2}" in result.outcome.metadata["harness_limits"]
 
 
 def test_opencode_starts_in_a_root_that_holds_only_its_install() -> None:

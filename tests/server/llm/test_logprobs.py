@@ -161,8 +161,8 @@ def test_sampler_row_ignores_its_batch() -> None:
               for i in range(15)]
     for _ in range(5):
         target_alone, target_inside = Sampler.create(params, 9), Sampler.create(params, 9)
-        tok_alone, lp_alone = sample(logits[3:4], [target_alone])
-        tok_in, lp_in = sample(logits, [*others[:3], target_inside, *others[3:]])
+        tok_alone, lp_alone, _ = sample(logits[3:4], [target_alone])
+        tok_in, lp_in, _ = sample(logits, [*others[:3], target_inside, *others[3:]])
         assert tok_in[3] == tok_alone[0]
         assert lp_in[3] == pytest.approx(lp_alone[0], abs=1e-6)
 
@@ -198,7 +198,7 @@ def test_sampler_draws_follow_the_processed_distribution() -> None:
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=30)
     n = 4000
     samplers = [Sampler.create(params, seed) for seed in range(n)]
-    tokens, logprobs = sample(row.expand(n, -1).clone(), samplers)
+    tokens, logprobs, _ = sample(row.expand(n, -1).clone(), samplers)
     counts = torch.bincount(torch.tensor(tokens), minlength=50).double() / n
     kept = reference_distribution(row, 0.7, 30, 0.9)
     expected = torch.tensor([kept.get(tok, 0.0) for tok in range(50)], dtype=torch.float64)

@@ -26,6 +26,7 @@ from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.vllm_launcher import API_SERVER, CPU_ARGS, launch_vllm
 from tests.server.llm.reference import (
     assert_logprobs_match_reference,
+    full_forward_logits,
     raw_logprobs,
     reference_logprobs,
 )
@@ -94,6 +95,26 @@ async def test_two_turn_episode_through_a_real_vllm(tmp_path: Path) -> None:
                                                     timeout_s=2.0))
         assert cut.finish_reason == "deadline" and 0 < len(cut.output_ids) < 1000
         assert_logprobs_match_reference(model, prompt, cut, params, tol=1e-4)
+        # Top log-probabilities (an API's top_logprobs): at T 1 with no top-k / top-p each
+        # step's k best are the model's own log-softmax, in both request shapes, at k = 20
+        # too (the launcher's --max-logprobs 21 admits the one beyond).
+        assert "--max-logprobs" in engine.process.command
+        engine.ignore_eos = False
+        plain = SamplingParams(temperature=1.0)
+        for protocol, k in (("generate", 20), ("completions", 3)):
+            engine.protocol = protocol
+            top = await engine.generate(GenerateRequest(prompt, plain, 8, f"top-{protocol}",
+                                                        seed=4, top_logprobs=k))
+            expected = torch.log_softmax(full_forward_logits(model, prompt, top.output_ids),
+                                         dim=-1)
+            best = torch.topk(expected, k).values.tolist()
+            assert len(top.top_logprobs) == len(top.output_ids)
+            for step, entries in enumerate(top.top_logprobs):
+                # vLLM's value of each listed token is the reference's, and the list is the
+                # reference's k best (kernel noise may swap two near-equal neighbours).
+                assert [v for _, v in entries] == pytest.approx(best[step], abs=1e-3)
+                assert [float(expected[step, t]) for t, _ in entries] == pytest.approx(
+                    [v for _, v in entries], abs=1e-3)
         # vLLM picks the logprobs kind per server: a raw turn is refused, naming the flag.
         with pytest.raises(InvalidArgument, match="raw_logprobs"):
             await engine.generate(GenerateRequest(

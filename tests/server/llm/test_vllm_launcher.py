@@ -24,7 +24,8 @@ def test_command_line() -> None:
     cmd = build_command("Qwen/Qwen3-0.6B", "0.0.0.0", 8123, served_model_name="policy",
                         extra_args=["--tensor-parallel-size", "2"], executable=["/opt/vllm"])
     assert cmd == ["/opt/vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "0.0.0.0", "--port",
-                   "8123", "--served-model-name", "policy", "--tensor-parallel-size", "2"]
+                   "8123", "--served-model-name", "policy", "--tensor-parallel-size", "2",
+                   "--max-logprobs", "21"]
 
 
 def test_api_server_command_adds_what_the_http_engine_needs() -> None:
@@ -32,11 +33,14 @@ def test_api_server_command_adds_what_the_http_engine_needs() -> None:
     cmd = build_command("/models/smol", "127.0.0.1", 9000, executable=python,
                         logprobs_mode="processed", scale_out=True)
     assert cmd == [*python, "--model", "/models/smol", "--host", "127.0.0.1", "--port", "9000",
-                   "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+                   "--logprobs-mode", "processed_logprobs", "--max-logprobs", "21",
+                   "--enable-scale-out"]
     # A flag the caller already chose is left alone.
     cmd = build_command("m", "h", 1, executable=python, logprobs_mode="processed",
-                        extra_args=["--logprobs-mode=raw_logprobs"], scale_out=False)
+                        extra_args=["--logprobs-mode=raw_logprobs", "--max-logprobs=50"],
+                        scale_out=False)
     assert cmd.count("--logprobs-mode=raw_logprobs") == 1 and "processed_logprobs" not in cmd
+    assert "--max-logprobs" not in cmd
     assert "--enable-scale-out" not in cmd
 
 
