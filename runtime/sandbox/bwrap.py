@@ -63,6 +63,7 @@ from rollout.runtime.sandbox.base import (
     register_live,
 )
 from rollout.runtime.sandbox.images import ImageLease, inject
+from rollout.runtime.sandbox.images.user import ROOT as ROOT_USER
 
 CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
@@ -108,11 +109,16 @@ def default_env(python: str) -> dict[str, str]:
 
 
 def _image_env(defaults: dict[str, str], config: images.ImageConfig,
-               caller: Mapping[str, str]) -> dict[str, str]:
+               caller: Mapping[str, str], user: images.ImageUser) -> dict[str, str]:
     """An image sandbox's environment: the sandbox defaults (but their PATH, which names the
     server's interpreter), then the image's ``Env``, then the caller's; ``PATH`` is the
-    image's with the static bash of ``/.rollout/bin`` last."""
+    image's with the static bash of ``/.rollout/bin`` last. An image user other than root
+    gets its passwd name as ``USER`` and its passwd home as ``HOME`` unless ``Env`` sets one."""
     env = {k: v for k, v in defaults.items() if k != "PATH"}
+    if not user.is_root:
+        env["USER"] = user.name
+        if user.home and user.home != "/":
+            env["HOME"] = user.home
     image_env = config.env_dict
     env.update(image_env)
     env["PATH"] = caller.get("PATH") or inject.image_path(image_env.get("PATH", ""))
@@ -124,7 +130,8 @@ class BwrapSandbox(Sandbox):
                  lease: procs.UidLease | None, env: dict[str, str], network: Network,
                  limits: SandboxLimits, rootfs: Path | None,
                  extra_binds: tuple[tuple[str, str, bool], ...] = (),
-                 image: ImageLease | None = None) -> None:
+                 image: ImageLease | None = None,
+                 image_user: images.ImageUser = ROOT_USER) -> None:
         super().__init__()
         self.config = config
         self.id = sid
@@ -139,6 +146,11 @@ class BwrapSandbox(Sandbox):
         """What the IPython kernel's interpreter is started through (the host loader in an
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
         self.image = image
+        self.image_user = image_user
+        """Who the processes of an image sandbox are (the image config's ``User``)."""
+        # A root server runs an image user other than root through a second, unprivileged
+        # bwrap that maps it onto the sandbox's own uid (:meth:`_user_chain`).
+        nested = image is not None and lease is not None and not image_user.is_root
         self.default_cwd = self.workspace_in_sandbox
         self._lock_fd = lock_fd
         self._lease = lease
@@ -174,11 +186,11 @@ class BwrapSandbox(Sandbox):
             ns.append("--unshare-net")
         if lease is None:
             ns.append("--unshare-user")
-            if image is not None:  # the image's root user is the server's own user
-                ns += ["--uid", "0", "--gid", "0"]
+            if image is not None:  # the image's user is the server's own user
+                ns += ["--uid", str(image_user.uid), "--gid", str(image_user.gid)]
         else:
             ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            if image is not None:
+            if image is not None and not nested:
                 ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
@@ -197,8 +209,16 @@ class BwrapSandbox(Sandbox):
         if cgroup is not None:
             procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
-        if seccomp is not None:
+        # With a nested bwrap the inner one loads the filter (which forbids the user
+        # namespace that inner bwrap makes); the program's fd is inherited down to it.
+        if seccomp is not None and not nested:
             ns += ["--seccomp", hardening.SECCOMP_FD]
+        self._inner: list[str] = []
+        if nested:
+            self._inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
+                           "--uid", str(image_user.uid), "--gid", str(image_user.gid),
+                           "--dev-bind", "/", "/",
+                           *(["--seccomp", hardening.SECCOMP_FD] if seccomp else [])]
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
         self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
@@ -209,6 +229,10 @@ class BwrapSandbox(Sandbox):
             u = str(lease.uid)
             if image is None:
                 self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                              "--inh-caps=-all", "--no-new-privs", "--"]
+            elif nested:
+                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
+                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
                               "--inh-caps=-all", "--no-new-privs", "--"]
             else:
                 self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
@@ -227,7 +251,11 @@ class BwrapSandbox(Sandbox):
         else:
             args = ["--overlay-src", str(rootfs), "--overlay", str(path / "upper"),
                     str(path / "work"), "/"]
-        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted)]
+        args += ["--proc", "/proc", "--dev", "/dev",
+                 *inject.helper_binds(mounted, nested=mounted and not self.image_user.is_root)]
+        home = self.image_user.home
+        if not mounted and not self.image_user.is_root and _new_home(rootfs, home):
+            args += ["--perms", "0755", "--dir", home]
         py_args, ok = inject.python_binds(interpreters, rootfs)
         if ok:
             args += py_args
@@ -317,16 +345,22 @@ class BwrapSandbox(Sandbox):
                                      data.encode() if isinstance(data, str) else data,
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
+            user = ROOT_USER
             if image is not None:
-                sb_env = _image_env(sb_env, image.image.config, env)
+                user = images.resolve_user(image.image.rootfs, image.image.config.user,
+                                           image=image.image.ref)
+                sb_env = _image_env(sb_env, image.image.config, env, user)
                 for sub in ("upper", "work", "root"):
                     (path / sub).mkdir(mode=0o755)
                 if lease is not None:  # one overlay for all launches of the sandbox
                     hardening.mount_overlay(image.image.rootfs, path / "upper", path / "work",
                                             path / "root")
+                    if not user.is_root:
+                        _give_dirs(path / "root", (user.home, image.image.config.working_dir),
+                                   lease.uid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image)
+                     image, user)
             register_live(sb)
         except BaseException:
             if lease:
@@ -363,8 +397,10 @@ class BwrapSandbox(Sandbox):
         # the launcher's process group lets one killpg() end a launch at any moment.
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
+        cwd = cwd or self.default_cwd
+        inner = [*self._inner, "--chdir", cwd, "--"] if self._inner else []
         return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
-                "--chdir", cwd or self.default_cwd, *self._drop, *argv]
+                "--chdir", cwd, *self._drop, *inner, *argv]
 
     def park(self) -> None:
         """Start the launch of this sandbox's next command before anyone asks for it: the
@@ -504,6 +540,39 @@ class BwrapSandbox(Sandbox):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _new_home(rootfs: Path, home: str) -> bool:
+    """Whether ``home`` is a directory the image lacks and bwrap may create: an absolute path
+    below a top-level name, no part of it a link in the image."""
+    if not home.startswith("/") or home.count("/") < 2 or ".." in home.split("/"):
+        return False
+    return hostfs.kind_beneath(rootfs, home.lstrip("/")) is None and not inject.through_link(
+        rootfs, home)
+
+
+def _give_dirs(merged: Path, dirs: Sequence[str], uid: int) -> None:
+    """Give an image user on a root server its home and working directory (created when the
+    image lacks the home): the rootless unpack left every image file root's, so without this
+    the user could write nothing but /workspace and /tmp. Only those directories themselves
+    change owner (in the job's upper layer: the cache is untouched), never what is in them,
+    and never a path through a link or a system tree."""
+    for d in dirs:
+        norm = os.path.normpath(d) if d else ""
+        if (not norm.startswith("/") or norm in _SYSTEM_DIRS
+                or inject.through_link(merged, norm)):
+            continue
+        target = merged / norm.lstrip("/")
+        if not os.path.lexists(target):
+            if not target.parent.is_dir():
+                continue
+            os.mkdir(target, 0o755)
+        if os.path.isdir(target) and not os.path.islink(target):
+            os.lchown(target, uid, uid)
+
+
+_SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",
+                "/proc", "/dev", "/sys", "/root", "/home", "/srv", "/run", "/boot", "/mnt")
 
 
 @functools.lru_cache(maxsize=1)
