@@ -40,6 +40,7 @@ import functools
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -131,8 +132,10 @@ class BwrapSandbox(Sandbox):
                  limits: SandboxLimits, rootfs: Path | None,
                  extra_binds: tuple[tuple[str, str, bool], ...] = (),
                  image: ImageLease | None = None,
-                 image_user: images.ImageUser = ROOT_USER) -> None:
+                 image_user: images.ImageUser = ROOT_USER,
+                 holder: subprocess.Popen[bytes] | None = None) -> None:
         super().__init__()
+        self._holder = holder
         self.config = config
         self.id = sid
         self.path = path
@@ -222,7 +225,11 @@ class BwrapSandbox(Sandbox):
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
         self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
-                        "prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
+                        "prlimit", *limits.prlimit_args(), "--",
+                        *(["nsenter", "-t", str(holder.pid), "--user", "--mount",
+                           "--preserve-credentials", "--"]
+                          if holder is not None else []),
+                        "bwrap", *ns, *binds, *mounts]
         self._drop: list[str] = []
         self._seal = ["--remount-ro", "/"] if image is None else []
         if lease is not None:
@@ -246,11 +253,9 @@ class BwrapSandbox(Sandbox):
         ``/proc``, ``/dev`` and the helpers of ``/.rollout``; the image's config as the
         environment and the working directory."""
         rootfs = image.image.rootfs
-        if mounted:
-            args = ["--bind", str(path / "root"), "/"]
-        else:
-            args = ["--overlay-src", str(rootfs), "--overlay", str(path / "upper"),
-                    str(path / "work"), "/"]
+        # Either way the overlay is mounted at ``root`` before bwrap starts: on the host once
+        # (root server), or by each launch in a user namespace of its own (_userns_overlay).
+        args = ["--bind", str(path / "root"), "/"]
         args += ["--proc", "/proc", "--dev", "/dev",
                  *inject.helper_binds(mounted, nested=mounted and not self.image_user.is_root)]
         home = self.image_user.home
@@ -280,7 +285,8 @@ class BwrapSandbox(Sandbox):
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
-        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else ()):
+        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else (
+                "unshare", "nsenter") if image is not None else ()):
             if shutil.which(tool) is None:
                 raise SandboxUnavailable(
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
@@ -323,6 +329,7 @@ class BwrapSandbox(Sandbox):
         path.mkdir(mode=0o711)
         lease: procs.UidLease | None = None
         lock_fd = -1
+        holder: subprocess.Popen[bytes] | None = None
         try:
             if config.disk_bytes > 0 and _quota_possible():
                 hardening.mount_quota(path, config.disk_bytes)
@@ -358,11 +365,16 @@ class BwrapSandbox(Sandbox):
                     if not user.is_root:
                         _give_dirs(path / "root", (user.home, image.image.config.working_dir),
                                    lease.uid)
+                else:
+                    holder = _userns_overlay(image.image.rootfs, path, sid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image, user)
+                     image, user, holder)
             register_live(sb)
         except BaseException:
+            if holder is not None:
+                procs.stop_process(holder)
+                _close_pipes(holder)
             if lease:
                 lease.release()
             if lock_fd >= 0:
@@ -521,6 +533,10 @@ class BwrapSandbox(Sandbox):
             procs.stop_process(parked)
             _close_pipes(parked)
         procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
+        holder, self._holder = self._holder, None
+        if holder is not None:  # after every launch that entered its namespaces
+            procs.stop_process(holder)
+            _close_pipes(holder)
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)
@@ -540,6 +556,41 @@ class BwrapSandbox(Sandbox):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+HOLDER_READY_S = 60.0
+
+
+def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[bytes]:
+    """The overlay of a rootless image sandbox, held by one process for the sandbox's life:
+    a user and mount namespace (util-linux ``unshare``; the server's user is root there) in
+    which the kernel mounts the overlay (unprivileged overlay mounts: Linux 5.11+) once;
+    every launch enters it (``nsenter``) before bwrap, so all launches share one mount and see
+    each other's writes at once (separate mounts of one upper layer do not). bubblewrap 0.8
+    (Debian 12) has no ``--overlay`` of its own. The holder waits on a pipe only the server
+    holds: it ends when the sandbox closes it or the server dies; it carries the sandbox's
+    launch tag, so teardown's sweep (and the reaper's) finds it too."""
+    dirs = [str(rootfs), str(path / "upper"), str(path / "work"), str(path / "root")]
+    if any("," in d or ":" in d for d in dirs):
+        raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
+                           f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
+    script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
+              '|| exit 125; echo ready; read -r _')
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c", script, "sh",
+         *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        procs.stop_process(proc)
+        err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+        _close_pipes(proc)
+        raise SandboxUnavailable(
+            "a rootless server could not mount the image's overlay in a user namespace "
+            f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
+    return proc
 
 
 def _new_home(rootfs: Path, home: str) -> bool:
