@@ -204,6 +204,12 @@ class BwrapSandbox(Sandbox):
             # Masks inside it follow (a wheel install keeps the service's package in it).
             mounts += view.rebinds_below(interpreters, "/tmp/",
                                          view.never_visible(state, config.hide_paths))
+        if image is not None:
+            # bwrap makes a missing mount point's parents 0700: an image user other than
+            # root could not reach /logs/verifier through them.
+            mounts += _parents(image.image.rootfs, [inside for _, inside in
+                                                    config.extra_ro_binds]
+                               + [inside for _, inside, _ in extra_binds])
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         for host, inside, writable in extra_binds:
@@ -591,6 +597,23 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
             "a rootless server could not mount the image's overlay in a user namespace "
             f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
     return proc
+
+
+def _parents(rootfs: Path, insides: Sequence[str]) -> list[str]:
+    """bwrap arguments creating (0755) the parents of these mount points the image lacks."""
+    args: list[str] = []
+    made: set[str] = set()
+    for inside in insides:
+        parent = os.path.dirname(os.path.normpath(inside))
+        chain = []
+        while parent not in ("/", ""):
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(chain):
+            if d not in made and not os.path.lexists(os.path.join(rootfs, d.lstrip("/"))):
+                args += ["--perms", "0755", "--dir", d]
+                made.add(d)
+    return args
 
 
 def _new_home(rootfs: Path, home: str) -> bool:
