@@ -40,6 +40,7 @@ import functools
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,7 @@ from rollout.runtime.sandbox.base import (
     register_live,
 )
 from rollout.runtime.sandbox.images import ImageLease, inject
+from rollout.runtime.sandbox.images.user import ROOT as ROOT_USER
 
 CTL_IN_SANDBOX = "/.sandbox"
 LAUNCH_VAR = "ROLLOUT_LAUNCH"
@@ -108,11 +110,16 @@ def default_env(python: str) -> dict[str, str]:
 
 
 def _image_env(defaults: dict[str, str], config: images.ImageConfig,
-               caller: Mapping[str, str]) -> dict[str, str]:
+               caller: Mapping[str, str], user: images.ImageUser) -> dict[str, str]:
     """An image sandbox's environment: the sandbox defaults (but their PATH, which names the
     server's interpreter), then the image's ``Env``, then the caller's; ``PATH`` is the
-    image's with the static bash of ``/.rollout/bin`` last."""
+    image's with the static bash of ``/.rollout/bin`` last. An image user other than root
+    gets its passwd name as ``USER`` and its passwd home as ``HOME`` unless ``Env`` sets one."""
     env = {k: v for k, v in defaults.items() if k != "PATH"}
+    if not user.is_root:
+        env["USER"] = user.name
+        if user.home and user.home != "/":
+            env["HOME"] = user.home
     image_env = config.env_dict
     env.update(image_env)
     env["PATH"] = caller.get("PATH") or inject.image_path(image_env.get("PATH", ""))
@@ -124,8 +131,11 @@ class BwrapSandbox(Sandbox):
                  lease: procs.UidLease | None, env: dict[str, str], network: Network,
                  limits: SandboxLimits, rootfs: Path | None,
                  extra_binds: tuple[tuple[str, str, bool], ...] = (),
-                 image: ImageLease | None = None) -> None:
+                 image: ImageLease | None = None,
+                 image_user: images.ImageUser = ROOT_USER,
+                 holder: subprocess.Popen[bytes] | None = None) -> None:
         super().__init__()
+        self._holder = holder
         self.config = config
         self.id = sid
         self.path = path
@@ -139,6 +149,11 @@ class BwrapSandbox(Sandbox):
         """What the IPython kernel's interpreter is started through (the host loader in an
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
         self.image = image
+        self.image_user = image_user
+        """Who the processes of an image sandbox are (the image config's ``User``)."""
+        # A root server runs an image user other than root through a second, unprivileged
+        # bwrap that maps it onto the sandbox's own uid (:meth:`_user_chain`).
+        nested = image is not None and lease is not None and not image_user.is_root
         self.default_cwd = self.workspace_in_sandbox
         self._lock_fd = lock_fd
         self._lease = lease
@@ -174,11 +189,11 @@ class BwrapSandbox(Sandbox):
             ns.append("--unshare-net")
         if lease is None:
             ns.append("--unshare-user")
-            if image is not None:  # the image's root user is the server's own user
-                ns += ["--uid", "0", "--gid", "0"]
+            if image is not None:  # the image's user is the server's own user
+                ns += ["--uid", str(image_user.uid), "--gid", str(image_user.gid)]
         else:
             ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            if image is not None:
+            if image is not None and not nested:
                 ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
@@ -189,6 +204,12 @@ class BwrapSandbox(Sandbox):
             # Masks inside it follow (a wheel install keeps the service's package in it).
             mounts += view.rebinds_below(interpreters, "/tmp/",
                                          view.never_visible(state, config.hide_paths))
+        if image is not None:
+            # bwrap makes a missing mount point's parents 0700: an image user other than
+            # root could not reach /logs/verifier through them.
+            mounts += _parents(image.image.rootfs, [inside for _, inside in
+                                                    config.extra_ro_binds]
+                               + [inside for _, inside, _ in extra_binds])
         for host, inside in config.extra_ro_binds:
             mounts += ["--ro-bind", host, inside]
         for host, inside, writable in extra_binds:
@@ -197,18 +218,34 @@ class BwrapSandbox(Sandbox):
         if cgroup is not None:
             procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
-        if seccomp is not None:
+        # With a nested bwrap the inner one loads the filter (which forbids the user
+        # namespace that inner bwrap makes); the program's fd is inherited down to it.
+        if seccomp is not None and not nested:
             ns += ["--seccomp", hardening.SECCOMP_FD]
+        self._inner: list[str] = []
+        if nested:
+            self._inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
+                           "--uid", str(image_user.uid), "--gid", str(image_user.gid),
+                           "--dev-bind", "/", "/",
+                           *(["--seccomp", hardening.SECCOMP_FD] if seccomp else [])]
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
         self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
-                        "prlimit", *limits.prlimit_args(), "--", "bwrap", *ns, *binds, *mounts]
+                        "prlimit", *limits.prlimit_args(), "--",
+                        *(["nsenter", "-t", str(holder.pid), "--user", "--mount",
+                           "--preserve-credentials", "--"]
+                          if holder is not None else []),
+                        "bwrap", *ns, *binds, *mounts]
         self._drop: list[str] = []
         self._seal = ["--remount-ro", "/"] if image is None else []
         if lease is not None:
             u = str(lease.uid)
             if image is None:
                 self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                              "--inh-caps=-all", "--no-new-privs", "--"]
+            elif nested:
+                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
+                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
                               "--inh-caps=-all", "--no-new-privs", "--"]
             else:
                 self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
@@ -222,12 +259,14 @@ class BwrapSandbox(Sandbox):
         ``/proc``, ``/dev`` and the helpers of ``/.rollout``; the image's config as the
         environment and the working directory."""
         rootfs = image.image.rootfs
-        if mounted:
-            args = ["--bind", str(path / "root"), "/"]
-        else:
-            args = ["--overlay-src", str(rootfs), "--overlay", str(path / "upper"),
-                    str(path / "work"), "/"]
-        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted)]
+        # Either way the overlay is mounted at ``root`` before bwrap starts: on the host once
+        # (root server), or by each launch in a user namespace of its own (_userns_overlay).
+        args = ["--bind", str(path / "root"), "/"]
+        args += ["--proc", "/proc", "--dev", "/dev",
+                 *inject.helper_binds(mounted, nested=mounted and not self.image_user.is_root)]
+        home = self.image_user.home
+        if not mounted and not self.image_user.is_root and _new_home(rootfs, home):
+            args += ["--perms", "0755", "--dir", home]
         py_args, ok = inject.python_binds(interpreters, rootfs)
         if ok:
             args += py_args
@@ -252,7 +291,8 @@ class BwrapSandbox(Sandbox):
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
-        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else ()):
+        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else (
+                "unshare", "nsenter") if image is not None else ()):
             if shutil.which(tool) is None:
                 raise SandboxUnavailable(
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
@@ -295,6 +335,7 @@ class BwrapSandbox(Sandbox):
         path.mkdir(mode=0o711)
         lease: procs.UidLease | None = None
         lock_fd = -1
+        holder: subprocess.Popen[bytes] | None = None
         try:
             if config.disk_bytes > 0 and _quota_possible():
                 hardening.mount_quota(path, config.disk_bytes)
@@ -317,18 +358,29 @@ class BwrapSandbox(Sandbox):
                                      data.encode() if isinstance(data, str) else data,
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
+            user = ROOT_USER
             if image is not None:
-                sb_env = _image_env(sb_env, image.image.config, env)
+                user = images.resolve_user(image.image.rootfs, image.image.config.user,
+                                           image=image.image.ref)
+                sb_env = _image_env(sb_env, image.image.config, env, user)
                 for sub in ("upper", "work", "root"):
                     (path / sub).mkdir(mode=0o755)
                 if lease is not None:  # one overlay for all launches of the sandbox
                     hardening.mount_overlay(image.image.rootfs, path / "upper", path / "work",
                                             path / "root")
+                    if not user.is_root:
+                        _give_dirs(path / "root", (user.home, image.image.config.working_dir),
+                                   lease.uid)
+                else:
+                    holder = _userns_overlay(image.image.rootfs, path, sid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image)
+                     image, user, holder)
             register_live(sb)
         except BaseException:
+            if holder is not None:
+                procs.stop_process(holder)
+                _close_pipes(holder)
             if lease:
                 lease.release()
             if lock_fd >= 0:
@@ -363,8 +415,10 @@ class BwrapSandbox(Sandbox):
         # the launcher's process group lets one killpg() end a launch at any moment.
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
+        cwd = cwd or self.default_cwd
+        inner = [*self._inner, "--chdir", cwd, "--"] if self._inner else []
         return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
-                "--chdir", cwd or self.default_cwd, *self._drop, *argv]
+                "--chdir", cwd, *self._drop, *inner, *argv]
 
     def park(self) -> None:
         """Start the launch of this sandbox's next command before anyone asks for it: the
@@ -485,6 +539,10 @@ class BwrapSandbox(Sandbox):
             procs.stop_process(parked)
             _close_pipes(parked)
         procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
+        holder, self._holder = self._holder, None
+        if holder is not None:  # after every launch that entered its namespaces
+            procs.stop_process(holder)
+            _close_pipes(holder)
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)
@@ -504,6 +562,91 @@ class BwrapSandbox(Sandbox):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+HOLDER_READY_S = 60.0
+
+
+def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[bytes]:
+    """The overlay of a rootless image sandbox, held by one process for the sandbox's life:
+    a user and mount namespace (util-linux ``unshare``; the server's user is root there) in
+    which the kernel mounts the overlay (unprivileged overlay mounts: Linux 5.11+) once;
+    every launch enters it (``nsenter``) before bwrap, so all launches share one mount and see
+    each other's writes at once (separate mounts of one upper layer do not). bubblewrap 0.8
+    (Debian 12) has no ``--overlay`` of its own. The holder waits on a pipe only the server
+    holds: it ends when the sandbox closes it or the server dies; it carries the sandbox's
+    launch tag, so teardown's sweep (and the reaper's) finds it too."""
+    dirs = [str(rootfs), str(path / "upper"), str(path / "work"), str(path / "root")]
+    if any("," in d or ":" in d for d in dirs):
+        raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
+                           f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
+    script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
+              '|| exit 125; echo ready; read -r _')
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c", script, "sh",
+         *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        procs.stop_process(proc)
+        err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+        _close_pipes(proc)
+        raise SandboxUnavailable(
+            "a rootless server could not mount the image's overlay in a user namespace "
+            f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
+    return proc
+
+
+def _parents(rootfs: Path, insides: Sequence[str]) -> list[str]:
+    """bwrap arguments creating (0755) the parents of these mount points the image lacks."""
+    args: list[str] = []
+    made: set[str] = set()
+    for inside in insides:
+        parent = os.path.dirname(os.path.normpath(inside))
+        chain = []
+        while parent not in ("/", ""):
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(chain):
+            if d not in made and not os.path.lexists(os.path.join(rootfs, d.lstrip("/"))):
+                args += ["--perms", "0755", "--dir", d]
+                made.add(d)
+    return args
+
+
+def _new_home(rootfs: Path, home: str) -> bool:
+    """Whether ``home`` is a directory the image lacks and bwrap may create: an absolute path
+    below a top-level name, no part of it a link in the image."""
+    if not home.startswith("/") or home.count("/") < 2 or ".." in home.split("/"):
+        return False
+    return hostfs.kind_beneath(rootfs, home.lstrip("/")) is None and not inject.through_link(
+        rootfs, home)
+
+
+def _give_dirs(merged: Path, dirs: Sequence[str], uid: int) -> None:
+    """Give an image user on a root server its home and working directory (created when the
+    image lacks the home): the rootless unpack left every image file root's, so without this
+    the user could write nothing but /workspace and /tmp. Only those directories themselves
+    change owner (in the job's upper layer: the cache is untouched), never what is in them,
+    and never a path through a link or a system tree."""
+    for d in dirs:
+        norm = os.path.normpath(d) if d else ""
+        if (not norm.startswith("/") or norm in _SYSTEM_DIRS
+                or inject.through_link(merged, norm)):
+            continue
+        target = merged / norm.lstrip("/")
+        if not os.path.lexists(target):
+            if not target.parent.is_dir():
+                continue
+            os.mkdir(target, 0o755)
+        if os.path.isdir(target) and not os.path.islink(target):
+            os.lchown(target, uid, uid)
+
+
+_SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",
+                "/proc", "/dev", "/sys", "/root", "/home", "/srv", "/run", "/boot", "/mnt")
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,6 +50,7 @@ from rollout.runtime.sandbox.images.errors import ImageError
 from rollout.runtime.sandbox.images.layers import (
     LayerPolicy,
     LayerVerdict,
+    blob,
     check_layers,
     manifest_layers,
 )
@@ -283,6 +284,8 @@ class ImageCache:
                        *self.registry.skopeo_args(), str(ref),
                        f"oci:{layout}:img"], ref, "fetch")
             digest = _layout_digest(layout)
+            if _zstd_layers(layout, digest):
+                layout, digest = self._to_gzip(ref, layout, staging / "gzip", note)
             existing = self._load(digest, str(ref))
             if existing is None:
                 note("checking")
@@ -330,6 +333,17 @@ class ImageCache:
             raise
         finally:
             _remove(staging)
+
+    def _to_gzip(self, ref: ImageRef, layout: Path, dest: Path,
+                 note: Progress) -> tuple[Path, str]:
+        """The image of ``layout`` again, its zstd layers recompressed as gzip by skopeo
+        (umoci 0.4 and Python's tarfile read gzip, not zstd); keyed by the new manifest's
+        digest, the same for every fetch of the image."""
+        note("recompressing zstd layers")
+        self._run(["skopeo", "copy", "--quiet", "--dest-compress-format", "gzip",
+                   f"oci:{layout}:img", f"oci:{dest}:img"], ref, "fetch")
+        _remove(layout)
+        return dest, _layout_digest(dest)
 
     def _check(self, ref: ImageRef, blobs: list[Path]) -> LayerVerdict:
         with contextlib.ExitStack() as stack:
@@ -492,6 +506,13 @@ def _disk_full(ref: ImageRef | str, root: Path, detail: str = "") -> ImageError:
     return ImageError(f"the disk of the image cache {root} is full while unpacking image "
                       f"{ref}; free space or lower the cache budget"
                       + (f": {detail}" if detail else ""), "IMAGE_DISK_FULL", ref=str(ref))
+
+
+def _zstd_layers(layout: Path, manifest_digest: str) -> bool:
+    """Whether the manifest names a zstd-compressed layer."""
+    manifest = json.loads(blob(layout, manifest_digest).read_bytes())
+    return any(str(d.get("mediaType", "")).endswith("+zstd")
+               for d in manifest.get("layers") or ())
 
 
 def _layout_digest(layout: Path) -> str:

@@ -57,8 +57,9 @@ def static_bash() -> str | None:
     return next((p for p in _STATIC_BASH if os.path.isfile(p)), None)
 
 
-def helper_binds(root_mode: bool) -> list[str]:
-    """bwrap arguments that bind the helpers below ``/.rollout``."""
+def helper_binds(root_mode: bool, *, nested: bool = False) -> list[str]:
+    """bwrap arguments that bind the helpers below ``/.rollout``; ``nested``: bwrap itself as
+    well (a root server's image user runs in a second, unprivileged bwrap)."""
     libdir, _ = host_loader()
     args = ["--perms", "0755", "--dir", HELPER_DIR, "--perms", "0755", "--dir", BIN_IN,
             "--ro-bind", libdir, LIB_IN]
@@ -66,6 +67,9 @@ def helper_binds(root_mode: bool) -> list[str]:
         setpriv = shutil.which("setpriv")
         if setpriv:
             args += ["--ro-bind", setpriv, f"{BIN_IN}/setpriv"]
+        bwrap = shutil.which("bwrap")
+        if nested and bwrap:
+            args += ["--ro-bind", bwrap, f"{BIN_IN}/bwrap"]
     bash = static_bash()
     if bash:
         args += ["--ro-bind", bash, f"{BIN_IN}/bash"]
@@ -82,7 +86,7 @@ def python_binds(prefixes: tuple[str, ...], rootfs: Path) -> tuple[list[str], bo
         if prefix == "/" or any(prefix == t or prefix.startswith(t + "/") for t in _SYSTEM_TOPS):
             ok = False
             continue
-        if os.path.lexists(os.path.join(rootfs, prefix.lstrip("/"))) or _through_link(
+        if os.path.lexists(os.path.join(rootfs, prefix.lstrip("/"))) or through_link(
                 rootfs, prefix):
             ok = False
             continue
@@ -98,7 +102,7 @@ def python_binds(prefixes: tuple[str, ...], rootfs: Path) -> tuple[list[str], bo
     return args, ok
 
 
-def _through_link(rootfs: Path, path: str) -> bool:
+def through_link(rootfs: Path, path: str) -> bool:
     """Whether a parent of ``path`` is a symlink in the image (bwrap would follow it)."""
     parts = path.strip("/").split("/")
     for i in range(1, len(parts)):

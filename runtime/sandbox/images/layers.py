@@ -93,8 +93,10 @@ def check_layers(ref: str, layers: Iterable[IO[bytes]], policy: LayerPolicy) -> 
     for index, stream in enumerate(layers):
         head = stream.peek(4)[:4] if hasattr(stream, "peek") else b""
         if head == _ZSTD_MAGIC:
-            raise ImageError(f"image {ref}: layer {index + 1} is zstd-compressed, which this "
-                             "server cannot check; push the image with gzip layers",
+            # zstd layers a manifest declares are recompressed before this check (see
+            # ImageCache._to_gzip); one that says gzip and is zstd is a broken image.
+            raise ImageError(f"image {ref}: layer {index + 1} is zstd-compressed where its "
+                             "manifest promised gzip or plain tar",
                              "IMAGE_REJECTED", ref=ref)
         regular: set[str] = set()
         try:

@@ -46,6 +46,27 @@ async def test_oracle_earns_1_and_noop_0(tmp_path: Path, sandbox_factory: Any) -
         ("rollout-tests/prebuilt-json", 1.0, 0.0, ())]
 
 
+@pytest.mark.timeout(400)  # one more build (useradd) on a loaded machine
+async def test_a_task_whose_dockerfile_sets_user_runs_and_is_verified_as_that_user(
+        tmp_path: Path, sandbox_factory: Any) -> None:
+    # Harbor tasks may end their Dockerfile with USER: the oracle, the no-op and the verifier
+    # run as that user (resolved in the image), and the verifier still scores.
+    task = tmp_path / "as-user"
+    shutil.copytree(FIXTURES / "hello-file", task)
+    (task / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nRUN useradd -m -u 1234 agent\nWORKDIR /app\nUSER agent\n")
+    (task / "solution" / "solve.sh").write_text(
+        '#!/bin/bash\necho "Hello from Harbor!" > greeting.txt\nid -un > whoami.txt\n')
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\n"
+        'if [ "$(cat /app/greeting.txt)" = "Hello from Harbor!" ] && '
+        '[ "$(cat /app/whoami.txt)" = agent ] && [ "$(id -u)" = 1234 ] && '
+        '[ "$HOME" = /home/agent ]; then echo 1 > /logs/verifier/reward.txt; '
+        "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    results = await harbor_import.check([task], sandbox_factory)
+    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
+
+
 def test_check_harbor_lists_a_task_whose_verifier_fails(
         tmp_path: Path, harbor_images: ImageSettings,
         capsys: pytest.CaptureFixture[str]) -> None:

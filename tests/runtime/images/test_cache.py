@@ -70,6 +70,34 @@ def test_local_layouts_and_archives_are_references_too(
     assert (from_archive.rootfs / "bin" / "sh").is_symlink()
 
 
+def _layer_types(layout: Path) -> list[str]:
+    index = json.loads((layout / "index.json").read_text())
+    digest = index["manifests"][0]["digest"].split(":")[1]
+    manifest = json.loads((layout / "blobs" / "sha256" / digest).read_text())
+    return [d["mediaType"] for d in manifest["layers"]]
+
+
+async def test_zstd_layers_are_recompressed_and_run(busybox_layout: Path, tmp_path: Path) -> None:
+    # Made offline as a registry would serve a zstd image (skopeo, as `podman push
+    # --compression-format zstd` does); umoci 0.4 cannot unpack such layers itself.
+    zstd = tmp_path / "zstd"
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-compress-format", "zstd",
+                    f"oci:{busybox_layout}:bb", f"oci:{zstd}:z"], check=True, timeout=120)
+    assert _layer_types(zstd) == ["application/vnd.oci.image.layer.v1.tar+zstd"]
+    cache = ImageCache(tmp_path / "c")
+    image = cache.ensure(f"oci:{zstd}:z")
+    assert image.action == "pulled" and (image.rootfs / "bin" / "busybox").is_file()
+    assert image.config.working_dir == "/root"
+    assert cache.ensure(f"oci:{zstd}:z").digest == image.digest  # one key per image
+    from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+    from rollout.runtime.sandbox.base import ImageSettings
+    cfg = SandboxConfig(state_dir=tmp_path / "state",
+                        images=ImageSettings(cache_dir=str(tmp_path / "c")))
+    async with await create_sandbox(cfg, image=f"oci:{zstd}:z") as sb:
+        r = await sb.exec(["sh", "-c", "echo ran-in-zstd-image; ls /bin/busybox"])
+        assert r.ok and r.stdout.split() == ["ran-in-zstd-image", "/bin/busybox"], r.output
+
+
 def _fetch_in_process(root: str, ref: str, conf: str, out: str) -> None:
     cache = ImageCache(root, registry=RegistryOptions(registries_conf=conf))
     image = cache.ensure(ref)

@@ -1,0 +1,39 @@
+"""TEST-ONLY: run by test_rootless_images.py as an unprivileged user (no root, no capabilities):
+image sandboxes as a rootless server makes them; prints what it saw as one JSON line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox.base import ImageSettings
+
+
+async def main(top: Path) -> dict[str, object]:
+    cfg = SandboxConfig(state_dir=top / "state",
+                        images=ImageSettings(cache_dir=str(top / "cache")))
+    seen: dict[str, object] = {"euid": os.geteuid()}
+    async with await create_sandbox(cfg, image=f"oci:{top}/layout:root") as sb:
+        bash = await sb.bash()  # a launch that stays up while others come and go
+        r = await sb.exec("id -u; echo hi > /etc/written; cat /etc/written")
+        seen["root_exec"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+        seen["bash"] = (await bash.run("cat /etc/written; echo $BASH_VERSION")).output.split()
+        r = await sb.exec("cat /etc/written; rm /etc/passwd; test -e /etc/passwd || echo gone")
+        seen["second_launch"] = r.stdout.split()
+        image = sb.image.image  # type: ignore[attr-defined]
+        seen["upper_written"] = (sb.path / "upper" / "etc" / "written").read_text()  # type: ignore[attr-defined]
+        seen["cache_written"] = (image.rootfs / "etc" / "written").exists()
+        seen["cache_passwd"] = (image.rootfs / "etc" / "passwd").exists()
+    async with await create_sandbox(cfg, image=f"oci:{top}/layout:named") as sb:
+        r = await sb.exec(["sh", "-c", "id -u; id -g; echo $HOME; echo x > $HOME/f && echo ok"])
+        seen["named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
+    return seen
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(Path(sys.argv[1])))))
