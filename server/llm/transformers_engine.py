@@ -352,6 +352,29 @@ class TransformersEngine(Engine):
                 assert self._wakeup is not None
                 self._wakeup.set()
 
+    def share_weights(self, model: Any) -> None:
+        """Serve ``model``'s own parameter tensors from now on (an in-process trainer's policy
+        of the same architecture, dtype and device), freeing this engine's copy. The trainer
+        then changes them in place: it must :meth:`pause` the engine before its optimizer steps
+        and :meth:`set_policy_version` after, so no turn runs on half-updated weights."""
+        mine = dict(self.model.named_parameters())
+        theirs = dict(model.named_parameters())
+        wrong = [name for name, p in mine.items()
+                 if name not in theirs or theirs[name].shape != p.shape
+                 or theirs[name].dtype != p.dtype or theirs[name].device != p.device]
+        if wrong or len(mine) != len(theirs):
+            raise ValueError(f"{self.name}: cannot share weights with a model of another "
+                             f"architecture, dtype or device (first mismatches: {wrong[:3]})")
+        for name, param in mine.items():
+            param.data = theirs[name].data
+        self.kv_store.clear()
+
+    def set_policy_version(self, version: int) -> None:
+        """The weights were changed in place by their owner (see :meth:`share_weights`): label
+        later turns ``version`` and drop the KV caches the old weights computed."""
+        self.kv_store.clear()
+        self._version = version
+
     async def pause(self, wait: bool = True) -> None:
         """Stop admitting turns (vLLM's ``/pause``); with ``wait``, return once none is running."""
         self._ensure_started()
