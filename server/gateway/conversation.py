@@ -502,7 +502,10 @@ class JobConversation:
                     output_logprobs=list(result.logprobs), policy_version=result.policy_version,
                     finish_reason=result.finish_reason, backend=result.backend,
                     latency_s=latency_s, preempted_retries=retries,
-                    logprobs_kind=result.logprobs_kind, trained=not chain.side_call)
+                    logprobs_kind=result.logprobs_kind, trained=not chain.side_call,
+                    routed_experts=list(result.routed_experts),
+                    routed_expert_top_k=result.routed_expert_top_k,
+                    routed_expert_layers=result.routed_expert_layers)
         text = chain.ledger.add_output(turn.output_ids)
         answer = self._answer(text, request, result, chain, turn, prepared.total)
         chain.turns.append(turn)
@@ -693,11 +696,16 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
     result is the pieces joined (the same turn ``generate`` returns)."""
     ids: list[int] = []
     logprobs: list[float] = []
+    routed: list[int] = []
+    top_k = layers = 0
     last: GenerateResult | None = None
     async with contextlib.aclosing(stream_generate(llm, request)) as pieces:
         async for piece in pieces:
             ids.extend(piece.output_ids)
             logprobs.extend(piece.logprobs)
+            routed.extend(piece.routed_experts)
+            if piece.routed_experts:
+                top_k, layers = piece.routed_expert_top_k, piece.routed_expert_layers
             last = piece
             if piece.output_ids and piece.finish_reason not in ("preempted", "abort"):
                 feed(piece.output_ids)
@@ -705,8 +713,11 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
                 break
     if last is None or not last.finish_reason:
         raise LLMUnavailable("the backend's stream ended without a finish reason")
+    if routed and len(routed) != len(ids) * top_k * layers:
+        routed, top_k, layers = [], 0, 0  # a piece without its routing: none rather than wrong
     return GenerateResult(ids, logprobs, last.finish_reason, last.policy_version, last.backend,
-                          last.logprobs_kind)
+                          last.logprobs_kind, routed_experts=routed, routed_expert_top_k=top_k,
+                          routed_expert_layers=layers)
 
 
 async def _rendering(call: Any) -> Any:

@@ -249,16 +249,26 @@ class TransformersEngine(Engine):
                 finally:
                     progress.cancel()
                 seq.progress.clear()
-                # The worker may be appending to the lists right now: take only complete pairs.
+                # The worker may be appending to the lists right now: take only the tokens
+                # whose logprob (and, for an MoE model, routing) is recorded too.
                 ready = min(len(seq.output), len(seq.logprobs))
+                stride = seq.routed_layers * self.moe_top_k
+                if stride:
+                    ready = min(ready, len(seq.routed) // stride)
                 if ready > sent and not seq.future.done():
                     yield GenerateResult(seq.output[sent:ready], seq.logprobs[sent:ready], "",
-                                         seq.version, self.name, seq.sampler.logprobs_kind)
+                                         seq.version, self.name, seq.sampler.logprobs_kind,
+                                         **_routing(seq.routed[sent * stride:ready * stride],
+                                                    self.moe_top_k, seq.routed_layers))
                     sent = ready
             final = seq.future.result()
+            stride = final.routed_expert_layers * final.routed_expert_top_k
             yield GenerateResult(final.output_ids[sent:], final.logprobs[sent:],
                                  final.finish_reason, final.policy_version, final.backend,
-                                 final.logprobs_kind)
+                                 final.logprobs_kind,
+                                 **_routing(final.routed_experts[sent * stride:],
+                                            final.routed_expert_top_k,
+                                            final.routed_expert_layers))
         except (asyncio.CancelledError, GeneratorExit):
             self._give_up(seq)
             raise
@@ -645,3 +655,11 @@ class TransformersEngine(Engine):
         if self._tokenizer.eos_token_id is not None:
             ids.add(int(self._tokenizer.eos_token_id))
         return ids
+
+
+def _routing(routed: list[int], top_k: int, layers: int) -> dict[str, Any]:
+    """A streamed piece's routing fields: its tokens' experts, or none at all."""
+    if not routed:
+        return {}
+    return {"routed_experts": list(routed), "routed_expert_top_k": top_k,
+            "routed_expert_layers": layers}
