@@ -422,11 +422,28 @@ class JobConversation:
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",
                              param="messages", code="context_length_exceeded")
+        response_room = self._response_room()
+        if response_room <= 0:
+            self._abandon(prepared)
+            self.capture.refused = "token_budget"
+            raise BadRequest(f"this job's model has generated its "
+                             f"{self.spec.sampling.max_response_tokens} tokens "
+                             "(its sampling.max_response_tokens); no more are served",
+                             code="context_length_exceeded")
         wanted = request.max_tokens or self.spec.sampling.max_tokens_per_turn
         prepared.max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn,
-                                         limit - total))
+                                         limit - total, response_room))
         self._requests += 1
         return prepared
+
+    def _response_room(self) -> int:
+        """Tokens the model may still generate under ``sampling.max_response_tokens``, counting
+        the job's committed turns (requests generating in parallel each see the same room, so
+        together they can pass it by up to their own ``max_tokens``)."""
+        limit = self.spec.sampling.max_response_tokens
+        if limit is None:
+            return 1 << 62
+        return limit - sum(len(t.output_ids) for c in self._chains for t in c.turns)
 
     def _branch_of(self, keys: list[Key]) -> tuple[_Chain | None, SegmentReason, int]:
         """The chain a new one branches from: the one sharing the most leading messages, and
