@@ -6,7 +6,9 @@ and the in-process server only when ``--address`` (or ``[service] address``) is 
 
 In-process mode starts the production server (``rollout.server.app.Server``) in this process
 with one in-process transformers backend serving the model the trainer starts from, so the
-trainer's pushed weights land in the engine that samples the next rollouts.
+trainer's pushed weights land in the engine that samples the next rollouts. With
+``service.share_weights`` (the default) that engine serves the policy's own tensors instead of a
+copy (:class:`InProcessWeights`): one model in memory and no checkpoint per step.
 """
 
 from __future__ import annotations
@@ -78,10 +80,44 @@ async def _train(cfg: Any, state_dir: Path) -> Any:
     if cfg.service.address:
         return await DapoTrainer(cfg, cfg.service.address, model_dir=model_dir).run()
     server = await start_in_process_server(cfg, model_dir, state_dir)
+    shared = InProcessWeights(server.llm) if cfg.service.share_weights else None
     try:
-        return await DapoTrainer(cfg, server.address, model_dir=model_dir).run()
+        return await DapoTrainer(cfg, server.address, model_dir=model_dir,
+                                 shared=shared).run()
     finally:
         await server.stop(1.0)
+
+
+class InProcessWeights:
+    """The trainer's :class:`~rollout.trainer_adapters.dapo.weights.SharedWeights` for the
+    in-process server: every engine of its pool that can serve the policy's tensors does."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.engines: list[Any] = []
+
+    async def attach(self, model: Any) -> bool:
+        engines = [self.pool.get(b.name).engine for b in self.pool.backends()]
+        # One engine (what start_in_process_server builds): a refusal then leaves nothing
+        # half-shared, and the checkpoint push takes over.
+        if len(engines) != 1 or not hasattr(engines[0], "share_weights"):
+            return False
+        try:
+            engines[0].share_weights(model)
+        except ValueError:
+            return False
+        self.engines = engines
+        return True
+
+    async def pause(self) -> None:
+        for engine in self.engines:
+            await engine.pause(wait=True)
+            engine.kv_store.clear()
+
+    async def publish(self, version: int) -> None:
+        self.pool.set_policy_version(version, [e.name for e in self.engines])
+        for engine in self.engines:
+            await engine.resume()
 
 
 async def start_in_process_server(cfg: Any, model_dir: Path, state: Path) -> Any:

@@ -196,7 +196,11 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
             if room <= 0:
                 termination = _limit_reason(budget, limit_ctx)
                 break
-            max_tokens = min(spec.sampling.max_tokens_per_turn, room)
+            response_room = _response_room(spec.sampling.max_response_tokens, turns)
+            if response_room <= 0:
+                termination = TerminationReason.TOKEN_BUDGET
+                break
+            max_tokens = min(spec.sampling.max_tokens_per_turn, room, response_room)
             started = time.monotonic()
             if started + slowest_turn_s >= deadline:
                 termination = TerminationReason.DEADLINE
@@ -240,8 +244,12 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
             if not calls:
                 clipped = result.finish_reason == "length" and max_tokens < (
                     spec.sampling.max_tokens_per_turn)
-                termination = (_limit_reason(budget, limit_ctx) if clipped
-                               else TerminationReason.NO_TOOL_CALL)
+                if clipped and max_tokens == response_room and max_tokens < room:
+                    termination = TerminationReason.TOKEN_BUDGET  # the response budget cut it
+                elif clipped:
+                    termination = _limit_reason(budget, limit_ctx)
+                else:
+                    termination = TerminationReason.NO_TOOL_CALL
                 break
             if finished:
                 termination = TerminationReason.SUBMITTED
@@ -251,6 +259,9 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
                 break
             if index == max_turns - 1:
                 break  # MAX_TURNS; the last calls ran (their effects count), nothing follows
+            if _response_room(spec.sampling.max_response_tokens, turns) <= 0:
+                termination = TerminationReason.TOKEN_BUDGET
+                break  # no reply may follow: the observation would be dead weight
             if observation_role != "tool":
                 observations = _as_one_message(observations, observation_role)
             delta = await asyncio.to_thread(ledger.add_messages, observations)
@@ -311,6 +322,13 @@ def _as_one_message(observations: Sequence[Mapping[str, Any]],
     parts = [f"[{o['name']} result]\n{o['content']}" if o.get("name") else str(o["content"])
              for o in observations]
     return [{"role": role, "content": "\n\n".join(parts)}] if parts else []
+
+
+def _response_room(limit: int | None, turns: Sequence[Turn]) -> int:
+    """Tokens the model may still generate under ``sampling.max_response_tokens``."""
+    if limit is None:
+        return 1 << 62
+    return limit - sum(len(t.output_ids) for t in turns)
 
 
 def _limit_reason(budget: int, limit_ctx: int | None) -> TerminationReason:

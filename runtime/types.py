@@ -95,6 +95,9 @@ class SamplingParams:
     """Upper bound on generated tokens in one turn."""
     total_token_budget: int = 8192
     """Upper bound on all tokens of the trajectory (prompt + generated + observations)."""
+    max_response_tokens: int | None = None
+    """Upper bound on the tokens the model generates in the whole trajectory (the sum of its
+    turns' outputs; a trainer's response length); None: no bound beyond the others."""
     seed: int | None = None
     """When set, turn k is sampled with seed ``seed + k`` so a whole rollout is reproducible."""
     stop: tuple[str, ...] = ()
@@ -144,6 +147,12 @@ class SamplingParams:
                 f"sampling.total_token_budget ({self.total_token_budget}, the whole "
                 "trajectory's tokens): lower it, or raise total_token_budget",
                 "INVALID_SAMPLING_PARAMS", "sampling.max_tokens_per_turn")
+        if self.max_response_tokens is not None and not (
+                0 < self.max_response_tokens <= MAX_TOKEN_BUDGET):
+            raise InvalidArgument(
+                f"sampling.max_response_tokens must be in [1, {MAX_TOKEN_BUDGET}] (leave it "
+                f"unset for no bound), got {self.max_response_tokens}",
+                "INVALID_SAMPLING_PARAMS", "sampling.max_response_tokens")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("sampling.stop_token_ids must be non-negative",
                                   "INVALID_SAMPLING_PARAMS", "sampling.stop_token_ids")

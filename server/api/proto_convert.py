@@ -153,6 +153,8 @@ def sampling_from_proto(p: job_pb2.SamplingParams) -> SamplingParams:
         total_token_budget=(p.total_token_budget if p.HasField("total_token_budget")
                             else base.total_token_budget),
         seed=p.seed if p.HasField("seed") else None,
+        max_response_tokens=(p.max_response_tokens if p.HasField("max_response_tokens")
+                             else None),
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         logprobs_mode=_logprobs_mode_from_proto(p),
@@ -194,6 +196,8 @@ def sampling_to_proto(s: SamplingParams) -> job_pb2.SamplingParams:
         logprobs_mode=_LOGPROBS_TO_PROTO[s.logprobs_mode])
     if s.seed is not None:
         p.seed = s.seed
+    if s.max_response_tokens is not None:
+        p.max_response_tokens = s.max_response_tokens
     return p
 
 

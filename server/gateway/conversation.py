@@ -437,11 +437,28 @@ class JobConversation:
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",
                              param="messages", code="context_length_exceeded")
+        response_room = self._response_room()
+        if response_room <= 0:
+            self._abandon(prepared)
+            self.capture.refused = "token_budget"
+            raise BadRequest(f"this job's model has generated its "
+                             f"{self.spec.sampling.max_response_tokens} tokens "
+                             "(its sampling.max_response_tokens); no more are served",
+                             code="context_length_exceeded")
         wanted = request.max_tokens or self.spec.sampling.max_tokens_per_turn
         prepared.max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn,
-                                         limit - total))
+                                         limit - total, response_room))
         self._requests += 1
         return prepared
+
+    def _response_room(self) -> int:
+        """Tokens the model may still generate under ``sampling.max_response_tokens``, counting
+        the job's committed turns (requests generating in parallel each see the same room, so
+        together they can pass it by up to their own ``max_tokens``)."""
+        limit = self.spec.sampling.max_response_tokens
+        if limit is None:
+            return 1 << 62
+        return limit - sum(len(t.output_ids) for c in self._chains for t in c.turns)
 
     def _branch_of(self, keys: list[Key]) -> tuple[_Chain | None, SegmentReason, int]:
         """The chain a new one branches from: the one sharing the most leading messages, and
@@ -517,7 +534,10 @@ class JobConversation:
                     output_logprobs=list(result.logprobs), policy_version=result.policy_version,
                     finish_reason=result.finish_reason, backend=result.backend,
                     latency_s=latency_s, preempted_retries=retries,
-                    logprobs_kind=result.logprobs_kind, trained=not chain.side_call)
+                    logprobs_kind=result.logprobs_kind, trained=not chain.side_call,
+                    routed_experts=list(result.routed_experts),
+                    routed_expert_top_k=result.routed_expert_top_k,
+                    routed_expert_layers=result.routed_expert_layers)
         text = chain.ledger.add_output(turn.output_ids)
         answer = self._answer(text, request, result, chain, turn, prepared.total)
         chain.turns.append(turn)
@@ -714,12 +734,17 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
     ids: list[int] = []
     logprobs: list[float] = []
     tops: list[list[tuple[int, float]]] = []
+    routed: list[int] = []
+    top_k = layers = 0
     last: GenerateResult | None = None
     async with contextlib.aclosing(stream_generate(llm, request)) as pieces:
         async for piece in pieces:
             ids.extend(piece.output_ids)
             logprobs.extend(piece.logprobs)
             tops.extend(piece.top_logprobs)
+            routed.extend(piece.routed_experts)
+            if piece.routed_experts:
+                top_k, layers = piece.routed_expert_top_k, piece.routed_expert_layers
             last = piece
             if piece.output_ids and piece.finish_reason not in ("preempted", "abort"):
                 feed(piece.output_ids)
@@ -727,8 +752,11 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
                 break
     if last is None or not last.finish_reason:
         raise LLMUnavailable("the backend's stream ended without a finish reason")
+    if routed and len(routed) != len(ids) * top_k * layers:
+        routed, top_k, layers = [], 0, 0  # a piece without its routing: none rather than wrong
     return GenerateResult(ids, logprobs, last.finish_reason, last.policy_version, last.backend,
-                          last.logprobs_kind, top_logprobs=tops)
+                          last.logprobs_kind, top_logprobs=tops, routed_experts=routed,
+                          routed_expert_top_k=top_k, routed_expert_layers=layers)
 
 
 async def _rendering(call: Any) -> Any:

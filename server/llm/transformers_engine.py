@@ -251,19 +251,29 @@ class TransformersEngine(Engine):
                 finally:
                     progress.cancel()
                 seq.progress.clear()
-                # The worker may be appending to the lists right now: take only complete pairs.
+                # The worker may be appending to the lists right now: take only the tokens
+                # whose logprob (and, for an MoE model, routing) is recorded too.
                 ready = min(len(seq.output), len(seq.logprobs))
                 if seq.sampler.top_logprobs:
                     ready = min(ready, len(seq.tops))
+                stride = seq.routed_layers * self.moe_top_k
+                if stride:
+                    ready = min(ready, len(seq.routed) // stride)
                 if ready > sent and not seq.future.done():
                     yield GenerateResult(seq.output[sent:ready], seq.logprobs[sent:ready], "",
                                          seq.version, self.name, seq.sampler.logprobs_kind,
-                                         top_logprobs=seq.tops[sent:ready])
+                                         top_logprobs=seq.tops[sent:ready],
+                                         **_routing(seq.routed[sent * stride:ready * stride],
+                                                    self.moe_top_k, seq.routed_layers))
                     sent = ready
             final = seq.future.result()
+            stride = final.routed_expert_layers * final.routed_expert_top_k
             yield GenerateResult(final.output_ids[sent:], final.logprobs[sent:],
                                  final.finish_reason, final.policy_version, final.backend,
-                                 final.logprobs_kind, top_logprobs=final.top_logprobs[sent:])
+                                 final.logprobs_kind, top_logprobs=final.top_logprobs[sent:],
+                                 **_routing(final.routed_experts[sent * stride:],
+                                            final.routed_expert_top_k,
+                                            final.routed_expert_layers))
         except (asyncio.CancelledError, GeneratorExit):
             self._give_up(seq)
             raise
@@ -357,6 +367,29 @@ class TransformersEngine(Engine):
                 self._paused = False
                 assert self._wakeup is not None
                 self._wakeup.set()
+
+    def share_weights(self, model: Any) -> None:
+        """Serve ``model``'s own parameter tensors from now on (an in-process trainer's policy
+        of the same architecture, dtype and device), freeing this engine's copy. The trainer
+        then changes them in place: it must :meth:`pause` the engine before its optimizer steps
+        and :meth:`set_policy_version` after, so no turn runs on half-updated weights."""
+        mine = dict(self.model.named_parameters())
+        theirs = dict(model.named_parameters())
+        wrong = [name for name, p in mine.items()
+                 if name not in theirs or theirs[name].shape != p.shape
+                 or theirs[name].dtype != p.dtype or theirs[name].device != p.device]
+        if wrong or len(mine) != len(theirs):
+            raise ValueError(f"{self.name}: cannot share weights with a model of another "
+                             f"architecture, dtype or device (first mismatches: {wrong[:3]})")
+        for name, param in mine.items():
+            param.data = theirs[name].data
+        self.kv_store.clear()
+
+    def set_policy_version(self, version: int) -> None:
+        """The weights were changed in place by their owner (see :meth:`share_weights`): label
+        later turns ``version`` and drop the KV caches the old weights computed."""
+        self.kv_store.clear()
+        self._version = version
 
     async def pause(self, wait: bool = True) -> None:
         """Stop admitting turns (vLLM's ``/pause``); with ``wait``, return once none is running."""
@@ -631,3 +664,11 @@ class TransformersEngine(Engine):
         if self._tokenizer.eos_token_id is not None:
             ids.add(int(self._tokenizer.eos_token_id))
         return ids
+
+
+def _routing(routed: list[int], top_k: int, layers: int) -> dict[str, Any]:
+    """A streamed piece's routing fields: its tokens' experts, or none at all."""
+    if not routed:
+        return {}
+    return {"routed_experts": list(routed), "routed_expert_top_k": top_k,
+            "routed_expert_layers": layers}

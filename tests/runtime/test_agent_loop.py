@@ -193,6 +193,32 @@ async def test_token_budget_clips_turns_and_bounds_the_trajectory(tok: Any) -> N
     assert out.turns[1].finish_reason == "length"
 
 
+async def test_response_budget_counts_only_generated_tokens(tok: Any) -> None:
+    first = call("echo", text="x")
+    n_first = len(tok.encode(first, add_special_tokens=False))
+    ctx, engine, _, _ = make_ctx(tok, [first, "word " * 200], max_tokens_per_turn=512,
+                                 max_response_tokens=n_first + 30)
+    out = await run_agent_loop(ctx, [EchoTool()], TASK)
+    assert out.termination is TerminationReason.TOKEN_BUDGET
+    # The prompt and the echo's observation do not count; the second turn gets what is left.
+    assert engine.requests[0].max_tokens == n_first + 30
+    assert engine.requests[1].max_tokens == n_first + 30 - len(out.turns[0].output_ids)
+    assert sum(len(t.output_ids) for t in out.turns) == n_first + 30
+    assert out.turns[1].finish_reason == "length"
+
+
+async def test_response_budget_spent_by_a_tool_turn_ends_after_its_calls(tok: Any) -> None:
+    first = call("echo", text="x")
+    # The scripted model ends its turn with one end-of-turn token.
+    ctx, engine, _, _ = make_ctx(tok, [first, first], max_response_tokens=len(
+        tok.encode(first, add_special_tokens=False)) + 1)
+    echo = EchoTool()
+    out = await run_agent_loop(ctx, [echo], TASK)
+    assert out.termination is TerminationReason.TOKEN_BUDGET
+    assert len(engine.requests) == 1 and len(echo.calls) == 1
+    assert out.turns[-1].observation_ids == []
+
+
 async def test_context_length_smaller_than_budget_is_the_reported_limit(tok: Any) -> None:
     ctx, engine, _, _ = make_ctx(tok, ["word " * 100],
                                  context_length=len(initial_prompt(tok)) + 10)

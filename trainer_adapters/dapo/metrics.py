@@ -20,7 +20,8 @@ COLUMNS = (
     "stale_dropped", "failed_samples", "entropy", "clip_low", "clip_high", "dual_clip",
     "tis_truncated", "approx_kl", "loss", "grad_norm", "lr", "response_length",
     "rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_train_s",
-    "time_push_s", "time_eval_s", "peak_rss_gib", "mismatch_kl_token", "mismatch_kl_seq",
+    "time_push_s", "time_eval_s", "peak_rss_gib", "rss_update_start_gib", "mismatch_kl_token",
+    "mismatch_kl_seq",
     "mismatch_masked", "mismatch_weight_mean", "elapsed_s",
 )
 """``accuracy``: fraction of all completed training samples of the step with reward 1 (before
@@ -28,6 +29,7 @@ dynamic sampling); ``reward_mean``: mean shaped reward of the kept samples the l
 ``turns`` / ``tool_calls``: per episode, over the same samples as ``accuracy``; ``heldout_*``:
 the same over the held-out evaluation; ``peak_rss_gib``: the process's peak resident memory
 during the step (rollouts, update and push; with an in-process server it includes the server);
+``rss_update_start_gib``: resident memory when the update starts (after the rollouts);
 ``mismatch_*``: rollout-vs-trainer mismatch before the update (see ``loss.mismatch_metrics``)."""
 
 
@@ -40,12 +42,36 @@ def reset_peak_rss() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Give the C allocator's free pages back to the system (glibc ``malloc_trim``): the
+    rollouts' tensors, freed by the engine's worker thread, otherwise stay resident in its
+    arena while the update allocates in another thread's, and both count in the step's peak.
+    A no-op where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_gib() -> float | str:
+    """Resident memory now (``VmRSS``), in GiB; ``""`` where /proc is not available."""
+    return _status_gib("VmRSS:")
+
+
 def peak_rss_gib() -> float | str:
     """Peak resident memory since :func:`reset_peak_rss` (``VmHWM``), in GiB; ``""`` where
     /proc is not available."""
+    return _status_gib("VmHWM:")
+
+
+def _status_gib(key: str) -> float | str:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 2 ** 20
     except OSError:
         pass

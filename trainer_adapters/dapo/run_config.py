@@ -59,6 +59,7 @@ kl_coef = 0.0
 address = ""                  # "" = start an in-process server (rollout train dapo)
 client_id = "dapo-trainer"
 weight_sync = "update_weights"  # or "set_version" (weights pushed out of band)
+share_weights = true          # in-process server: its engine serves the policy's own tensors
 backends = []                 # names to update; [] = all
 ```
 """
@@ -178,6 +179,10 @@ class ServiceSection:
     token: str = ""
     client_id: str = "dapo-trainer"
     weight_sync: str = "update_weights"
+    share_weights: bool = True
+    """In-process server only: its engine serves the policy's own tensors (one copy of the
+    model, no checkpoint per step; generation pauses during the update). False: a separate
+    copy in the engine, updated from a checkpoint each step as with a remote server."""
     backends: tuple[str, ...] = ()
     server_set: tuple[str, ...] = ()
     """In-process server only: extra ``KEY=VALUE`` settings (as ``rollout serve --set``)."""

@@ -34,11 +34,13 @@ from rollout.trainer_adapters.dapo.metrics import (
     MetricsLog,
     paired_bootstrap,
     peak_rss_gib,
+    release_free_memory,
     reset_peak_rss,
+    rss_gib,
 )
 from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
 from rollout.trainer_adapters.dapo.run_config import DapoConfig
-from rollout.trainer_adapters.dapo.weights import WeightPusher
+from rollout.trainer_adapters.dapo.weights import SharedWeights, WeightPusher
 
 StepHook = Callable[[int, int], Awaitable[None]]
 """``await hook(step, policy_version)`` after each step's weights were pushed (tests)."""
@@ -125,8 +127,12 @@ def shape_and_normalise(batch: Batch, cfg: DapoConfig) -> tuple[list[TrainItem],
 
 class DapoTrainer:
     def __init__(self, cfg: DapoConfig, address: str, *, model_dir: Path,
-                 console: Console | None = None, on_step: StepHook | None = None) -> None:
+                 console: Console | None = None, on_step: StepHook | None = None,
+                 shared: SharedWeights | None = None) -> None:
+        """``shared``: the serving engines live in this process and serve the policy's own
+        tensors (see :class:`SharedWeights`); weights are then never written per step."""
         cfg.validate()
+        self.shared = shared
         self.cfg = cfg
         self.address = address
         self.model_dir = model_dir
@@ -159,6 +165,10 @@ class DapoTrainer:
             warmup_steps=cfg.algo.warmup_steps, weight_decay=cfg.algo.weight_decay,
             betas=cfg.algo.betas, seed=cfg.run.seed, logit_chunk=cfg.algo.logit_chunk,
             gradient_checkpointing=cfg.algo.gradient_checkpointing)
+        if self.shared is not None and not await self.shared.attach(policy.model):
+            console.print("the in-process engine cannot share the policy's weights (another "
+                          "dtype or device); pushing checkpoints instead")
+            self.shared = None
         clip = ClipConfig(eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
                           dual_clip_c=cfg.algo.dual_clip_c or None,
                           tis_cap=cfg.algo.tis_cap or None)
@@ -255,6 +265,10 @@ class DapoTrainer:
             return row
         check_logprobs(batch)
         items, reward_mean = shape_and_normalise(batch, cfg)
+        if self.shared is not None:
+            await self.shared.pause()
+        release_free_memory()
+        row["rss_update_start_gib"] = rss_gib()
         upd = await asyncio.to_thread(
             policy.update, items, clip, temperature=cfg.rollout.temperature,
             micro_batch_size=cfg.algo.micro_batch_size, grad_clip=cfg.algo.grad_clip,
@@ -262,11 +276,14 @@ class DapoTrainer:
             correction=cfg.correction())
         t1 = time.monotonic()
         self.version += 1
-        weights = self.run_dir / "weights" / f"v{self.version}"
-        await asyncio.to_thread(policy.save_weights, weights)
-        await pusher.push(weights, self.version)
+        if self.shared is not None:
+            await self.shared.publish(self.version)
+        else:
+            weights = self.run_dir / "weights" / f"v{self.version}"
+            await asyncio.to_thread(policy.save_weights, weights)
+            await pusher.push(weights, self.version)
+            self._prune_weights()
         batcher.set_policy_version(self.version)
-        self._prune_weights()
         t_push = time.monotonic() - t1
         if self.on_step is not None:
             await self.on_step(step, self.version)

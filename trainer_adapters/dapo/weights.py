@@ -13,12 +13,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 
 from rollout.client.errors import RolloutError
 from rollout.v1 import backend_service_pb2 as pb
 from rollout.v1 import backend_service_pb2_grpc as pb_grpc
+
+
+class SharedWeights(Protocol):
+    """Weights shared in-process with the serving engines (``rollout train`` with its own
+    server): the engines serve the policy's own tensors, so there is no second copy of the
+    model and no checkpoint to write and read back per step. Generation and the update never
+    run at the same time: :meth:`pause` before the update, :meth:`publish` after it."""
+
+    async def attach(self, model: Any) -> bool:
+        """From now on the engines serve ``model``'s tensors (their own copy is freed); False
+        where they cannot (another dtype or device), and weights are pushed as usual."""
+
+    async def pause(self) -> None:
+        """Stop admitting turns and wait for the running ones (the weights are about to
+        change), dropping the KV caches meanwhile."""
+
+    async def publish(self, version: int) -> None:
+        """The tensors now hold ``version``: label later turns with it and resume."""
 
 
 class WeightPusher:

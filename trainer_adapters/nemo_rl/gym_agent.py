@@ -80,6 +80,12 @@ class RolloutServiceAgentConfig(BaseResponsesAPIAgentConfig):
     """NeMo RL's ``policy.max_total_sequence_length``: the job's token budget, so the service
     stops an episode where NeMo RL would cut it. 0 leaves the budget to
     ``total_token_budget``."""
+    max_response_tokens: int = 0
+    """Most tokens the model generates per episode (the sum over its turns; the job's
+    ``sampling.max_response_tokens``): set it to the response length the trainer budgets, e.g.
+    NeMo RL's ``policy.max_total_sequence_length`` minus the longest prompt, so the service
+    ends the episode with a token-budget termination instead of NeMo RL truncating it. 0: no
+    separate bound."""
     reward_components: list[str] = []
     """Component names reported in ``rollout_reward_components`` of every answer (0.0 when
     missing), so per-component columns line up; empty reports what each job measured."""
@@ -158,6 +164,8 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
         budget = self.config.total_token_budget or self.config.max_total_sequence_length
         if budget:
             sampling["total_token_budget"] = budget
+        if self.config.max_response_tokens:
+            sampling["max_response_tokens"] = self.config.max_response_tokens
         spec: dict[str, Any] = {"job_id": f"gym/{uuid.uuid4().hex}",
                                 "environment": environment or self.config.environment,
                                 "task": dict(task), "sampling": sampling}

@@ -324,8 +324,11 @@ def job_for_sample(sample: Mapping[str, Any], sampling_params: Mapping[str, Any]
         "top_p": float(sampling_params.get("top_p", 1.0)),
         "top_k": max(top_k, 0),  # verl says -1 for "off", the service says 0
         "max_tokens_per_turn": min(max_tokens_per_turn or response_length, response_length),
-        # The service stops the episode at this budget, so truncation here is the exception.
+        # The service stops the episode at these budgets, so truncation here is the
+        # exception: verl's row holds at most response_length generated tokens (plus the
+        # observations between turns, which the total budget bounds).
         "total_token_budget": prompt_length + response_length,
+        "max_response_tokens": response_length,
     }
     spec: dict[str, Any] = {
         "job_id": job_id, "environment": env, "task": dict(task), "sampling": sampling,

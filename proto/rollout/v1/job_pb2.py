@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from rollout.v1 import tasks_pb2 as rollout_dot_v1_dot_tasks__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rollout/v1/job.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16rollout/v1/tasks.proto\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12 \n\x13max_tokens_per_turn\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x1f\n\x12total_token_budget\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x34\n\rlogprobs_mode\x18\t \x01(\x0e\x32\x18.rollout.v1.LogprobsKindH\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x16\n\x14_max_tokens_per_turnB\x15\n\x13_total_token_budgetB\x07\n\x05_seedB\x10\n\x0e_logprobs_mode\"\xf1\x01\n\x06Limits\x12\x16\n\tmax_turns\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12/\n\x0cinit_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0brun_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x65val_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0ctool_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationB\x0c\n\n_max_turns\"A\n\tGroupSpec\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66inish_after\x18\x03 \x01(\x05\"\x86\x04\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x02 \x01(\t\x12%\n\x04task\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\"\n\x06limits\x18\x05 \x01(\x0b\x32\x12.rollout.v1.Limits\x12$\n\x05group\x18\x06 \x01(\x0b\x32\x15.rollout.v1.GroupSpec\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x1a\n\x12min_policy_version\x18\x08 \x01(\x03\x12\x33\n\x08metadata\x18\t \x03(\x0b\x32!.rollout.v1.JobSpec.MetadataEntry\x12%\n\x04\x63hat\x18\n \x01(\x0b\x32\x17.rollout.v1.ChatOptions\x12$\n\x04math\x18\x0b \x01(\x0b\x32\x14.rollout.v1.MathTaskH\x00\x12$\n\x04\x63ode\x18\x0c \x01(\x0b\x32\x14.rollout.v1.CodeTaskH\x00\x12\"\n\x03swe\x18\r \x01(\x0b\x32\x13.rollout.v1.SweTaskH\x00\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\ntyped_task\"^\n\x0b\x43hatOptions\x12\x18\n\x10tool_call_format\x18\x01 \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xb3\x02\n\x08JobError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.rollout.v1.JobError.Code\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.rollout.v1.Stage\"\xba\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43ODE_TIMEOUT\x10\x01\x12\x16\n\x12\x43ODE_HANDLER_ERROR\x10\x02\x12\x16\n\x12\x43ODE_SANDBOX_ERROR\x10\x03\x12\x1c\n\x18\x43ODE_BACKEND_UNAVAILABLE\x10\x04\x12\x15\n\x11\x43ODE_INVALID_TASK\x10\x05\x12\x12\n\x0e\x43ODE_CANCELLED\x10\x06\x12\x11\n\rCODE_INTERNAL\x10\x07\"\xbd\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rollout.v1.JobSpec\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.rollout.v1.Job.State\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.rollout.v1.Stage\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.rollout.v1.JobError\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12\x11\n\tclient_id\x18\x08 \x01(\t\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\x12\x13\n\x0fSTATE_CANCELLED\x10\x05*a\n\x0cLogprobsKind\x12\x1d\n\x19LOGPROBS_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_KIND_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_KIND_RAW\x10\x02*M\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTAGE_INIT\x10\x01\x12\r\n\tSTAGE_RUN\x10\x02\x12\x0e\n\nSTAGE_EVAL\x10\x03\x42]\n\x15\x63om.rolloutservice.v1B\x08JobProtoP\x01Z+rollout-service/gen/go/rollout/v1;rolloutv1\xaa\x02\nRollout.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rollout/v1/job.proto\x12\nrollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16rollout/v1/tasks.proto\"\xac\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12 \n\x13max_tokens_per_turn\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x1f\n\x12total_token_budget\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x34\n\rlogprobs_mode\x18\t \x01(\x0e\x32\x18.rollout.v1.LogprobsKindH\x06\x88\x01\x01\x12 \n\x13max_response_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x16\n\x14_max_tokens_per_turnB\x15\n\x13_total_token_budgetB\x07\n\x05_seedB\x10\n\x0e_logprobs_modeB\x16\n\x14_max_response_tokens\"\xf1\x01\n\x06Limits\x12\x16\n\tmax_turns\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12/\n\x0cinit_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0brun_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x65val_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0ctool_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationB\x0c\n\n_max_turns\"A\n\tGroupSpec\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66inish_after\x18\x03 \x01(\x05\"\x86\x04\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x02 \x01(\t\x12%\n\x04task\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\"\n\x06limits\x18\x05 \x01(\x0b\x32\x12.rollout.v1.Limits\x12$\n\x05group\x18\x06 \x01(\x0b\x32\x15.rollout.v1.GroupSpec\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x1a\n\x12min_policy_version\x18\x08 \x01(\x03\x12\x33\n\x08metadata\x18\t \x03(\x0b\x32!.rollout.v1.JobSpec.MetadataEntry\x12%\n\x04\x63hat\x18\n \x01(\x0b\x32\x17.rollout.v1.ChatOptions\x12$\n\x04math\x18\x0b \x01(\x0b\x32\x14.rollout.v1.MathTaskH\x00\x12$\n\x04\x63ode\x18\x0c \x01(\x0b\x32\x14.rollout.v1.CodeTaskH\x00\x12\"\n\x03swe\x18\r \x01(\x0b\x32\x13.rollout.v1.SweTaskH\x00\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\ntyped_task\"^\n\x0b\x43hatOptions\x12\x18\n\x10tool_call_format\x18\x01 \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xb3\x02\n\x08JobError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.rollout.v1.JobError.Code\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.rollout.v1.Stage\"\xba\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43ODE_TIMEOUT\x10\x01\x12\x16\n\x12\x43ODE_HANDLER_ERROR\x10\x02\x12\x16\n\x12\x43ODE_SANDBOX_ERROR\x10\x03\x12\x1c\n\x18\x43ODE_BACKEND_UNAVAILABLE\x10\x04\x12\x15\n\x11\x43ODE_INVALID_TASK\x10\x05\x12\x12\n\x0e\x43ODE_CANCELLED\x10\x06\x12\x11\n\rCODE_INTERNAL\x10\x07\"\xbd\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rollout.v1.JobSpec\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.rollout.v1.Job.State\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.rollout.v1.Stage\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.rollout.v1.JobError\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12\x11\n\tclient_id\x18\x08 \x01(\t\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\x12\x13\n\x0fSTATE_CANCELLED\x10\x05*a\n\x0cLogprobsKind\x12\x1d\n\x19LOGPROBS_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_KIND_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_KIND_RAW\x10\x02*M\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTAGE_INIT\x10\x01\x12\r\n\tSTAGE_RUN\x10\x02\x12\x0e\n\nSTAGE_EVAL\x10\x03\x42]\n\x15\x63om.rolloutservice.v1B\x08JobProtoP\x01Z+rollout-service/gen/go/rollout/v1;rolloutv1\xaa\x02\nRollout.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,28 +38,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\025com.rolloutservice.v1B\010JobProtoP\001Z+rollout-service/gen/go/rollout/v1;rolloutv1\252\002\nRollout.V1'
   _globals['_JOBSPEC_METADATAENTRY']._loaded_options = None
   _globals['_JOBSPEC_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_LOGPROBSKIND']._serialized_start=2214
-  _globals['_LOGPROBSKIND']._serialized_end=2311
-  _globals['_STAGE']._serialized_start=2313
-  _globals['_STAGE']._serialized_end=2390
+  _globals['_LOGPROBSKIND']._serialized_start=2272
+  _globals['_LOGPROBSKIND']._serialized_end=2369
+  _globals['_STAGE']._serialized_start=2371
+  _globals['_STAGE']._serialized_end=2448
   _globals['_SAMPLINGPARAMS']._serialized_start=156
-  _globals['_SAMPLINGPARAMS']._serialized_end=526
-  _globals['_LIMITS']._serialized_start=529
-  _globals['_LIMITS']._serialized_end=770
-  _globals['_GROUPSPEC']._serialized_start=772
-  _globals['_GROUPSPEC']._serialized_end=837
-  _globals['_JOBSPEC']._serialized_start=840
-  _globals['_JOBSPEC']._serialized_end=1358
-  _globals['_JOBSPEC_METADATAENTRY']._serialized_start=1297
-  _globals['_JOBSPEC_METADATAENTRY']._serialized_end=1344
-  _globals['_CHATOPTIONS']._serialized_start=1360
-  _globals['_CHATOPTIONS']._serialized_end=1454
-  _globals['_JOBERROR']._serialized_start=1457
-  _globals['_JOBERROR']._serialized_end=1764
-  _globals['_JOBERROR_CODE']._serialized_start=1578
-  _globals['_JOBERROR_CODE']._serialized_end=1764
-  _globals['_JOB']._serialized_start=1767
-  _globals['_JOB']._serialized_end=2212
-  _globals['_JOB_STATE']._serialized_start=2085
-  _globals['_JOB_STATE']._serialized_end=2212
+  _globals['_SAMPLINGPARAMS']._serialized_end=584
+  _globals['_LIMITS']._serialized_start=587
+  _globals['_LIMITS']._serialized_end=828
+  _globals['_GROUPSPEC']._serialized_start=830
+  _globals['_GROUPSPEC']._serialized_end=895
+  _globals['_JOBSPEC']._serialized_start=898
+  _globals['_JOBSPEC']._serialized_end=1416
+  _globals['_JOBSPEC_METADATAENTRY']._serialized_start=1355
+  _globals['_JOBSPEC_METADATAENTRY']._serialized_end=1402
+  _globals['_CHATOPTIONS']._serialized_start=1418
+  _globals['_CHATOPTIONS']._serialized_end=1512
+  _globals['_JOBERROR']._serialized_start=1515
+  _globals['_JOBERROR']._serialized_end=1822
+  _globals['_JOBERROR_CODE']._serialized_start=1636
+  _globals['_JOBERROR_CODE']._serialized_end=1822
+  _globals['_JOB']._serialized_start=1825
+  _globals['_JOB']._serialized_end=2270
+  _globals['_JOB_STATE']._serialized_start=2143
+  _globals['_JOB_STATE']._serialized_end=2270
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ STAGE_RUN: Stage
 STAGE_EVAL: Stage
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens_per_turn", "total_token_budget", "seed", "stop", "stop_token_ids", "logprobs_mode")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens_per_turn", "total_token_budget", "seed", "stop", "stop_token_ids", "logprobs_mode", "max_response_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -53,7 +54,8 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs_mode: LogprobsKind
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., total_token_budget: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[LogprobsKind, str]] = ...) -> None: ...
+    max_response_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., total_token_budget: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[LogprobsKind, str]] = ..., max_response_tokens: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_turns", "init_timeout", "run_timeout", "eval_timeout", "tool_timeout")

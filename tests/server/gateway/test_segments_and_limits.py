@@ -120,6 +120,30 @@ async def test_oversize_requests_are_refused_with_openai_errors(rig: Rig, tmp_pa
         await small.stop()
 
 
+async def test_the_jobs_response_budget_clips_then_refuses(rig: Rig) -> None:
+    import openai
+
+    first = rig.scripted_ids("the first answer")
+    lease = await rig.open("job-response", ["the first answer", "a second answer runs long"],
+                           sampling=SamplingParams(seed=7, max_response_tokens=len(first) + 2))
+    client = openai_client(lease)
+    await client.chat.completions.create(model="m", messages=TASK)
+    await client.chat.completions.create(
+        model="m", messages=[*TASK, {"role": "assistant", "content": "the first answer"},
+                             {"role": "user", "content": "go on"}])
+    # The prompt does not count; the second turn gets what the first left.
+    assert [r.max_tokens for r in rig.engine.requests] == [len(first) + 2, 2]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model="m", messages=[*TASK, {"role": "user", "content": "and again"}])
+    assert info.value.body["code"] == "context_length_exceeded"
+    assert "max_response_tokens" in info.value.body["message"]
+    capture = await rig.gateway.close(lease)
+    assert capture.refused == "token_budget"
+    assert sum(len(t.output_ids) for t in capture.turns) == len(first) + 2
+    assert len(rig.engine.requests) == 2
+
+
 async def test_the_jobs_request_limit_is_max_turns(rig: Rig) -> None:
     import openai
 

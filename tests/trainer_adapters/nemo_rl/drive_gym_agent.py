@@ -79,7 +79,8 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
                                        environment="episode",
                                        reward_components=req.get("reward_components", []),
                                        max_total_sequence_length=req.get(
-                                           "max_total_sequence_length", 0))
+                                           "max_total_sequence_length", 0),
+                                       max_response_tokens=req.get("max_response_tokens", 0))
     client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
                           global_config_dict=DictConfig({}))
     agent = RolloutServiceAgent(config=config, server_client=client)
@@ -110,6 +111,7 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
                             "nemo_flatten": nemo_flatten(json.loads(json.dumps(body))),
                             "message_log": to_message_log(stored.trajectory),
                             "budget": stored.job.spec.sampling.total_token_budget,
+                            "response_budget": stored.job.spec.sampling.max_response_tokens,
                             "loss_multiplier": nemo_rl_loss_multiplier([body])[0]})
         ok = [r["body"] for r in results if r["status"] == 200]
         agg = await http.post("/aggregate_metrics", json={"verify_responses": ok})

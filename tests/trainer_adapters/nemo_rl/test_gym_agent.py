@@ -30,11 +30,13 @@ pytestmark = [pytest.mark.usefixtures("gym_venv"), pytest.mark.timeout(180)]
 
 async def run_agent(address: str, rows: list[dict[str, Any]], tmp: Path,
                     reward_components: list[str] | None = None,
-                    max_total_sequence_length: int = 0) -> dict[str, Any]:
+                    max_total_sequence_length: int = 0,
+                    max_response_tokens: int = 0) -> dict[str, Any]:
     (tmp / "req.json").write_text(json.dumps({
         "address": address, "rows": rows, "scaffold_root": str(tmp / "gym"),
         "reward_components": reward_components or [],
-        "max_total_sequence_length": max_total_sequence_length}))
+        "max_total_sequence_length": max_total_sequence_length,
+        "max_response_tokens": max_response_tokens}))
     proc = await asyncio.create_subprocess_exec(
         str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")), str(tmp / "req.json"),
         str(tmp / "out.json"), cwd=str(ROOT), env=dict(os.environ),
@@ -63,7 +65,7 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
         res = await run_agent(h.address, [row(ok, 0), row(sums, 1), row(failed, 2), {
             "responses_create_params": {"input": "no task here"}}, row(early, 4),
             row(too_long, 5)], tmp_path, reward_components=["exact", "format"],
-            max_total_sequence_length=640)
+            max_total_sequence_length=640, max_response_tokens=96)
     finally:
         await h.stop()
     r_ok, r_sums, r_failed, r_bad, r_early, r_long = res["results"]
@@ -73,6 +75,8 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     assert [r["loss_multiplier"] for r in (r_ok, r_sums, r_failed, r_early)] == [1, 1, 0, 0]
     # The job's token budget is NeMo RL's policy.max_total_sequence_length...
     assert r_ok["budget"] == 640
+    # ...and its response budget the agent's max_response_tokens.
+    assert r_ok["response_budget"] == 96
     # ...and a prompt that alone fills it is an error naming the job and the prompt's length.
     assert r_long["status"] == 422
     assert "700-token" not in r_long["body"] and "700 tokens" in r_long["body"]

@@ -94,6 +94,7 @@ def test_job_for_sample_maps_verl_fields() -> None:
     assert dict(spec.task) == {"question": "2+2?", "answer": "4"}
     assert spec.sampling.top_k == 0 and spec.sampling.temperature == pytest.approx(0.6)
     assert spec.sampling.total_token_budget == 150 and spec.sampling.max_tokens_per_turn == 50
+    assert spec.sampling.max_response_tokens == 50  # verl's response_length
     assert (spec.group.group_id, spec.group.size, spec.group.finish_after) == ("verl/u-1", 4, 2)
     assert spec.job_id.startswith("verl/u-1/") and spec.limits.max_turns == 3
     assert dict(spec.metadata)["uid"] == "u-1" and dict(spec.metadata)["index"] == "7"
