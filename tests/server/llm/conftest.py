@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,10 @@ import pytest
 
 from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.server.llm.engine import Engine, EngineError
+from rollout.server.llm.http_server import serve
+from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import tiny_model_dir
+from tests.util import patience
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +80,32 @@ class FakeEngine(Engine):
 
     async def update_weights(self, source: Any, version: int) -> None:
         self._version = version
+
+
+class Served:
+    """An ``llm-serve`` HTTP server in this event loop over a tiny-model engine."""
+
+    def __init__(self, engine: TransformersEngine, url: str, task: asyncio.Task[None]) -> None:
+        self.engine, self.url, self.task = engine, url, task
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def start_server(model_dir: Path, name: str) -> Served:
+    """``llm-serve`` on a free loopback port; every turn runs to max_tokens (no EOS)."""
+    engine = TransformersEngine(model_dir, name=name)
+    engine.eos_ids = frozenset()  # random weights: run every turn to max_tokens
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, "tiny", ready))
+    port = await asyncio.wait_for(ready, patience(30))
+    return Served(engine, f"http://127.0.0.1:{port}", task)
+
+
+@pytest.fixture
+async def served(tiny_dir: Path) -> AsyncIterator[Served]:
+    server = await start_server(tiny_dir, "srv")
+    yield server
+    await server.stop()

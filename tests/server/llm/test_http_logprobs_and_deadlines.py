@@ -23,24 +23,17 @@ from rollout.server.llm.http_engine import HttpEngine
 from rollout.server.llm.http_server import serve
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
-from tests.server.llm.conftest import FakeEngine
+from tests.server.llm.conftest import FakeEngine, Served
 from tests.server.llm.reference import (
     admissible_logprobs,
     assert_logprobs_match_reference,
     raw_logprobs,
     reference_logprobs,
 )
-from tests.server.llm.test_http_vllm_path import Served, start_server
 from tests.util import assert_eventually
 
 NUCLEUS = SamplingParams(temperature=0.7, top_p=0.9)
 
-
-@pytest.fixture
-async def served(tiny_dir: Path) -> AsyncIterator[Served]:
-    server = await start_server(tiny_dir, "srv")
-    yield server
-    await server.stop()
 
 
 @pytest.mark.parametrize("protocol", ["generate", "completions"])

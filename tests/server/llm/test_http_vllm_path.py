@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -19,39 +17,12 @@ from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.engine import EngineError
 from rollout.server.llm.http_engine import HttpEngine
-from rollout.server.llm.http_server import serve
-from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import random_state_dict
+from tests.server.llm.conftest import Served, start_server
 from tests.util import assert_eventually
 
 GREEDY = SamplingParams(temperature=0.0)
 ROOT = Path(__file__).resolve().parents[3]
-
-
-class Served:
-    def __init__(self, engine: TransformersEngine, url: str, task: asyncio.Task[None]) -> None:
-        self.engine, self.url, self.task = engine, url, task
-
-    async def stop(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-
-
-async def start_server(model_dir: Path, name: str) -> Served:
-    engine = TransformersEngine(model_dir, name=name)
-    engine.eos_ids = frozenset()  # random weights: run every turn to max_tokens
-    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, "tiny", ready))
-    port = await asyncio.wait_for(ready, 30)
-    return Served(engine, f"http://127.0.0.1:{port}", task)
-
-
-@pytest.fixture
-async def served(tiny_dir: Path) -> AsyncIterator[Served]:
-    server = await start_server(tiny_dir, "srv")
-    yield server
-    await server.stop()
 
 
 @pytest.mark.parametrize("protocol", ["generate", "completions"])

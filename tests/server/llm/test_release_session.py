@@ -13,7 +13,7 @@ from rollout.runtime.types import SamplingParams
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.http_engine import RELEASE_PATH, HttpEngine
 from rollout.server.llm.transformers_engine import TransformersEngine
-from tests.server.llm.test_http_vllm_path import start_server
+from tests.server.llm.conftest import start_server
 from tests.util import assert_eventually
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,9 +6,6 @@ one uncached forward, and holding the sampled token's logprob wherever it ranks 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,8 +13,8 @@ from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.runtime.types import InvalidArgument, SamplingParams
 from rollout.server.llm.http_engine import HttpEngine
 from rollout.server.llm.transformers_engine import TransformersEngine
+from tests.server.llm.conftest import Served
 from tests.server.llm.reference import full_forward_logits
-from tests.server.llm.test_http_vllm_path import Served, start_server
 
 PLAIN = SamplingParams(temperature=1.0)
 """No temperature, top-k or top-p: the sampled distribution is the model's own softmax."""
@@ -91,12 +88,6 @@ async def test_engine_refuses_more_than_the_vocabulary(no_eos: TransformersEngin
         await no_eos.generate(GenerateRequest(PROMPT, PLAIN, 4, "x",
                                               top_logprobs=no_eos.vocab_size + 1))
 
-
-@pytest.fixture
-async def served(tiny_dir: Path) -> AsyncIterator[Served]:
-    server = await start_server(tiny_dir, "srv")
-    yield server
-    await server.stop()
 
 
 @pytest.mark.parametrize("protocol", ["generate", "completions"])
