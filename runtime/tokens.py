@@ -33,6 +33,9 @@ _SENTINEL = "ROLLOUT_ASSISTANT_SENTINEL_5f0c2e"
 """Stands in for the assistant's content; chosen so no template trims or escapes it."""
 _TOOL_SENTINEL = "ROLLOUT_TOOL_SENTINEL_9b41d7"
 """Content of the probe tool message that tells whether a template renders a tool role."""
+_MEMO_MAX_CHARS = 64
+"""Fragments this short (generation prompts, closings) are memoized by ``encode``."""
+_MEMO_MAX_ENTRIES = 256
 
 
 class ChatTemplateError(ValueError):
@@ -83,6 +86,7 @@ class ChatTokenizer:
         self.template_kwargs = dict(template_kwargs or {})
         self._lock = _lock_for(tokenizer)
         self._anchor_text, self._anchor_ids = self._find_anchor()
+        self._encoded: dict[str, tuple[int, ...]] = {}
 
     @property
     def template_source(self) -> str:
@@ -116,6 +120,19 @@ class ChatTokenizer:
         """
         if not text:
             return []
+        # Every delta encodes the same few short fragments again (the generation prompt, the
+        # turn's closing); encoding is a pure function of the text, so a memo stays exact.
+        memo = self._encoded.get(text)
+        if memo is not None:
+            return list(memo)
+        ids = self._encode_uncached(text)
+        if len(text) <= _MEMO_MAX_CHARS:
+            if len(self._encoded) >= _MEMO_MAX_ENTRIES:
+                self._encoded.clear()
+            self._encoded[text] = tuple(ids)
+        return ids
+
+    def _encode_uncached(self, text: str) -> list[int]:
         with self._lock:
             ids = list(self.tokenizer.encode(self._anchor_text + text, add_special_tokens=False))
         n = len(self._anchor_ids)

@@ -73,6 +73,7 @@ import contextlib
 import itertools
 import json
 import logging
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,8 @@ class _Turn:
     routed: str | None = None
     """vLLM's ``routed_experts`` (base64 ``.npy``) from the generate protocol's last reply."""
     prompt_len: int = 0
+    listener: Callable[[], None] | None = None
+    """Told after each chunk is absorbed (``generate_stream`` wakes its reader)."""
 
 
 def _best(k: int, entries: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -189,6 +192,52 @@ class HttpEngine(Engine):
 
     # ----------------------------------------------------------------- generate
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        stream = self.stream if self.stream is not None else request.timeout_s is not None
+        return await self._generate(request, stream, _Turn(self.logprobs_mode))
+
+    async def generate_stream(self, request: GenerateRequest,
+                              ) -> AsyncGenerator[GenerateResult, None]:
+        """The turn as vLLM streams it: each SSE chunk's token ids and logprobs as one piece
+        (``finish_reason=""``), then the rest with the finish (and the turn's routed experts,
+        which vLLM sends only with its last reply). The ids are vLLM's own, never decoded and
+        re-encoded; joined, the pieces are what :meth:`generate` returns for the turn."""
+        if self.stream is False:  # asked not to stream: one piece
+            yield await self.generate(request)
+            return
+        woken = asyncio.Event()
+        turn = _Turn(self.logprobs_mode, listener=woken.set)
+        task = asyncio.ensure_future(self._generate(request, True, turn))
+        sent = 0
+        try:
+            while not task.done():
+                waiter = asyncio.ensure_future(woken.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                woken.clear()
+                n = min(len(turn.ids), len(turn.logprobs))
+                if turn.top:
+                    n = min(n, len(turn.tops))
+                if n > sent and not task.done():
+                    yield GenerateResult(turn.ids[sent:n], turn.logprobs[sent:n], "",
+                                         turn.version if turn.version is not None
+                                         else self._version, self.name, turn.kind,
+                                         top_logprobs=turn.tops[sent:n] if turn.top else [])
+                    sent = n
+            whole = task.result()
+            yield GenerateResult(whole.output_ids[sent:], whole.logprobs[sent:],
+                                 whole.finish_reason, whole.policy_version, whole.backend,
+                                 whole.logprobs_kind, top_logprobs=whole.top_logprobs[sent:],
+                                 routed_experts=whole.routed_experts,
+                                 routed_expert_top_k=whole.routed_expert_top_k,
+                                 routed_expert_layers=whole.routed_expert_layers)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EngineError):
+                    await task
+
+    async def _generate(self, request: GenerateRequest, stream: bool,
+                        turn: _Turn) -> GenerateResult:
         request.sampling.validate()
         if request.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {request.max_tokens}",
@@ -196,11 +245,10 @@ class HttpEngine(Engine):
         wanted = request.sampling.logprobs_mode
         if self.mode_announced is False and wanted != self.logprobs_mode:
             raise self._mode_error(wanted, self.logprobs_mode)
-        stream = self.stream if self.stream is not None else request.timeout_s is not None
         path, body = self._body(request, stream)
         headers = {SESSION_HEADER: request.session_id, LOGPROBS_HEADER: wanted}
-        turn = _Turn(self.logprobs_mode, prompt_len=len(request.prompt_ids),
-                     top=request.top_logprobs)
+        turn.prompt_len = len(request.prompt_ids)
+        turn.top = request.top_logprobs
         call = asyncio.ensure_future(self._call(path, body, headers, turn))
         self._inflight.setdefault(request.session_id, set()).add(call)
         try:
@@ -314,6 +362,8 @@ class HttpEngine(Engine):
             self.mode_announced = True
         elif self.mode_announced is None:
             self.mode_announced = False
+        if turn.listener is not None:
+            turn.listener()
 
     async def _call(self, path: str, body: dict[str, Any], headers: dict[str, str],
                     turn: _Turn) -> None:

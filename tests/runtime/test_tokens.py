@@ -200,3 +200,44 @@ def test_a_rolled_back_turn_leaves_the_ledger_as_it_was(tok: Any) -> None:
     assert ledger.token_ids == grown and again.prompt_ids == delta.prompt_ids
     with pytest.raises(RuntimeError):  # awaiting output again, as after the first append
         ledger.add_messages([{"role": "user", "content": "more"}])
+
+
+
+_fragments = st.lists(st.sampled_from(
+    [*"ab \n<|>_imstartendolu", "<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n"]),
+    max_size=12).map("".join)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(_fragments, min_size=1, max_size=12),
+       contents=st.lists(st.from_regex(r"([ab]+( [ab]+)*)?", fullmatch=True),
+                               min_size=2, max_size=4))
+def test_memoized_encodes_and_deltas_equal_the_full_render(
+        tok: Any, texts: list[str], contents: list[str]) -> None:
+    """A warm ChatTokenizer (its fragment memo filled by earlier examples) gives the ids the
+    tokenizer itself gives, and a ledger on it the ids of a full render of the whole chat."""
+    chat = _shared_chat(tok)
+    anchor = tok.eos_token
+    for text in [*texts, *texts]:  # the second pass reads the memo
+        want = ids(tok, anchor + text)[1:] if text else []
+        assert chat.encode(text) == want
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": contents[0]}]
+    outputs = [[*ids(tok, c), tok.eos_token_id] for c in contents[1:]]
+    obs = [[{"role": "user", "content": c}] for c in contents[2:]]
+    ledger = ChatLedger(chat, list(msgs))
+    run_turns(ledger, outputs, obs)
+    full: list[dict[str, Any]] = list(msgs)
+    for k, c in enumerate(contents[1:]):
+        full.append({"role": "assistant", "content": c})
+        full.extend(obs[k] if k < len(obs) else [])
+    rendered = chat.render(full, add_generation_prompt=False)
+    assert rendered.endswith("<|im_end|>\n")
+    assert ledger.token_ids == ids(tok, rendered[:-1])
+
+
+_chats: dict[int, ChatTokenizer] = {}
+
+
+def _shared_chat(tok: Any) -> ChatTokenizer:
+    return _chats.setdefault(id(tok), ChatTokenizer(tok))

@@ -262,3 +262,31 @@ async def test_pool_wait_for_a_backend_never_outlasts_the_turn() -> None:
     finally:
         await pool.close()
     assert result.finish_reason == "deadline" and result.output_ids == []
+
+
+@pytest.mark.parametrize("protocol", ["generate", "completions"])
+async def test_generate_stream_gives_pieces_before_the_turn_ends(served: Served,
+                                                                 protocol: str) -> None:
+    """The first piece arrives while the server is still decoding the turn; joined, the
+    pieces are the ids and logprobs of the same turn generated without streaming."""
+    client = HttpEngine(served.url, "tiny", protocol=protocol)
+    try:
+        pieces = []
+        busy_at_first: bool | None = None
+        async with contextlib.aclosing(client.generate_stream(GenerateRequest(
+                [1, 60, 61, 62], NUCLEUS, 200, "st", seed=5))) as stream:
+            async for piece in stream:
+                if busy_at_first is None:
+                    busy_at_first = served.engine.load > 0
+                pieces.append(piece)
+        assert busy_at_first, "the first piece came after the server finished the turn"
+        assert len(pieces) > 1
+        assert all(p.finish_reason == "" for p in pieces[:-1]) and pieces[-1].finish_reason
+        whole = await client.generate(GenerateRequest([1, 60, 61, 62], NUCLEUS, 200, "wh",
+                                                      seed=5))
+        assert [t for p in pieces for t in p.output_ids] == whole.output_ids
+        assert [v for p in pieces for v in p.logprobs] == pytest.approx(whole.logprobs,
+                                                                       abs=1e-6)
+        assert pieces[-1].finish_reason == whole.finish_reason
+    finally:
+        await client.close()

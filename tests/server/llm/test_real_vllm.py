@@ -17,6 +17,7 @@ admits both sides there only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,23 @@ async def test_two_turn_episode_through_a_real_vllm(tmp_path: Path) -> None:
                                                     timeout_s=2.0))
         assert cut.finish_reason == "deadline" and 0 < len(cut.output_ids) < 1000
         assert_logprobs_match_reference(model, prompt, cut, params, tol=1e-4)
+        # Streamed through generate_stream: vLLM's chunks come as pieces, the first before
+        # the turn's last token was generated, and joined they are the non-streamed turn.
+        for protocol in ("generate", "completions"):
+            engine.protocol = protocol
+            pieces = []
+            async with contextlib.aclosing(engine.generate_stream(GenerateRequest(
+                    prompt, params, 48, f"st-{protocol}", seed=4))) as stream:
+                async for piece in stream:
+                    pieces.append(piece)
+            plain = await engine.generate(GenerateRequest(prompt, params, 48, f"pl-{protocol}",
+                                                          seed=4))
+            assert len(pieces) > 1 and pieces[0].output_ids and not pieces[0].finish_reason
+            assert len(pieces[0].output_ids) < len(plain.output_ids)
+            assert [t for p in pieces for t in p.output_ids] == plain.output_ids
+            assert [v for p in pieces for v in p.logprobs] == pytest.approx(plain.logprobs,
+                                                                           abs=1e-4)
+            assert pieces[-1].finish_reason == plain.finish_reason
         # Top log-probabilities (an API's top_logprobs): at T 1 with no top-k / top-p each
         # step's k best are the model's own log-softmax, in both request shapes, at k = 20
         # too (the launcher's --max-logprobs 21 admits the one beyond).

@@ -105,3 +105,23 @@ async def test_top_logprobs_over_http(served: Served, protocol: str, stream: boo
         await client.close()
     assert_top_is_the_models(served.engine.model, PROMPT, result, 4)
     assert plain.top_logprobs == []
+
+
+@pytest.mark.parametrize("protocol", ["generate", "completions"])
+async def test_streamed_pieces_carry_their_top_logprobs(served: Served, protocol: str) -> None:
+    """``generate_stream`` over HTTP: each piece holds its own tokens' alternatives, and joined
+    they are the non-streamed turn's."""
+    client = HttpEngine(served.url, "tiny", protocol=protocol)
+    served.engine.eos_ids = frozenset()
+    try:
+        pieces = [piece async for piece in client.generate_stream(
+            GenerateRequest(PROMPT, PLAIN, 10, "st", seed=7, top_logprobs=4))]
+        whole = await client.generate(GenerateRequest(PROMPT, PLAIN, 10, "wh", seed=7,
+                                                      top_logprobs=4))
+    finally:
+        await client.close()
+    assert all(len(p.top_logprobs) == len(p.output_ids) for p in pieces)
+    joined = [entry for p in pieces for entry in p.top_logprobs]
+    assert [t for p in pieces for t in p.output_ids] == whole.output_ids
+    assert [[t for t, _ in e] for e in joined] == [[t for t, _ in e] for e in whole.top_logprobs]
+    assert_top_is_the_models(served.engine.model, PROMPT, whole, 4)
