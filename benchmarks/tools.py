@@ -187,29 +187,38 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
     """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``
     spawned as the server spawns it (by the spawner thread, which is in the sandboxes' memory
     cgroup, so the launch is born inside), the same line spawned by another thread (its
-    prologue joins the cgroup, as every launch did before), then that line with one more link
-    taken out per row; interleaved, so every variant sees the same machine. Blocking: run it
-    in the spawner (``procs.in_spawner``)."""
+    prologue joins the cgroup), the line as it was before the prologue set the rlimits (a
+    ``prlimit`` exec), then that line with one more link taken out per row; interleaved, so
+    every variant sees the same machine. Blocking: run it in the spawner
+    (``procs.in_spawner``)."""
     import concurrent.futures
     import os
 
+    from rollout.runtime.sandbox import hardening
+
     full = sb.command_argv(["true"])
     env = sb.spawn_env()
-    rest = full[full.index("prlimit"):]
-    seccomp = full[5] if full[0] == "sh" and "--seccomp" in full else None
-    bwrap_on = rest[rest.index("bwrap"):]
+    bwrap_on = full[full.index("bwrap"):]
+    seccomp = full[5] if full[0] == "dash" and "--seccomp" in full else None
+    cgroup = Path(full[4]) if full[0] == "dash" and full[4] != "-" else None
+    limits = sb.limits  # type: ignore[attr-defined]
+    with_prlimit = ["prlimit", *limits.prlimit_args(), "--", *bwrap_on]
+    before = [*hardening.launch_wrapper(cgroup, Path(seccomp) if seccomp else None),
+              *with_prlimit]
     cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
     no_setpriv = [*bwrap_on[:cut], "true"]
     variants = [
         ("full launch line, spawned as the server does (born in the cgroup)", full, True),
         ("full launch line, spawned by another thread (joins the cgroup)", full, False),
-        ("  without the sh prologue (seccomp fd passed directly; not joined)", rest, False),
+        ("before: prlimit exec instead of ulimit builtins (born in the cgroup)", before, True),
+        ("  without the prologue, prlimit kept (seccomp fd passed directly)", with_prlimit,
+         False),
         ("  without prlimit", bwrap_on, False), ("  without setpriv", no_setpriv, False)]
     other = concurrent.futures.ThreadPoolExecutor(1)
 
     def one(argv: list[str]) -> float:
         fds: tuple[int, ...] = ()
-        if seccomp and argv[0] != "sh":
+        if seccomp and argv[0] not in ("sh", "dash"):
             fd = os.open(seccomp, os.O_RDONLY)
             fds = (fd,)
             argv = [str(fd) if a == "9" and argv[j - 1] == "--seccomp" else a

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+command -v dash >/dev/null 2>&1 || need_apt+=(dash)  # the sandbox launch prologue (rlimits by its ulimit builtins)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

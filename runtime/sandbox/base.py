@@ -79,6 +79,16 @@ class SandboxLimits:
                 f"--nproc={pair(self.processes)}", f"--nofile={pair(self.open_files)}",
                 f"--fsize={pair(self.file_size_bytes)}"]
 
+    def ulimit_script(self) -> str:
+        """The same limits as ``dash`` ``ulimit`` builtins (soft and hard, for a launch line's
+        ``sh`` prologue), so a launch needs no ``prlimit`` exec. dash counts RLIMIT_AS in KiB
+        and RLIMIT_FSIZE in 512-byte blocks; a value between units is rounded down (stricter,
+        never looser). Fails closed: a limit that cannot be set stops the launch."""
+        flags = (("t", self.cpu_seconds), ("v", self.address_space_bytes // 1024),
+                 ("p", self.processes), ("n", self.open_files),
+                 ("f", self.file_size_bytes // 512))
+        return "; ".join(f"ulimit -{flag} {value} || exit 125" for flag, value in flags)
+
     def above(self, ceilings: SandboxLimits) -> list[str]:
         """The rlimits of these limits that exceed ``ceilings`` ('name value > ceiling')."""
         return [f"{name} {getattr(self, name)} > {getattr(ceilings, name)}"

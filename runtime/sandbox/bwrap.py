@@ -230,8 +230,7 @@ class BwrapSandbox(Sandbox):
                            *(["--seccomp", hardening.SECCOMP_FD] if seccomp else [])]
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
-        self._prefix = [*hardening.launch_wrapper(cgroup, seccomp),
-                        "prlimit", *limits.prlimit_args(), "--",
+        self._prefix = [*hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script()),
                         *(["nsenter", "-t", str(holder.pid), "--user", "--mount",
                            "--preserve-credentials", "--"]
                           if holder is not None else []),
@@ -291,12 +290,13 @@ class BwrapSandbox(Sandbox):
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
-        for tool in ("bwrap", "prlimit") + (("setpriv",) if _is_root() else (
+        for tool in ("bwrap", "dash") + (("setpriv",) if _is_root() else (
                 "unshare", "nsenter") if image is not None else ()):
             if shutil.which(tool) is None:
                 raise SandboxUnavailable(
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
-                    "`apt-get install bubblewrap util-linux` (or your distribution's packages)")
+                    "`apt-get install bubblewrap dash util-linux` (or your distribution's "
+                    "packages)")
         rootfs = Path(rootfs) if rootfs else config.rootfs
         if image is None and config.image and images.is_image_ref(config.image):
             image = config.image

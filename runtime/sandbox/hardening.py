@@ -404,22 +404,28 @@ def _sh_quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
 
 
-def launch_wrapper(cgroup_procs: Path | None, seccomp_file: Path | None) -> list[str]:
+def launch_wrapper(cgroup_procs: Path | None, seccomp_file: Path | None,
+                   ulimits: str = "") -> list[str]:
     """A ``sh`` prologue that joins the memory cgroup (before anything is forked, so every
-    process of the launch is in it) unless it was born inside (see :func:`join_thread`), and
-    opens the seccomp program on fd 9 for ``bwrap --seccomp 9``; it then execs the rest of the
-    line (same pid, so killing the launch still works). Fails closed: a launch that cannot
-    join the cgroup does not run."""
-    if cgroup_procs is None and seccomp_file is None:
+    process of the launch is in it) unless it was born inside (see :func:`join_thread`),
+    sets the rlimits with builtins (``ulimits``: :meth:`SandboxLimits.ulimit_script`; one
+    exec of ``prlimit`` less per launch) and opens the seccomp program on fd 9 for
+    ``bwrap --seccomp 9``; it then execs the rest of the line (same pid, so killing the
+    launch still works). Fails closed: a launch that cannot join the cgroup or set a limit
+    does not run."""
+    if cgroup_procs is None and seccomp_file is None and not ulimits:
         return []
     script = []
     if cgroup_procs is not None:
         script.append(f'{_inside_test(cgroup_procs)} || {{ echo $$ > "$1" || exit 125; }}')
+    if ulimits:
+        script.append(ulimits)
     if seccomp_file is not None:
         script.append('exec 9< "$2" || exit 125')
     script.append('shift 2; exec "$@"')
-    return ["sh", "-c", "; ".join(script), "sh", str(cgroup_procs or "-"),
-            str(seccomp_file or "-")]
+    # dash, not whatever ``sh`` is: the ulimit flags above are dash's (bash's -p differs).
+    return ["dash" if ulimits else "sh", "-c", "; ".join(script), "sh",
+            str(cgroup_procs or "-"), str(seccomp_file or "-")]
 
 
 SECCOMP_FD = "9"

@@ -143,6 +143,22 @@ async def test_rlimits_apply_inside(cfg: SandboxConfig) -> None:
         assert not res.timed_out and res.exit_code == 128 + 9  # SIGKILL at the hard CPU limit
 
 
+async def test_every_rlimit_is_set_soft_and_hard_by_the_launch_prologue(
+        cfg: SandboxConfig) -> None:
+    # The launch line sets the limits with dash builtins (no prlimit exec): each one must
+    # arrive exactly, soft = hard, and a size between dash's units is rounded down.
+    limits = SandboxLimits(cpu_seconds=321, address_space_bytes=(3 << 30) + 700,
+                           processes=123, open_files=99, file_size_bytes=(5 << 20) + 100)
+    async with await create_sandbox(cfg, limits=limits) as sb:
+        res = await sb.exec(["cat", "/proc/self/limits"])
+    rows = {line[:26].strip(): line[26:].split()[:2] for line in res.stdout.splitlines()[1:]}
+    assert rows["Max cpu time"] == ["321", "321"]
+    assert rows["Max address space"] == [str(3 << 30)] * 2
+    assert rows["Max processes"] == ["123", "123"]
+    assert rows["Max open files"] == ["99", "99"]
+    assert rows["Max file size"] == [str(5 << 20)] * 2
+
+
 async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) -> None:
     marker = f"stubborn{os.getpid()}"
     async with await create_sandbox(cfg) as sb:
