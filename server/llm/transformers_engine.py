@@ -210,6 +210,8 @@ class TransformersEngine(Engine):
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._paused = False
+        self._shares_weights = False
+        """Whether :meth:`share_weights` made the tensors another owner's (who then relabels)."""
         self._swap_lock: asyncio.Lock | None = None
         self._closed = False
 
@@ -383,11 +385,18 @@ class TransformersEngine(Engine):
                              f"architecture, dtype or device (first mismatches: {wrong[:3]})")
         for name, param in mine.items():
             param.data = theirs[name].data
+        self._shares_weights = True
         self.kv_store.clear()
 
     def set_policy_version(self, version: int) -> None:
         """The weights were changed in place by their owner (see :meth:`share_weights`): label
-        later turns ``version`` and drop the KV caches the old weights computed."""
+        later turns ``version`` and drop the KV caches the old weights computed.
+
+        An engine with weights of its own refuses (the pool's ``BACKEND_LOADS_OWN_WEIGHTS``):
+        nobody else can change them, so a new label would lie about what it serves."""
+        if not self._shares_weights:
+            raise NotImplementedError(f"{self.name} loads its own weights; its version changes "
+                                      "only through update_weights")
         self.kv_store.clear()
         self._version = version
 
