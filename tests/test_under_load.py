@@ -113,19 +113,10 @@ def test_hang_guards_grow_with_the_load() -> None:
     assert hang_guard_factor(1.0, 2, scale=4.0) == 4.0
 
 
-@pytest.mark.timeout(7)
-def test_guard_probe(request: pytest.FixtureRequest) -> None:
-    """Run by the test below in a child pytest: reports the guard the hook applied."""
-    if "ROLLOUT_GUARD_PROBE" not in os.environ:
-        pytest.skip("run by test_the_scaled_guard_is_the_one_applied")
-    Path(os.environ["ROLLOUT_GUARD_PROBE"]).write_text(
-        str(request.node.get_closest_marker("timeout").args[0]))
-
-
 def test_the_scaled_guard_is_the_one_applied(tmp_path: Path) -> None:
     probe = tmp_path / "guard"
     env = {**os.environ, ENV_VAR: "50", "ROLLOUT_GUARD_PROBE": str(probe)}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    f"{Path(__file__).relative_to(ROOT)}::test_guard_probe"],
+                    "tests/guard_probe.py"],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=100)
     assert 7 * 50 <= float(probe.read_text()) <= 7 * 50 * 6
