@@ -22,6 +22,7 @@ older than the v1 revision that added ``Trajectory.state``) counts as not succee
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
@@ -180,11 +181,9 @@ _SEGMENT_CAUSES: dict[int, str] = {
 def _why_segments(traj: trajectory_pb2.Trajectory) -> str:
     """Say, per cause, how many segments began and why, so a refused flatten() explains itself
     (a harness that drops unparseable replies makes one segment per such reply)."""
-    counts: dict[int, int] = {}
-    for seg in traj.segments[1:]:
-        counts[seg.reason] = counts.get(seg.reason, 0) + 1
+    counts = collections.Counter(seg.reason for seg in traj.segments[1:])
     parts = [f"{n} began with {_SEGMENT_CAUSES.get(reason, 'a request of unknown cause')}"
-             for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+             for reason, n in counts.most_common()]
     return "; ".join(parts) or "its turns are split"
 
 

@@ -41,9 +41,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     wrapper reads the marker: a guard that grows with the contention still catches a hang."""
     marker = item.get_closest_marker("timeout")
     kwargs = dict(marker.kwargs) if marker is not None else {}
-    base = (marker.args[0] if marker is not None and marker.args
-            else kwargs.pop("timeout", getattr(item.config, "_env_timeout", None)))
-    kwargs.pop("timeout", None)
+    base = kwargs.pop("timeout", None)
+    if marker is not None and marker.args:
+        base = marker.args[0]
+    if base is None:
+        base = getattr(item.config, "_env_timeout", None)  # the ini / command-line default
     if base:
         item.add_marker(pytest.mark.timeout(patience(float(base)), **kwargs), append=False)
     yield
