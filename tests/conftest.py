@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import sys
+import threading
+import traceback
 from collections.abc import Iterator
 
 import pytest
@@ -49,3 +54,81 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if base:
         item.add_marker(pytest.mark.timeout(patience(float(base)), **kwargs), append=False)
     yield
+
+
+# How long a test's event loop waits, once the test is over, for the worker threads its
+# ``asyncio.to_thread`` calls started (stretched by ``patience``).
+WORKER_GRACE_S = 30.0
+
+
+class StuckWorkerThread(Exception):
+    """A ``to_thread`` call of a finished test is still blocked: a wait without a deadline."""
+
+
+def _worker_stacks() -> str:
+    """The stacks of the busy threads of every event loop's default executor (``asyncio_N``);
+    an idle one waits on its queue in ``concurrent.futures``' ``_worker`` itself."""
+    frames = sys._current_frames()
+    return "\n".join(
+        f"thread {t.name}:\n" + "".join(traceback.format_stack(frame))
+        for t in threading.enumerate()
+        if t.name.startswith("asyncio_") and (frame := frames.get(t.ident or 0)) is not None
+        and frame.f_code.co_name != "_worker")
+
+
+class _BoundedCloseLoop(asyncio.SelectorEventLoop):
+    """Python 3.11's ``shutdown_default_executor`` joins the executor's threads with no
+    deadline, so one ``asyncio.to_thread(proc.stdout.readline)`` whose child never answers
+    hangs the test's teardown for ever, after pytest-timeout's one-shot guard has fired:
+    a whole CI run was lost to that once. Here the wait is bounded, and running past it
+    fails the test with the stuck threads' stacks."""
+
+    async def shutdown_default_executor(self) -> None:
+        self._executor_shutdown_called = True  # type: ignore[attr-defined]
+        executor = self._default_executor  # type: ignore[attr-defined]
+        if executor is None:
+            return
+        done = self.create_future()
+
+        def finish() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def shut_down() -> None:
+            executor.shutdown(wait=True)
+            with contextlib.suppress(RuntimeError):  # the loop closed while we waited
+                self.call_soon_threadsafe(finish)
+
+        threading.Thread(target=shut_down, name="executor-shutdown", daemon=True).start()
+        grace = patience(WORKER_GRACE_S)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), grace)
+        except TimeoutError:
+            raise StuckWorkerThread(
+                f"a to_thread call was still blocked {grace:g} s after its test ended:\n"
+                + _worker_stacks()) from None
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config,
+                                  item: pytest.Item) -> dict[str, type[_BoundedCloseLoop]]:
+    """pytest-asyncio's hook for the loops of async tests and fixtures."""
+    return {"loop": _BoundedCloseLoop}
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A worker thread still blocked now would hang the interpreter's exit (it joins them):
+    report it and leave with the suite's status instead."""
+    stuck = _worker_stacks()
+    if stuck:
+        sys.stderr.write(f"worker threads still blocked at exit:\n{stuck}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)

@@ -91,19 +91,30 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
     sandbox tests, at the default scale unless the caller set one."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
+        # pytest-timeout's thread method: a test that hangs, even in its teardown, ends the
+        # child with every thread's stack printed, which this test then shows.
         res = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x",
+             "-o", "timeout_method=thread",
              "tests/runtime/test_tools_ipython.py", "tests/runtime/test_tools_bash.py",
              "tests/runtime/test_sandbox.py"],
             cwd=ROOT, capture_output=True, text=True, timeout=scaled(840),
             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        assert all(h.poll() is None for h in hogs), "the load lasted the whole run"
+    except subprocess.TimeoutExpired as exc:
+        out = _text(exc.stdout)[-6000:] + _text(exc.stderr)[-3000:]
+        pytest.fail(f"the child suite did not finish in {exc.timeout:g} s:\n{out}")
     finally:
+        alive = all(h.poll() is None for h in hogs)
         for h in hogs:
             h.kill()
             h.wait()
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert alive, "the load lasted the whole run"
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "failed" not in res.stdout
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
 def test_hang_guards_grow_with_the_load() -> None:
@@ -120,3 +131,14 @@ def test_the_scaled_guard_is_the_one_applied(tmp_path: Path) -> None:
                     "tests/guard_probe.py"],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=100)
     assert 7 * 50 <= float(probe.read_text()) <= 7 * 50 * 6
+
+
+def test_a_blocked_worker_thread_fails_its_test_instead_of_hanging_the_suite() -> None:
+    """Without the bounded executor shutdown in ``tests/conftest.py``, this child never exits."""
+    env = {**os.environ, ENV_VAR: "0.1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/stuck_worker_probe.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(90))
+    assert res.returncode == 1, res.stdout[-3000:]
+    assert "StuckWorkerThread" in res.stdout and "in wait" in res.stdout  # its stack
+    assert "worker threads still blocked at exit" in res.stderr
