@@ -131,7 +131,7 @@ class JobRunner:
             if len(done) >= others or left <= 0:
                 break
             await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, 2.0)
         rewards = [job.reward for job in done if job.state == SUCCEEDED]
         return sum(rewards) / len(rewards) if rewards else None
 
