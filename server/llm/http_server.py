@@ -17,6 +17,15 @@ coordination) run end to end on a machine with no GPU and no vLLM. Routes, with 
   as vLLM's flag of that name) or ``raw_logprobs``; the ``X-Rollout-Logprobs-Mode: processed|raw``
   header overrides it per request (vLLM has only the server flag). Every reply says which it
   carries in ``logprobs_mode``.
+- Routed experts (an MoE model): every reply that ends a turn carries ``choices[0].
+  routed_experts`` as vLLM does with ``enable_return_routed_experts`` (base64 ``.npy`` of shape
+  ``(prompt + output - 1 - start, layers, k)``, row ``p`` the experts position ``p`` was routed
+  to; ``start`` is vLLM's ``routed_experts_prompt_start``, default 0). A stream sends it with its
+  last chunk only, for the whole turn, as vLLM does. One difference: this server routes only
+  the positions that produced output tokens (the prompt's KV may be cached from an earlier
+  turn), so the prompt's rows before ``prompt - 1`` hold -1; ask with
+  ``routed_experts_prompt_start = prompt - 1`` for exactly the output's rows. A dense model's
+  replies carry none.
 - ``GET /health``, ``GET /v1/models``, ``POST /pause``, ``POST /resume``, ``GET /is_paused``.
 - Extensions (not in vLLM): ``POST /update_weights`` ``{"path", "version"}`` hot-swaps a
   checkpoint; every reply carries ``policy_version``; the ``X-Rollout-Session`` header names the
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -141,27 +151,68 @@ def _listed(token: int, logprob: float, top: list[tuple[int, float]]
     return [(token, logprob), *others][:max(len(top), 1)]
 
 
-async def _run(request: web.Request, prompt: list[int],
-               params: dict[str, Any]) -> tuple[Any, web.Response | None]:
+async def _run(request: web.Request, prompt: list[int], params: dict[str, Any],
+               ) -> tuple[Any, str | None, web.Response | None]:
+    """The turn, its routed experts in vLLM's form, or the error reply."""
     engine = request.app[ENGINE_KEY]
     try:
         turn, anonymous = _turn(request, prompt, params)
+        start = _routing_start(params, len(prompt))
         result = await engine.generate(turn)
         if anonymous:
             await engine.release_session(turn.session_id)
-        return result, None
+        return result, _routed_experts(result, len(prompt), start), None
     except InvalidArgument as exc:
-        return None, _error(400, str(exc))
+        return None, None, _error(400, str(exc))
     except EngineError as exc:
-        return None, _error(500, str(exc), "InternalServerError")
+        return None, None, _error(500, str(exc), "InternalServerError")
+
+
+def _routing_start(params: dict[str, Any], prompt_len: int) -> int:
+    """vLLM's ``routed_experts_prompt_start``: the first position whose routing is returned."""
+    try:
+        start = int(params.get("routed_experts_prompt_start") or 0)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad sampling parameter: routed_experts_prompt_start: {exc}",
+                              field="routed_experts_prompt_start") from exc
+    if not 0 <= start <= prompt_len:
+        raise InvalidArgument(f"routed_experts_prompt_start must be between 0 and the prompt's "
+                              f"length {prompt_len}, got {start}",
+                              field="routed_experts_prompt_start")
+    return start
+
+
+def _routed_experts(result: GenerateResult, prompt_len: int, start: int) -> str | None:
+    """A whole turn's routing in vLLM's form (see the module docstring), or None when the
+    model is dense or the turn's routing is incomplete."""
+    layers, k, n = result.routed_expert_layers, result.routed_expert_top_k, len(result.output_ids)
+    if (not result.routed_experts or n == 0 or prompt_len < 1
+            or len(result.routed_experts) != n * layers * k):
+        return None
+    import base64
+    import io
+
+    import numpy as np
+
+    rows = np.full((prompt_len - 1 + n, layers, k), -1, dtype=np.int32)
+    rows[prompt_len - 1:] = np.asarray(result.routed_experts, dtype=np.int32).reshape(n, layers, k)
+    buf = io.BytesIO()
+    np.save(buf, rows[start:], allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+Chunk = Callable[[GenerateResult, "str | None"], dict[str, Any]]
+"""One reply (or streamed chunk) from a result and the turn's routed experts (None: none)."""
 
 
 async def _stream(request: web.Request, prompt: list[int], params: dict[str, Any],
-                  chunk: Callable[[GenerateResult], dict[str, Any]]) -> web.StreamResponse:
-    """Server-sent events as vLLM sends them: one ``data:`` chunk per step, then ``[DONE]``."""
+                  chunk: Chunk) -> web.StreamResponse:
+    """Server-sent events as vLLM sends them: one ``data:`` chunk per step, then ``[DONE]``;
+    the last chunk carries the whole turn's routed experts."""
     engine = request.app[ENGINE_KEY]
     try:
         turn, anonymous = _turn(request, prompt, params)
+        start = _routing_start(params, len(prompt))
         steps = engine.stream(turn)
         first = await anext(steps)  # validation errors surface here, before the 200
     except InvalidArgument as exc:
@@ -171,10 +222,18 @@ async def _stream(request: web.Request, prompt: list[int], params: dict[str, Any
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
+    ids: list[int] = []
+    routed: list[int] = []
     try:
         delta: GenerateResult | None = first
         while delta is not None:
-            await response.write(f"data: {json.dumps(chunk(delta))}\n\n".encode())
+            ids.extend(delta.output_ids)
+            routed.extend(delta.routed_experts)
+            whole = None
+            if delta.finish_reason and routed:
+                whole = _routed_experts(dataclasses.replace(
+                    delta, output_ids=ids, routed_experts=routed), len(prompt), start)
+            await response.write(f"data: {json.dumps(chunk(delta, whole))}\n\n".encode())
             delta = None if delta.finish_reason else await anext(steps, None)
     except EngineError as exc:
         error = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
@@ -188,7 +247,8 @@ async def _stream(request: web.Request, prompt: list[int], params: dict[str, Any
     return response
 
 
-def _generate_choice(result: GenerateResult, with_logprobs: bool) -> dict[str, Any]:
+def _generate_choice(result: GenerateResult, with_logprobs: bool,
+                     routed: str | None) -> dict[str, Any]:
     tops = result.top_logprobs or [[] for _ in result.output_ids]
     content = [{"token_id": t, "token": f"token_id:{t}", "logprob": _clamp(lp),
                 "top_logprobs": [{"token_id": o, "logprob": _clamp(v)}
@@ -196,7 +256,8 @@ def _generate_choice(result: GenerateResult, with_logprobs: bool) -> dict[str, A
                for t, lp, top in zip(result.output_ids, result.logprobs, tops, strict=True)]
     return {"index": 0, "token_ids": result.output_ids,
             "finish_reason": result.finish_reason or None,
-            "logprobs": {"content": content} if with_logprobs else None}
+            "logprobs": {"content": content} if with_logprobs else None,
+            "routed_experts": routed}
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
@@ -208,20 +269,21 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     request_id = body.get("request_id") or uuid.uuid4().hex
     with_logprobs = params.get("logprobs") is not None
     if body.get("stream"):
-        return await _stream(request, prompt, params, lambda delta: {
-            "request_id": request_id, "choices": [_generate_choice(delta, with_logprobs)],
+        return await _stream(request, prompt, params, lambda delta, routed: {
+            "request_id": request_id,
+            "choices": [_generate_choice(delta, with_logprobs, routed)],
             "policy_version": delta.policy_version, "logprobs_mode": delta.logprobs_kind})
-    result, error = await _run(request, prompt, params)
+    result, routed, error = await _run(request, prompt, params)
     if error is not None:
         return error
     return web.json_response({
-        "request_id": request_id, "choices": [_generate_choice(result, with_logprobs)],
+        "request_id": request_id, "choices": [_generate_choice(result, with_logprobs, routed)],
         "policy_version": result.policy_version, "logprobs_mode": result.logprobs_kind,
     })
 
 
 def _completion_choice(engine: TransformersEngine, body: dict[str, Any],
-                       result: GenerateResult) -> dict[str, Any]:
+                       result: GenerateResult, routed: str | None) -> dict[str, Any]:
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     tokens = [f"token_id:{t}" if as_ids else engine.tokenizer.decode([t])
               for t in result.output_ids]
@@ -236,7 +298,8 @@ def _completion_choice(engine: TransformersEngine, body: dict[str, Any],
         "finish_reason": result.finish_reason or None,
         "logprobs": {"tokens": tokens, "token_logprobs": [_clamp(v) for v in result.logprobs],
                      "top_logprobs": tops, "text_offset": []}
-        if body.get("logprobs") is not None else None}
+        if body.get("logprobs") is not None else None,
+        "routed_experts": routed}
     if body.get("return_token_ids"):
         choice["token_ids"] = result.output_ids
     return choice
@@ -256,14 +319,14 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     head = {"id": completion_id, "object": "text_completion", "created": created,
             "model": request.app[MODEL_KEY]}
     if body.get("stream"):
-        return await _stream(request, prompt, body, lambda delta: {
-            **head, "choices": [_completion_choice(engine, body, delta)],
+        return await _stream(request, prompt, body, lambda delta, routed: {
+            **head, "choices": [_completion_choice(engine, body, delta, routed)],
             "policy_version": delta.policy_version, "logprobs_mode": delta.logprobs_kind})
-    result, error = await _run(request, prompt, body)
+    result, routed, error = await _run(request, prompt, body)
     if error is not None:
         return error
     return web.json_response({
-        **head, "choices": [_completion_choice(engine, body, result)],
+        **head, "choices": [_completion_choice(engine, body, result, routed)],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(result.output_ids),
                   "total_tokens": len(prompt) + len(result.output_ids)},
         "policy_version": result.policy_version, "logprobs_mode": result.logprobs_kind,

@@ -29,5 +29,5 @@ def record_from_live(job: LiveJob) -> JobRecord:
     return JobRecord(
         job_id=job.job_id, client_id=job.client_id, group_id=job.spec.group_id, state=job.state,
         stage=job.stage, attempts=job.attempts, priority=job.spec.priority, spec=job.spec,
-        error=job.error, reward=None, created_at=job.created_at,
+        error=job.error, reward=job.reward, created_at=job.created_at,
         updated_at=job.updated_at or job.created_at, timings=job.timings)

@@ -400,6 +400,7 @@ class StageRunner:
         rec = FinishRecord(job.job_id, job.client_id, state, job.stage, error,
                            reward.value if reward is not None else None, job.timings, traj,
                            now())
+        job.reward = rec.reward  # the job stays live (and listed from memory) until durable
         to_cancel = self.jobs.groups.job_ended(job, state is JobState.SUCCEEDED)
         if to_cancel is not None:
             self.spawn(self._close_group(job.spec.group_id))

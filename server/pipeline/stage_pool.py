@@ -51,6 +51,9 @@ class LiveJob:
     finishing: bool = False
     """Set once the job's terminal state is decided; it can no longer be cancelled."""
     error: JobError | None = None
+    reward: float | None = None
+    """The terminal reward, once decided: GetJob and ListJobs read a finishing job from
+    memory until its record is durable, and must not show it SUCCEEDED with no reward."""
     last_turn: Mapping[str, Any] | None = None
     """The detail of the agent loop's latest ``turn`` progress event (running counters)."""
     timings: StageTimings = field(default_factory=StageTimings)

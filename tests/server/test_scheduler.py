@@ -6,11 +6,19 @@ wall-clock speed.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
 
-from rollout.runtime.types import JobState, Limits, SamplingParams, Stage, TerminationReason
+from rollout.runtime.types import (
+    GroupSpec,
+    JobState,
+    Limits,
+    SamplingParams,
+    Stage,
+    TerminationReason,
+)
 from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
@@ -239,3 +247,42 @@ async def test_llm_session_is_ended_for_every_job(tmp_path):
         await sched.submit([spec("ok"), spec("bad", fail="run")], "t")
         await collect_finished(sub, ["ok", "bad"])
         assert sorted(FakeLLM.ended) == ["bad", "ok"]
+
+
+async def test_a_finishing_job_is_listed_with_its_reward_before_its_record_is_durable(tmp_path):
+    """Between the terminal decision and the store's write, GetJob and ListJobs read the job
+    from memory: it must not show SUCCEEDED with no reward (a trainer reading a group's
+    rewards by ListJobs would take it for 0)."""
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        gate = asyncio.Event()
+        real = sched.store.finish
+        writes: list[asyncio.Future[None]] = []
+
+        def held(rec, **kwargs):
+            out = asyncio.get_running_loop().create_future()
+
+            async def later():
+                await gate.wait()
+                try:
+                    out.set_result(await real(rec, **kwargs))
+                except Exception as exc:  # the runner sees the write's own failure
+                    out.set_exception(exc)
+            writes.append(asyncio.ensure_future(later()))
+            return out
+
+        sched.store.finish = held
+        await sched.submit([spec("a", reward=0.75, group=GroupSpec("g"))], "trainer")
+
+        async def listed():
+            rows, _ = await sched.list(group_id="g")
+            return rows and rows[0].state is JobState.SUCCEEDED
+
+        await assert_eventually(listed)
+        rows, _ = await sched.list(group_id="g")
+        assert rows[0].reward == 0.75
+        rec = await sched.get("a")
+        assert rec is not None and rec.reward == 0.75
+        gate.set()
+        await assert_eventually(lambda: sched.jobs.get("a") is None)
+        rows, _ = await sched.list(group_id="g")
+        assert rows[0].state is JobState.SUCCEEDED and rows[0].reward == 0.75

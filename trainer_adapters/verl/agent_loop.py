@@ -20,6 +20,7 @@ command line), ``ROLLOUT_SERVICE_*`` environment variables, then the defaults of
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -63,6 +64,11 @@ class ServiceSettings:
     environment's default."""
     max_tokens_per_turn: int = 0
     """Most tokens per turn; 0 means ``response_length``."""
+    neutral_wait_s: float = 900.0
+    """Legacy trainer: how long an untrainable sample (its job failed or was cancelled, or its
+    row is wholly masked) waits for its group's other jobs to finish, to take their mean reward
+    as its own so that verl's group mean counts only valid rollouts (its advantage is then 0).
+    0 turns this off: the row keeps its reward (0 for a failed job) in the group mean."""
 
     @classmethod
     def resolve(cls, kwargs: Mapping[str, Any], trainer_config: Any) -> ServiceSettings:
@@ -82,6 +88,8 @@ class ServiceSettings:
         for name in ("finish_after", "max_turns", "max_tokens_per_turn"):
             if name in values:
                 values[name] = int(values[name])
+        if "neutral_wait_s" in values:
+            values["neutral_wait_s"] = float(values["neutral_wait_s"])
         return cls(**values)
 
 
@@ -113,8 +121,13 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         """The sample's row (legacy trainer: the trajectory's last segment), or under verl's V1
         trainer every trainable segment as one output each, in order: one rollout, one vote,
         whatever its number of segments. A failed or wholly masked rollout then returns no
-        output at all, which V1 leaves out of the group's statistics (the legacy worker has no
-        such way: its row stays, masked, and its reward 0 stays in the group mean)."""
+        output at all, which V1 leaves out of the group's statistics.
+
+        The legacy worker must return exactly one row per sample, and verl groups rows by the
+        ``uid`` it assigned (``DataProto.union`` refuses a changed one), so an untrainable row
+        cannot leave its group. Instead it takes the mean reward of its group's valid jobs
+        (:meth:`_neutral_reward`): the group's mean is then that of the valid rollouts, and the
+        row's own advantage is 0 (it is masked anyway)."""
         s = self.settings
         spec = job_for_sample(
             kwargs, sampling_params, environment=s.environment,
@@ -136,7 +149,22 @@ class RolloutServiceAgentLoop(AgentLoopBase):
             # advantages per session from its final output; the legacy worker passes no
             # session id and takes exactly one output per sample.
             return [_output(x) for x in samples if any(x.response_mask)]
-        return _output(samples[-1])
+        row = samples[-1]
+        if not any(row.response_mask) and self.group_size > 1 and s.neutral_wait_s > 0:
+            row = await self._neutral_reward(runner, spec, row)
+        return _output(row)
+
+    async def _neutral_reward(self, runner: Any, spec: Any, row: VerlSample) -> VerlSample:
+        """``row`` with the mean reward of its group's other SUCCEEDED jobs, so that verl's
+        group mean (over every row of the ``uid``) equals the mean over valid rollouts and this
+        row's advantage is 0. ``reward`` in the row's reward info keeps the job's own."""
+        group = spec.group.group_id
+        mean = await runner.group_mean(group, exclude=spec.job_id, others=self.group_size - 1,
+                                       timeout_s=self.settings.neutral_wait_s)
+        if mean is None:
+            # No valid rollout in the group: every row is masked, any equal value is neutral.
+            return row
+        return dataclasses.replace(row, reward_score=mean)
 
     async def _render_prompt(self, raw_prompt: Any) -> list[int]:
         """verl's own rendering of the prompt: the row of a job that never produced a turn."""

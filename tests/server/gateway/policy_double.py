@@ -25,6 +25,8 @@ class PromptPolicy:
     """Scripted replies, used first (in order); then the prompt's digest."""
     calls: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(prompt ids, output ids) of every generation that completed."""
+    asked: list[int] = field(default_factory=list)
+    """``max_tokens`` of every generation started, in the order they started."""
     gate: asyncio.Event | None = None
     started: int = 0
     in_flight: int = 0
@@ -38,6 +40,7 @@ class PromptPolicy:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.started += 1
+        self.asked.append(request.max_tokens)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:

@@ -141,3 +141,67 @@ async def _answered(client: Any, llm: PromptPolicy, messages: list[dict[str, str
     llm.gate.set()
     answer = await client.chat.completions.create(model="m", messages=messages)
     return str(answer.choices[0].message.content)
+
+
+def budgeted(job_id: str, budget: int) -> JobSpec:
+    return JobSpec(job_id=job_id, environment="harness", task={},
+                   sampling=SamplingParams(seed=1, max_tokens_per_turn=10,
+                                           max_response_tokens=budget),
+                   limits=Limits(max_turns=16))
+
+
+async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_within_it(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """Four sub-agents call at once under a budget of 24 response tokens, 10 a turn: the
+    first three hold 10, 10 and the 4 left; the fourth finds nothing left and gets the
+    budget's refusal; every reply runs long, yet the job samples exactly 24 tokens."""
+    import openai
+
+    llm.replies.extend(["word " * 40] * 4)
+    lease = await gateway.open(budgeted("job-reserve", 24), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(4)]
+    await assert_eventually(lambda: llm.in_flight == 3 and sum(c.done() for c in calls) == 1)
+    assert sorted(llm.asked) == [4, 10, 10]
+    assert llm.gate is not None
+    llm.gate.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert len(errors) == 1 and isinstance(errors[0], openai.BadRequestError)
+    assert errors[0].body["code"] == "context_length_exceeded"
+    assert "max_response_tokens" in errors[0].body["message"]
+    capture = await gateway.close(lease)
+    assert sum(len(t.output_ids) for t in capture.turns) == 24
+    assert capture.refused == "token_budget"
+
+
+async def test_a_call_gives_back_the_budget_it_did_not_use(gateway: Gateway,
+                                                           llm: PromptPolicy) -> None:
+    """What a finished call did not sample, and all a cancelled call held, is free again."""
+    llm.replies.extend(["ok", "ok"])
+    lease = await gateway.open(budgeted("job-refund", 12), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(2)]
+    await assert_eventually(lambda: llm.in_flight == 2)
+    assert sorted(llm.asked) == [2, 10]
+    assert llm.gate is not None
+    llm.gate.set()
+    await asyncio.gather(*calls)
+    used = sum(len(out) for _, out in llm.calls)
+    assert used < 12
+    llm.gate.clear()
+    gone = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(2)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    assert llm.asked[-1] == min(10, 12 - used)
+    gone.cancel()  # the client goes away: its reservation is released with its chain
+    await assert_eventually(lambda: llm.cancelled == 1)
+    llm.gate.set()
+    await client.chat.completions.create(model="m", messages=conversation(3))
+    assert llm.asked[-1] == min(10, 12 - used)
+    capture = await gateway.close(lease)
+    assert sum(len(t.output_ids) for t in capture.turns) <= 12

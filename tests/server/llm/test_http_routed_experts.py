@@ -39,3 +39,51 @@ def test_a_generate_reply_carries_them_into_the_result() -> None:
     result = engine._result(turn, "stop")
     assert result.routed_experts == [4, 5, 6, 7]
     assert (result.routed_expert_layers, result.routed_expert_top_k) == (1, 2)
+
+
+async def test_llm_serve_sends_a_turns_routing_as_vllm_does() -> None:
+    """``rollout llm-serve`` over an MoE model: a whole reply and a stream's last chunk (only)
+    carry the turn's routing in vLLM's shape, honouring ``routed_experts_prompt_start``."""
+    import json
+
+    import aiohttp
+
+    from tests.fixtures.tiny_model import tiny_moe_model_dir
+    from tests.server.llm.conftest import start_server
+
+    served = await start_server(tiny_moe_model_dir(), "moe")
+    prompt = served.engine.tokenizer.encode("The agent runs a command")
+    p, n = len(prompt), 5
+
+    def body(stream: bool, **extra: int) -> dict[str, object]:
+        return {"model": "tiny", "token_ids": prompt, "stream": stream,
+                "sampling_params": {"max_tokens": n, "seed": 4, "logprobs": 0, **extra}}
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"{served.url}/inference/v1/generate"
+            async with http.post(url, json=body(False)) as reply:
+                choice = (await reply.json())["choices"][0]
+            whole = decode(choice["routed_experts"])
+            assert whole.shape == (p - 1 + n, 2, 2)
+            assert (whole[:p - 1] == -1).all() and (whole[p - 1:] >= 0).all()
+            assert routed_for_output(choice["routed_experts"], p, n)[0] == \
+                [int(x) for x in whole[p - 1:].reshape(-1)]
+            async with http.post(url, json=body(True, routed_experts_prompt_start=p - 1)
+                                 ) as reply:
+                chunks = [json.loads(line[6:]) for line in (await reply.text()).splitlines()
+                          if line.startswith("data: {")]
+            carried = [c["choices"][0]["routed_experts"] for c in chunks]
+            assert all(r is None for r in carried[:-1]) and carried[-1] is not None
+            assert chunks[-1]["choices"][0]["finish_reason"]
+            assert (decode(carried[-1]) == whole[p - 1:]).all()  # same seed, same turn
+            async with http.post(url, json=body(False, routed_experts_prompt_start=p + 1)
+                                 ) as reply:
+                assert reply.status == 400
+                assert "routed_experts_prompt_start" in (await reply.text())
+    finally:
+        await served.stop()
+
+
+def decode(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)

@@ -151,3 +151,51 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     assert [r["body"]["_ng_task_index"] for r in (r_ok, r_sums, r_failed, r_early)] == [
         0, 1, 2, 4]
     assert res["aggregate"] is not None
+
+
+async def test_a_failed_sample_leaves_nemo_rls_baseline(tmp_path: Path) -> None:
+    """Two prompt groups of four posted at once, rewards [1, failed, 0, 1] and [1, failed,
+    failed, 0]: with ``group_size`` the failed samples answer their group's valid mean, so
+    NeMo RL's baseline (restated from its code, every row counted) is the mean over valid
+    rollouts, and each failed row's advantage (reward - baseline) is 0. Without it, the
+    failed rows' 0 pulls the baseline down."""
+    def tasks(rewards: list[float | None], base: int) -> list[dict[str, Any]]:
+        return [two_turn_tool_episode(base=base + 10 * k, reward=r if r is not None else 1.0,
+                                      **({"fail": "eval"} if r is None else {}))
+                for k, r in enumerate(rewards)]
+
+    a, b = tasks([1.0, None, 0.0, 1.0], 100), tasks([1.0, None, None, 0.0], 300)
+    rows = [row(t, 7) for t in a] + [row(t, 8) for t in b]
+    rows = [rows[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]  # the groups' rows interleaved
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        on = await run_groups(h.address, rows, tmp_path, group_size=4)
+        off = await run_groups(h.address, rows, tmp_path, group_size=0)
+    finally:
+        await h.stop()
+    # Row order: a0 b0 a1 b1 a2 b2 a3 b3.
+    assert on["loss_multiplier"] == [1, 1, 0, 0, 1, 0, 1, 1]
+    assert on["rewards"] == pytest.approx([1, 1, 2 / 3, 0.5, 0, 0.5, 1, 0])
+    assert on["baseline"] == pytest.approx([2 / 3, 0.5] * 4)
+    masked = [i for i, m in enumerate(on["loss_multiplier"]) if m == 0]
+    assert all(on["rewards"][i] == pytest.approx(on["baseline"][i]) for i in masked)
+    # Leave-one-out (NeMo RL's default): a valid row's advantage is N/(N-1) (r - m), m the
+    # valid mean, N the group's size; over the valid rows alone it would be v/(v-1) (r - m):
+    # the same signs and ratios at a smaller scale, and no pull from the failed rows.
+    assert 1 - on["baseline_loo"][0] == pytest.approx(4 / 3 * (1 - 2 / 3))
+    assert off["rewards"] == pytest.approx([1, 1, 0, 0, 0, 0, 1, 0])
+    assert off["baseline"] == pytest.approx([0.5, 0.25] * 4)
+
+
+async def run_groups(address: str, rows: list[dict[str, Any]], tmp: Path,
+                     group_size: int) -> dict[str, Any]:
+    (tmp / "groups.json").write_text(json.dumps({"address": address, "rows": rows,
+                                                 "group_size": group_size}))
+    proc = await asyncio.create_subprocess_exec(
+        str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")),
+        str(tmp / "groups.json"), str(tmp / "groups-out.json"), cwd=str(ROOT),
+        env=dict(os.environ), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 170)
+    assert proc.returncode == 0, out.decode()[-6000:]
+    return json.loads((tmp / "groups-out.json").read_text())

@@ -27,6 +27,7 @@ def build_config(req: dict[str, Any]) -> Any:
             f"actor_rollout_ref.rollout.prompt_length={req['prompt_length']}",
             f"actor_rollout_ref.rollout.response_length={req['response_length']}",
             f"actor_rollout_ref.rollout.n={req['n']}",
+            f"+rollout_service.neutral_wait_s={req.get('neutral_wait_s', 60)}",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
             # Mandatory in verl's schema; its engine is never started (the service generates).
             "actor_rollout_ref.rollout.name=vllm",
@@ -63,7 +64,25 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
     non_tensors = {k: [_plain(x) for x in v] for k, v in out.non_tensor_batch.items()
                    if k not in ("raw_prompt", "extra_info")}
     return {"tensors": tensors, "non_tensors": non_tensors,
-            "reward_extra_keys": list(out.meta_info.get("reward_extra_keys", []))}
+            "reward_extra_keys": list(out.meta_info.get("reward_extra_keys", [])),
+            "advantages": {str(norm): advantages(out, norm) for norm in (True, False)}}
+
+
+def advantages(out: Any, norm_by_std: bool) -> list[float]:
+    """verl's own GRPO advantage of each row (legacy trainer: rows grouped by ``uid``), read
+    at the row's first trained token (0 for a masked row, which verl multiplies by its mask)."""
+    import copy
+
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    data = copy.deepcopy(out)
+    data.batch["token_level_rewards"] = data.batch["rm_scores"]
+    data = compute_advantage(data, adv_estimator=AdvantageEstimator.GRPO,
+                             norm_adv_by_std_in_grpo=norm_by_std)
+    adv, mask = data.batch["advantages"], data.batch["response_mask"]
+    return [float(adv[i, mask[i].nonzero()[0, 0]]) if mask[i].any() else 0.0
+            for i in range(adv.shape[0])]
 
 
 def _plain(x: Any) -> Any:

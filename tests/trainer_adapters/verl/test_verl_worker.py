@@ -47,8 +47,10 @@ def sample(task: dict[str, Any], uid: str) -> dict[str, Any]:
 
 async def run_verl(address: str, samples: list[dict[str, Any]], tmp: Path, *,
                    environment: str = "episode", prompt_length: int = PROMPT_LEN,
-                   response_length: int = RESPONSE_LEN) -> dict[str, Any]:
-    req = {"address": address, "model_dir": str(tiny_model_dir()), "n": 2,
+                   response_length: int = RESPONSE_LEN, n: int = 2,
+                   neutral_wait_s: float = 60) -> dict[str, Any]:
+    req = {"address": address, "model_dir": str(tiny_model_dir()), "n": n,
+           "neutral_wait_s": neutral_wait_s,
            "prompt_length": prompt_length, "response_length": response_length,
            "components": ["exact", "format"], "samples": samples, "environment": environment}
     (tmp / "req.json").write_text(json.dumps(req))
@@ -129,7 +131,8 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     assert any(exp["mask"][p + RESPONSE_LEN:])
     assert t["response_mask"][1] == [0] * RESPONSE_LEN
     assert t["rollout_log_probs"][1] == pytest.approx(exp["logprobs"][p:p + RESPONSE_LEN])
-    assert t["rm_scores"][1][-1] == pytest.approx(0.5) and sum(t["rm_scores"][1]) == 0.5
+    # Its reward (0.5) would still count in g1's mean: it takes its group's valid mean (1.0).
+    assert t["rm_scores"][1][-1] == pytest.approx(1.0) and sum(t["rm_scores"][1]) == 1.0
     assert nt["truncated"][1] is True and nt["rollout_valid"][1] is False
     assert (nt["min_global_steps"][1], nt["max_global_steps"][1]) == (7, 7)
 
@@ -143,7 +146,11 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     # A job that produced no turn gets verl's own prompt and an empty, masked response.
     fallback = chat_prompt_ids(sample(no_turns, "g3")["raw_prompt"])[-PROMPT_LEN:]
     assert t["prompts"][4][PROMPT_LEN - len(fallback):] == fallback
-    assert t["response_mask"][4] == [0] * RESPONSE_LEN and sum(t["rm_scores"][4]) == 0.0
+    assert t["response_mask"][4] == [0] * RESPONSE_LEN
+    # Failed rows take their group's valid mean (g2: 0.0, g3: 1.0), not 0, so verl's group
+    # mean is over valid rollouts only; every group here has one valid row: advantage 0.
+    assert sum(t["rm_scores"][4]) == 1.0
+    assert res["advantages"]["True"] == pytest.approx([0.0] * 6, abs=1e-6)
     assert nt["rollout_valid"][4] is False
 
     # Fixed reward-info keys in every sample; components reported per sample.
@@ -154,3 +161,36 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     # The sample's uid reached the service as the job's group.
     assert all(jid.startswith("verl/g1/") for jid in nt["rollout_job_id"][:2])
     assert all(jid.startswith("verl/g2/") for jid in nt["rollout_job_id"][2:4])
+
+
+async def test_a_failed_rollout_leaves_the_legacy_group_mean(tmp_path: Path) -> None:
+    """A group of four, rewards [1, failed, 0, 1], through verl's own worker and its own GRPO
+    advantage: the failed row takes the valid rows' mean (2/3), so verl's uid group mean is
+    the mean over valid rollouts. Without the std (Dr.GRPO) every valid advantage is exactly
+    the one over valid rollouts; with it, verl's sample std spans four rows, one of them on
+    the mean (sqrt(2/9) instead of sqrt(1/3)), so the valid advantages keep their signs and
+    ratios at sqrt(3/2) times the scale."""
+    rewards = [1.0, None, 0.0, 1.0]
+    tasks = [two_turn_tool_episode(base=100 * (k + 1), reward=r if r is not None else 1.0,
+                                   **({"fail": "eval"} if r is None else {}))
+             for k, r in enumerate(rewards)]
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        res = await run_verl(h.address, [sample(t, "g") for t in tasks], tmp_path, n=4)
+        off = await run_verl(h.address, [sample(t, "h") for t in tasks], tmp_path, n=4,
+                             neutral_wait_s=0)
+    finally:
+        await h.stop()
+    t = res["tensors"]
+    assert t["response_mask"][1] == [0] * RESPONSE_LEN
+    assert sum(t["rm_scores"][1]) == pytest.approx(2 / 3)
+    # Dr.GRPO: r - mean over the valid rollouts [1, 0, 1].
+    assert res["advantages"]["False"] == pytest.approx([1 / 3, 0.0, -2 / 3, 1 / 3], abs=1e-6)
+    # GRPO: verl's unbiased std over [1, 2/3, 0, 1] is sqrt(2/9).
+    s = (2 / 9) ** 0.5
+    assert res["advantages"]["True"] == pytest.approx(
+        [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s], abs=1e-5)
+    # Turned off, the failed row's 0 pulls the mean to 1/2 (what the fix removes).
+    assert sum(off["tensors"]["rm_scores"][1]) == 0.0
+    assert off["advantages"]["False"] == pytest.approx([0.5, 0.0, -0.5, 0.5], abs=1e-6)
