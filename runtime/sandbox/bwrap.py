@@ -133,7 +133,8 @@ class BwrapSandbox(Sandbox):
                  extra_binds: tuple[tuple[str, str, bool], ...] = (),
                  image: ImageLease | None = None,
                  image_user: images.ImageUser = ROOT_USER,
-                 holder: subprocess.Popen[bytes] | None = None) -> None:
+                 holder: subprocess.Popen[bytes] | None = None,
+                 pinned: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self._holder = holder
         self.config = config
@@ -150,10 +151,8 @@ class BwrapSandbox(Sandbox):
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
         self.image = image
         self.image_user = image_user
-        """Who the processes of an image sandbox are (the image config's ``User``)."""
-        # A root server runs an image user other than root through a second, unprivileged
-        # bwrap that maps it onto the sandbox's own uid (:meth:`_user_chain`).
-        nested = image is not None and lease is not None and not image_user.is_root
+        """Who the processes of an image sandbox are by default (the image config's ``User``,
+        or the user the sandbox was asked to run as); ``exec(user=...)`` picks another."""
         self.default_cwd = self.workspace_in_sandbox
         self._lock_fd = lock_fd
         self._lease = lease
@@ -161,6 +160,9 @@ class BwrapSandbox(Sandbox):
         self._parked: subprocess.Popen[bytes] | None = None
         self._parked_needle: bytes | None = None
         self._parked_ready = -1
+        self._pinned = frozenset(pinned)
+        """Environment keys the image's Env or the creator set: another user's HOME and USER
+        never replace them."""
         # A launch's file binds must land on new top-level names: none the host's root (or the
         # rootfs) has, and none this sandbox already binds.
         self._root = str(rootfs) if rootfs else "/"
@@ -187,14 +189,6 @@ class BwrapSandbox(Sandbox):
               "--hostname", "sandbox", "--die-with-parent"]
         if network == "none":
             ns.append("--unshare-net")
-        if lease is None:
-            ns.append("--unshare-user")
-            if image is not None:  # the image's user is the server's own user
-                ns += ["--uid", str(image_user.uid), "--gid", str(image_user.gid)]
-        else:
-            ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            if image is not None and not nested:
-                ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
                   "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
@@ -218,38 +212,101 @@ class BwrapSandbox(Sandbox):
         if cgroup is not None:
             procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
-        # With a nested bwrap the inner one loads the filter (which forbids the user
-        # namespace that inner bwrap makes); the program's fd is inherited down to it.
-        if seccomp is not None and not nested:
+        self._seccomp = seccomp is not None
+        self._ns, self._binds, self._mounts = ns, list(binds), mounts
+        self._wrapper = hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script())
+        self._seal = ["--remount-ro", "/"] if image is None else []
+        self._chains: dict[images.ImageUser, tuple[list[str], list[str], list[str]]] = {}
+        self._prefix = self._chain(image_user)[0]  # the default chain, built up front
+
+    def _chain(self, user: images.ImageUser) -> tuple[list[str], list[str], list[str]]:
+        """(prefix, uid drop, inner bwrap) of a launch whose processes run as ``user``.
+
+        A root server runs an image user other than root through a second, unprivileged bwrap
+        that maps it onto the sandbox's own uid (that inner bwrap loads the seccomp filter,
+        which forbids the user namespace it makes; the program's fd is inherited down to it);
+        the image's root keeps the sandbox uid with the image capabilities. A rootless server
+        maps the user onto its own in bwrap's user namespace."""
+        cached = self._chains.get(user)
+        if cached is not None:
+            return cached
+        image, lease = self.image, self._lease
+        nested = image is not None and lease is not None and not user.is_root
+        ns = list(self._ns)
+        extra: list[str] = []
+        if lease is None:
+            ns.append("--unshare-user")
+            if image is not None:  # the image's user is the server's own user
+                ns += ["--uid", str(user.uid), "--gid", str(user.gid)]
+                if not user.is_root and _new_home(image.image.rootfs, user.home):
+                    extra += ["--perms", "0755", "--dir", user.home]
+        else:
+            ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            if image is not None and not nested:
+                ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
+        if self._seccomp and not nested:
             ns += ["--seccomp", hardening.SECCOMP_FD]
-        self._inner: list[str] = []
+        inner: list[str] = []
         if nested:
-            self._inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
-                           "--uid", str(image_user.uid), "--gid", str(image_user.gid),
-                           "--dev-bind", "/", "/",
-                           *(["--seccomp", hardening.SECCOMP_FD] if seccomp else [])]
+            inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
+                     "--uid", str(user.uid), "--gid", str(user.gid), "--dev-bind", "/", "/",
+                     *(["--seccomp", hardening.SECCOMP_FD] if self._seccomp else [])]
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
-        self._prefix = [*hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script()),
-                        *(["nsenter", "-t", str(holder.pid), "--user", "--mount",
-                           "--preserve-credentials", "--"]
-                          if holder is not None else []),
-                        "bwrap", *ns, *binds, *mounts]
-        self._drop: list[str] = []
-        self._seal = ["--remount-ro", "/"] if image is None else []
+        prefix = [*self._wrapper,
+                  *(["nsenter", "-t", str(self._holder.pid), "--user", "--mount",
+                     "--preserve-credentials", "--"] if self._holder is not None else []),
+                  "bwrap", *ns, *self._binds, *extra, *self._mounts]
+        drop: list[str] = []
         if lease is not None:
             u = str(lease.uid)
             if image is None:
-                self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              "--inh-caps=-all", "--no-new-privs", "--"]
+                drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                        "--inh-caps=-all", "--no-new-privs", "--"]
             elif nested:
-                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
-                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              "--inh-caps=-all", "--no-new-privs", "--"]
+                drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv", f"--reuid={u}",
+                        f"--regid={u}", "--clear-groups", "--inh-caps=-all", "--no-new-privs",
+                        "--"]
             else:
-                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
-                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              *inject.image_caps_args(), "--no-new-privs", "--"]
+                drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv", f"--reuid={u}",
+                        f"--regid={u}", "--clear-groups", *inject.image_caps_args(),
+                        "--no-new-privs", "--"]
+        self._chains[user] = (prefix, drop, inner)
+        return prefix, drop, inner
+
+    def user_for(self, spec: str | None, *,
+                 named_by: str = "the user asked for") -> images.ImageUser:
+        """A user of this sandbox's image (``spec`` as an image config's ``User`` spells it;
+        None: the config's ``User`` itself, which a sandbox made with ``user=`` does not run
+        as), for ``exec(..., user=...)``; resolved now, in the image as it was unpacked (not in the
+        files the job may have changed since), and, on a root server, given its home and the
+        image's working directory as the sandbox's default user has them. Blocking (it reads
+        the image's /etc/passwd). A name the image lacks raises ``IMAGE_REJECTED``."""
+        if self.image is None:
+            raise SandboxError("only a sandbox on an image runs commands as a user of its "
+                               "image", "INVALID_SANDBOX_OPTIONS")
+        cached = self.image.image
+        if spec is None:
+            spec, named_by = cached.config.user, "its config's User"
+        user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
+        if self._lease is not None and not user.is_root:
+            _give_dirs(self.path / "root", (user.home, cached.config.working_dir),
+                       self._lease.uid)
+        return user
+
+    def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
+        """``HOME`` and ``USER`` of a launch as ``user`` when it is not the default one
+        (the sandbox defaults for root; the passwd entry's for another user), except what the
+        image's Env or the sandbox's creator set."""
+        if user is None or user == self.image_user:
+            return {}
+        defaults = default_env(self.python)
+        env = {"USER": defaults["USER"], "HOME": defaults["HOME"]}
+        if not user.is_root:
+            env["USER"] = user.name
+            if user.home and user.home != "/":
+                env["HOME"] = user.home
+        return {k: v for k, v in env.items() if k not in self._pinned}
 
     def _image_root(self, image: ImageLease, path: Path, mounted: bool,
                     interpreters: tuple[str, ...]) -> list[str]:
@@ -261,11 +318,8 @@ class BwrapSandbox(Sandbox):
         # Either way the overlay is mounted at ``root`` before bwrap starts: on the host once
         # (root server), or by each launch in a user namespace of its own (_userns_overlay).
         args = ["--bind", str(path / "root"), "/"]
-        args += ["--proc", "/proc", "--dev", "/dev",
-                 *inject.helper_binds(mounted, nested=mounted and not self.image_user.is_root)]
-        home = self.image_user.home
-        if not mounted and not self.image_user.is_root and _new_home(rootfs, home):
-            args += ["--perms", "0755", "--dir", home]
+        # bwrap itself too on a root server: any launch may run as a user other than root.
+        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted, nested=mounted)]
         py_args, ok = inject.python_binds(interpreters, rootfs)
         if ok:
             args += py_args
@@ -280,13 +334,16 @@ class BwrapSandbox(Sandbox):
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | str | None = None,
                      binds: Sequence[tuple[str, str, bool]] = (),
-                     image: Any = None, **unknown: Any) -> BwrapSandbox:
+                     image: Any = None, user: str | images.UserRequest | None = None,
+                     **unknown: Any) -> BwrapSandbox:
         """``binds``: per-sandbox (host dir, sandbox path, writable) mounts, e.g. a task's
         prepared environment, read-only, shared by every job of its repository. ``image``:
         an image source (a reference such as ``docker://python:3.11-slim``, or a
         :class:`~rollout.runtime.sandbox.images.BuildSpec`) whose root this sandbox runs on,
         fetched or built first when the cache lacks it (``SandboxConfig.image`` when it is a
-        reference and no ``image`` is given); see :mod:`rollout.runtime.sandbox.images`."""
+        reference and no ``image`` is given); see :mod:`rollout.runtime.sandbox.images`.
+        ``user``: the user of the image every process runs as instead of its config's
+        ``User`` (a :class:`~rollout.runtime.sandbox.images.UserRequest` names who asked)."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
@@ -306,6 +363,10 @@ class BwrapSandbox(Sandbox):
         if rootfs is not None and not await asyncio.to_thread(Path(rootfs).is_dir):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
         checked = check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)
+        if user is not None and image is None:
+            raise SandboxError("a sandbox's user option needs an image (it names a user of "
+                               "the image)", "INVALID_SANDBOX_OPTIONS")
+        request = images.UserRequest(user) if isinstance(user, str) else user
         lease = None
         if image is not None:
             if isinstance(image, str):
@@ -316,7 +377,7 @@ class BwrapSandbox(Sandbox):
         try:
             return await finish_creation(functools.partial(
                 cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
-                rootfs, checked, lease))
+                rootfs, checked, lease, request))
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -327,7 +388,8 @@ class BwrapSandbox(Sandbox):
                      env: dict[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | None,
                      binds: tuple[tuple[str, str, bool], ...] = (),
-                     image: ImageLease | None = None) -> BwrapSandbox:
+                     image: ImageLease | None = None,
+                     request: images.UserRequest | None = None) -> BwrapSandbox:
         root = config.sandboxes_dir
         root.mkdir(parents=True, exist_ok=True, mode=0o711)
         sid = uuid.uuid4().hex[:12]
@@ -359,9 +421,14 @@ class BwrapSandbox(Sandbox):
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
             user = ROOT_USER
+            pinned: set[str] = set(env)
             if image is not None:
-                user = images.resolve_user(image.image.rootfs, image.image.config.user,
-                                           image=image.image.ref)
+                pinned |= set(image.image.config.env_dict)
+                user = (images.resolve_user(image.image.rootfs, request.spec,
+                                            image=image.image.ref, named_by=request.named_by)
+                        if request is not None else
+                        images.resolve_user(image.image.rootfs, image.image.config.user,
+                                            image=image.image.ref))
                 sb_env = _image_env(sb_env, image.image.config, env, user)
                 for sub in ("upper", "work", "root"):
                     (path / sub).mkdir(mode=0o755)
@@ -375,7 +442,7 @@ class BwrapSandbox(Sandbox):
                     holder = _userns_overlay(image.image.rootfs, path, sid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image, user, holder)
+                     image, user, holder, frozenset(pinned))
             register_live(sb)
         except BaseException:
             if holder is not None:
@@ -392,10 +459,12 @@ class BwrapSandbox(Sandbox):
     # -- processes ---------------------------------------------------------------------------
     def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
                      env: Mapping[str, str] | None = None, tty: bool = False,
-                     file_binds: Sequence[tuple[str, str]] = ()) -> list[str]:
+                     file_binds: Sequence[tuple[str, str]] = (),
+                     user: images.ImageUser | None = None) -> list[str]:
         """``file_binds``: (host file, sandbox path) pairs bound read-only into this launch
         only, e.g. a job's gateway socket, which exists only while RUN serves it (a socket
-        stays connectable through a read-only bind)."""
+        stays connectable through a read-only bind). ``user``: who the launch runs as (from
+        :meth:`user_for`; default: the sandbox's user)."""
         self._check_alive()
         extra: list[str] = []
         for host, inside in file_binds:
@@ -416,9 +485,13 @@ class BwrapSandbox(Sandbox):
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
         cwd = cwd or self.default_cwd
-        inner = [*self._inner, "--chdir", cwd, "--"] if self._inner else []
-        return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
-                "--chdir", cwd, *self._drop, *inner, *argv]
+        if user is not None and self.image is None:
+            raise SandboxError("only a sandbox on an image runs commands as a user of its "
+                               "image", "INVALID_SANDBOX_OPTIONS")
+        prefix, drop, inner = self._chain(user or self.image_user)
+        nested = [*inner, "--chdir", cwd, "--"] if inner else []
+        return [*prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
+                "--chdir", cwd, *drop, *nested, *argv]
 
     def park(self) -> None:
         """Start the launch of this sandbox's next command before anyone asks for it: the
@@ -507,9 +580,14 @@ class BwrapSandbox(Sandbox):
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20,
-                   file_binds: Sequence[tuple[str, str]] = ()) -> ExecResult:
+                   file_binds: Sequence[tuple[str, str]] = (),
+                   user: images.ImageUser | None = None) -> ExecResult:
+        """``user``: run as this user of the image (:meth:`user_for`) instead of the
+        sandbox's own, with its ``HOME`` and ``USER``."""
         command = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        parked = None if file_binds else self._take_parked()
+        env = {**self._user_env(user), **(env or {})}
+        other = user is not None and user != self.image_user
+        parked = None if file_binds or other else self._take_parked()
         if parked is not None:
             self._check_alive()
             return await procs.run_collect(
@@ -518,7 +596,7 @@ class BwrapSandbox(Sandbox):
                 stdin=stdin, max_output=max_output, on_exit=self.untrack,
                 orphan_needle=self._parked_needle, parked=parked,
                 request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
-        argv = self.command_argv(command, cwd=cwd, file_binds=file_binds)
+        argv = self.command_argv(command, cwd=cwd, file_binds=file_binds, user=user)
         return await procs.run_collect(
             argv, env=self.spawn_env(env),
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,

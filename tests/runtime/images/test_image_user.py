@@ -5,10 +5,9 @@ tools work as that user; a user the image does not know is the task's fault."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,45 +15,16 @@ import pytest
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
-from rollout.runtime.sandbox.images import ImageError, cache_for, resolve_user
+from rollout.runtime.sandbox.images import ImageError, UserRequest, cache_for, resolve_user
 from rollout.runtime.tools.editor import EditorTool
 from rollout.runtime.types import JobSpec, JobState, Limits
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.store import JobStore
-from tests.fixtures.images import skip_unless_images
 from tests.runtime.doubles import EngineClient, smollm2_tokenizer
 from tests.runtime.images.test_image_jobs import ImageTaskHandler, _run
 
 pytestmark = pytest.mark.timeout(300)
-
-PASSWD = ("root:x:0:0:root:/root:/bin/sh\n"
-          "app:x:1000:1001:the task's user:/home/app:/bin/sh\n")
-GROUP = "root:x:0:\napp:x:1001:\nstaff:x:50:app\n"
-
-
-def _umoci(*args: str) -> None:
-    subprocess.run(["umoci", *args], check=True, capture_output=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def user_layout(tmp_path_factory: pytest.TempPathFactory, busybox_layout: Path) -> Path:
-    """The busybox layout with an ``app`` user, tagged by the ``User`` its config names."""
-    skip_unless_images()
-    top = tmp_path_factory.mktemp("users")
-    layout = top / "layout"
-    shutil.copytree(busybox_layout, layout)
-    tree = top / "tree"
-    (tree / "etc").mkdir(parents=True)
-    (tree / "home" / "app").mkdir(parents=True)
-    (tree / "etc" / "passwd").write_text(PASSWD)
-    (tree / "etc" / "group").write_text(GROUP)
-    _umoci("insert", "--rootless", "--image", f"{layout}:bb", str(tree), "/")
-    for tag, user in (("named", "app"), ("grouped", "app:staff"), ("numeric", "4242:4243"),
-                      ("ghost", "ghost"), ("root", "")):
-        _umoci("config", "--image", f"{layout}:bb", "--tag", tag, "--config.user", user)
-    return layout
-
 
 def _config(tmp_path: Path, settings: ImageSettings) -> SandboxConfig:
     return SandboxConfig(state_dir=tmp_path / "state", images=settings)
@@ -154,3 +124,37 @@ async def test_an_unknown_user_fails_the_job_naming_the_task(
     assert job.state == JobState.FAILED and job.reward is None
     assert (job.error.code, job.error.reason) == ("INVALID_TASK", "IMAGE_REJECTED")
     assert "task 'ghost-task'" in job.error.message and "ghost" in job.error.message
+
+
+async def test_a_sandbox_runs_as_a_user_asked_for_and_one_command_as_another(
+        tmp_path: Path, user_layout: Path, image_settings: ImageSettings) -> None:
+    # What a Harbor task's [agent].user / [verifier].user need: the sandbox's user replaced
+    # (an image whose User is root runs as app), and one command as another user (root in a
+    # sandbox of app), each with that user's HOME.
+    cfg = _config(tmp_path, image_settings)
+    who = ["sh", "-c", "echo $(id -u) $HOME; touch /etc/probe 2>/dev/null && echo wrote-etc"]
+    async with await create_sandbox(cfg, image=f"oci:{user_layout}:root", user="app") as sb:
+        r = await sb.exec(who)
+        assert r.stdout.split()[:2] == ["1000", "/home/app"], r.output
+        root = await asyncio.to_thread(sb.user_for, "root")  # type: ignore[attr-defined]
+        r = await sb.exec(who, user=root)  # type: ignore[call-arg]
+        assert r.stdout.split()[1:] == ["/tmp/home", "wrote-etc"], r.output
+        assert r.stdout.split()[0] != "1000"
+        bash = await sb.bash()  # the tools stay the sandbox's user
+        out = await bash.run("id -u")
+        assert out.output.split()[-1] == "1000", out.output
+    async with await create_sandbox(cfg, image=f"oci:{user_layout}:named") as sb:
+        r = await sb.exec(who)
+        assert r.stdout.split()[:2] == ["1000", "/home/app"], r.output
+        root = await asyncio.to_thread(sb.user_for, "0")  # type: ignore[attr-defined]
+        r = await sb.exec(who, user=root)  # type: ignore[call-arg]
+        assert r.stdout.split()[1:] == ["/tmp/home", "wrote-etc"], r.output
+        with pytest.raises(ImageError) as e:
+            sb.user_for("ghost", named_by="task.toml [verifier].user")  # type: ignore[attr-defined]
+        assert e.value.reason == "IMAGE_REJECTED"
+        assert "task.toml [verifier].user 'ghost'" in str(e.value)
+    with pytest.raises(ImageError) as e:
+        await create_sandbox(cfg, image=f"oci:{user_layout}:root",
+                             user=UserRequest("nobody-here", named_by="task.toml [agent].user"))
+    assert "task.toml [agent].user 'nobody-here'" in str(e.value)
+    assert os.listdir(cfg.sandboxes_dir) == []

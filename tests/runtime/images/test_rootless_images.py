@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.images.test_image_user import user_layout  # noqa: F401 (a fixture)
-
 pytestmark = pytest.mark.timeout(300)
 
 NOBODY = 65534
@@ -35,7 +33,7 @@ def _system_python() -> str:
     return exe
 
 
-def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path) -> None:  # noqa: F811
+def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the other image tests already run rootless here")
     python = _system_python()
