@@ -167,6 +167,10 @@ class SandboxSection:
     """Deadline of one image fetch or unpack."""
     image_build_timeout_s: float = 3600.0
     """Deadline of one Dockerfile build."""
+    image_rootless_root: str = "auto"
+    """A rootless server's image roots: ``auto`` (an overlay per sandbox, falling back to a
+    private copy of the image where the kernel refuses a rootless overlay), ``overlay`` or
+    ``copy`` (docs/images.md)."""
     host_view: str = "minimal"
     """bwrap without ``image``: ``minimal`` (default) shows a sandbox only what a job needs
     (system trees, an allow-listed /etc, the interpreter, its task environment, and
@@ -307,6 +311,10 @@ def _check(cfg: Config) -> None:
         if getattr(cfg.sandbox, key) < 1:
             raise InvalidArgument(f"config key 'sandbox.{key}' must be a positive integer",
                                   "BAD_CONFIG", f"sandbox.{key}")
+    if cfg.sandbox.image_rootless_root not in ("auto", "overlay", "copy"):
+        raise InvalidArgument(f"config key 'sandbox.image_rootless_root': "
+                              f"{cfg.sandbox.image_rootless_root!r} is not one of auto, overlay, "
+                              "copy", "BAD_CONFIG", "sandbox.image_rootless_root")
     if cfg.sandbox.image_setuid not in ("strip", "refuse"):
         raise InvalidArgument(f"config key 'sandbox.image_setuid': {cfg.sandbox.image_setuid!r} "
                               "is not allowed; use strip or refuse", "BAD_CONFIG",

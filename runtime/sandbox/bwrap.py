@@ -44,6 +44,7 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -439,7 +440,7 @@ class BwrapSandbox(Sandbox):
                         _give_dirs(path / "root", (user.home, image.image.config.working_dir),
                                    lease.uid)
                 else:
-                    holder = _userns_overlay(image.image.rootfs, path, sid)
+                    holder = _rootless_root(config.images.rootless_root, image, path, sid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
                      image, user, holder, frozenset(pinned))
@@ -643,6 +644,8 @@ class BwrapSandbox(Sandbox):
 
 
 HOLDER_READY_S = 60.0
+MOUNT_REFUSED = 125
+"""The holder's exit status when the kernel refused the mount (not a failure to start)."""
 
 
 def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[bytes]:
@@ -659,7 +662,7 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
         raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
                            f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
     script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
-              '|| exit 125; echo ready; read -r _')
+              f'|| exit {MOUNT_REFUSED}; echo ready; read -r _')
     proc = subprocess.Popen(
         ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c", script, "sh",
          *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -670,11 +673,75 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
     if line.strip() != b"ready":
         procs.stop_process(proc)
         err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+        refused = proc.returncode == MOUNT_REFUSED
         _close_pipes(proc)
-        raise SandboxUnavailable(
+        raise (_OverlayRefused if refused else SandboxUnavailable)(
             "a rootless server could not mount the image's overlay in a user namespace "
             f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
     return proc
+
+
+class _OverlayRefused(SandboxUnavailable):
+    """The kernel refused the rootless overlay mount itself (not a failure to start)."""
+
+
+_OVERLAY_REFUSED: dict[tuple[int, int], str] = {}
+"""(device of the image cache, device of the sandboxes) -> why the kernel refused a rootless
+overlay there: found by the first sandbox that tried, so every later one copies at once."""
+_OVERLAY_LOCK = threading.Lock()
+
+
+def _rootless_root(mode: str, image: ImageLease, path: Path,
+                   sid: str) -> subprocess.Popen[bytes] | None:
+    """Make a rootless image sandbox's writable root at ``path/root``: the overlay's holder
+    (returned), or, where the kernel refuses a rootless overlay (before Linux 5.11, or an
+    upper layer on a filesystem it rejects) or ``mode`` is ``copy``, a private copy of the
+    cached root (None: no holder). ``auto`` tries the overlay until it is refused once on
+    these filesystems, then copies; ``overlay`` never copies."""
+    rootfs = image.image.rootfs
+    key = (os.stat(rootfs).st_dev, os.stat(path).st_dev)
+    if mode != "copy" and not (mode == "auto" and key in _OVERLAY_REFUSED):
+        try:
+            return _userns_overlay(rootfs, path, sid)
+        except _OverlayRefused as e:
+            if mode == "overlay":
+                raise
+            with _OVERLAY_LOCK:
+                first = key not in _OVERLAY_REFUSED
+                _OVERLAY_REFUSED[key] = str(e)
+            if first:
+                log.warning("image sandboxes: the kernel refused a rootless overlay mount (%s); "
+                            "each image sandbox gets a private copy of its image's root "
+                            "instead (cp -a --reflink=auto: INIT copies the image, the job's "
+                            "disk holds it; sandbox.image_rootless_root = \"copy\" skips "
+                            "this try)", e)
+    _copy_root(rootfs, path / "root", image.image.ref)
+    return None
+
+
+def _copy_root(rootfs: Path, dest: Path, ref: str) -> None:
+    """Copy the cached root into the sandbox's own ``dest`` (reflinks where the filesystem
+    has them; hard links inside the image stay hard links inside the copy, never to the
+    cache, so a job's write cannot reach the cache)."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(["cp", "-a", "--reflink=auto", "--", f"{rootfs}/.", str(dest)],
+                              capture_output=True, timeout=COPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"copying the root of image {ref} took over {COPY_TIMEOUT_S:g} s",
+                           "SANDBOX_START_FAILED") from None
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip()[-500:]
+        if "No space left" in err:
+            raise images.ImageError(f"image {ref}: the disk filled up while copying its root "
+                                    f"into a sandbox: {err}", "IMAGE_DISK_FULL", ref=ref)
+        raise SandboxError(f"could not copy the root of image {ref} into the sandbox: {err}",
+                           "SANDBOX_START_FAILED")
+    log.info("image %s: root copied into sandbox %s in %.1f s (no rootless overlay)", ref,
+             dest.parent.name, time.monotonic() - started)
+
+
+COPY_TIMEOUT_S = 1800.0
 
 
 def _parents(rootfs: Path, insides: Sequence[str]) -> list[str]:

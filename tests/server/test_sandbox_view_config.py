@@ -27,10 +27,17 @@ def test_host_view_and_visible_paths_reach_the_sandbox_config(tmp_path: Path) ->
     assert build_sandbox_factory(cfg).args[0].visible_paths == ("/data/models",)
 
 
+def test_the_rootless_image_root_reaches_the_image_settings(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"server.state_dir={tmp_path}"],
+                      environ={"ROLLOUT_SANDBOX__IMAGE_ROOTLESS_ROOT": "copy"})
+    assert build_sandbox_factory(cfg).args[0].images.rootless_root == "copy"
+
+
 @pytest.mark.parametrize(("override", "field"), [
     ("sandbox.host_view=everything", "sandbox.host_view"),
     ('sandbox.visible_paths=["relative/dir"]', "sandbox.visible_paths"),
-    ("sandbox.max_processes=0", "sandbox.max_processes")])
+    ("sandbox.max_processes=0", "sandbox.max_processes"),
+    ("sandbox.image_rootless_root=tmpfs", "sandbox.image_rootless_root")])
 def test_bad_values_are_refused(override: str, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         load_config(None, [override], environ={})
