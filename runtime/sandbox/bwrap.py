@@ -64,7 +64,7 @@ from rollout.runtime.sandbox.base import (
     finish_creation,
     register_live,
 )
-from rollout.runtime.sandbox.images import ImageLease, inject
+from rollout.runtime.sandbox.images import ImageLease, inject, owners
 from rollout.runtime.sandbox.images.user import ROOT as ROOT_USER
 
 CTL_IN_SANDBOX = "/.sandbox"
@@ -280,8 +280,9 @@ class BwrapSandbox(Sandbox):
         """A user of this sandbox's image (``spec`` as an image config's ``User`` spells it;
         None: the config's ``User`` itself, which a sandbox made with ``user=`` does not run
         as), for ``exec(..., user=...)``; resolved now, in the image as it was unpacked (not in the
-        files the job may have changed since), and, on a root server, given its home and the
-        image's working directory as the sandbox's default user has them. Blocking (it reads
+        files the job may have changed since), and, on a root server, given its home, the
+        image's working directory and (before the sandbox's first launch) the files its image
+        gave it, as the sandbox's default user has them. Blocking (it reads
         the image's /etc/passwd). A name the image lacks raises ``IMAGE_REJECTED``."""
         if self.image is None:
             raise SandboxError("only a sandbox on an image runs commands as a user of its "
@@ -293,6 +294,9 @@ class BwrapSandbox(Sandbox):
         if self._lease is not None and not user.is_root:
             _give_dirs(self.path / "root", (user.home, cached.config.working_dir),
                        self._lease.uid)
+            if self._launches == 0:  # no process of the sandbox could have planted a link
+                _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
+                            self._lease.uid)
         return user
 
     def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
@@ -434,11 +438,14 @@ class BwrapSandbox(Sandbox):
                 for sub in ("upper", "work", "root"):
                     (path / sub).mkdir(mode=0o755)
                 if lease is not None:  # one overlay for all launches of the sandbox
+                    owned = (() if user.is_root else
+                             owners.owned_by(str(image.image.rootfs), user))
                     hardening.mount_overlay(image.image.rootfs, path / "upper", path / "work",
-                                            path / "root")
+                                            path / "root", metacopy=bool(owned))
                     if not user.is_root:
                         _give_dirs(path / "root", (user.home, image.image.config.working_dir),
                                    lease.uid)
+                        _give_owned(path / "root", owned, lease.uid)
                 else:
                     holder = _rootless_root(config.images.rootless_root, image, path, sid)
             sb_env.update(env)
@@ -788,6 +795,20 @@ def _give_dirs(merged: Path, dirs: Sequence[str], uid: int) -> None:
             os.mkdir(target, 0o755)
         if os.path.isdir(target) and not os.path.islink(target):
             os.lchown(target, uid, uid)
+
+
+def _give_owned(merged: Path, owned: Sequence[tuple[str, bool, bool]], uid: int) -> None:
+    """Hand an image user on a root server the files its image gave it (``COPY --chown``, what
+    a ``RUN`` after ``USER`` made; :mod:`~rollout.runtime.sandbox.images.owners`): owner and
+    group become the sandbox's uid, which is that user (and group) inside, in the job's upper
+    layer (a metadata copy-up); the cache is untouched. Before the job runs, so no path holds
+    a link the job planted; the last component is never followed."""
+    for rel, is_owner, is_group in owned:
+        if inject.through_link(merged, "/" + rel):
+            continue
+        with contextlib.suppress(OSError):
+            os.chown(merged / rel, uid if is_owner else -1, uid if is_group else -1,
+                     follow_symlinks=False)
 
 
 _SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",

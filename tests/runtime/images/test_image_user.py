@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import os
+import shutil
+import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
 from rollout.runtime.sandbox.images import ImageError, UserRequest, cache_for, resolve_user
+from rollout.runtime.sandbox.images.owners import decode, image_owners
 from rollout.runtime.tools.editor import EditorTool
 from rollout.runtime.types import JobSpec, JobState, Limits
 from rollout.server.llm.scripted import ScriptedEngine
@@ -158,3 +163,64 @@ async def test_a_sandbox_runs_as_a_user_asked_for_and_one_command_as_another(
                              user=UserRequest("nobody-here", named_by="task.toml [agent].user"))
     assert "task.toml [agent].user 'nobody-here'" in str(e.value)
     assert os.listdir(cfg.sandboxes_dir) == []
+
+
+@pytest.fixture(scope="module")
+def owned_layout(tmp_path_factory: pytest.TempPathFactory, user_layout: Path) -> Path:
+    """The ``named`` image (User app) plus a layer whose tar headers give owners, as
+    ``COPY --chown=app`` and a ``RUN`` after ``USER app`` leave them: /app and /app/owned.txt
+    app's, /app/group.txt root's but group app's (0664), /srv/other uid 1002's, /rootfile
+    root's; tagged ``owned``."""
+    top = tmp_path_factory.mktemp("owned")
+    layout = top / "layout"
+    shutil.copytree(user_layout, layout)
+    raw = top / "layer.tar"
+    with tarfile.open(raw, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, uid, gid, mode, data in (
+                ("app", 1000, 1001, 0o755, None), ("app/owned.txt", 1000, 1001, 0o644, b"v1\n"),
+                ("app/group.txt", 0, 1001, 0o664, b"g\n"), ("srv", 0, 0, 0o755, None),
+                ("srv/other", 1002, 1002, 0o755, None), ("rootfile", 0, 0, 0o644, b"r\n")):
+            info = tarfile.TarInfo(name)
+            info.uid, info.gid, info.mode = uid, gid, mode
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:named", "--tag",
+                    "owned", str(raw)], check=True, capture_output=True, timeout=120)
+    return layout
+
+
+def test_owners_are_read_from_the_rootless_unpacks_xattrs() -> None:
+    # rootlesscontainers.com's Resource: field 1 uid, field 2 gid (varints); absent = 0.
+    assert decode(b"\x08\xe8\x07\x10\xe9\x07") == (1000, 1001)
+    assert decode(b"\x10\x05") == (0, 5) and decode(b"") == (0, 0)
+    assert decode(b"\x08\xff\xff\xff\xff\x0f") == (0, 0)  # "unchanged"
+    assert decode(b"\x1a\x00") is None and decode(b"\x08") is None
+
+
+async def test_the_images_owners_apply_to_its_user(tmp_path: Path, owned_layout: Path,
+                                                   image_settings: ImageSettings) -> None:
+    cfg = _config(tmp_path, image_settings)
+    async with await create_sandbox(cfg, image=f"oci:{owned_layout}:owned") as sb:
+        image = sb.image.image  # type: ignore[attr-defined]
+        assert sorted(image_owners(str(image.rootfs))) == [
+            ("app", 1000, 1001), ("app/group.txt", 0, 1001), ("app/owned.txt", 1000, 1001),
+            ("srv/other", 1002, 1002)]
+        r = await sb.exec(["sh", "-c", "stat -c '%u:%g' /app/owned.txt; "
+                           "echo v2 >> /app/owned.txt && echo own-ok; "
+                           "touch /app/new && echo dir-ok; "
+                           "echo g2 >> /app/group.txt && echo group-ok; "
+                           "echo x >> /rootfile 2>/dev/null || echo root-denied; "
+                           "touch /srv/other/x 2>/dev/null || echo other-denied"])
+        if os.geteuid() == 0:
+            # A root server: the user owns what its image gave it, and nothing else.
+            assert r.stdout.split() == ["1000:1001", "own-ok", "dir-ok", "group-ok",
+                                        "root-denied", "other-denied"], r.output
+        else:
+            # A rootless server: the user is the server's user, which owns every file.
+            assert r.stdout.split()[1:4] == ["own-ok", "dir-ok", "group-ok"], r.output
+        assert (image.rootfs / "app" / "owned.txt").read_text() == "v1\n"  # cache untouched
+        assert os.stat(image.rootfs / "app" / "owned.txt").st_uid == os.geteuid()
