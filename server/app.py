@@ -320,6 +320,7 @@ def build_sandbox_factory(cfg: Config) -> Any:
     from rollout.runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
     from rollout.runtime.sandbox.base import ImageSettings, SandboxError
     from rollout.runtime.sandbox.images import is_image_ref, parse_image_ref
+    from rollout.runtime.sandbox.images.egress import check_entries
 
     image = cfg.sandbox.image or None
     ceilings = SandboxLimits(address_space_bytes=cfg.sandbox.max_address_space_bytes,
@@ -331,7 +332,10 @@ def build_sandbox_factory(cfg: Config) -> Any:
                            setuid="refuse" if sb.image_setuid == "refuse" else "strip",
                            authfile=sb.image_authfile, registries_conf=sb.image_registries_conf,
                            timeout_s=sb.image_timeout_s, build_timeout_s=sb.image_build_timeout_s,
-                           rootless_root=_rootless_root(sb.image_rootless_root))
+                           rootless_root=_rootless_root(sb.image_rootless_root),
+                           build_network=("allowlist" if sb.image_build_network == "allowlist"
+                                          else "host"),
+                           build_hosts=check_entries(sb.image_build_hosts))
     if image and is_image_ref(image):
         try:  # a bad reference stops the start, not every job
             parse_image_ref(image)

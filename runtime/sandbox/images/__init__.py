@@ -94,7 +94,9 @@ def cache_for(settings: ImageSettings | None = None) -> ImageCache:
                 registry=RegistryOptions(authfile=settings.authfile,
                                          registries_conf=settings.registries_conf,
                                          tls_verify=settings.tls_verify,
-                                         timeout_s=settings.timeout_s))
+                                         timeout_s=settings.timeout_s),
+                build_hosts=(settings.build_hosts if settings.build_network == "allowlist"
+                             else None))
             _CACHES[(settings, root)] = cache
         return cache
 
