@@ -280,9 +280,9 @@ class BwrapSandbox(Sandbox):
         """A user of this sandbox's image (``spec`` as an image config's ``User`` spells it;
         None: the config's ``User`` itself, which a sandbox made with ``user=`` does not run
         as), for ``exec(..., user=...)``; resolved now, in the image as it was unpacked (not in the
-        files the job may have changed since), and, on a root server, given its home, the
-        image's working directory and (before the sandbox's first launch) the files its image
-        gave it, as the sandbox's default user has them. Blocking (it reads
+        files the job may have changed since), and, on a root server, given (when called
+        before the sandbox's first launch) its home, the image's working directory and the
+        files its image gave it, as the sandbox's default user has them. Blocking (it reads
         the image's /etc/passwd). A name the image lacks raises ``IMAGE_REJECTED``."""
         if self.image is None:
             raise SandboxError("only a sandbox on an image runs commands as a user of its "
@@ -291,12 +291,12 @@ class BwrapSandbox(Sandbox):
         if spec is None:
             spec, named_by = cached.config.user, "its config's User"
         user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
-        if self._lease is not None and not user.is_root:
+        # Only before the first launch: no process of the sandbox could have planted a link.
+        if self._lease is not None and not user.is_root and self._launches == 0:
             _give_dirs(self.path / "root", (user.home, cached.config.working_dir),
                        self._lease.uid)
-            if self._launches == 0:  # no process of the sandbox could have planted a link
-                _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
-                            self._lease.uid)
+            _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
+                        self._lease.uid)
         return user
 
     def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
