@@ -18,7 +18,7 @@ import signal
 import sqlite3
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -320,6 +320,7 @@ def build_sandbox_factory(cfg: Config) -> Any:
     from rollout.runtime.sandbox import SandboxConfig, SandboxLimits, create_sandbox
     from rollout.runtime.sandbox.base import ImageSettings, SandboxError
     from rollout.runtime.sandbox.images import is_image_ref, parse_image_ref
+    from rollout.runtime.sandbox.images.egress import check_entries
 
     image = cfg.sandbox.image or None
     ceilings = SandboxLimits(address_space_bytes=cfg.sandbox.max_address_space_bytes,
@@ -330,7 +331,11 @@ def build_sandbox_factory(cfg: Config) -> Any:
                            max_image_bytes=sb.image_max_bytes,
                            setuid="refuse" if sb.image_setuid == "refuse" else "strip",
                            authfile=sb.image_authfile, registries_conf=sb.image_registries_conf,
-                           timeout_s=sb.image_timeout_s, build_timeout_s=sb.image_build_timeout_s)
+                           timeout_s=sb.image_timeout_s, build_timeout_s=sb.image_build_timeout_s,
+                           rootless_root=_rootless_root(sb.image_rootless_root),
+                           build_network=("allowlist" if sb.image_build_network == "allowlist"
+                                          else "host"),
+                           build_hosts=check_entries(sb.image_build_hosts))
     if image and is_image_ref(image):
         try:  # a bad reference stops the start, not every job
             parse_image_ref(image)
@@ -366,6 +371,11 @@ def build_sandbox_factory(cfg: Config) -> Any:
                                                 tools=tuple(cfg.sandbox.pool_tools)))
         return functools.partial(create_sandbox, sb_cfg, pool=pool)
     return functools.partial(create_sandbox, sb_cfg)
+
+
+def _rootless_root(value: str) -> Literal["auto", "overlay", "copy"]:
+    """``sandbox.image_rootless_root`` (checked when the config loads) as ImageSettings types it."""
+    return "copy" if value == "copy" else "overlay" if value == "overlay" else "auto"
 
 
 def sandbox_pool_of(factory: Any) -> Any:

@@ -167,6 +167,17 @@ class SandboxSection:
     """Deadline of one image fetch or unpack."""
     image_build_timeout_s: float = 3600.0
     """Deadline of one Dockerfile build."""
+    image_build_network: str = "host"
+    """The network of a Dockerfile build's ``RUN`` steps: ``host`` (the server's) or
+    ``allowlist`` (only the registries of registries.conf and ``image_build_hosts``; root
+    servers; docs/images.md)."""
+    image_build_hosts: list[str] = field(default_factory=list)
+    """With ``image_build_network = "allowlist"``: the package registries builds may reach
+    (``deb.debian.org``, ``pypi.org:443``, ``*.pythonhosted.org``)."""
+    image_rootless_root: str = "auto"
+    """A rootless server's image roots: ``auto`` (an overlay per sandbox, falling back to a
+    private copy of the image where the kernel refuses a rootless overlay), ``overlay`` or
+    ``copy`` (docs/images.md)."""
     host_view: str = "minimal"
     """bwrap without ``image``: ``minimal`` (default) shows a sandbox only what a job needs
     (system trees, an allow-listed /etc, the interpreter, its task environment, and
@@ -307,6 +318,21 @@ def _check(cfg: Config) -> None:
         if getattr(cfg.sandbox, key) < 1:
             raise InvalidArgument(f"config key 'sandbox.{key}' must be a positive integer",
                                   "BAD_CONFIG", f"sandbox.{key}")
+    if cfg.sandbox.image_build_network not in ("host", "allowlist"):
+        raise InvalidArgument(f"config key 'sandbox.image_build_network': "
+                              f"{cfg.sandbox.image_build_network!r} is not one of host, "
+                              "allowlist", "BAD_CONFIG", "sandbox.image_build_network")
+    from rollout.runtime.sandbox.images.egress import check_entries
+
+    try:
+        check_entries(cfg.sandbox.image_build_hosts)
+    except ValueError as e:
+        raise InvalidArgument(f"config key 'sandbox.image_build_hosts': {e}", "BAD_CONFIG",
+                              "sandbox.image_build_hosts") from None
+    if cfg.sandbox.image_rootless_root not in ("auto", "overlay", "copy"):
+        raise InvalidArgument(f"config key 'sandbox.image_rootless_root': "
+                              f"{cfg.sandbox.image_rootless_root!r} is not one of auto, overlay, "
+                              "copy", "BAD_CONFIG", "sandbox.image_rootless_root")
     if cfg.sandbox.image_setuid not in ("strip", "refuse"):
         raise InvalidArgument(f"config key 'sandbox.image_setuid': {cfg.sandbox.image_setuid!r} "
                               "is not allowed; use strip or refuse", "BAD_CONFIG",

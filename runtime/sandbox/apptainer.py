@@ -192,12 +192,19 @@ class ApptainerSandbox(Sandbox):
     async def create(cls, config: SandboxConfig, *, workspace_files: Mapping[str, bytes | str],
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
                      image: Any = None, binds: Sequence[tuple[str, str, bool]] = (),
-                     **unknown: Any) -> ApptainerSandbox:
+                     user: Any = None, **unknown: Any) -> ApptainerSandbox:
         """``image``: this sandbox's own image instead of ``config.image``; ``binds``: (host
-        dir, sandbox path, writable) mounts, read-only unless writable."""
+        dir, sandbox path, writable) mounts, read-only unless writable. ``user`` is refused:
+        Apptainer runs every process as the server's own user."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
+        if user is not None:
+            spec = getattr(user, "spec", user)
+            named_by = getattr(user, "named_by", "the sandbox's user option")
+            raise SandboxError(f"the apptainer runtime runs every process as the server's own "
+                               f"user; it cannot run as {spec!r} ({named_by}): use the bwrap "
+                               "runtime", "INVALID_SANDBOX_OPTIONS")
         exe = find_singularity()
         checked = check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)
         # A job's own image carries its environment, PATH included (a SWE-bench image puts its

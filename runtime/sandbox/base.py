@@ -131,6 +131,20 @@ class ImageSettings:
     """Deadline of one fetch, one unpack, one build."""
     build_timeout_s: float = 3600.0
     """Deadline of one Dockerfile build."""
+    build_network: Literal["host", "allowlist"] = "host"
+    """The network of a Dockerfile's ``RUN`` steps: the host's (``host``, the default), or
+    only the image registries of ``registries.conf`` and :attr:`build_hosts`
+    (``allowlist``, root servers: :mod:`rollout.runtime.sandbox.images.egress`)."""
+    build_hosts: tuple[str, ...] = ()
+    """With ``build_network = "allowlist"``: the package registries a build may reach
+    (``deb.debian.org``, ``pypi.org:443``, ``*.pythonhosted.org``)."""
+    rootless_root: Literal["auto", "overlay", "copy"] = "auto"
+    """How a rootless server gives each image sandbox its writable root: ``overlay`` (a
+    copy-on-write overlay mounted in a user namespace: Linux 5.11+, and a filesystem the
+    kernel accepts as its upper layer), ``copy`` (a private copy of the cached root, ``cp -a
+    --reflink=auto``: any kernel, but INIT copies the image and the job's disk holds it), or
+    ``auto`` (the default: the overlay, falling back to the copy for good once the kernel
+    refuses the mount). A root server always mounts the overlay itself."""
     apptainer_pulls: Literal["apptainer", "cache"] = "apptainer"
     """Apptainer runtime, ``docker://`` images: pulled by Apptainer into SIF files
     (``apptainer``, the default: a SIF is one squashfs file, which Apptainer runs best) or

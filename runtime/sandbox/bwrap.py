@@ -44,6 +44,7 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -63,7 +64,7 @@ from rollout.runtime.sandbox.base import (
     finish_creation,
     register_live,
 )
-from rollout.runtime.sandbox.images import ImageLease, inject
+from rollout.runtime.sandbox.images import ImageLease, inject, owners
 from rollout.runtime.sandbox.images.user import ROOT as ROOT_USER
 
 CTL_IN_SANDBOX = "/.sandbox"
@@ -133,7 +134,8 @@ class BwrapSandbox(Sandbox):
                  extra_binds: tuple[tuple[str, str, bool], ...] = (),
                  image: ImageLease | None = None,
                  image_user: images.ImageUser = ROOT_USER,
-                 holder: subprocess.Popen[bytes] | None = None) -> None:
+                 holder: subprocess.Popen[bytes] | None = None,
+                 pinned: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self._holder = holder
         self.config = config
@@ -150,10 +152,8 @@ class BwrapSandbox(Sandbox):
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
         self.image = image
         self.image_user = image_user
-        """Who the processes of an image sandbox are (the image config's ``User``)."""
-        # A root server runs an image user other than root through a second, unprivileged
-        # bwrap that maps it onto the sandbox's own uid (:meth:`_user_chain`).
-        nested = image is not None and lease is not None and not image_user.is_root
+        """Who the processes of an image sandbox are by default (the image config's ``User``,
+        or the user the sandbox was asked to run as); ``exec(user=...)`` picks another."""
         self.default_cwd = self.workspace_in_sandbox
         self._lock_fd = lock_fd
         self._lease = lease
@@ -161,6 +161,9 @@ class BwrapSandbox(Sandbox):
         self._parked: subprocess.Popen[bytes] | None = None
         self._parked_needle: bytes | None = None
         self._parked_ready = -1
+        self._pinned = frozenset(pinned)
+        """Environment keys the image's Env or the creator set: another user's HOME and USER
+        never replace them."""
         # A launch's file binds must land on new top-level names: none the host's root (or the
         # rootfs) has, and none this sandbox already binds.
         self._root = str(rootfs) if rootfs else "/"
@@ -187,14 +190,6 @@ class BwrapSandbox(Sandbox):
               "--hostname", "sandbox", "--die-with-parent"]
         if network == "none":
             ns.append("--unshare-net")
-        if lease is None:
-            ns.append("--unshare-user")
-            if image is not None:  # the image's user is the server's own user
-                ns += ["--uid", str(image_user.uid), "--gid", str(image_user.gid)]
-        else:
-            ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            if image is not None and not nested:
-                ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
                   "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
@@ -218,38 +213,105 @@ class BwrapSandbox(Sandbox):
         if cgroup is not None:
             procs.join_spawner(cgroup)
         self._memory_group = os.path.abspath(config.state_dir) if config.memory_bytes >= 0 else None
-        # With a nested bwrap the inner one loads the filter (which forbids the user
-        # namespace that inner bwrap makes); the program's fd is inherited down to it.
-        if seccomp is not None and not nested:
+        self._seccomp = seccomp is not None
+        self._ns, self._binds, self._mounts = ns, list(binds), mounts
+        self._wrapper = hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script())
+        self._seal = ["--remount-ro", "/"] if image is None else []
+        self._chains: dict[images.ImageUser, tuple[list[str], list[str], list[str]]] = {}
+        self._prefix = self._chain(image_user)[0]  # the default chain, built up front
+
+    def _chain(self, user: images.ImageUser) -> tuple[list[str], list[str], list[str]]:
+        """(prefix, uid drop, inner bwrap) of a launch whose processes run as ``user``.
+
+        A root server runs an image user other than root through a second, unprivileged bwrap
+        that maps it onto the sandbox's own uid (that inner bwrap loads the seccomp filter,
+        which forbids the user namespace it makes; the program's fd is inherited down to it);
+        the image's root keeps the sandbox uid with the image capabilities. A rootless server
+        maps the user onto its own in bwrap's user namespace."""
+        cached = self._chains.get(user)
+        if cached is not None:
+            return cached
+        image, lease = self.image, self._lease
+        nested = image is not None and lease is not None and not user.is_root
+        ns = list(self._ns)
+        extra: list[str] = []
+        if lease is None:
+            ns.append("--unshare-user")
+            if image is not None:  # the image's user is the server's own user
+                ns += ["--uid", str(user.uid), "--gid", str(user.gid)]
+                if not user.is_root and _new_home(image.image.rootfs, user.home):
+                    extra += ["--perms", "0755", "--dir", user.home]
+        else:
+            ns += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            if image is not None and not nested:
+                ns += [a for cap in inject.IMAGE_CAPS for a in ("--cap-add", cap)]
+        if self._seccomp and not nested:
             ns += ["--seccomp", hardening.SECCOMP_FD]
-        self._inner: list[str] = []
+        inner: list[str] = []
         if nested:
-            self._inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
-                           "--uid", str(image_user.uid), "--gid", str(image_user.gid),
-                           "--dev-bind", "/", "/",
-                           *(["--seccomp", hardening.SECCOMP_FD] if seccomp else [])]
+            inner = [*inject.loader_argv(), f"{inject.BIN_IN}/bwrap", "--unshare-user",
+                     "--uid", str(user.uid), "--gid", str(user.gid), "--dev-bind", "/", "/",
+                     *(["--seccomp", hardening.SECCOMP_FD] if self._seccomp else [])]
         # Launch-only binds (:meth:`command_argv`) go after these and before the root is
         # made read-only, which they need to create their mount points.
-        self._prefix = [*hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script()),
-                        *(["nsenter", "-t", str(holder.pid), "--user", "--mount",
-                           "--preserve-credentials", "--"]
-                          if holder is not None else []),
-                        "bwrap", *ns, *binds, *mounts]
-        self._drop: list[str] = []
-        self._seal = ["--remount-ro", "/"] if image is None else []
+        prefix = [*self._wrapper,
+                  *(["nsenter", "-t", str(self._holder.pid), "--user", "--mount",
+                     "--preserve-credentials", "--"] if self._holder is not None else []),
+                  "bwrap", *ns, *self._binds, *extra, *self._mounts]
+        drop: list[str] = []
         if lease is not None:
             u = str(lease.uid)
             if image is None:
-                self._drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              "--inh-caps=-all", "--no-new-privs", "--"]
+                drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
+                        "--inh-caps=-all", "--no-new-privs", "--"]
             elif nested:
-                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
-                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              "--inh-caps=-all", "--no-new-privs", "--"]
+                drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv", f"--reuid={u}",
+                        f"--regid={u}", "--clear-groups", "--inh-caps=-all", "--no-new-privs",
+                        "--"]
             else:
-                self._drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv",
-                              f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                              *inject.image_caps_args(), "--no-new-privs", "--"]
+                drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv", f"--reuid={u}",
+                        f"--regid={u}", "--clear-groups", *inject.image_caps_args(),
+                        "--no-new-privs", "--"]
+        self._chains[user] = (prefix, drop, inner)
+        return prefix, drop, inner
+
+    def user_for(self, spec: str | None, *,
+                 named_by: str = "the user asked for") -> images.ImageUser:
+        """A user of this sandbox's image (``spec`` as an image config's ``User`` spells it;
+        None: the config's ``User`` itself, which a sandbox made with ``user=`` does not run
+        as), for ``exec(..., user=...)``; resolved now, in the image as it was unpacked (not in the
+        files the job may have changed since), and, on a root server, given (when called
+        before the sandbox's first launch) its home, the image's working directory and the
+        files its image gave it, as the sandbox's default user has them. Blocking (it reads
+        the image's /etc/passwd). A name the image lacks raises ``IMAGE_REJECTED``."""
+        if self.image is None:
+            raise SandboxError("only a sandbox on an image runs commands as a user of its "
+                               "image", "INVALID_SANDBOX_OPTIONS")
+        cached = self.image.image
+        if spec is None:
+            spec, named_by = cached.config.user, "its config's User"
+        user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
+        # Only before the first launch: no process of the sandbox could have planted a link.
+        if self._lease is not None and not user.is_root and self._launches == 0:
+            _give_dirs(self.path / "root", (user.home, cached.config.working_dir),
+                       self._lease.uid)
+            _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
+                        self._lease.uid)
+        return user
+
+    def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
+        """``HOME`` and ``USER`` of a launch as ``user`` when it is not the default one
+        (the sandbox defaults for root; the passwd entry's for another user), except what the
+        image's Env or the sandbox's creator set."""
+        if user is None or user == self.image_user:
+            return {}
+        defaults = default_env(self.python)
+        env = {"USER": defaults["USER"], "HOME": defaults["HOME"]}
+        if not user.is_root:
+            env["USER"] = user.name
+            if user.home and user.home != "/":
+                env["HOME"] = user.home
+        return {k: v for k, v in env.items() if k not in self._pinned}
 
     def _image_root(self, image: ImageLease, path: Path, mounted: bool,
                     interpreters: tuple[str, ...]) -> list[str]:
@@ -261,11 +323,8 @@ class BwrapSandbox(Sandbox):
         # Either way the overlay is mounted at ``root`` before bwrap starts: on the host once
         # (root server), or by each launch in a user namespace of its own (_userns_overlay).
         args = ["--bind", str(path / "root"), "/"]
-        args += ["--proc", "/proc", "--dev", "/dev",
-                 *inject.helper_binds(mounted, nested=mounted and not self.image_user.is_root)]
-        home = self.image_user.home
-        if not mounted and not self.image_user.is_root and _new_home(rootfs, home):
-            args += ["--perms", "0755", "--dir", home]
+        # bwrap itself too on a root server: any launch may run as a user other than root.
+        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted, nested=mounted)]
         py_args, ok = inject.python_binds(interpreters, rootfs)
         if ok:
             args += py_args
@@ -280,13 +339,16 @@ class BwrapSandbox(Sandbox):
                      env: Mapping[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | str | None = None,
                      binds: Sequence[tuple[str, str, bool]] = (),
-                     image: Any = None, **unknown: Any) -> BwrapSandbox:
+                     image: Any = None, user: str | images.UserRequest | None = None,
+                     **unknown: Any) -> BwrapSandbox:
         """``binds``: per-sandbox (host dir, sandbox path, writable) mounts, e.g. a task's
         prepared environment, read-only, shared by every job of its repository. ``image``:
         an image source (a reference such as ``docker://python:3.11-slim``, or a
         :class:`~rollout.runtime.sandbox.images.BuildSpec`) whose root this sandbox runs on,
         fetched or built first when the cache lacks it (``SandboxConfig.image`` when it is a
-        reference and no ``image`` is given); see :mod:`rollout.runtime.sandbox.images`."""
+        reference and no ``image`` is given); see :mod:`rollout.runtime.sandbox.images`.
+        ``user``: the user of the image every process runs as instead of its config's
+        ``User`` (a :class:`~rollout.runtime.sandbox.images.UserRequest` names who asked)."""
         if unknown:
             raise SandboxError(f"unknown sandbox options: {sorted(unknown)}",
                                "INVALID_SANDBOX_OPTIONS")
@@ -306,6 +368,10 @@ class BwrapSandbox(Sandbox):
         if rootfs is not None and not await asyncio.to_thread(Path(rootfs).is_dir):
             raise SandboxError(f"rootfs {rootfs} is not a directory", "INVALID_SANDBOX_OPTIONS")
         checked = check_binds(binds, config.workspace_in_sandbox, CTL_IN_SANDBOX)
+        if user is not None and image is None:
+            raise SandboxError("a sandbox's user option needs an image (it names a user of "
+                               "the image)", "INVALID_SANDBOX_OPTIONS")
+        request = images.UserRequest(user) if isinstance(user, str) else user
         lease = None
         if image is not None:
             if isinstance(image, str):
@@ -316,7 +382,7 @@ class BwrapSandbox(Sandbox):
         try:
             return await finish_creation(functools.partial(
                 cls._create_sync, config, dict(workspace_files), dict(env), network, limits,
-                rootfs, checked, lease))
+                rootfs, checked, lease, request))
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -327,7 +393,8 @@ class BwrapSandbox(Sandbox):
                      env: dict[str, str], network: Network, limits: SandboxLimits,
                      rootfs: Path | None,
                      binds: tuple[tuple[str, str, bool], ...] = (),
-                     image: ImageLease | None = None) -> BwrapSandbox:
+                     image: ImageLease | None = None,
+                     request: images.UserRequest | None = None) -> BwrapSandbox:
         root = config.sandboxes_dir
         root.mkdir(parents=True, exist_ok=True, mode=0o711)
         sid = uuid.uuid4().hex[:12]
@@ -359,23 +426,31 @@ class BwrapSandbox(Sandbox):
                                      0o644, owner)
             sb_env = default_env(config.python or sys.executable)
             user = ROOT_USER
+            pinned: set[str] = set(env)
             if image is not None:
-                user = images.resolve_user(image.image.rootfs, image.image.config.user,
-                                           image=image.image.ref)
+                pinned |= set(image.image.config.env_dict)
+                user = (images.resolve_user(image.image.rootfs, request.spec,
+                                            image=image.image.ref, named_by=request.named_by)
+                        if request is not None else
+                        images.resolve_user(image.image.rootfs, image.image.config.user,
+                                            image=image.image.ref))
                 sb_env = _image_env(sb_env, image.image.config, env, user)
                 for sub in ("upper", "work", "root"):
                     (path / sub).mkdir(mode=0o755)
                 if lease is not None:  # one overlay for all launches of the sandbox
+                    owned = (() if user.is_root else
+                             owners.owned_by(str(image.image.rootfs), user))
                     hardening.mount_overlay(image.image.rootfs, path / "upper", path / "work",
-                                            path / "root")
+                                            path / "root", metacopy=bool(owned))
                     if not user.is_root:
                         _give_dirs(path / "root", (user.home, image.image.config.working_dir),
                                    lease.uid)
+                        _give_owned(path / "root", owned, lease.uid)
                 else:
-                    holder = _userns_overlay(image.image.rootfs, path, sid)
+                    holder = _rootless_root(config.images.rootless_root, image, path, sid)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image, user, holder)
+                     image, user, holder, frozenset(pinned))
             register_live(sb)
         except BaseException:
             if holder is not None:
@@ -392,10 +467,12 @@ class BwrapSandbox(Sandbox):
     # -- processes ---------------------------------------------------------------------------
     def command_argv(self, argv: Sequence[str], *, cwd: str | None = None,
                      env: Mapping[str, str] | None = None, tty: bool = False,
-                     file_binds: Sequence[tuple[str, str]] = ()) -> list[str]:
+                     file_binds: Sequence[tuple[str, str]] = (),
+                     user: images.ImageUser | None = None) -> list[str]:
         """``file_binds``: (host file, sandbox path) pairs bound read-only into this launch
         only, e.g. a job's gateway socket, which exists only while RUN serves it (a socket
-        stays connectable through a read-only bind)."""
+        stays connectable through a read-only bind). ``user``: who the launch runs as (from
+        :meth:`user_for`; default: the sandbox's user)."""
         self._check_alive()
         extra: list[str] = []
         for host, inside in file_binds:
@@ -416,9 +493,13 @@ class BwrapSandbox(Sandbox):
         self._launches += 1
         tag = f"{self.id}.{self._launches}"
         cwd = cwd or self.default_cwd
-        inner = [*self._inner, "--chdir", cwd, "--"] if self._inner else []
-        return [*self._prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
-                "--chdir", cwd, *self._drop, *inner, *argv]
+        if user is not None and self.image is None:
+            raise SandboxError("only a sandbox on an image runs commands as a user of its "
+                               "image", "INVALID_SANDBOX_OPTIONS")
+        prefix, drop, inner = self._chain(user or self.image_user)
+        nested = [*inner, "--chdir", cwd, "--"] if inner else []
+        return [*prefix, *extra, *self._seal, "--setenv", LAUNCH_VAR, tag,
+                "--chdir", cwd, *drop, *nested, *argv]
 
     def park(self) -> None:
         """Start the launch of this sandbox's next command before anyone asks for it: the
@@ -507,9 +588,14 @@ class BwrapSandbox(Sandbox):
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,  # noqa: ASYNC109
                    cwd: str | None = None, env: Mapping[str, str] | None = None,
                    stdin: bytes | None = None, max_output: int = 1 << 20,
-                   file_binds: Sequence[tuple[str, str]] = ()) -> ExecResult:
+                   file_binds: Sequence[tuple[str, str]] = (),
+                   user: images.ImageUser | None = None) -> ExecResult:
+        """``user``: run as this user of the image (:meth:`user_for`) instead of the
+        sandbox's own, with its ``HOME`` and ``USER``."""
         command = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        parked = None if file_binds else self._take_parked()
+        env = {**self._user_env(user), **(env or {})}
+        other = user is not None and user != self.image_user
+        parked = None if file_binds or other else self._take_parked()
         if parked is not None:
             self._check_alive()
             return await procs.run_collect(
@@ -518,7 +604,7 @@ class BwrapSandbox(Sandbox):
                 stdin=stdin, max_output=max_output, on_exit=self.untrack,
                 orphan_needle=self._parked_needle, parked=parked,
                 request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
-        argv = self.command_argv(command, cwd=cwd, file_binds=file_binds)
+        argv = self.command_argv(command, cwd=cwd, file_binds=file_binds, user=user)
         return await procs.run_collect(
             argv, env=self.spawn_env(env),
             timeout=timeout if timeout is not None else self.limits.default_timeout_s,
@@ -565,6 +651,8 @@ class BwrapSandbox(Sandbox):
 
 
 HOLDER_READY_S = 60.0
+MOUNT_REFUSED = 125
+"""The holder's exit status when the kernel refused the mount (not a failure to start)."""
 
 
 def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[bytes]:
@@ -581,7 +669,7 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
         raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
                            f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
     script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
-              '|| exit 125; echo ready; read -r _')
+              f'|| exit {MOUNT_REFUSED}; echo ready; read -r _')
     proc = subprocess.Popen(
         ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c", script, "sh",
          *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -592,11 +680,75 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
     if line.strip() != b"ready":
         procs.stop_process(proc)
         err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+        refused = proc.returncode == MOUNT_REFUSED
         _close_pipes(proc)
-        raise SandboxUnavailable(
+        raise (_OverlayRefused if refused else SandboxUnavailable)(
             "a rootless server could not mount the image's overlay in a user namespace "
             f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
     return proc
+
+
+class _OverlayRefused(SandboxUnavailable):
+    """The kernel refused the rootless overlay mount itself (not a failure to start)."""
+
+
+_OVERLAY_REFUSED: dict[tuple[int, int], str] = {}
+"""(device of the image cache, device of the sandboxes) -> why the kernel refused a rootless
+overlay there: found by the first sandbox that tried, so every later one copies at once."""
+_OVERLAY_LOCK = threading.Lock()
+
+
+def _rootless_root(mode: str, image: ImageLease, path: Path,
+                   sid: str) -> subprocess.Popen[bytes] | None:
+    """Make a rootless image sandbox's writable root at ``path/root``: the overlay's holder
+    (returned), or, where the kernel refuses a rootless overlay (before Linux 5.11, or an
+    upper layer on a filesystem it rejects) or ``mode`` is ``copy``, a private copy of the
+    cached root (None: no holder). ``auto`` tries the overlay until it is refused once on
+    these filesystems, then copies; ``overlay`` never copies."""
+    rootfs = image.image.rootfs
+    key = (os.stat(rootfs).st_dev, os.stat(path).st_dev)
+    if mode != "copy" and not (mode == "auto" and key in _OVERLAY_REFUSED):
+        try:
+            return _userns_overlay(rootfs, path, sid)
+        except _OverlayRefused as e:
+            if mode == "overlay":
+                raise
+            with _OVERLAY_LOCK:
+                first = key not in _OVERLAY_REFUSED
+                _OVERLAY_REFUSED[key] = str(e)
+            if first:
+                log.warning("image sandboxes: the kernel refused a rootless overlay mount (%s); "
+                            "each image sandbox gets a private copy of its image's root "
+                            "instead (cp -a --reflink=auto: INIT copies the image, the job's "
+                            "disk holds it; sandbox.image_rootless_root = \"copy\" skips "
+                            "this try)", e)
+    _copy_root(rootfs, path / "root", image.image.ref)
+    return None
+
+
+def _copy_root(rootfs: Path, dest: Path, ref: str) -> None:
+    """Copy the cached root into the sandbox's own ``dest`` (reflinks where the filesystem
+    has them; hard links inside the image stay hard links inside the copy, never to the
+    cache, so a job's write cannot reach the cache)."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(["cp", "-a", "--reflink=auto", "--", f"{rootfs}/.", str(dest)],
+                              capture_output=True, timeout=COPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"copying the root of image {ref} took over {COPY_TIMEOUT_S:g} s",
+                           "SANDBOX_START_FAILED") from None
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip()[-500:]
+        if "No space left" in err:
+            raise images.ImageError(f"image {ref}: the disk filled up while copying its root "
+                                    f"into a sandbox: {err}", "IMAGE_DISK_FULL", ref=ref)
+        raise SandboxError(f"could not copy the root of image {ref} into the sandbox: {err}",
+                           "SANDBOX_START_FAILED")
+    log.info("image %s: root copied into sandbox %s in %.1f s (no rootless overlay)", ref,
+             dest.parent.name, time.monotonic() - started)
+
+
+COPY_TIMEOUT_S = 1800.0
 
 
 def _parents(rootfs: Path, insides: Sequence[str]) -> list[str]:
@@ -643,6 +795,20 @@ def _give_dirs(merged: Path, dirs: Sequence[str], uid: int) -> None:
             os.mkdir(target, 0o755)
         if os.path.isdir(target) and not os.path.islink(target):
             os.lchown(target, uid, uid)
+
+
+def _give_owned(merged: Path, owned: Sequence[tuple[str, bool, bool]], uid: int) -> None:
+    """Hand an image user on a root server the files its image gave it (``COPY --chown``, what
+    a ``RUN`` after ``USER`` made; :mod:`~rollout.runtime.sandbox.images.owners`): owner and
+    group become the sandbox's uid, which is that user (and group) inside, in the job's upper
+    layer (a metadata copy-up); the cache is untouched. Before the job runs, so no path holds
+    a link the job planted; the last component is never followed."""
+    for rel, is_owner, is_group in owned:
+        if inject.through_link(merged, "/" + rel):
+            continue
+        with contextlib.suppress(OSError):
+            os.chown(merged / rel, uid if is_owner else -1, uid if is_group else -1,
+                     follow_symlinks=False)
 
 
 _SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",

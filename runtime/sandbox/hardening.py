@@ -72,19 +72,24 @@ def mount_quota(path: Path, size_bytes: int) -> None:
                            f"{os.strerror(err)}")
 
 
-def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path, *,
+                  metacopy: bool = False) -> None:
     """Mount an overlay of the read-only ``lower`` (an image's cached root) with the writable
     ``upper`` on ``target`` (nosuid, nodev): one per image sandbox, made on the host so that
-    every launch of the sandbox binds the same merged root and sees the others' writes."""
+    every launch of the sandbox binds the same merged root and sees the others' writes.
+    ``metacopy``: a chown copies up the file's metadata only, not its data (tried, and
+    dropped where the kernel lacks it)."""
     for p in (lower, upper, work):
         if any(c in str(p) for c in ",:\\"):
             raise OSError(errno.EINVAL, f"an overlay layer path may not hold ',', ':' or "
                                         f"a backslash: {p}")
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
-    if _libc().mount(b"overlay", os.fsencode(target), b"overlay", _MS_NOSUID | _MS_NODEV,
-                     opts) != 0:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    for extra in ((",metacopy=on", "") if metacopy else ("",)):
+        if _libc().mount(b"overlay", os.fsencode(target), b"overlay", _MS_NOSUID | _MS_NODEV,
+                         (opts + extra).encode()) == 0:
+            return
         err = ctypes.get_errno()
-        raise OSError(err, f"cannot mount the image overlay on {target}: {os.strerror(err)}")
+    raise OSError(err, f"cannot mount the image overlay on {target}: {os.strerror(err)}")
 
 
 def mounts_below(path: Path | str) -> list[str]:

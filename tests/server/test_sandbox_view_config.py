@@ -27,10 +27,26 @@ def test_host_view_and_visible_paths_reach_the_sandbox_config(tmp_path: Path) ->
     assert build_sandbox_factory(cfg).args[0].visible_paths == ("/data/models",)
 
 
+def test_the_rootless_image_root_reaches_the_image_settings(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"server.state_dir={tmp_path}"],
+                      environ={"ROLLOUT_SANDBOX__IMAGE_ROOTLESS_ROOT": "copy"})
+    assert build_sandbox_factory(cfg).args[0].images.rootless_root == "copy"
+    cfg = load_config(None, [f"server.state_dir={tmp_path}",
+                             "sandbox.image_build_network=allowlist",
+                             'sandbox.image_build_hosts=["deb.debian.org", "pypi.org:443"]'],
+                      environ={})
+    images = build_sandbox_factory(cfg).args[0].images
+    assert images.build_network == "allowlist"
+    assert images.build_hosts == ("deb.debian.org", "pypi.org:443")
+
+
 @pytest.mark.parametrize(("override", "field"), [
     ("sandbox.host_view=everything", "sandbox.host_view"),
     ('sandbox.visible_paths=["relative/dir"]', "sandbox.visible_paths"),
-    ("sandbox.max_processes=0", "sandbox.max_processes")])
+    ("sandbox.max_processes=0", "sandbox.max_processes"),
+    ("sandbox.image_rootless_root=tmpfs", "sandbox.image_rootless_root"),
+    ("sandbox.image_build_network=proxy", "sandbox.image_build_network"),
+    ('sandbox.image_build_hosts=["http://x"]', "sandbox.image_build_hosts")])
 def test_bad_values_are_refused(override: str, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         load_config(None, [override], environ={})

@@ -29,7 +29,8 @@ started.
 EVAL runs only after that: ``/logs/verifier`` and ``/tests`` are host directories bound into
 the sandbox, emptied on the host once no process of the agent is left, and ``tests/`` is
 copied in then (the agent saw an empty ``/tests``). ``tests/test.sh`` runs as the task says
-(its own interpreter line, ``[verifier].env``, ``TEST_DIR=/tests``, the verifier's timeout) in
+(its own interpreter line, ``[verifier].env``, ``TEST_DIR=/tests``, the verifier's timeout, as
+``[verifier].user``; the agent runs as ``[agent].user``; either unset: the image's USER) in
 the agent's filesystem, since its checks read what the agent changed; every process it left is
 killed before the reward files are read on the host, never through a program of the sandbox.
 So the reward file is the verifier run's: one the agent wrote beforehand was removed, and no
@@ -65,6 +66,7 @@ from rollout.runtime.envs.harbor.taskdir import HarborTask, TaskFolderError
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox import hostfs
 from rollout.runtime.sandbox.base import SandboxLimits
+from rollout.runtime.sandbox.images.user import UserRequest
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward, TerminationReason
 
@@ -76,6 +78,7 @@ SOLUTION_DIR = "/solution"
 TASK_KEY = "harbor.task"
 DIRS_KEY = "harbor.dirs"
 WORKDIR_KEY = "harbor.workdir"
+VERIFIER_USER_KEY = "harbor.verifier_user"
 _LOG_TAIL = 2000
 _TASK_FIELDS = ("task_dir", "agent", "digest", "name")
 
@@ -121,10 +124,25 @@ class HarborHandler(AgentHandler):
         binds = [(str(dirs["verifier"]), VERIFIER_DIR, True), (str(dirs["tests"]), TESTS_DIR, True)]
         if "solution" in dirs:
             binds.append((str(dirs["solution"]), SOLUTION_DIR, False))
+        # [agent].user: every process of the agent (and the oracle) runs as that user of
+        # the image, as Harbor's exec does; unset, the image's USER.
+        user = ({"user": UserRequest(harbor.agent_user, named_by="task.toml [agent].user")}
+                if harbor.agent_user is not None else {})
         sandbox = await ctx.open_sandbox(image=image_source(harbor), binds=binds,
                                          env=dict(harbor.environment_env), network="none",
-                                         limits=sandbox_limits(harbor))
+                                         limits=sandbox_limits(harbor), **user)
         ctx.state[SANDBOX_KEY] = sandbox
+        if harbor.verifier_user is not None or harbor.agent_user is not None:
+            # Resolved now, in the image as built (a passwd the agent edits cannot move the
+            # verifier), so a user the image lacks fails INIT, before any agent ran. Unset,
+            # it is the image's USER, which a sandbox made for [agent].user does not run as.
+            user_for = getattr(sandbox, "user_for", None)
+            if user_for is None:
+                raise HandlerError(f"the Harbor task {harbor.name} sets a user in task.toml, "
+                                   "which this server's sandbox runtime cannot apply (the "
+                                   "bwrap runtime does)", "INVALID_TASK")
+            ctx.state[VERIFIER_USER_KEY] = await asyncio.to_thread(
+                user_for, harbor.verifier_user, named_by="task.toml [verifier].user")
         owner = sandbox.owner()
         if owner is not None:
             for key in ("verifier", "tests"):
@@ -164,8 +182,11 @@ class HarborHandler(AgentHandler):
         await asyncio.to_thread(_refill, dirs, harbor, sandbox.owner())
         timeout = max(1.0, min(harbor.verifier_timeout_s, ctx.spec.limits.eval_timeout_s - 5.0))
         env = {**harbor.verifier_env, "TEST_DIR": TESTS_DIR}
+        as_user = ({"user": ctx.state[VERIFIER_USER_KEY]}
+                   if VERIFIER_USER_KEY in ctx.state else {})
         run = await sandbox.exec([f"{TESTS_DIR}/test.sh"], timeout=timeout,
-                                 cwd=ctx.state.get(WORKDIR_KEY), env=env, max_output=1 << 20)
+                                 cwd=ctx.state.get(WORKDIR_KEY), env=env, max_output=1 << 20,
+                                 **as_user)
         # Whatever the verifier left running must not touch the reward after this point.
         await sandbox.stop_processes()
         files = await asyncio.to_thread(_reward_files, dirs["verifier"])

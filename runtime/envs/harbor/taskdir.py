@@ -101,6 +101,11 @@ class HarborTask:
     solution_env: Mapping[str, str] = field(default_factory=dict)
     has_solution: bool = False
     unknown_keys: tuple[str, ...] = ()
+    agent_user: str | None = None
+    """``[agent].user``: who the agent's (and the oracle's) commands run as; None = the
+    image's ``USER``."""
+    verifier_user: str | None = None
+    """``[verifier].user``: who ``tests/test.sh`` runs as; None = the image's ``USER``."""
 
     @property
     def image_source(self) -> str:
@@ -170,7 +175,9 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         environment_env=_strings(env_table, "env", where),
         verifier_env=_strings(section["verifier"], "env", f"{root / CONFIG}: [verifier]"),
         solution_env=_strings(section["solution"], "env", f"{root / CONFIG}: [solution]"),
-        has_solution=has_solution, unknown_keys=_unknown(config))
+        has_solution=has_solution, unknown_keys=_unknown(config),
+        agent_user=_user(section["agent"], f"{root / CONFIG}: [agent]"),
+        verifier_user=_user(section["verifier"], f"{root / CONFIG}: [verifier]"))
 
 
 def find_tasks(paths: list[Path]) -> list[Path]:
@@ -279,6 +286,22 @@ def _strings(table: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
             and isinstance(v, str | int | float | bool) for k, v in value.items()):
         raise TaskFolderError(f"{where} {key} must be a table of variable names to values")
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()}
+
+
+def _user(table: Mapping[str, Any], where: str) -> str | None:
+    """``user``: a name or a uid (optionally ``:group``), as Harbor passes it to the
+    container runtime; resolved later in the task's image."""
+    value = table.get("user")
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32 - 1:
+        return str(value)
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.$-]*"
+                                               r"(:[A-Za-z0-9_.][A-Za-z0-9_.$-]*)?", value) \
+            and len(value) <= 128:
+        return value
+    raise TaskFolderError(f"{where} user must be a user name or a uid (optionally with "
+                          f"':group'), got {value!r}")
 
 
 def _unknown(config: Mapping[str, Any]) -> tuple[str, ...]:

@@ -18,7 +18,9 @@ The API (stable; the ``harbor`` environment and the SWE-bench image path build o
   ``cache.lookup(ref)`` never fetches. A :class:`CachedImage` carries the digest, the
   ``rootfs`` directory and the :class:`ImageConfig` (``Env``, ``WorkingDir``, ``User``);
   :func:`resolve_user` turns ``User`` into an :class:`ImageUser` through the image's own
-  ``/etc/passwd`` and ``/etc/group``.
+  ``/etc/passwd`` and ``/etc/group``; a :class:`UserRequest` (``create_sandbox(...,
+  user=...)``) replaces ``User`` for one sandbox, and ``sandbox.user_for(spec)`` plus
+  ``exec(..., user=...)`` runs one command as another user of the image (a Harbor verifier).
 - **One call for both**: :func:`prepare_image` (blocking) takes an image source (a reference
   string, an :class:`ImageRef` or a :class:`BuildSpec`) and returns the
   :class:`CachedImage`; :func:`lookup_image` answers without fetching or building.
@@ -61,17 +63,17 @@ from rollout.runtime.sandbox.images.config import ImageConfig, host_architecture
 from rollout.runtime.sandbox.images.errors import REASONS, ImageError
 from rollout.runtime.sandbox.images.layers import LayerPolicy, LayerVerdict, check_layers
 from rollout.runtime.sandbox.images.ref import ImageRef, is_image_ref, parse_image_ref
-from rollout.runtime.sandbox.images.user import ImageUser, resolve_user
+from rollout.runtime.sandbox.images.user import ImageUser, UserRequest, resolve_user
 
 ImageSource = str | ImageRef | BuildSpec
 """What names an image: a reference (string or parsed) or a Dockerfile build."""
 
 __all__ = ["REASONS", "BuildLimits", "BuildSpec", "CacheEntry", "CachedImage", "ImageCache",
            "ImageConfig", "ImageError", "ImageLease", "ImageRef", "ImageSettings",
-           "ImageSource", "ImageUser", "LayerPolicy", "LayerVerdict", "Progress", "RegistryOptions",
-           "build_image", "cache_for", "check_layers", "context_key", "host_architecture",
-           "is_image_ref", "lease_image", "lookup_build", "lookup_image", "parse_image_ref",
-           "prepare_image", "resolve_user", "source_label"]
+           "ImageSource", "ImageUser", "LayerPolicy", "LayerVerdict", "Progress",
+           "RegistryOptions", "UserRequest", "build_image", "cache_for", "check_layers",
+           "context_key", "host_architecture", "is_image_ref", "lease_image", "lookup_build",
+           "lookup_image", "parse_image_ref", "prepare_image", "resolve_user", "source_label"]
 
 _CACHES: dict[tuple[ImageSettings, Path], ImageCache] = {}
 _CACHES_LOCK = threading.Lock()
@@ -92,7 +94,9 @@ def cache_for(settings: ImageSettings | None = None) -> ImageCache:
                 registry=RegistryOptions(authfile=settings.authfile,
                                          registries_conf=settings.registries_conf,
                                          tls_verify=settings.tls_verify,
-                                         timeout_s=settings.timeout_s))
+                                         timeout_s=settings.timeout_s),
+                build_hosts=(settings.build_hosts if settings.build_network == "allowlist"
+                             else None))
             _CACHES[(settings, root)] = cache
         return cache
 

@@ -16,9 +16,10 @@ Bounds, stated plainly (what ``buildah --isolation chroot`` allows, and no more)
 - **network**: ``network="host"`` (the default) gives ``RUN`` steps the host's network, which
   is what ``apt-get``/``pip`` need to reach the package registries; ``network="none"`` gives
   them none (``buildah --network none``). ``FROM`` images come through buildah itself, which
-  uses the user's ``registries.conf`` (mirrors, insecure registries) and auth file. An
-  allow-list of hosts is NOT enforced by buildah: on machines whose build network must reach
-  only the package and image registries, the host's firewall or proxy has to say so.
+  uses the user's ``registries.conf`` (mirrors, insecure registries) and auth file. With
+  ``ImageSettings.build_network = "allowlist"`` a ``host`` build reaches only the registries
+  and the listed hosts (:mod:`.egress`: its own network namespace, a proxy that refuses the
+  rest; root servers).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rollout.runtime.sandbox.base import SandboxUnavailable
+from rollout.runtime.sandbox.images import egress
 from rollout.runtime.sandbox.images.cache import CachedImage, ImageCache, Progress, _remove
 from rollout.runtime.sandbox.images.errors import ImageError
 
@@ -194,13 +197,24 @@ def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
                 "--network", spec.network, *spec.limits.ulimit_args(), *tls, *auth,
                 "-f", str(spec.dockerfile_path()), "-t", tag,
                 *(f"--build-arg={k}={v}" for k, v in spec.build_args), str(spec.context)]
-        code = _run_logged(argv, log_path, spec.timeout_s, run_env)
+        confined = _egress(cache) if spec.network == "host" else None
+        if confined is None:
+            code = _run_logged(argv, log_path, spec.timeout_s, run_env)
+        else:
+            try:
+                code = egress.run_confined(argv, confined, log_path, spec.timeout_s, run_env)
+            except OSError as e:
+                raise SandboxUnavailable(f"the allow-listed build network of {spec.name} could "
+                                         f"not be set up: {e}") from e
         if code != 0:
             tail = _tail(log_path)
             why = (f"did not finish within {spec.timeout_s:g} s" if code is None
                    else f"failed (exit {code})")
-            raise ImageError(f"the Dockerfile build of {spec.name} {why}; the build log "
-                             f"ends:\n{tail}", "IMAGE_BUILD_FAILED", ref=spec.name)
+            refused = (f"; the build network refused {', '.join(sorted(set(confined.refused)))}"
+                       f" (only the image registries and {egress.SETTING} are reachable)"
+                       if confined is not None and confined.refused else "")
+            raise ImageError(f"the Dockerfile build of {spec.name} {why}{refused}; the build "
+                             f"log ends:\n{tail}", "IMAGE_BUILD_FAILED", ref=spec.name)
         note("exporting")
         layout = staging / "layout"
         code = _run_logged(["buildah", *store, "push", *tls, tag, f"oci:{layout}:img"],
@@ -216,6 +230,19 @@ def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
             subprocess.run(["buildah", *store, "rmi", "-f", tag], capture_output=True,
                            timeout=120, check=False)
         _remove(staging)
+
+
+def _egress(cache: ImageCache) -> egress.Egress | None:
+    """The allow-listing build network of ``cache``'s settings, or None (the host's)."""
+    if cache.build_hosts is None:
+        return None
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        raise SandboxUnavailable(
+            "sandbox.image_build_network = \"allowlist\" needs a root server with `unshare` "
+            "(the build runs in a network namespace of its own); set it to \"host\" or run "
+            "the server as root")
+    allow, forwards = egress.registry_endpoints(cache.registry.conf_path())
+    return egress.Egress(egress.AllowList((*allow, *cache.build_hosts)), forwards)
 
 
 def _run_logged(argv: list[str], log_path: Path, timeout: float,

@@ -163,11 +163,15 @@ class ImageCache:
 
     def __init__(self, root: Path | str, *, budget_bytes: int = 32 << 30,
                  policy: LayerPolicy | None = None,
-                 registry: RegistryOptions | None = None) -> None:
+                 registry: RegistryOptions | None = None,
+                 build_hosts: tuple[str, ...] | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         self.budget_bytes = budget_bytes
         self.policy = policy or LayerPolicy()
         self.registry = registry or RegistryOptions()
+        self.build_hosts = build_hosts
+        """None: builds use the network their spec names; else a build on the host's network
+        reaches only the registries and these hosts (:mod:`.egress`)."""
         for sub in ("images", "refs", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)

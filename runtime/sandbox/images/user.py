@@ -33,6 +33,16 @@ class ImageUser:
 ROOT = ImageUser(0, 0, "root", "/root")
 
 
+@dataclass(frozen=True)
+class UserRequest:
+    """A user a caller asks an image sandbox to run as instead of its config's ``User`` (a
+    Harbor task's ``[agent].user``): the same spellings, resolved in the image the same way;
+    ``named_by`` says in a refusal where the name came from, so the task's author can fix it."""
+
+    spec: str
+    named_by: str = "the sandbox's user option"
+
+
 def _table(rootfs: Path, name: str) -> list[list[str]]:
     try:
         text = hostfs.read_beneath(rootfs, f"etc/{name}", 4 << 20).decode("utf-8", "replace")
@@ -46,8 +56,10 @@ def _number(text: str) -> int | None:
     return int(text) if text.isdigit() and int(text) < 2**32 - 1 else None
 
 
-def resolve_user(rootfs: Path, spec: str, *, image: str = "") -> ImageUser:
-    """``spec`` (an image config's ``User``) as numbers and a home, from the image's files."""
+def resolve_user(rootfs: Path, spec: str, *, image: str = "",
+                 named_by: str = "its config's User") -> ImageUser:
+    """``spec`` (an image config's ``User``, or a user a task asks for, which ``named_by``
+    names in the messages) as numbers and a home, from the image's files."""
     spec = spec.strip()
     if not spec:
         return ROOT
@@ -59,9 +71,9 @@ def resolve_user(rootfs: Path, spec: str, *, image: str = "") -> ImageUser:
     if uid is None:
         if entry is None or _number(entry[2]) is None:
             raise ImageError(
-                f"image {image}: its config's User {spec!r} names a user that is not in the "
-                "image's /etc/passwd; set USER to a user the image creates (useradd) or to a "
-                "number", "IMAGE_REJECTED", ref=image)
+                f"image {image}: {named_by} {spec!r} names a user that is not in the "
+                "image's /etc/passwd; name a user the image creates (useradd) or a number",
+                "IMAGE_REJECTED", ref=image)
         uid = int(entry[2])
     if group:
         gid = _number(group)
@@ -70,7 +82,7 @@ def resolve_user(rootfs: Path, spec: str, *, image: str = "") -> ImageUser:
                           if f[0] == group and _number(f[2]) is not None), None)
             if found is None:
                 raise ImageError(
-                    f"image {image}: its config's User {spec!r} names a group that is not in "
+                    f"image {image}: {named_by} {spec!r} names a group that is not in "
                     "the image's /etc/group", "IMAGE_REJECTED", ref=image)
             gid = int(found[2])
     else:

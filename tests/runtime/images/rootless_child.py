@@ -31,6 +31,31 @@ async def main(top: Path) -> dict[str, object]:
     async with await create_sandbox(cfg, image=f"oci:{top}/layout:named") as sb:
         r = await sb.exec(["sh", "-c", "id -u; id -g; echo $HOME; echo x > $HOME/f && echo ok"])
         seen["named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    async with await create_sandbox(cfg, image=f"oci:{top}/layout:named") as sb:
+        # One command as the image's root ([verifier].user = "root" on an image of app).
+        root = sb.user_for("root")  # type: ignore[attr-defined]
+        r = await sb.exec(["sh", "-c", "id -u; echo $HOME"], user=root)  # type: ignore[call-arg]
+        seen["as_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    # The fallback where the kernel refuses a rootless overlay, forced by the setting: a
+    # private copy of the cached root, no holder, the same behaviour.
+    copy_cfg = SandboxConfig(state_dir=top / "state",
+                             images=ImageSettings(cache_dir=str(top / "cache"),
+                                                  rootless_root="copy"))
+    async with await create_sandbox(copy_cfg, image=f"oci:{top}/layout:root") as sb:
+        bash = await sb.bash()
+        r = await sb.exec("id -u; echo copied > /etc/written; cat /etc/written")
+        seen["copy_exec"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+        seen["copy_bash"] = (await bash.run("cat /etc/written")).output.split()
+        r = await sb.exec("rm /etc/passwd; test -e /etc/passwd || echo gone")
+        seen["copy_second"] = r.stdout.split()
+        image = sb.image.image  # type: ignore[attr-defined]
+        seen["copy_holder"] = sb._holder is not None  # type: ignore[attr-defined]
+        seen["copy_in_sandbox"] = (sb.path / "root" / "etc" / "written").read_text()  # type: ignore[attr-defined]
+        seen["copy_cache_written"] = (image.rootfs / "etc" / "written").exists()
+        seen["copy_cache_passwd"] = (image.rootfs / "etc" / "passwd").exists()
+    async with await create_sandbox(copy_cfg, image=f"oci:{top}/layout:named") as sb:
+        r = await sb.exec(["sh", "-c", "id -u; echo $HOME; echo x > $HOME/f && echo ok"])
+        seen["copy_named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
     seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
     return seen
 

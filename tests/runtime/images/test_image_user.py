@@ -5,10 +5,13 @@ tools work as that user; a user the image does not know is the task's fault."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import io
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,45 +19,17 @@ import pytest
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
-from rollout.runtime.sandbox.images import ImageError, cache_for, resolve_user
+from rollout.runtime.sandbox.images import ImageError, UserRequest, cache_for, resolve_user
+from rollout.runtime.sandbox.images.owners import decode, image_owners
 from rollout.runtime.tools.editor import EditorTool
 from rollout.runtime.types import JobSpec, JobState, Limits
 from rollout.server.llm.scripted import ScriptedEngine
 from rollout.server.scheduler import PipelineConfig, Scheduler
 from rollout.server.store import JobStore
-from tests.fixtures.images import skip_unless_images
 from tests.runtime.doubles import EngineClient, smollm2_tokenizer
 from tests.runtime.images.test_image_jobs import ImageTaskHandler, _run
 
 pytestmark = pytest.mark.timeout(300)
-
-PASSWD = ("root:x:0:0:root:/root:/bin/sh\n"
-          "app:x:1000:1001:the task's user:/home/app:/bin/sh\n")
-GROUP = "root:x:0:\napp:x:1001:\nstaff:x:50:app\n"
-
-
-def _umoci(*args: str) -> None:
-    subprocess.run(["umoci", *args], check=True, capture_output=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def user_layout(tmp_path_factory: pytest.TempPathFactory, busybox_layout: Path) -> Path:
-    """The busybox layout with an ``app`` user, tagged by the ``User`` its config names."""
-    skip_unless_images()
-    top = tmp_path_factory.mktemp("users")
-    layout = top / "layout"
-    shutil.copytree(busybox_layout, layout)
-    tree = top / "tree"
-    (tree / "etc").mkdir(parents=True)
-    (tree / "home" / "app").mkdir(parents=True)
-    (tree / "etc" / "passwd").write_text(PASSWD)
-    (tree / "etc" / "group").write_text(GROUP)
-    _umoci("insert", "--rootless", "--image", f"{layout}:bb", str(tree), "/")
-    for tag, user in (("named", "app"), ("grouped", "app:staff"), ("numeric", "4242:4243"),
-                      ("ghost", "ghost"), ("root", "")):
-        _umoci("config", "--image", f"{layout}:bb", "--tag", tag, "--config.user", user)
-    return layout
-
 
 def _config(tmp_path: Path, settings: ImageSettings) -> SandboxConfig:
     return SandboxConfig(state_dir=tmp_path / "state", images=settings)
@@ -154,3 +129,98 @@ async def test_an_unknown_user_fails_the_job_naming_the_task(
     assert job.state == JobState.FAILED and job.reward is None
     assert (job.error.code, job.error.reason) == ("INVALID_TASK", "IMAGE_REJECTED")
     assert "task 'ghost-task'" in job.error.message and "ghost" in job.error.message
+
+
+async def test_a_sandbox_runs_as_a_user_asked_for_and_one_command_as_another(
+        tmp_path: Path, user_layout: Path, image_settings: ImageSettings) -> None:
+    # What a Harbor task's [agent].user / [verifier].user need: the sandbox's user replaced
+    # (an image whose User is root runs as app), and one command as another user (root in a
+    # sandbox of app), each with that user's HOME.
+    cfg = _config(tmp_path, image_settings)
+    who = ["sh", "-c", "echo $(id -u) $HOME; touch /etc/probe 2>/dev/null && echo wrote-etc"]
+    async with await create_sandbox(cfg, image=f"oci:{user_layout}:root", user="app") as sb:
+        r = await sb.exec(who)
+        assert r.stdout.split()[:2] == ["1000", "/home/app"], r.output
+        root = await asyncio.to_thread(sb.user_for, "root")  # type: ignore[attr-defined]
+        r = await sb.exec(who, user=root)  # type: ignore[call-arg]
+        assert r.stdout.split()[1:] == ["/tmp/home", "wrote-etc"], r.output
+        assert r.stdout.split()[0] != "1000"
+        bash = await sb.bash()  # the tools stay the sandbox's user
+        out = await bash.run("id -u")
+        assert out.output.split()[-1] == "1000", out.output
+    async with await create_sandbox(cfg, image=f"oci:{user_layout}:named") as sb:
+        r = await sb.exec(who)
+        assert r.stdout.split()[:2] == ["1000", "/home/app"], r.output
+        root = await asyncio.to_thread(sb.user_for, "0")  # type: ignore[attr-defined]
+        r = await sb.exec(who, user=root)  # type: ignore[call-arg]
+        assert r.stdout.split()[1:] == ["/tmp/home", "wrote-etc"], r.output
+        with pytest.raises(ImageError) as e:
+            sb.user_for("ghost", named_by="task.toml [verifier].user")  # type: ignore[attr-defined]
+        assert e.value.reason == "IMAGE_REJECTED"
+        assert "task.toml [verifier].user 'ghost'" in str(e.value)
+    with pytest.raises(ImageError) as e:
+        await create_sandbox(cfg, image=f"oci:{user_layout}:root",
+                             user=UserRequest("nobody-here", named_by="task.toml [agent].user"))
+    assert "task.toml [agent].user 'nobody-here'" in str(e.value)
+    assert os.listdir(cfg.sandboxes_dir) == []
+
+
+@pytest.fixture(scope="module")
+def owned_layout(tmp_path_factory: pytest.TempPathFactory, user_layout: Path) -> Path:
+    """The ``named`` image (User app) plus a layer whose tar headers give owners, as
+    ``COPY --chown=app`` and a ``RUN`` after ``USER app`` leave them: /app and /app/owned.txt
+    app's, /app/group.txt root's but group app's (0664), /srv/other uid 1002's, /rootfile
+    root's; tagged ``owned``."""
+    top = tmp_path_factory.mktemp("owned")
+    layout = top / "layout"
+    shutil.copytree(user_layout, layout)
+    raw = top / "layer.tar"
+    with tarfile.open(raw, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, uid, gid, mode, data in (
+                ("app", 1000, 1001, 0o755, None), ("app/owned.txt", 1000, 1001, 0o644, b"v1\n"),
+                ("app/group.txt", 0, 1001, 0o664, b"g\n"), ("srv", 0, 0, 0o755, None),
+                ("srv/other", 1002, 1002, 0o755, None), ("rootfile", 0, 0, 0o644, b"r\n")):
+            info = tarfile.TarInfo(name)
+            info.uid, info.gid, info.mode = uid, gid, mode
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:named", "--tag",
+                    "owned", str(raw)], check=True, capture_output=True, timeout=120)
+    return layout
+
+
+def test_owners_are_read_from_the_rootless_unpacks_xattrs() -> None:
+    # rootlesscontainers.com's Resource: field 1 uid, field 2 gid (varints); absent = 0.
+    assert decode(b"\x08\xe8\x07\x10\xe9\x07") == (1000, 1001)
+    assert decode(b"\x10\x05") == (0, 5) and decode(b"") == (0, 0)
+    assert decode(b"\x08\xff\xff\xff\xff\x0f") == (0, 0)  # "unchanged"
+    assert decode(b"\x1a\x00") is None and decode(b"\x08") is None
+
+
+async def test_the_images_owners_apply_to_its_user(tmp_path: Path, owned_layout: Path,
+                                                   image_settings: ImageSettings) -> None:
+    cfg = _config(tmp_path, image_settings)
+    async with await create_sandbox(cfg, image=f"oci:{owned_layout}:owned") as sb:
+        image = sb.image.image  # type: ignore[attr-defined]
+        assert sorted(image_owners(str(image.rootfs))) == [
+            ("app", 1000, 1001), ("app/group.txt", 0, 1001), ("app/owned.txt", 1000, 1001),
+            ("srv/other", 1002, 1002)]
+        r = await sb.exec(["sh", "-c", "stat -c '%u:%g' /app/owned.txt; "
+                           "echo v2 >> /app/owned.txt && echo own-ok; "
+                           "touch /app/new && echo dir-ok; "
+                           "echo g2 >> /app/group.txt && echo group-ok; "
+                           "echo x >> /rootfile 2>/dev/null || echo root-denied; "
+                           "touch /srv/other/x 2>/dev/null || echo other-denied"])
+        if os.geteuid() == 0:
+            # A root server: the user owns what its image gave it, and nothing else.
+            assert r.stdout.split() == ["1000:1001", "own-ok", "dir-ok", "group-ok",
+                                        "root-denied", "other-denied"], r.output
+        else:
+            # A rootless server: the user is the server's user, which owns every file.
+            assert r.stdout.split()[1:4] == ["own-ok", "dir-ok", "group-ok"], r.output
+        assert (image.rootfs / "app" / "owned.txt").read_text() == "v1\n"  # cache untouched
+        assert os.stat(image.rootfs / "app" / "owned.txt").st_uid == os.geteuid()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.images.test_image_user import user_layout  # noqa: F401 (a fixture)
+from rollout.runtime.sandbox.base import ImageSettings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ def _system_python() -> str:
     return exe
 
 
-def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path) -> None:  # noqa: F811
+def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the other image tests already run rootless here")
     python = _system_python()
@@ -66,6 +66,50 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
         # The image's User maps onto the server's user too.
         assert seen["named"][:2] == [0, ["1000", "1001", "/home/app", "ok"]], seen["named"]
+        assert seen["as_root"][:2] == [0, ["0", "/tmp/home"]], seen["as_root"]
+        # The copy fallback (forced): same behaviour, no holder, the cache untouched.
+        assert seen["copy_exec"][:2] == [0, ["0", "copied"]], seen["copy_exec"]
+        assert seen["copy_bash"][0] == "copied" and seen["copy_second"] == ["gone"]
+        assert seen["copy_holder"] is False and seen["copy_in_sandbox"] == "copied\n"
+        assert seen["copy_cache_written"] is False and seen["copy_cache_passwd"] is True
+        assert seen["copy_named"][:2] == [0, ["1000", "/home/app", "ok"]], seen["copy_named"]
         assert seen["sandboxes_left"] == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
+        tmp_path: Path, busybox_layout: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A kernel older than 5.11 (or an upper layer on a filesystem it rejects) refuses the
+    # holder's mount; this kernel accepts it, so the refusal is played by a stand-in holder.
+    # The first sandbox finds it and copies, says so once, and the next ones copy at once.
+    from rollout.runtime.sandbox import bwrap
+    from rollout.runtime.sandbox.images import lease_image
+
+    tries: list[str] = []
+
+    def refused(rootfs: Path, path: Path, sid: str) -> None:
+        tries.append(sid)
+        raise bwrap._OverlayRefused("mount: permission denied")
+
+    monkeypatch.setattr(bwrap, "_userns_overlay", refused)
+    monkeypatch.setattr(bwrap, "_OVERLAY_REFUSED", {})
+    lease = lease_image(f"oci:{busybox_layout}:bb",
+                        ImageSettings(cache_dir=str(tmp_path / "cache")))
+    try:
+        for sid in ("a", "b"):
+            (tmp_path / sid / "root").mkdir(parents=True)
+            with caplog.at_level("INFO", logger=bwrap.__name__):
+                assert bwrap._rootless_root("auto", lease, tmp_path / sid, sid) is None
+            assert (tmp_path / sid / "root" / "bin" / "busybox").is_file()
+        assert tries == ["a"]
+        warnings = [r for r in caplog.records if "refused a rootless overlay" in r.message]
+        assert len(warnings) == 1 and "private copy" in warnings[0].message
+        # "overlay" never falls back: the refusal is the sandbox's error.
+        (tmp_path / "c" / "root").mkdir(parents=True)
+        with pytest.raises(bwrap._OverlayRefused):
+            bwrap._rootless_root("overlay", lease, tmp_path / "c", "c")
+        assert list((tmp_path / "c" / "root").iterdir()) == []
+    finally:
+        lease.release()

@@ -1,0 +1,142 @@
+"""The build network's allow-list for real: buildah in a network namespace of its own whose only
+exits are the allow-listing proxy and the forwarded loopback registry. FROM still comes from the
+loopback mirror; a RUN step reaches an allowed host through the proxy, is refused another one
+with a 403 naming it, and cannot reach anything by its own sockets. The same probe on the
+host's network (the default) reaches everything: what the allow-list takes away."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout.runtime.sandbox.images import BuildSpec, ImageError, build_image, cache_for
+from rollout.runtime.sandbox.images.egress import AllowList, check_entries, registry_endpoints
+from tests.fixtures.images import Registry, skip_unless_images
+
+pytestmark = pytest.mark.timeout(600)
+
+PROBE = """\
+import json, os, socket, sys, urllib.request
+host, allowed, other = sys.argv[1], sys.argv[2], sys.argv[3]
+seen = {}
+def fetch(port):
+    try:
+        return urllib.request.urlopen(f"http://{host}:{port}/f", timeout=10).read().decode()
+    except Exception as e:
+        return f"{type(e).__name__}: {getattr(e, 'code', '')} {e}"
+seen["allowed"] = fetch(allowed)
+seen["other"] = fetch(other)
+try:  # a step that ignores the proxy
+    socket.create_connection((host, int(allowed)), timeout=5).close()
+    seen["direct"] = "connected"
+except OSError as e:
+    seen["direct"] = f"{type(e).__name__}: {e}"
+open("/probe.json", "w").write(json.dumps(seen))
+"""
+
+
+def _host_address() -> str:
+    """An address of this machine that is not loopback (what a package mirror looks like)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            addr = s.getsockname()[0]
+    except OSError:
+        addr = ""
+    if not addr or addr.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address to serve a test mirror on")
+    return addr
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = f"served by {self.server.server_address[1]}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def mirrors() -> Iterator[tuple[str, int, int]]:
+    addr = _host_address()
+    servers = [http.server.ThreadingHTTPServer((addr, 0), _Handler) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        yield addr, servers[0].server_address[1], servers[1].server_address[1]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+def _context(root: Path, addr: str, allowed: int, other: int, extra: str = "") -> Path:
+    root.mkdir(parents=True)
+    (root / "probe.py").write_text(PROBE)
+    (root / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nCOPY probe.py /probe.py\n"
+        f"RUN python3 /probe.py {addr} {allowed} {other}\n{extra}")
+    return root
+
+
+def test_a_build_reaches_only_the_registries_and_the_allowed_hosts(
+        image_registry: Registry, tmp_path: Path, mirrors: tuple[str, int, int]) -> None:
+    skip_unless_images("buildah")
+    if os.geteuid() != 0:
+        pytest.skip("the build network's allow-list needs a root server")
+    addr, allowed, other = mirrors
+    confined = dataclasses.replace(image_registry.settings(tmp_path / "confined"),
+                                   build_network="allowlist",
+                                   build_hosts=(f"{addr}:{allowed}",))
+    image = build_image(cache_for(confined), BuildSpec(
+        _context(tmp_path / "a", addr, allowed, other), label="confined", timeout_s=400))
+    seen = json.loads((image.rootfs / "probe.json").read_text())
+    assert seen["allowed"] == f"served by {allowed}", seen
+    assert "403" in seen["other"], seen
+    assert seen["direct"].startswith("OSError") and "unreachable" in seen["direct"], seen
+    # A step that needs a host off the list fails the build, the message naming the host.
+    with pytest.raises(ImageError) as err:
+        build_image(cache_for(confined), BuildSpec(
+            _context(tmp_path / "b", addr, allowed, other,
+                     f"RUN python3 -c \"import urllib.request; "
+                     f"urllib.request.urlopen('http://{addr}:{other}/f')\"\n"),
+            label="needs-other", timeout_s=400))
+    assert err.value.reason == "IMAGE_BUILD_FAILED"
+    assert f"the build network refused {addr}:{other}" in str(err.value), str(err.value)
+    assert "sandbox.image_build_hosts" in str(err.value)
+    # The host's network (the default) reaches both, directly too.
+    free = image_registry.settings(tmp_path / "free")
+    image = build_image(cache_for(free), BuildSpec(
+        _context(tmp_path / "c", addr, allowed, other), label="free", timeout_s=400))
+    seen = json.loads((image.rootfs / "probe.json").read_text())
+    assert seen == {"allowed": f"served by {allowed}", "other": f"served by {other}",
+                    "direct": "connected"}, seen
+
+
+def test_allow_list_entries_and_the_registries_conf(tmp_path: Path) -> None:
+    allow = AllowList(("deb.debian.org", "pypi.org:443", "*.pythonhosted.org"))
+    assert allow.allows("deb.debian.org", 80) and allow.allows("DEB.debian.org.", 443)
+    assert not allow.allows("deb.debian.org", 22) and not allow.allows("pypi.org", 80)
+    assert allow.allows("files.pythonhosted.org", 443)
+    assert not allow.allows("pythonhosted.org", 443) and not allow.allows("evil.org", 443)
+    assert check_entries([" pypi.org:443 "]) == ("pypi.org:443",)
+    for bad in ("http://x", "a b", "", "user@host", "*."):
+        with pytest.raises(ValueError):
+            check_entries([bad])
+    conf = tmp_path / "registries.conf"
+    conf.write_text('[[registry]]\nprefix = "docker.io"\nlocation = "docker.io"\n'
+                    '[[registry.mirror]]\nlocation = "127.0.0.1:5000"\n'
+                    '[[registry.mirror]]\nlocation = "mirror.corp:5443/hub"\n')
+    assert registry_endpoints(str(conf)) == (("docker.io", "mirror.corp:5443"), (5000,))
