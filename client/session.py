@@ -29,6 +29,14 @@ far less than a frame per event. ``events()`` still yields one ``progress`` fram
 the order they arrived, with the job id set; only ``on_wire`` sees the batch frames. Progress
 stays ephemeral and best-effort (docs/PROTOCOL.md).
 
+Frames are batched too (``batch_frames``, default on): the server may write the frames that are
+ready together (the answers to one submit, trajectories and their ``finished`` frames) as one
+``batch`` frame, which costs the server and this client far less than a write and a read per
+frame. ``events()`` yields the frames inside one by one, with their own sequence numbers and
+job ids, exactly as a server that does not batch sends them; only ``on_wire`` sees the
+``batch`` frames. Submits are batched by the caller: one :meth:`Session.submit` of many specs
+is one frame.
+
 Sequence numbers restart at 1 on each underlying stream; every re-open shows up as a new
 ``opened`` frame. The progress frames unpacked from one batch all carry that batch frame's
 sequence number, so within one stream the sequence numbers ``events()`` yields never
@@ -77,7 +85,8 @@ _STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 
 class Session:
     def __init__(self, client: Any, client_id: str, *, progress: bool = False,
-                 batch_progress: bool = True, max_unacked: int = 0, auto_ack: bool = False,
+                 batch_progress: bool = True, batch_frames: bool = True,
+                 max_unacked: int = 0, auto_ack: bool = False,
                  heartbeat_s: float | None = None, max_reconnects: int = 10,
                  on_wire: Callable[[pb.StreamRolloutsResponse], None] | None = None,
                  backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
@@ -87,6 +96,9 @@ class Session:
         self.batch_progress = batch_progress
         """Let the server coalesce progress events into ``progress_batch`` frames (unpacked
         here); False asks for one frame per event, as clients before batching did."""
+        self.batch_frames = batch_frames
+        """Let the server write the frames that are ready together as one ``batch`` frame
+        (unpacked here); False asks for one frame per write, as clients before it did."""
         self.max_unacked = max_unacked
         self.auto_ack = auto_ack
         self.heartbeat_s = 1.0 if heartbeat_s is None else heartbeat_s
@@ -250,7 +262,8 @@ class Session:
         open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
                                max_unacked=self.max_unacked, progress=self.progress,
                                store_id=self.opened.store_id,
-                               batch_progress=self.progress and self.batch_progress)
+                               batch_progress=self.progress and self.batch_progress,
+                               batch_frames=self.batch_frames)
         # Always set: an explicit zero turns heartbeats off (unset would mean the default).
         open_.heartbeat_interval.CopyFrom(Duration(
             seconds=int(max(self.heartbeat_s, 0)),
@@ -341,6 +354,15 @@ class Session:
     async def _on_frame(self, frame: pb.StreamRolloutsResponse) -> None:
         if self.on_wire is not None:
             self.on_wire(frame)
+        if frame.WhichOneof("kind") == "batch":
+            # Handled one by one, as if each had arrived alone (each carries its own
+            # sequence number and job id).
+            for inner in frame.batch.frames:
+                await self._on_one(inner)
+            return
+        await self._on_one(frame)
+
+    async def _on_one(self, frame: pb.StreamRolloutsResponse) -> None:
         kind = frame.WhichOneof("kind")
         if kind == "opened":
             if frame.opened.store_changed:

@@ -73,12 +73,16 @@ def _nodes_to_proto(nodes: list[NodeStatus]) -> list[pb.NodeStatus]:
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0,
                  min_heartbeat_s: float = 0.1, max_page_bytes: int = 4 << 20,
-                 max_progress_batch: int = MAX_PROGRESS_BATCH) -> None:
+                 max_progress_batch: int = MAX_PROGRESS_BATCH,
+                 max_frame_batch: int = StreamSettings.max_frame_batch) -> None:
         self._scheduler = scheduler
         self._max_progress_batch = max(1, max_progress_batch)
-        self._stream_settings = StreamSettings(heartbeat_s=heartbeat_s,
-                                               min_heartbeat_s=min_heartbeat_s,
-                                               max_progress_batch=self._max_progress_batch)
+        # A batch frame stays within what one ListJobs page may hold: under the message limit.
+        self._stream_settings = StreamSettings(
+            heartbeat_s=heartbeat_s, min_heartbeat_s=min_heartbeat_s,
+            max_progress_batch=self._max_progress_batch,
+            max_frame_batch=max(1, max_frame_batch),
+            max_batch_bytes=min(max_page_bytes, StreamSettings.max_batch_bytes))
         self._ownership = Ownership(scheduler)
         self._max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
         """ListJobs stops a page before its jobs pass this many bytes (under the message

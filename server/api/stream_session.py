@@ -73,6 +73,11 @@ class StreamSettings:
     loop on the server."""
     max_progress_batch: int = 512
     """Most events in one ``progress_batch`` frame."""
+    max_frame_batch: int = 1024
+    """Most frames in one ``batch`` frame (``OpenSession.batch_frames``)."""
+    max_batch_bytes: int = 4 << 20
+    """A ``batch`` frame is closed once its frames pass this many bytes, so it stays well
+    under the message limit (a single larger frame is written alone, as without batching)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class OpenRequest:
     max_unacked: int
     progress: bool
     batch_progress: bool
+    batch_frames: bool
     heartbeat_s: float
     store_id: str
 
@@ -114,6 +120,7 @@ class OpenRequest:
                    max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED,
                    progress=opened.progress,
                    batch_progress=opened.progress and opened.batch_progress,
+                   batch_frames=opened.batch_frames,
                    heartbeat_s=heartbeat, store_id=opened.store_id)
 
 
@@ -124,6 +131,13 @@ def _check_client_id(client_id: str) -> None:
     proto_convert.check_id(client_id, "open.client_id")
     auth.check_not_reserved(client_id, "open.client_id")
     auth.current.get().check_client_id(client_id, "open.client_id")
+
+
+def _batch_frame(frames: list[pb.StreamRolloutsResponse]) -> pb.StreamRolloutsResponse:
+    """One frame as itself; several in a ``batch`` frame (sequence 0: they carry theirs)."""
+    if len(frames) == 1:
+        return frames[0]
+    return pb.StreamRolloutsResponse(batch=pb.FrameBatch(frames=frames))
 
 
 def result_pruned(job_id: str) -> errors.FailedPrecondition:
@@ -167,6 +181,7 @@ class StreamSession:
         self._out: asyncio.Queue[StreamEvent] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._batch = (ProgressBatch(max(1, settings.max_progress_batch))
                        if request.batch_progress else None)
+        self._settings = settings
         self._resubmitted: set[int] = set()
         """Delivery ids re-announced by a ``FINISHED_JOB_POLICY_REPLAY`` submit: their frames
         say ``resubmitted`` (written by the receive loop, read by the send loop)."""
@@ -197,11 +212,51 @@ class StreamSession:
         self._spawn(self.event_loop())
         if self._request.heartbeat_s > 0:
             self._spawn(self.heartbeat_loop())
+        frames = (self.coalesce(self.send_loop()) if self._request.batch_frames
+                  else self.send_loop())
         try:
-            async for frame in self.send_loop():
-                yield frame
+            async for frame in frames:
+                if frame is not None:
+                    yield frame
         finally:
             await self.close()
+
+    async def coalesce(self, frames: AsyncGenerator[pb.StreamRolloutsResponse | None, None]
+                       ) -> AsyncGenerator[pb.StreamRolloutsResponse, None]:
+        """``batch_frames``: the send loop's frames, those ready together as one ``batch``
+        frame. The send loop yields None just before it would wait for the queue, so what it
+        made until then goes out at once (a lone frame as itself): nothing waits for a frame
+        still to come, and an idle session writes each frame as it is made.
+
+        Frames are collected before they are written, so a trajectory's memory is released
+        (``Subscription.sent``) up to one batch early; ``max_batch_bytes`` bounds that."""
+        limit = max(1, self._settings.max_frame_batch)
+        max_bytes = self._settings.max_batch_bytes
+        held: list[pb.StreamRolloutsResponse] = []
+        size = 0
+        async with contextlib.aclosing(frames):
+            try:
+                async for frame in frames:
+                    if frame is not None:
+                        n = frame.ByteSize()
+                        if held and size + n > max_bytes:
+                            yield _batch_frame(held)
+                            held, size = [], 0
+                        held.append(frame)
+                        size += n
+                        if len(held) < limit and size < max_bytes:
+                            continue
+                    if held:
+                        yield _batch_frame(held)
+                        held, size = [], 0
+            except Exception:
+                # The call ends with this error: what was made before it is still written
+                # first, as it would have been one frame at a time.
+                if held:
+                    yield _batch_frame(held)
+                raise
+            if held:
+                yield _batch_frame(held)
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -246,11 +301,15 @@ class StreamSession:
 
     # ------------------------------------------------------------------ the writer
 
-    async def send_loop(self) -> AsyncIterator[pb.StreamRolloutsResponse]:
+    async def send_loop(self) -> AsyncGenerator[pb.StreamRolloutsResponse | None, None]:
+        """The frames to write, one per yield (resumed once it is written, or taken into a
+        batch); None, which is not a frame, marks the moment it is about to wait for the
+        queue (see :meth:`coalesce`)."""
         yield self._frame(opened=pb.SessionOpened(
             client_id=self.client_id, replaying=self._sub.replaying, server_version=VERSION,
             store_id=self._store_id, store_changed=self._store_changed,
             acked_through=self._acked_through))
+        yield None  # `opened` is written alone: a client reads it before anything else
         batch = self._batch
         while True:
             # The previous write has completed: what queued meanwhile is taken now without
@@ -259,6 +318,8 @@ class StreamSession:
             if batch and (self._out.empty() or batch.full):
                 yield self._frame(progress_batch=batch.take())
                 continue
+            if self._out.empty():
+                yield None
             item = await self._next_item()
             if batch is not None:
                 match item:

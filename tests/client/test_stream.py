@@ -61,9 +61,13 @@ async def test_round_trip(harness: ServerHarness) -> None:
     assert flat.token_ids == [1, 2, 3, 1, 2, 4] and flat.loss_mask == [0, 0, 1, 0, 0, 1]
     finished = {f.job_id: f.finished for f in kinds(frames, "finished")}
     assert finished["a"].state == S.STATE_SUCCEEDED and finished["a"].reward == 0.25
-    # sequence numbers are 1, 2, 3, ... without gaps on one stream; the progress frames
+    # sequence numbers are 1, 2, 3, ... without gaps on one stream, the frames inside a
+    # `batch` frame counted one by one (the batch frame itself is 0); the progress frames
     # unpacked from one progress_batch frame share its number
-    assert [f.sequence for f in wire] == list(range(1, len(wire) + 1))
+    assert all(f.sequence == 0 for f in kinds(wire, "batch"))
+    alone = [g for f in wire for g in (f.batch.frames if f.WhichOneof("kind") == "batch"
+                                       else [f])]
+    assert [f.sequence for f in alone] == list(range(1, len(alone) + 1))
     assert [f.sequence for f in frames] == sorted(f.sequence for f in frames)
     # acknowledged: nothing left to replay for this client
     async with RolloutClient(harness.address) as client, client.session("trainer") as s:
