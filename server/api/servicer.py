@@ -17,7 +17,12 @@ import grpc
 
 from rollout.runtime.types import InvalidArgument, JobState
 from rollout.server.api import errors, proto_convert, typed_tasks
-from rollout.server.api.stream_events import ProgressBatch, finished_to_proto, progress_to_proto
+from rollout.server.api.stream_events import (
+    ProgressBatch,
+    finished_to_proto,
+    progress_to_proto,
+    trajectory_message,
+)
 from rollout.server.api.stream_session import (
     DEFAULT_MAX_UNACKED,
     VERSION,
@@ -199,7 +204,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                             while batch:  # the job's progress goes before its trajectory
                                 yield pb.SubmitRolloutResponse(progress_batch=batch.take())
                             yield pb.SubmitRolloutResponse(
-                                trajectory=proto_convert.trajectory_to_proto(ev.trajectory))
+                                trajectory=trajectory_message(ev))
                             sub.sent(ev.delivery_id)
                             # Acknowledged once handed to gRPC: a retry after this replays
                             # from the store (above), so nothing is lost if the caller

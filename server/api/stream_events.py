@@ -19,6 +19,7 @@ from rollout.server.pipeline.subscription import (
     TrajectoryReady,
 )
 from rollout.v1 import rollout_service_pb2 as pb
+from rollout.v1 import trajectory_pb2
 
 _PROGRESS_EVENTS = {"started": pb.StageProgress.EVENT_STARTED,
                     "finished": pb.StageProgress.EVENT_FINISHED,
@@ -84,6 +85,14 @@ def progress_to_proto(ev: StageProgress) -> pb.StageProgress:
         msg.output_tokens = int(detail.get("generated_tokens", 0))
         msg.tool_calls = int(detail.get("tool_calls_total", 0))
     return msg
+
+
+def trajectory_message(ev: TrajectoryReady) -> trajectory_pb2.Trajectory:
+    """The delivery's trajectory as a message: parsed from the bytes the store wrote when the
+    delivery carries them (far cheaper than converting the dataclass again), else converted."""
+    if ev.encoded:
+        return trajectory_pb2.Trajectory.FromString(ev.encoded)
+    return proto_convert.trajectory_to_proto(ev.trajectory)
 
 
 def finished_to_proto(ev: JobFinished) -> pb.JobFinished:

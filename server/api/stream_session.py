@@ -40,6 +40,7 @@ from rollout.server.api.stream_events import (
     finished_to_proto,
     job_of,
     progress_to_proto,
+    trajectory_message,
 )
 from rollout.server.pipeline.records import SubmitResult
 from rollout.server.pipeline.subscription import (
@@ -367,7 +368,7 @@ class StreamSession:
             case TrajectoryReady():
                 return self._frame(item.job_id, trajectory=pb.TrajectoryReady(
                     delivery_id=item.delivery_id,
-                    trajectory=proto_convert.trajectory_to_proto(item.trajectory),
+                    trajectory=trajectory_message(item),
                     resubmitted=item.delivery_id in self._resubmitted))
             case JobFinished():
                 return self._frame(item.job_id, finished=finished_to_proto(item))

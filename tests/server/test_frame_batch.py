@@ -212,3 +212,28 @@ async def test_a_bad_job_in_a_batch_is_rejected_alone(harness: ServerHarness) ->
     assert all(r.message for r in rejected.values())
     _assert_each_job_once([f for f in frames if f.job_id in good], good)
     assert kinds(wire, "batch")
+
+
+async def test_a_live_delivery_carries_the_bytes_the_store_wrote(tmp_path: Path) -> None:
+    """The trajectory is encoded once, by the store's writer; the delivery hands those bytes
+    to the session (which sends them without converting again), and they are the trajectory."""
+    from rollout.runtime.types import JobSpec
+    from rollout.server.api.proto_convert import trajectory_to_proto
+    from rollout.server.api.stream_events import trajectory_message
+    from rollout.server.pipeline.subscription import TrajectoryReady
+
+    async with running_scheduler(tmp_path / "db") as (sched, _):
+        sub = await sched.attach("c", progress=False)
+        await sched.submit([JobSpec(job_id="e", environment="scripted",
+                                    task={"reward": 0.5, "turns": 2})], "c")
+        ready = None
+        async for ev in sub:
+            if isinstance(ev, TrajectoryReady):
+                ready = ev
+                break
+        assert ready is not None and ready.encoded
+        assert trajectory_message(ready) == trajectory_to_proto(ready.trajectory)
+        sent = trajectory_message(ready)
+        assert sent.reward == 0.5 and len(sent.turns) == 2
+        stored = await sched.store.get_trajectory("e")
+        assert stored is not None and trajectory_to_proto(stored) == sent
