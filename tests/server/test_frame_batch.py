@@ -194,20 +194,21 @@ async def test_old_client_gets_one_write_per_frame(harness: ServerHarness) -> No
 
 
 async def test_a_bad_job_in_a_batch_is_rejected_alone(harness: ServerHarness) -> None:
-    """One submit frame with a job of an unknown environment, one with a bad task, one with
-    an empty id among good ones: each bad one gets its own `rejected` answer naming it; the
-    others are accepted and run."""
+    """One submit frame with a job of an unknown environment, one with a bad task, one whose
+    task holds a NaN (which JSON cannot carry), one with an empty id among good ones: each bad
+    one gets its own `rejected` answer naming it; the others are accepted and run."""
     good = [f"g{i}" for i in range(6)]
     jobs = [_job(good[0]), _job("bad-env", environment="no-such-env"), _job(good[1]),
-            _job("bad-task", bad=True), *(_job(j) for j in good[2:]),
-            _job("", reward=1.0)]
+            _job("bad-task", bad=True), _job("nan-task", reward=float("nan")),
+            *(_job(j) for j in good[2:]), _job("", reward=1.0)]
     wire = await _run_raw(harness, "mixed", jobs, pb.OpenSession(batch_frames=True), 6)
     frames = alone(wire)
     rejected = {f.job_id: f.rejected for f in kinds(frames, "rejected")}
-    assert set(rejected) == {"bad-env", "bad-task", ""}
+    assert set(rejected) == {"bad-env", "bad-task", "nan-task", ""}
     assert rejected["bad-env"].reason == "UNKNOWN_ENVIRONMENT"
     assert rejected["bad-env"].code == grpc.StatusCode.NOT_FOUND.value[0]
     assert rejected["bad-task"].reason == "INVALID_TASK"
+    assert (rejected["nan-task"].reason, rejected["nan-task"].field) == ("INVALID_TASK", "task")
     assert rejected[""].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert all(r.message for r in rejected.values())
     _assert_each_job_once([f for f in frames if f.job_id in good], good)
