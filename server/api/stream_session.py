@@ -440,7 +440,9 @@ class StreamSession:
         for p in jobs:
             try:
                 specs.append(proto_convert.spec_from_proto(p))
-            except InvalidArgument as exc:  # the id is echoed so the client can match it
+            except Exception as exc:  # one job's verdict, never the stream's
+                # The id is echoed so the client can match it; an unforeseen error is that
+                # job's INTERNAL answer (logged), and the batch's other jobs go on.
                 await self._answer(p.job_id, exc)
         if not specs:
             return
