@@ -138,7 +138,9 @@ def _batch_frame(frames: list[pb.StreamRolloutsResponse]) -> pb.StreamRolloutsRe
     """One frame as itself; several in a ``batch`` frame (sequence 0: they carry theirs)."""
     if len(frames) == 1:
         return frames[0]
-    return pb.StreamRolloutsResponse(batch=pb.FrameBatch(frames=frames))
+    out = pb.StreamRolloutsResponse()
+    out.batch.frames.extend(frames)  # a few times cheaper than FrameBatch(frames=...)
+    return out
 
 
 def result_pruned(job_id: str) -> errors.FailedPrecondition:
