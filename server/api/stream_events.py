@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rollout.runtime.types import Stage
 from rollout.server.api import proto_convert
+from rollout.server.pipeline.delivery_budget import held_bytes
 from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
@@ -93,6 +94,19 @@ def trajectory_message(ev: TrajectoryReady) -> trajectory_pb2.Trajectory:
     if ev.encoded:
         return trajectory_pb2.Trajectory.FromString(ev.encoded)
     return proto_convert.trajectory_to_proto(ev.trajectory)
+
+
+def wire_size(ev: TrajectoryReady) -> int:
+    """Bytes the delivery's frame takes on the wire: exact from the store's encoding, else
+    the decoded trajectory's memory estimate (larger than its encoding, so a batch of replayed
+    deliveries stays under its bound)."""
+    return 64 + (len(ev.encoded) if ev.encoded else held_bytes(ev.trajectory))
+
+
+def progress_size(batch: pb.ProgressBatch) -> int:
+    """A bound on a ``progress_batch`` frame's bytes: an event is a few dozen bytes and its
+    job id (at most 128 characters)."""
+    return 64 + 200 * len(batch.events)
 
 
 def finished_to_proto(ev: JobFinished) -> pb.JobFinished:

@@ -39,8 +39,10 @@ from rollout.server.api.stream_events import (
     StreamEvent,
     finished_to_proto,
     job_of,
+    progress_size,
     progress_to_proto,
     trajectory_message,
+    wire_size,
 )
 from rollout.server.pipeline.records import SubmitResult
 from rollout.server.pipeline.subscription import (
@@ -57,6 +59,9 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
 VERSION = "0.1.0"
+SMALL_FRAME_BYTES = 256
+"""What a frame without a trajectory or progress counts toward ``max_batch_bytes`` (an answer,
+a finished frame, a heartbeat: tens of bytes; a rejection adds its message)."""
 DEFAULT_MAX_UNACKED = 1024
 QUEUE_SIZE = 4096
 """Items waiting for the send loop; a full queue makes the producers wait (backpressure onto
@@ -189,6 +194,8 @@ class StreamSession:
         """Delivery ids re-announced by a ``FINISHED_JOB_POLICY_REPLAY`` submit: their frames
         say ``resubmitted`` (written by the receive loop, read by the send loop)."""
         self._sequence = 0
+        self.frame_size = 0
+        """Estimated wire bytes of the frame made last (see :meth:`_frame`)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -241,7 +248,7 @@ class StreamSession:
             try:
                 async for frame in frames:
                     if frame is not None:
-                        n = frame.ByteSize()
+                        n = self.frame_size
                         if held and size + n > max_bytes:
                             yield _batch_frame(held)
                             held, size = [], 0
@@ -319,7 +326,8 @@ class StreamSession:
             # waiting (get() on a non-empty queue does not suspend), so held progress goes
             # out as one frame once nothing else is queued or the batch is full.
             if batch and (self._out.empty() or batch.full):
-                yield self._frame(progress_batch=batch.take())
+                events = batch.take()
+                yield self._frame(progress_batch=events, size=progress_size(events))
                 continue
             if self._out.empty():
                 yield None
@@ -334,7 +342,8 @@ class StreamSession:
                 if batch and (isinstance(item, HalfClosed) or batch.holds(job_of(item))):
                     # That job's earlier progress goes first, and a closing stream sends
                     # what it holds.
-                    yield self._frame(progress_batch=batch.take())
+                    events = batch.take()
+                    yield self._frame(progress_batch=events, size=progress_size(events))
             match item:
                 case HalfClosed():
                     # Client half-closed: keep sending until its jobs are done and their
@@ -355,8 +364,13 @@ class StreamSession:
     async def _next_item(self) -> StreamEvent:
         return await self._out.get()
 
-    def _frame(self, job_id: str = "", **kind: Any) -> pb.StreamRolloutsResponse:
+    def _frame(self, job_id: str = "", size: int = SMALL_FRAME_BYTES,
+               **kind: Any) -> pb.StreamRolloutsResponse:
+        """The next frame; ``size`` estimates its bytes on the wire (read by :meth:`coalesce`
+        from ``frame_size``): ``ByteSize()`` of a large trajectory costs more than encoding
+        it, so the one who builds a frame says how large it is."""
         self._sequence += 1
+        self.frame_size = size
         return pb.StreamRolloutsResponse(sequence=self._sequence, job_id=job_id, **kind)
 
     def _event_frame(self, item: StreamEvent) -> pb.StreamRolloutsResponse | None:
@@ -364,14 +378,15 @@ class StreamSession:
             case RequestReply(job_id=job_id, body=pb.JobAccepted() as accepted):
                 return self._frame(job_id, accepted=accepted)
             case RequestReply(job_id=job_id, body=pb.JobRejected() as rejected_):
-                return self._frame(job_id, rejected=rejected_)
+                return self._frame(job_id, rejected=rejected_,
+                                   size=SMALL_FRAME_BYTES + len(rejected_.message))
             case Beat(heartbeat=hb):
                 return self._frame(heartbeat=hb)
             case TrajectoryReady():
-                return self._frame(item.job_id, trajectory=pb.TrajectoryReady(
-                    delivery_id=item.delivery_id,
-                    trajectory=trajectory_message(item),
-                    resubmitted=item.delivery_id in self._resubmitted))
+                ready = pb.TrajectoryReady(delivery_id=item.delivery_id,
+                                           trajectory=trajectory_message(item),
+                                           resubmitted=item.delivery_id in self._resubmitted)
+                return self._frame(item.job_id, size=wire_size(item), trajectory=ready)
             case JobFinished():
                 return self._frame(item.job_id, finished=finished_to_proto(item))
             case StageProgress():

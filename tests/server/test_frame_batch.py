@@ -238,3 +238,33 @@ async def test_a_live_delivery_carries_the_bytes_the_store_wrote(tmp_path: Path)
         assert sent.reward == 0.5 and len(sent.turns) == 2
         stored = await sched.store.get_trajectory("e")
         assert stored is not None and trajectory_to_proto(stored) == sent
+
+
+async def test_batches_stay_under_the_byte_bound_without_measuring_frames(
+        tmp_path: Path) -> None:
+    """Deliveries ready together are split so that each batch stays under its byte bound
+    (here 2,000 bytes, from a small message limit), sized from the bytes the store encoded (a
+    trajectory is never measured again on the event loop)."""
+    n = 40
+    async with running_scheduler(tmp_path / "db") as (sched, handler):
+        servicer = RolloutServicer(sched, heartbeat_s=0, max_page_bytes=2000)
+        stream = PulledStream(servicer, "c", batch_frames=True)
+        try:
+            await stream.pull()
+            ids = [f"t{i}" for i in range(n)]
+            stream.requests.put_nowait(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(
+                jobs=[_job(j, gate=["eval"], turns=3) for j in ids])))
+            while len(kinds(alone(stream.frames), "accepted")) < n:
+                await stream.pull()
+            mark = len(stream.frames)
+            for j in ids:
+                handler.open(j, "eval")
+            while len(kinds(alone(stream.frames), "finished")) < n:
+                await stream.pull()
+            written = stream.frames[mark:]
+            assert len(kinds(alone(written), "trajectory")) == n
+            batches = kinds(written, "batch")
+            assert batches, "deliveries ready together were not batched at all"
+            assert max(f.ByteSize() for f in batches) <= 2000
+        finally:
+            await stream.close()
