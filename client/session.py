@@ -268,7 +268,8 @@ class Session:
                     self._pending[p.job_id] = p
                     self._policy[p.job_id] = req.submit.if_finished
                     self._finished.discard(p.job_id)  # a replay's `finished` must come through
-        groups = _merged(items, max(1, min(MAX_MERGED_BYTES, self.client.max_message_bytes // 4)))
+        limit = getattr(self.client, "max_message_bytes", MAX_MERGED_BYTES) // 4
+        groups = _merged(items, max(1, min(MAX_MERGED_BYTES, limit)))
         for k, (req, waiting) in enumerate(groups):
             try:
                 ok = await self._write_locked(req)

@@ -225,9 +225,10 @@ class StreamSession:
         frames = (self.coalesce(self.send_loop()) if self._request.batch_frames
                   else self.send_loop())
         try:
-            async for frame in frames:
-                if frame is not None:
-                    yield frame
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    if frame is not None:
+                        yield frame
         finally:
             await self.close()
 
