@@ -188,8 +188,9 @@ def baseline_tree(ref: str, into: Path) -> Path:
     import tarfile
 
     repo = Path(__file__).resolve().parents[1]
-    blob = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", ref],
-                          capture_output=True, check=True).stdout
+    # Only what runs: other folders may hold links that the safe extraction refuses.
+    blob = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", ref, "--",
+                           *PACKAGES, "proto"], capture_output=True, check=True).stdout
     src = into / "src"
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(src, filter="data")
@@ -239,7 +240,8 @@ def job_ids(prefix: str, n: int) -> list[str]:
 
 async def stream_jobs(client: Any, n: int, prefix: str, progress: bool, *,
                       environment: str = "noop", task: dict[str, Any] | None = None,
-                      batch: int = 250, batch_progress: bool = True) -> StreamResult:
+                      batch: int = 250, batch_progress: bool = True,
+                      batch_frames: bool = True) -> StreamResult:
     """Submit ``n`` jobs over one session in batches, ack every trajectory, and return what
     came back. The clock stops when the last job's ``finished`` frame arrives."""
     from rollout.v1 import job_pb2
@@ -253,7 +255,8 @@ async def stream_jobs(client: Any, n: int, prefix: str, progress: bool, *,
         out.frames += 1
 
     async with client.session(f"bench-{prefix}", progress=progress, heartbeat_s=0,
-                              batch_progress=batch_progress, on_wire=count) as session:
+                              batch_progress=batch_progress, batch_frames=batch_frames,
+                              on_wire=count) as session:
         t0 = time.perf_counter()
 
         async def submit_all() -> None:

@@ -177,13 +177,17 @@ class RolloutClient:
             call.cancel()
 
     def session(self, client_id: str, *, progress: bool = False, batch_progress: bool = True,
-                max_unacked: int = 0, auto_ack: bool = False, heartbeat_s: float | None = None,
+                batch_frames: bool = True, max_unacked: int = 0, auto_ack: bool = False,
+                heartbeat_s: float | None = None,
                 max_reconnects: int = 10, backoff_s: tuple[float, float] = (0.05, 2.0),
                 on_wire: Any = None) -> Session:
         """A ``StreamRollouts`` session; see :class:`rollout.client.session.Session`. Use it as an
         async context manager, or ``await session.start()`` and ``await session.aclose()``.
         With ``progress``, ``batch_progress`` lets the server send many progress events per
-        frame; ``events()`` unpacks them, so callers see one progress frame per event."""
+        frame; ``events()`` unpacks them, so callers see one progress frame per event.
+        ``batch_frames`` lets the server write the frames that are ready together as one
+        ``batch`` frame; ``events()`` unpacks those too."""
         return Session(self, client_id, progress=progress, batch_progress=batch_progress,
+                       batch_frames=batch_frames,
                        max_unacked=max_unacked, auto_ack=auto_ack, heartbeat_s=heartbeat_s,
                        max_reconnects=max_reconnects, backoff_s=backoff_s, on_wire=on_wire)

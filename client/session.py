@@ -29,6 +29,14 @@ far less than a frame per event. ``events()`` still yields one ``progress`` fram
 the order they arrived, with the job id set; only ``on_wire`` sees the batch frames. Progress
 stays ephemeral and best-effort (docs/PROTOCOL.md).
 
+Frames are batched too (``batch_frames``, default on): the server may write the frames that are
+ready together (the answers to one submit, trajectories and their ``finished`` frames) as one
+``batch`` frame, which costs the server and this client far less than a write and a read per
+frame. ``events()`` yields the frames inside one by one, with their own sequence numbers and
+job ids, exactly as a server that does not batch sends them; only ``on_wire`` sees the
+``batch`` frames. Submits are batched by the caller: one :meth:`Session.submit` of many specs
+is one frame.
+
 Sequence numbers restart at 1 on each underlying stream; every re-open shows up as a new
 ``opened`` frame. The progress frames unpacked from one batch all carry that batch frame's
 sequence number, so within one stream the sequence numbers ``events()`` yields never
@@ -73,11 +81,15 @@ _FINISHED_POLICIES = {"report": pb.FINISHED_JOB_POLICY_REPORT,
 _TERMINAL = (job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED,
              job_pb2.Job.STATE_CANCELLED)
 _STREAM_BROKEN = (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+MAX_MERGED_BYTES = 4 << 20
+"""Requests merged into one frame stop short of this size (and of a quarter of the message
+limit); a single larger request is written alone, as it was given."""
 
 
 class Session:
     def __init__(self, client: Any, client_id: str, *, progress: bool = False,
-                 batch_progress: bool = True, max_unacked: int = 0, auto_ack: bool = False,
+                 batch_progress: bool = True, batch_frames: bool = True,
+                 max_unacked: int = 0, auto_ack: bool = False,
                  heartbeat_s: float | None = None, max_reconnects: int = 10,
                  on_wire: Callable[[pb.StreamRolloutsResponse], None] | None = None,
                  backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
@@ -87,6 +99,9 @@ class Session:
         self.batch_progress = batch_progress
         """Let the server coalesce progress events into ``progress_batch`` frames (unpacked
         here); False asks for one frame per event, as clients before batching did."""
+        self.batch_frames = batch_frames
+        """Let the server write the frames that are ready together as one ``batch`` frame
+        (unpacked here); False asks for one frame per write, as clients before it did."""
         self.max_unacked = max_unacked
         self.auto_ack = auto_ack
         self.heartbeat_s = 1.0 if heartbeat_s is None else heartbeat_s
@@ -121,6 +136,10 @@ class Session:
         self._acked: set[int] = set()  # acked ids above _acked_through
         self._seen: set[int] = set()  # yielded ids above _acked_through
         self._queued_cancels: list[pb.CancelJobs] = []
+        self._outbox: list[tuple[pb.StreamRolloutsRequest, asyncio.Future[bool]]] = []
+        """Requests waiting for the writer (see :meth:`_send`), oldest first."""
+        self.frames_written = 0
+        """Request frames written on the wire (merged requests count once)."""
         self._first_open: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -173,13 +192,8 @@ class Session:
             raise ValueError(f"if_finished must be one of {sorted(_FINISHED_POLICIES)}")
         if self._closing:
             raise RuntimeError("session is closing; no more submits")
-        async with self._lock:
-            for p in protos:
-                self._pending[p.job_id] = p
-                self._policy[p.job_id] = policy
-                self._finished.discard(p.job_id)  # a replay's `finished` must come through
-            await self._write_locked(pb.StreamRolloutsRequest(
-                submit=pb.SubmitJobs(jobs=protos, if_finished=policy)))
+        await self._send(pb.StreamRolloutsRequest(
+            submit=pb.SubmitJobs(jobs=protos, if_finished=policy)))
         return [p.job_id for p in protos]
 
     async def submit_group(self, template: SpecLike, n: int, group_id: str,
@@ -198,15 +212,12 @@ class Session:
             self._acked_through += 1
             self._acked.discard(self._acked_through)
         self._seen = {i for i in self._seen if i > self._acked_through}
-        async with self._lock:
-            await self._write_locked(pb.StreamRolloutsRequest(
-                ack=pb.AckTrajectories(delivery_ids=new)))
+        await self._send(pb.StreamRolloutsRequest(ack=pb.AckTrajectories(delivery_ids=new)))
 
     async def cancel(self, job_ids: Iterable[str] = (), group_ids: Iterable[str] = ()) -> None:
         msg = pb.CancelJobs(job_ids=list(job_ids), group_ids=list(group_ids))
-        async with self._lock:
-            if not await self._write_locked(pb.StreamRolloutsRequest(cancel=msg)):
-                self._queued_cancels.append(msg)
+        if not await self._send(pb.StreamRolloutsRequest(cancel=msg)):
+            self._queued_cancels.append(msg)
 
     @property
     def acked_through(self) -> int:
@@ -235,6 +246,41 @@ class Session:
 
     # ------------------------------------------------------------------ the connection
 
+    async def _send(self, req: pb.StreamRolloutsRequest) -> bool:
+        """Write ``req`` together with what other callers queue meanwhile: while one write is
+        in flight the next requests wait, and the caller that writes next sends them all,
+        consecutive ones of a kind merged into one frame (submits with the same policy, acks,
+        cancels). Many concurrent one-job submits or one-id acks (an adapter's samples) so
+        cost a few frames instead of one each, and an idle session still writes at once.
+        False when there is no live stream (see :meth:`_write_locked`)."""
+        written = asyncio.get_running_loop().create_future()
+        self._outbox.append((req, written))
+        async with self._lock:
+            await self._flush_locked()
+        return written.result() if written.done() else False
+
+    async def _flush_locked(self) -> None:
+        items, self._outbox = self._outbox, []
+        for req, _ in items:
+            if req.WhichOneof("kind") == "submit":
+                # Pending from now: answered, or sent again after a reconnect.
+                for p in req.submit.jobs:
+                    self._pending[p.job_id] = p
+                    self._policy[p.job_id] = req.submit.if_finished
+                    self._finished.discard(p.job_id)  # a replay's `finished` must come through
+        limit = getattr(self.client, "max_message_bytes", MAX_MERGED_BYTES) // 4
+        groups = _merged(items, max(1, min(MAX_MERGED_BYTES, limit)))
+        for k, (req, waiting) in enumerate(groups):
+            try:
+                ok = await self._write_locked(req)
+            except BaseException:
+                # This writer was cancelled: whoever writes next sends what it held.
+                self._outbox[:0] = [item for _, w in groups[k:] for item in w]
+                raise
+            for _, fut in waiting:
+                if not fut.done():
+                    fut.set_result(ok)
+
     async def _write_locked(self, req: pb.StreamRolloutsRequest) -> bool:
         """Write on the live stream; False when there is none (the state is re-sent on
         reconnect, so a failed write loses nothing but a cancel)."""
@@ -242,15 +288,17 @@ class Session:
             return False
         try:
             await self._call.write(req)
-            return True
         except _STREAM_BROKEN:
             return False
+        self.frames_written += 1
+        return True
 
     def _open_request(self) -> pb.StreamRolloutsRequest:
         open_ = pb.OpenSession(client_id=self.client_id, acked_through=self._acked_through,
                                max_unacked=self.max_unacked, progress=self.progress,
                                store_id=self.opened.store_id,
-                               batch_progress=self.progress and self.batch_progress)
+                               batch_progress=self.progress and self.batch_progress,
+                               batch_frames=self.batch_frames)
         # Always set: an explicit zero turns heartbeats off (unset would mean the default).
         open_.heartbeat_interval.CopyFrom(Duration(
             seconds=int(max(self.heartbeat_s, 0)),
@@ -341,6 +389,15 @@ class Session:
     async def _on_frame(self, frame: pb.StreamRolloutsResponse) -> None:
         if self.on_wire is not None:
             self.on_wire(frame)
+        if frame.WhichOneof("kind") == "batch":
+            # Handled one by one, as if each had arrived alone (each carries its own
+            # sequence number and job id).
+            for inner in frame.batch.frames:
+                await self._on_one(inner)
+            return
+        await self._on_one(frame)
+
+    async def _on_one(self, frame: pb.StreamRolloutsResponse) -> None:
         kind = frame.WhichOneof("kind")
         if kind == "opened":
             if frame.opened.store_changed:
@@ -400,15 +457,14 @@ class Session:
 
     async def ack_again(self, delivery_id: int) -> None:
         """A replay of an acknowledged trajectory means the ack was lost: send it again."""
-        async with self._lock:
-            await self._write_locked(pb.StreamRolloutsRequest(
-                ack=pb.AckTrajectories(delivery_ids=[delivery_id])))
+        await self._send(pb.StreamRolloutsRequest(
+            ack=pb.AckTrajectories(delivery_ids=[delivery_id])))
 
     async def _maybe_half_close(self, hb: pb.Heartbeat) -> None:
         # The server's counts are authoritative (they include jobs submitted by an earlier
         # process with this client id); the local checks cover frames still in flight.
         owes_nothing = (self._closing and not self._pending and not self._seen
-                        and hb.jobs_in_flight == 0 and hb.unacked == 0)
+                        and not self._outbox and hb.jobs_in_flight == 0 and hb.unacked == 0)
         if not owes_nothing:
             return
         async with self._lock:
@@ -416,3 +472,40 @@ class Session:
                 with contextlib.suppress(*_STREAM_BROKEN):
                     await self._call.done_writing()
                 self._half_closed = True
+
+
+_Waiting = list[tuple[pb.StreamRolloutsRequest, "asyncio.Future[bool]"]]
+
+
+def _merged(items: _Waiting, max_bytes: int) -> list[tuple[pb.StreamRolloutsRequest, _Waiting]]:
+    """Consecutive requests of one kind as one request each (submits only with the same
+    policy), in order, each under ``max_bytes``; with the queued items each one carries."""
+    groups: list[tuple[Any, _Waiting]] = []
+    size = 0
+    for req, fut in items:
+        kind = req.WhichOneof("kind")
+        key = (kind, req.submit.if_finished) if kind == "submit" else (kind,)
+        n = req.ByteSize()
+        if groups and groups[-1][0] == key and size + n <= max_bytes:
+            groups[-1][1].append((req, fut))
+            size += n
+        else:
+            groups.append((key, [(req, fut)]))
+            size = n
+    return [(_join(waiting), waiting) for _, waiting in groups]
+
+
+def _join(waiting: _Waiting) -> pb.StreamRolloutsRequest:
+    if len(waiting) == 1:
+        return waiting[0][0]
+    reqs = [req for req, _ in waiting]
+    kind = reqs[0].WhichOneof("kind")
+    if kind == "submit":
+        return pb.StreamRolloutsRequest(submit=pb.SubmitJobs(
+            jobs=[j for r in reqs for j in r.submit.jobs], if_finished=reqs[0].submit.if_finished))
+    if kind == "ack":
+        return pb.StreamRolloutsRequest(ack=pb.AckTrajectories(
+            delivery_ids=[i for r in reqs for i in r.ack.delivery_ids]))
+    return pb.StreamRolloutsRequest(cancel=pb.CancelJobs(
+        job_ids=[j for r in reqs for j in r.cancel.job_ids],
+        group_ids=[g for r in reqs for g in r.cancel.group_ids]))

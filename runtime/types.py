@@ -31,6 +31,11 @@ class Stage(enum.Enum):
     RUN = "run"
     EVAL = "eval"
 
+    # Members are singletons compared by identity, so the identity hash is as good as Enum's
+    # own (a Python-level hash of the name), and the scheduler's per-stage dicts look stages
+    # up dozens of times per job.
+    __hash__ = object.__hash__
+
 
 class JobState(enum.Enum):
     """Lifecycle of a job. QUEUED and RUNNING are live; the rest are terminal."""
@@ -40,6 +45,8 @@ class JobState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+    __hash__ = object.__hash__  # as Stage's
 
     @property
     def terminal(self) -> bool:

@@ -145,8 +145,17 @@ class SchedulerMetrics:
     def job_finished(self, state: JobState, error_code: str,
                      termination: TerminationReason) -> None:
         """Count one terminal job by state (and error code) and by termination reason."""
-        self.jobs_finished.labels(state.value, error_code).inc()
-        self.jobs_terminated.labels(termination.value, state.value).inc()
+        key = ("f", state.value, error_code)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.jobs_finished.labels(state.value, error_code)
+        child.inc()
+        key = ("t", termination.value, state.value)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.jobs_terminated.labels(termination.value,
+                                                                      state.value)
+        child.inc()
         self.terminations[termination] = self.terminations.get(termination, 0) + 1
 
     # Label lookups take a lock and build a tuple; cache the children for the hot path.

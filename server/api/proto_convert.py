@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, cast
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from rollout.runtime.types import (
@@ -220,7 +220,7 @@ def chat_from_proto(p: job_pb2.ChatOptions) -> ChatOptions:
                 f"chat.chat_template_kwargs is {size} bytes; the limit is "
                 f"{MAX_TEMPLATE_KWARGS_BYTES}", "INVALID_CHAT_OPTIONS",
                 "chat.chat_template_kwargs")
-        kwargs = _intify(json_format.MessageToDict(p.chat_template_kwargs))
+        kwargs = struct_to_python(p.chat_template_kwargs, "chat.chat_template_kwargs")
         clash = sorted(set(kwargs) & TEMPLATE_RESERVED_KWARGS)
         if clash:
             raise InvalidArgument(
@@ -293,7 +293,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         raise InvalidArgument(f"task is {task_bytes} bytes; the limit is {MAX_TASK_BYTES}",
                               "TASK_TOO_LARGE", typed or "task")
     task = (typed_tasks.typed_task(typed, getattr(p, typed)) if typed
-            else _intify(json_format.MessageToDict(p.task)))
+            else struct_to_python(p.task, "task"))
     group = None
     if p.HasField("group"):
         g = p.group
@@ -342,16 +342,36 @@ def spec_to_proto(spec: JobSpec) -> job_pb2.JobSpec:
     return p
 
 
-def _intify(value: Any) -> Any:
-    """google.protobuf.Struct stores every number as a double; give integral ones back as int
-    so task payloads read the way they were written (``{"n": 3}`` stays 3, not 3.0)."""
-    if isinstance(value, dict):
-        return {k: _intify(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_intify(v) for v in value]
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    return value
+def struct_to_python(s: struct_pb2.Struct, field: str) -> dict[str, Any]:
+    """A Struct as plain Python values, integral numbers as int: Struct stores every number
+    as a double, and task payloads should read the way they were written (``{"n": 3}`` stays
+    3, not 3.0).
+
+    Walks the message directly: ``json_format.MessageToDict`` does the same in far more
+    Python per value, and every submitted job's task goes through here. A NaN or infinite
+    number (which JSON cannot carry) is the caller's INVALID_TASK naming ``field``, not an
+    error that would end the caller's stream."""
+    return {k: _value(v, field) for k, v in s.fields.items()}
+
+
+def _value(v: struct_pb2.Value, field: str) -> Any:
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":
+        x = v.number_value
+        if x != x or x in (float("inf"), float("-inf")):
+            raise InvalidArgument(f"{field} holds a NaN or infinite number, which JSON cannot "
+                                  "carry; send a finite number or a string", "INVALID_TASK",
+                                  field)
+        return int(x) if x.is_integer() and abs(x) < 2**53 else x
+    if kind == "string_value":
+        return v.string_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "struct_value":
+        return {k: _value(x, field) for k, x in v.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(x, field) for x in v.list_value.values]
+    return None  # null_value, or a Value with nothing set (MessageToDict gives None too)
 
 
 def _jsonable(value: Any) -> Any:

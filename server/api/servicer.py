@@ -17,7 +17,12 @@ import grpc
 
 from rollout.runtime.types import InvalidArgument, JobState
 from rollout.server.api import errors, proto_convert, typed_tasks
-from rollout.server.api.stream_events import ProgressBatch, finished_to_proto, progress_to_proto
+from rollout.server.api.stream_events import (
+    ProgressBatch,
+    finished_to_proto,
+    progress_to_proto,
+    trajectory_message,
+)
 from rollout.server.api.stream_session import (
     DEFAULT_MAX_UNACKED,
     VERSION,
@@ -73,12 +78,16 @@ def _nodes_to_proto(nodes: list[NodeStatus]) -> list[pb.NodeStatus]:
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     def __init__(self, scheduler: Scheduler, *, heartbeat_s: float = 10.0,
                  min_heartbeat_s: float = 0.1, max_page_bytes: int = 4 << 20,
-                 max_progress_batch: int = MAX_PROGRESS_BATCH) -> None:
+                 max_progress_batch: int = MAX_PROGRESS_BATCH,
+                 max_frame_batch: int = StreamSettings.max_frame_batch) -> None:
         self._scheduler = scheduler
         self._max_progress_batch = max(1, max_progress_batch)
-        self._stream_settings = StreamSettings(heartbeat_s=heartbeat_s,
-                                               min_heartbeat_s=min_heartbeat_s,
-                                               max_progress_batch=self._max_progress_batch)
+        # A batch frame stays within what one ListJobs page may hold: under the message limit.
+        self._stream_settings = StreamSettings(
+            heartbeat_s=heartbeat_s, min_heartbeat_s=min_heartbeat_s,
+            max_progress_batch=self._max_progress_batch,
+            max_frame_batch=max(1, max_frame_batch),
+            max_batch_bytes=min(max_page_bytes, StreamSettings.max_batch_bytes))
         self._ownership = Ownership(scheduler)
         self._max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
         """ListJobs stops a page before its jobs pass this many bytes (under the message
@@ -195,7 +204,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                             while batch:  # the job's progress goes before its trajectory
                                 yield pb.SubmitRolloutResponse(progress_batch=batch.take())
                             yield pb.SubmitRolloutResponse(
-                                trajectory=proto_convert.trajectory_to_proto(ev.trajectory))
+                                trajectory=trajectory_message(ev))
                             sub.sent(ev.delivery_id)
                             # Acknowledged once handed to gRPC: a retry after this replays
                             # from the store (above), so nothing is lost if the caller

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rollout.runtime.types import Stage
 from rollout.server.api import proto_convert
+from rollout.server.pipeline.delivery_budget import held_bytes
 from rollout.server.pipeline.subscription import (
     JobAccepted,
     JobFinished,
@@ -19,6 +20,7 @@ from rollout.server.pipeline.subscription import (
     TrajectoryReady,
 )
 from rollout.v1 import rollout_service_pb2 as pb
+from rollout.v1 import trajectory_pb2
 
 _PROGRESS_EVENTS = {"started": pb.StageProgress.EVENT_STARTED,
                     "finished": pb.StageProgress.EVENT_FINISHED,
@@ -84,6 +86,27 @@ def progress_to_proto(ev: StageProgress) -> pb.StageProgress:
         msg.output_tokens = int(detail.get("generated_tokens", 0))
         msg.tool_calls = int(detail.get("tool_calls_total", 0))
     return msg
+
+
+def trajectory_message(ev: TrajectoryReady) -> trajectory_pb2.Trajectory:
+    """The delivery's trajectory as a message: parsed from the bytes the store wrote when the
+    delivery carries them (far cheaper than converting the dataclass again), else converted."""
+    if ev.encoded:
+        return trajectory_pb2.Trajectory.FromString(ev.encoded)
+    return proto_convert.trajectory_to_proto(ev.trajectory)
+
+
+def wire_size(ev: TrajectoryReady) -> int:
+    """Bytes the delivery's frame takes on the wire: exact from the store's encoding, else
+    the decoded trajectory's memory estimate (larger than its encoding, so a batch of replayed
+    deliveries stays under its bound)."""
+    return 64 + (len(ev.encoded) if ev.encoded else held_bytes(ev.trajectory))
+
+
+def progress_size(batch: pb.ProgressBatch) -> int:
+    """A bound on a ``progress_batch`` frame's bytes: an event is a few dozen bytes and its
+    job id (at most 128 characters)."""
+    return 64 + 200 * len(batch.events)
 
 
 def finished_to_proto(ev: JobFinished) -> pb.JobFinished:

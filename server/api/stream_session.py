@@ -39,7 +39,10 @@ from rollout.server.api.stream_events import (
     StreamEvent,
     finished_to_proto,
     job_of,
+    progress_size,
     progress_to_proto,
+    trajectory_message,
+    wire_size,
 )
 from rollout.server.pipeline.records import SubmitResult
 from rollout.server.pipeline.subscription import (
@@ -56,6 +59,9 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 
 VERSION = "0.1.0"
+SMALL_FRAME_BYTES = 256
+"""What a frame without a trajectory or progress counts toward ``max_batch_bytes`` (an answer,
+a finished frame, a heartbeat: tens of bytes; a rejection adds its message)."""
 DEFAULT_MAX_UNACKED = 1024
 QUEUE_SIZE = 4096
 """Items waiting for the send loop; a full queue makes the producers wait (backpressure onto
@@ -73,6 +79,11 @@ class StreamSettings:
     loop on the server."""
     max_progress_batch: int = 512
     """Most events in one ``progress_batch`` frame."""
+    max_frame_batch: int = 1024
+    """Most frames in one ``batch`` frame (``OpenSession.batch_frames``)."""
+    max_batch_bytes: int = 4 << 20
+    """A ``batch`` frame is closed once its frames pass this many bytes, so it stays well
+    under the message limit (a single larger frame is written alone, as without batching)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class OpenRequest:
     max_unacked: int
     progress: bool
     batch_progress: bool
+    batch_frames: bool
     heartbeat_s: float
     store_id: str
 
@@ -114,6 +126,7 @@ class OpenRequest:
                    max_unacked=opened.max_unacked or DEFAULT_MAX_UNACKED,
                    progress=opened.progress,
                    batch_progress=opened.progress and opened.batch_progress,
+                   batch_frames=opened.batch_frames,
                    heartbeat_s=heartbeat, store_id=opened.store_id)
 
 
@@ -124,6 +137,15 @@ def _check_client_id(client_id: str) -> None:
     proto_convert.check_id(client_id, "open.client_id")
     auth.check_not_reserved(client_id, "open.client_id")
     auth.current.get().check_client_id(client_id, "open.client_id")
+
+
+def _batch_frame(frames: list[pb.StreamRolloutsResponse]) -> pb.StreamRolloutsResponse:
+    """One frame as itself; several in a ``batch`` frame (sequence 0: they carry theirs)."""
+    if len(frames) == 1:
+        return frames[0]
+    out = pb.StreamRolloutsResponse()
+    out.batch.frames.extend(frames)  # a few times cheaper than FrameBatch(frames=...)
+    return out
 
 
 def result_pruned(job_id: str) -> errors.FailedPrecondition:
@@ -167,10 +189,13 @@ class StreamSession:
         self._out: asyncio.Queue[StreamEvent] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._batch = (ProgressBatch(max(1, settings.max_progress_batch))
                        if request.batch_progress else None)
+        self._settings = settings
         self._resubmitted: set[int] = set()
         """Delivery ids re-announced by a ``FINISHED_JOB_POLICY_REPLAY`` submit: their frames
         say ``resubmitted`` (written by the receive loop, read by the send loop)."""
         self._sequence = 0
+        self.frame_size = 0
+        """Estimated wire bytes of the frame made last (see :meth:`_frame`)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -197,11 +222,52 @@ class StreamSession:
         self._spawn(self.event_loop())
         if self._request.heartbeat_s > 0:
             self._spawn(self.heartbeat_loop())
+        frames = (self.coalesce(self.send_loop()) if self._request.batch_frames
+                  else self.send_loop())
         try:
-            async for frame in self.send_loop():
-                yield frame
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    if frame is not None:
+                        yield frame
         finally:
             await self.close()
+
+    async def coalesce(self, frames: AsyncGenerator[pb.StreamRolloutsResponse | None, None]
+                       ) -> AsyncGenerator[pb.StreamRolloutsResponse, None]:
+        """``batch_frames``: the send loop's frames, those ready together as one ``batch``
+        frame. The send loop yields None just before it would wait for the queue, so what it
+        made until then goes out at once (a lone frame as itself): nothing waits for a frame
+        still to come, and an idle session writes each frame as it is made.
+
+        Frames are collected before they are written, so a trajectory's memory is released
+        (``Subscription.sent``) up to one batch early; ``max_batch_bytes`` bounds that."""
+        limit = max(1, self._settings.max_frame_batch)
+        max_bytes = self._settings.max_batch_bytes
+        held: list[pb.StreamRolloutsResponse] = []
+        size = 0
+        async with contextlib.aclosing(frames):
+            try:
+                async for frame in frames:
+                    if frame is not None:
+                        n = self.frame_size
+                        if held and size + n > max_bytes:
+                            yield _batch_frame(held)
+                            held, size = [], 0
+                        held.append(frame)
+                        size += n
+                        if len(held) < limit and size < max_bytes:
+                            continue
+                    if held:
+                        yield _batch_frame(held)
+                        held, size = [], 0
+            except Exception:
+                # The call ends with this error: what was made before it is still written
+                # first, as it would have been one frame at a time.
+                if held:
+                    yield _batch_frame(held)
+                raise
+            if held:
+                yield _batch_frame(held)
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -246,19 +312,26 @@ class StreamSession:
 
     # ------------------------------------------------------------------ the writer
 
-    async def send_loop(self) -> AsyncIterator[pb.StreamRolloutsResponse]:
+    async def send_loop(self) -> AsyncGenerator[pb.StreamRolloutsResponse | None, None]:
+        """The frames to write, one per yield (resumed once it is written, or taken into a
+        batch); None, which is not a frame, marks the moment it is about to wait for the
+        queue (see :meth:`coalesce`)."""
         yield self._frame(opened=pb.SessionOpened(
             client_id=self.client_id, replaying=self._sub.replaying, server_version=VERSION,
             store_id=self._store_id, store_changed=self._store_changed,
             acked_through=self._acked_through))
+        yield None  # `opened` is written alone: a client reads it before anything else
         batch = self._batch
         while True:
             # The previous write has completed: what queued meanwhile is taken now without
             # waiting (get() on a non-empty queue does not suspend), so held progress goes
             # out as one frame once nothing else is queued or the batch is full.
             if batch and (self._out.empty() or batch.full):
-                yield self._frame(progress_batch=batch.take())
+                events = batch.take()
+                yield self._frame(progress_batch=events, size=progress_size(events))
                 continue
+            if self._out.empty():
+                yield None
             item = await self._next_item()
             if batch is not None:
                 match item:
@@ -270,7 +343,8 @@ class StreamSession:
                 if batch and (isinstance(item, HalfClosed) or batch.holds(job_of(item))):
                     # That job's earlier progress goes first, and a closing stream sends
                     # what it holds.
-                    yield self._frame(progress_batch=batch.take())
+                    events = batch.take()
+                    yield self._frame(progress_batch=events, size=progress_size(events))
             match item:
                 case HalfClosed():
                     # Client half-closed: keep sending until its jobs are done and their
@@ -291,8 +365,13 @@ class StreamSession:
     async def _next_item(self) -> StreamEvent:
         return await self._out.get()
 
-    def _frame(self, job_id: str = "", **kind: Any) -> pb.StreamRolloutsResponse:
+    def _frame(self, job_id: str = "", size: int = SMALL_FRAME_BYTES,
+               **kind: Any) -> pb.StreamRolloutsResponse:
+        """The next frame; ``size`` estimates its bytes on the wire (read by :meth:`coalesce`
+        from ``frame_size``): ``ByteSize()`` of a large trajectory costs more than encoding
+        it, so the one who builds a frame says how large it is."""
         self._sequence += 1
+        self.frame_size = size
         return pb.StreamRolloutsResponse(sequence=self._sequence, job_id=job_id, **kind)
 
     def _event_frame(self, item: StreamEvent) -> pb.StreamRolloutsResponse | None:
@@ -300,14 +379,15 @@ class StreamSession:
             case RequestReply(job_id=job_id, body=pb.JobAccepted() as accepted):
                 return self._frame(job_id, accepted=accepted)
             case RequestReply(job_id=job_id, body=pb.JobRejected() as rejected_):
-                return self._frame(job_id, rejected=rejected_)
+                return self._frame(job_id, rejected=rejected_,
+                                   size=SMALL_FRAME_BYTES + len(rejected_.message))
             case Beat(heartbeat=hb):
                 return self._frame(heartbeat=hb)
             case TrajectoryReady():
-                return self._frame(item.job_id, trajectory=pb.TrajectoryReady(
-                    delivery_id=item.delivery_id,
-                    trajectory=proto_convert.trajectory_to_proto(item.trajectory),
-                    resubmitted=item.delivery_id in self._resubmitted))
+                ready = pb.TrajectoryReady(delivery_id=item.delivery_id,
+                                           trajectory=trajectory_message(item),
+                                           resubmitted=item.delivery_id in self._resubmitted)
+                return self._frame(item.job_id, size=wire_size(item), trajectory=ready)
             case JobFinished():
                 return self._frame(item.job_id, finished=finished_to_proto(item))
             case StageProgress():
@@ -378,7 +458,9 @@ class StreamSession:
         for p in jobs:
             try:
                 specs.append(proto_convert.spec_from_proto(p))
-            except InvalidArgument as exc:  # the id is echoed so the client can match it
+            except Exception as exc:  # one job's verdict, never the stream's
+                # The id is echoed so the client can match it; an unforeseen error is that
+                # job's INTERNAL answer (logged), and the batch's other jobs go on.
                 await self._answer(p.job_id, exc)
         if not specs:
             return

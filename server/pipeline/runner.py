@@ -445,19 +445,23 @@ class StageRunner:
         """Write the end of ``job``; announce it only once that write committed."""
         if failures == 0:
             self._precommit(_size(traj))
+        # Filled by the writer thread before the future resolves (the delivery reuses the
+        # bytes the store wrote instead of encoding the trajectory again).
+        encoded: list[bytes] = []
         try:
-            fut = self.store.finish(rec)
+            fut = self.store.finish(rec, encoded=encoded.append)
         except Exception as exc:  # the writer is dead or the store closed: same as a failure
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(exc)
-        fut.add_done_callback(lambda f: self._finish_written(job, rec, traj, failures, f))
+        fut.add_done_callback(
+            lambda f: self._finish_written(job, rec, traj, failures, f, encoded))
 
     def _finish_written(self, job: LiveJob, rec: FinishRecord, traj: Any, failures: int,
-                        fut: asyncio.Future[Any]) -> None:
+                        fut: asyncio.Future[Any], encoded: list[bytes]) -> None:
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if exc is None:
             self._committed_one(_size(traj))
-            self._announce(job, rec, int(fut.result()), traj)
+            self._announce(job, rec, int(fut.result()), traj, encoded[-1] if encoded else b"")
             return
         # Nothing of it is durable (its savepoint or its batch rolled back), so nothing may be
         # announced and no delivery id was used. The job stays live and is written again.
@@ -479,12 +483,13 @@ class StageRunner:
 
         self.spawn(retry())
 
-    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any) -> None:
+    def _announce(self, job: LiveJob, rec: FinishRecord, delivery_id: int, traj: Any,
+                  encoded: bytes = b"") -> None:
         self.jobs.retire(job, rec.state)
         self.metrics.job_finished(rec.state, rec.error.code if rec.error else "",
                                   traj.termination)
         self.delivery.deliver(
-            job.client_id, TrajectoryReady(delivery_id, job.job_id, traj),
+            job.client_id, TrajectoryReady(delivery_id, job.job_id, traj, encoded=encoded),
             JobFinished(job.job_id, rec.state, rec.error, rec.reward, delivery_id))
         job.ctx = None
         job.mark_done()

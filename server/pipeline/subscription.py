@@ -31,7 +31,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout.runtime.types import JobError, JobState, Stage, Trajectory
@@ -67,6 +67,10 @@ class TrajectoryReady:
     trajectory: Trajectory
     replayed: bool = False
     """True when re-sent from the store on attach (it may have been seen before a crash)."""
+    encoded: bytes = b""
+    """The trajectory exactly as the store wrote it (a serialized ``rollout.v1.Trajectory``),
+    when at hand: a session sends it as it is instead of converting ``trajectory`` again.
+    Empty: convert."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +197,7 @@ class Subscription:
         did = ready.delivery_id
         if did <= self._cursor:
             return  # a page from the store carried it already
-        size = held_bytes(ready.trajectory)
+        size = held_bytes(ready.trajectory) + len(ready.encoded)
         if self._behind or not self._fits(size):
             self._behind = True
             self._in_store += 1
@@ -310,8 +314,7 @@ class Subscription:
                 if not self._fits(size):
                     return  # the rest stays in the store; the cursor stops before it
                 if ready.delivery_id <= self._replay_upto:
-                    ready = TrajectoryReady(ready.delivery_id, ready.job_id, ready.trajectory,
-                                            replayed=True)
+                    ready = replace(ready, replayed=True)
                 self._queue(ready, finished, size)
                 self._in_store = max(0, self._in_store - 1)
             if len(page) < limit:

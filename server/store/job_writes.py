@@ -12,7 +12,7 @@ import asyncio
 import json
 import sqlite3
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -105,17 +105,22 @@ class JobWrites:
         assert fut is not None
         return fut
 
-    def finish(self, rec: FinishRecord, *, deliver: bool = True) -> asyncio.Future[Any]:
+    def finish(self, rec: FinishRecord, *, deliver: bool = True,
+               encoded: Callable[[bytes], None] | None = None) -> asyncio.Future[Any]:
         """Write the terminal state, the trajectory and (with ``deliver``) its delivery in one
         savepoint; the future resolves to the delivery id, assigned inside that transaction
         (None without ``deliver``). If it fails, nothing of it was written and no id was used.
 
-        The trajectory is encoded in the writer thread, off the event loop.
+        The trajectory is encoded in the writer thread, off the event loop; ``encoded`` is
+        handed those bytes there, before the future resolves, so whoever sends the trajectory
+        on does not encode it a second time.
         """
         def op(c: sqlite3.Connection) -> int | None:
             timings = json.dumps(asdict(rec.timings))
             err = error_to_json(rec.error)
             blob = trajectory_to_bytes(rec.trajectory) if rec.trajectory is not None else None
+            if blob is not None and encoded is not None:
+                encoded(blob)
             c.execute(
                 "UPDATE jobs SET state=?, stage=?, error=?, reward=?, timings=?, trajectory=?,"
                 " in_stage=0, updated_at=? WHERE job_id=?",

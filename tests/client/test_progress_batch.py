@@ -39,7 +39,9 @@ async def _run(harness: ServerHarness, client_id: str, n: int, turns: int, **opt
         await s.close()
         async for f in s.events():
             events.append(f)
-    return wire, events
+    # Frames the server wrote together (`batch`, OpenSession.batch_frames) as if written alone.
+    return [g for f in wire for g in (f.batch.frames if f.WhichOneof("kind") == "batch"
+                                      else [f])], events
 
 
 def _per_job(events: list[pb.StreamRolloutsResponse]) -> dict[str, list[Any]]:

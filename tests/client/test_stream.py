@@ -3,6 +3,8 @@ cancel and duplicate submits."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from rollout.client.aio import RolloutClient
@@ -61,9 +63,13 @@ async def test_round_trip(harness: ServerHarness) -> None:
     assert flat.token_ids == [1, 2, 3, 1, 2, 4] and flat.loss_mask == [0, 0, 1, 0, 0, 1]
     finished = {f.job_id: f.finished for f in kinds(frames, "finished")}
     assert finished["a"].state == S.STATE_SUCCEEDED and finished["a"].reward == 0.25
-    # sequence numbers are 1, 2, 3, ... without gaps on one stream; the progress frames
+    # sequence numbers are 1, 2, 3, ... without gaps on one stream, the frames inside a
+    # `batch` frame counted one by one (the batch frame itself is 0); the progress frames
     # unpacked from one progress_batch frame share its number
-    assert [f.sequence for f in wire] == list(range(1, len(wire) + 1))
+    assert all(f.sequence == 0 for f in kinds(wire, "batch"))
+    alone = [g for f in wire for g in (f.batch.frames if f.WhichOneof("kind") == "batch"
+                                       else [f])]
+    assert [f.sequence for f in alone] == list(range(1, len(alone) + 1))
     assert [f.sequence for f in frames] == sorted(f.sequence for f in frames)
     # acknowledged: nothing left to replay for this client
     async with RolloutClient(harness.address) as client, client.session("trainer") as s:
@@ -204,3 +210,34 @@ def test_sync_client(threaded_server) -> None:
         with pytest.raises(RolloutError):
             client.get_job("missing")
 
+
+
+async def test_concurrent_single_submits_and_acks_share_frames(harness: ServerHarness) -> None:
+    """200 callers each submit one job at once (as an adapter's samples do), then each acks
+    its own trajectory at once: while one write is in flight the rest wait and go out merged,
+    so a handful of request frames carry them all; every job is answered and runs once."""
+    n = 200
+    async with RolloutClient(harness.address) as client, \
+            client.session("many", heartbeat_s=0.1) as s:
+        written = s.frames_written
+        ids = await asyncio.gather(*(s.submit({"job_id": f"m{i}", **task()})
+                                     for i in range(n)))
+        assert sorted(j for one in ids for j in one) == sorted(f"m{i}" for i in range(n))
+        submit_frames = s.frames_written - written
+        assert submit_frames <= 5, submit_frames
+        frames, dids = [], []
+        async for f in s.events():
+            frames.append(f)
+            if f.WhichOneof("kind") == "trajectory":
+                dids.append(f.trajectory.delivery_id)
+            if len(kinds(frames, "finished")) == n:
+                break
+        written = s.frames_written
+        await asyncio.gather(*(s.ack([d]) for d in dids))
+        assert s.frames_written - written <= 5
+        assert s.acked_through == n
+        await s.close()
+        frames += await drain(s)
+    assert sorted(f.job_id for f in kinds(frames, "accepted")) == sorted(f"m{i}" for i in range(n))
+    assert sorted(f.job_id for f in kinds(frames, "finished")) == sorted(f"m{i}" for i in range(n))
+    assert all(not f.accepted.duplicate for f in kinds(frames, "accepted"))

@@ -39,14 +39,16 @@ async def test_a_store_slower_than_the_environments_holds_back_the_workers(
         real_finish = store.finish
         pending: list[Any] = []
 
-        def slow_finish(rec: Any, *, deliver: bool = True) -> asyncio.Future[Any]:
+        def slow_finish(rec: Any, *, deliver: bool = True,
+                        encoded: Any = None) -> asyncio.Future[Any]:
             """The store's commits are held until the gate opens (a slow disk)."""
             out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
             async def later() -> None:
                 await gate.wait()
                 try:
-                    out.set_result(await real_finish(rec, deliver=deliver))
+                    out.set_result(await real_finish(rec, deliver=deliver,
+                                                     encoded=encoded))
                 except Exception as exc:
                     out.set_exception(exc)
 

@@ -37,7 +37,7 @@ class StreamRolloutsRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., submit: _Optional[_Union[SubmitJobs, _Mapping]] = ..., ack: _Optional[_Union[AckTrajectories, _Mapping]] = ..., cancel: _Optional[_Union[CancelJobs, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress", "store_id", "batch_progress")
+    __slots__ = ("client_id", "acked_through", "max_unacked", "heartbeat_interval", "progress", "store_id", "batch_progress", "batch_frames")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     MAX_UNACKED_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class OpenSession(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FRAMES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     acked_through: int
     max_unacked: int
@@ -52,7 +53,8 @@ class OpenSession(_message.Message):
     progress: bool
     store_id: str
     batch_progress: bool
-    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ..., store_id: _Optional[str] = ..., batch_progress: _Optional[bool] = ...) -> None: ...
+    batch_frames: bool
+    def __init__(self, client_id: _Optional[str] = ..., acked_through: _Optional[int] = ..., max_unacked: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., progress: _Optional[bool] = ..., store_id: _Optional[str] = ..., batch_progress: _Optional[bool] = ..., batch_frames: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobs(_message.Message):
     __slots__ = ("jobs", "if_finished")
@@ -77,7 +79,7 @@ class CancelJobs(_message.Message):
     def __init__(self, job_ids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
-    __slots__ = ("sequence", "job_id", "opened", "accepted", "rejected", "progress", "progress_batch", "trajectory", "finished", "heartbeat")
+    __slots__ = ("sequence", "job_id", "opened", "accepted", "rejected", "progress", "progress_batch", "trajectory", "finished", "heartbeat", "batch")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class StreamRolloutsResponse(_message.Message):
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     job_id: str
     opened: SessionOpened
@@ -98,7 +101,14 @@ class StreamRolloutsResponse(_message.Message):
     trajectory: TrajectoryReady
     finished: JobFinished
     heartbeat: Heartbeat
-    def __init__(self, sequence: _Optional[int] = ..., job_id: _Optional[str] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ..., trajectory: _Optional[_Union[TrajectoryReady, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    batch: FrameBatch
+    def __init__(self, sequence: _Optional[int] = ..., job_id: _Optional[str] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., progress: _Optional[_Union[StageProgress, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ..., trajectory: _Optional[_Union[TrajectoryReady, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[FrameBatch, _Mapping]] = ...) -> None: ...
+
+class FrameBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[StreamRolloutsResponse]
+    def __init__(self, frames: _Optional[_Iterable[_Union[StreamRolloutsResponse, _Mapping]]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("client_id", "replaying", "server_version", "store_id", "store_changed", "acked_through")
