@@ -48,7 +48,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,32 @@ class _LiveText:
                     cut = min(cut, len(body) - k)
                     break
         return body[:cut].rstrip().rstrip("\ufffd").rstrip()
+
+
+INLINE_CHARS = 2048
+"""New message text up to this many characters is rendered and tokenized on the event loop
+(see :class:`RenderPlacement`)."""
+
+
+@dataclass(frozen=True)
+class RenderPlacement:
+    """Where a chain's extension is rendered: on the event loop or in a worker thread.
+
+    A worker thread keeps the loop free while a render runs, but the hop there and back, and
+    the wait for a turn in :func:`budget.fair_turn`, cost more than a small render itself. So
+    an extension renders on the loop when its cost is known to be small: the template's
+    :class:`~rollout.runtime.tokens.RenderPlan` is probed already (a probe is a few dozen
+    renders), it renders a window of the history (not the whole of a long conversation), and
+    the new messages, which are what is tokenized, are short. Anything else takes the
+    thread and its fair turn, as every fresh render does."""
+
+    new_chars: int
+    """Characters of text in the new messages."""
+    plan_known: bool
+    windowed: bool
+
+    def on_loop(self) -> bool:
+        return self.plan_known and self.windowed and self.new_chars <= INLINE_CHARS
 
 
 @dataclass(eq=False)
@@ -403,9 +429,14 @@ class JobConversation:
             chain = joined
             mark, previous = chain.ledger.mark(), chain.turns[-1].observation_ids
             chain.busy = True
+            new_messages = request.messages[len(chain.expected):]
             try:
-                prompt_ids = await _rendering(asyncio.to_thread(
-                    self._extend, chain, request, request.messages[len(chain.expected):]))
+                if self._placement(chain, new_messages).on_loop():
+                    with _template_errors():
+                        prompt_ids = self._extend(chain, request, new_messages)
+                else:
+                    prompt_ids = await _rendering(asyncio.to_thread(
+                        self._extend, chain, request, new_messages))
             except BaseException:
                 chain.ledger.rollback(mark)
                 chain.turns[-1].observation_ids = previous
@@ -475,6 +506,14 @@ class JobConversation:
         # Turn t's context ends with its answer: request t's messages plus one.
         covered = sum(1 for r in best.requests if len(r) + 1 <= shared)
         return best, SegmentReason.HISTORY_REWRITTEN, covered
+
+    def _placement(self, chain: _Chain, new_messages: Sequence[Message]) -> RenderPlacement:
+        chat = self._chat
+        assert chat is not None
+        plan = chat.known_render_plan(chain.ledger.tools)
+        return RenderPlacement(new_chars=budget.request_chars(new_messages),
+                               plan_known=plan is not None,
+                               windowed=plan is not None and plan.window)
 
     def _live_text(self, chain: _Chain, request: ChatRequest) -> _LiveText | None:
         """How a streamed answer on ``chain`` is sent as it comes; None: at the end (the
@@ -760,10 +799,17 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
 
 
 async def _rendering(call: Any) -> Any:
-    """Await a render; a template that rejects the messages is the request's fault (400)."""
-    try:
+    """Await a render in its fair turn (:mod:`budget`)."""
+    with _template_errors():
         async with budget.fair_turn():
             return await call
+
+
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """A template that rejects the messages is the request's fault (400)."""
+    try:
+        yield
     except BadRequest:
         raise
     except Exception as exc:  # jinja2 errors, raise_exception(...) in templates, ChatTemplateError
