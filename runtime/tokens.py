@@ -525,11 +525,13 @@ class ChatLedger:
     _awaiting_output: bool = False
     _last_output: list[int] = field(default_factory=list)
 
-    def start(self) -> list[int]:
-        """Ids of the initial prompt (turn 0's ``prompt_ids``)."""
+    def start(self, rendered: str | None = None) -> list[int]:
+        """Ids of the initial prompt (turn 0's ``prompt_ids``). ``rendered``: the messages
+        already rendered with the generation prompt by the caller (not rendered again)."""
         if self.token_ids:
             raise RuntimeError("ledger already started")
-        ids = self.chat.initial_prompt(self.messages, self.tools)
+        ids = (self.chat.encode(rendered) if rendered is not None
+               else self.chat.initial_prompt(self.messages, self.tools))
         _ = self.chat.end_of_turn_ids  # a template unfit for deltas fails here, before any turn
         self.token_ids = list(ids)
         self._awaiting_output = True

@@ -195,29 +195,31 @@ class _LiveText:
 
 
 INLINE_CHARS = 2048
-"""New message text up to this many characters is rendered and tokenized on the event loop
-(see :class:`RenderPlacement`)."""
+"""A render whose text (new messages, tool schemas) is at most this many characters runs
+on the event loop (see :class:`RenderPlacement`)."""
 
 
 @dataclass(frozen=True)
 class RenderPlacement:
-    """Where a chain's extension is rendered: on the event loop or in a worker thread.
+    """Where a request's render runs: on the event loop or in a worker thread.
 
     A worker thread keeps the loop free while a render runs, but the hop there and back, and
     the wait for a turn in :func:`budget.fair_turn`, cost more than a small render itself. So
-    an extension renders on the loop when its cost is known to be small: the template's
-    :class:`~rollout.runtime.tokens.RenderPlan` is probed already (a probe is a few dozen
-    renders), it renders a window of the history (not the whole of a long conversation), and
-    the new messages, which are what is tokenized, are short. Anything else takes the
-    thread and its fair turn, as every fresh render does."""
+    a render runs on the loop when its cost is known to be small: it is ``bounded`` by its
+    text (a fresh chain renders only the request; an extension renders a window of the
+    history only once the template's :class:`~rollout.runtime.tokens.RenderPlan` is probed,
+    a probe being a few dozen renders) and that text is short. Anything else takes the
+    thread and its fair turn."""
 
-    new_chars: int
-    """Characters of text in the new messages."""
-    plan_known: bool
-    windowed: bool
+    chars: int
+    """Characters the render writes and tokenizes that grow with the request: message text
+    (the new messages of an extension) and tool schemas."""
+    bounded: bool
+    """The render's cost follows ``chars`` (not the length of the chain's history, nor a
+    probe still to run)."""
 
     def on_loop(self) -> bool:
-        return self.plan_known and self.windowed and self.new_chars <= INLINE_CHARS
+        return self.bounded and self.chars <= INLINE_CHARS
 
 
 @dataclass(eq=False)
@@ -431,7 +433,7 @@ class JobConversation:
             chain.busy = True
             new_messages = request.messages[len(chain.expected):]
             try:
-                if self._placement(chain, new_messages).on_loop():
+                if self._placement(chain, tools_key, new_messages).on_loop():
                     with _template_errors():
                         prompt_ids = self._extend(chain, request, new_messages)
                 else:
@@ -448,7 +450,11 @@ class JobConversation:
                 reason, branch = SegmentReason.PARALLEL, len(joined.turns)
             else:
                 parent, reason, branch = self._branch_of(keys)
-            ledger, opened = await _rendering(asyncio.to_thread(self._fresh, request))
+            if self._fresh_placement(request, tools_key).on_loop():
+                with _template_errors():
+                    ledger, opened = self._fresh(request)
+            else:
+                ledger, opened = await _rendering(asyncio.to_thread(self._fresh, request))
             chain = _Chain(order=max((c.order for c in self._chains), default=-1) + 1,
                            ledger=ledger, tools_key=tools_key, side_call=side,
                            reasoning_opened=opened, reason=reason, parent=parent,
@@ -507,13 +513,21 @@ class JobConversation:
         covered = sum(1 for r in best.requests if len(r) + 1 <= shared)
         return best, SegmentReason.HISTORY_REWRITTEN, covered
 
-    def _placement(self, chain: _Chain, new_messages: Sequence[Message]) -> RenderPlacement:
+    def _placement(self, chain: _Chain, tools_key: str,
+                   new_messages: Sequence[Message]) -> RenderPlacement:
+        """An extension renders the history's window (when its plan is probed) and the new
+        messages, and tokenizes the new messages."""
         chat = self._chat
         assert chat is not None
         plan = chat.known_render_plan(chain.ledger.tools)
-        return RenderPlacement(new_chars=budget.request_chars(new_messages),
-                               plan_known=plan is not None,
-                               windowed=plan is not None and plan.window)
+        return RenderPlacement(
+            chars=budget.request_chars(new_messages) + len(tools_key),
+            bounded=plan is not None and plan.window)
+
+    def _fresh_placement(self, request: ChatRequest, tools_key: str) -> RenderPlacement:
+        """A fresh chain renders and tokenizes every message of the request."""
+        return RenderPlacement(chars=budget.request_chars(request.messages) + len(tools_key),
+                               bounded=True)
 
     def _live_text(self, chain: _Chain, request: ChatRequest) -> _LiveText | None:
         """How a streamed answer on ``chain`` is sent as it comes; None: at the end (the
@@ -613,8 +627,8 @@ class JobConversation:
         assert chat is not None
         messages, template_tools = self._template(request.messages, request, first=True)
         ledger = ChatLedger(chat, messages, template_tools, check_append_only=False)
-        ledger.start()
         generation = chat.render(messages, add_generation_prompt=True, tools=template_tools)
+        ledger.start(rendered=generation)
         return ledger, generation.rstrip().endswith(THINK_OPEN)
 
     def _extend(self, chain: _Chain, request: ChatRequest,

@@ -1,5 +1,6 @@
-"""Where a chain's extension is rendered: small ones on the event loop (no thread hop), a
-first one (the template's probe) and large ones in a worker thread; the ids are the same."""
+"""Where a request is rendered: small ones on the event loop (no thread hop); a chain's first
+extension (it runs the template's probe) and large ones in a worker thread; the ids are the
+same either way."""
 
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ class ThreadRecordingTokenizer:
 
 
 def test_the_placement_verdict() -> None:
-    assert RenderPlacement(INLINE_CHARS, plan_known=True, windowed=True).on_loop()
-    assert not RenderPlacement(INLINE_CHARS + 1, plan_known=True, windowed=True).on_loop()
-    assert not RenderPlacement(10, plan_known=False, windowed=True).on_loop()
-    assert not RenderPlacement(10, plan_known=True, windowed=False).on_loop()
+    assert RenderPlacement(INLINE_CHARS, bounded=True).on_loop()
+    assert not RenderPlacement(INLINE_CHARS + 1, bounded=True).on_loop()
+    assert not RenderPlacement(10, bounded=False).on_loop()
 
 
 async def test_small_extensions_render_on_the_loop_and_large_ones_in_a_thread() -> None:
@@ -57,17 +57,22 @@ async def test_small_extensions_render_on_the_loop_and_large_ones_in_a_thread() 
         where.append({t == loop_thread for t in tok.threads})
         messages += [Message("assistant", answer.content), Message("user", observation)]
     messages = messages[:-2]
-    # 0: a fresh chain (thread); 1: the first extension probes the template (thread);
-    # 2: small (loop); 3: larger than INLINE_CHARS (thread); 4: small (loop).
-    assert where == [{False}, {False}, {True}, {False}, {True}]
+    # 0: a small fresh chain (loop; loading the template for the job is threaded); 1: the
+    # first extension probes the template (thread); 2: small (loop); 3: larger than
+    # INLINE_CHARS (thread); 4: small (loop).
+    assert True in where[0]
+    assert where[1:] == [{False}, {True}, {False}, {True}]
+    tok.threads.clear()  # a fresh chain of a large request: thread
+    await conv.serve(ChatRequest(messages=[Message("user", "y " * INLINE_CHARS)]))
+    assert tok.threads and loop_thread not in tok.threads
     # The chain's ids are those of a ledger that renders every delta from the whole chat.
     chat = ChatTokenizer(tok, incremental=False)
     ledger = ChatLedger(chat, [{"role": m.role, "content": m.content} for m in messages[:2]])
     ledger.start()
-    for k, (prompt, output) in enumerate(llm.calls):
+    for k, (prompt, output) in enumerate(llm.calls[:5]):
         assert prompt == ledger.token_ids
         ledger.add_output(output)
-        if k < len(llm.calls) - 1:
+        if k < 4:
             new = messages[3 + 2 * k]
             ledger.add_messages([{"role": new.role, "content": new.content}])
-    assert len(llm.calls) == 5
+    assert len(llm.calls) == 6
