@@ -149,6 +149,7 @@ class ChatTokenizer:
         from the whole conversation (the reference the shortcuts are tested against)."""
         self._lock = _lock_for(tokenizer)
         self._anchor_text, self._anchor_ids = self._find_anchor()
+        self._backend = self._find_backend()
         self._encoded: dict[str, tuple[int, ...]] = {}
 
     @property
@@ -197,12 +198,54 @@ class ChatTokenizer:
 
     def _encode_uncached(self, text: str) -> list[int]:
         with self._lock:
-            ids = list(self.tokenizer.encode(self._anchor_text + text, add_special_tokens=False))
+            ids = self._encode_raw(self._anchor_text + text)
         n = len(self._anchor_ids)
         if n and ids[:n] == self._anchor_ids:
             return ids[n:]
         with self._lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._encode_raw(text)
+
+    def _encode_raw(self, text: str) -> list[int]:
+        backend = self._backend
+        if backend is not None and backend.truncation is None and backend.padding is None \
+                and backend.encode_special_tokens == bool(
+                    getattr(self.tokenizer, "split_special_tokens", False)):
+            return list(backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _find_backend(self) -> Any:
+        """The Rust tokenizer under a transformers fast tokenizer, called directly (without
+        offsets) where that is all the tokenizer's ``encode`` does; else None.
+
+        transformers' generic fast tokenizer encodes a text by setting the backend's
+        truncation and padding (off, here) and its special-token splitting, then calling the
+        backend; its Python wrapping costs as much again as a short encode. So the backend is
+        called directly only for that generic class (no subclass that changes how text is
+        encoded), only while the backend's state is what ``encode`` would leave it in
+        (checked on every call), and only if it gives the wrapper's ids on probe texts."""
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers: its wrapper is used as it is
+            return None
+        tok = self.tokenizer
+        backend = getattr(tok, "_tokenizer", None)
+        kind = type(tok)
+        if not isinstance(tok, TokenizersBackend) or backend is None \
+                or not hasattr(backend, "encode_batch_fast") \
+                or kind.encode is not PreTrainedTokenizerBase.encode \
+                or kind._encode_plus is not TokenizersBackend._encode_plus:
+            return None
+        specials = "".join(str(t) for t in getattr(tok, "all_special_tokens", ()) or ())
+        with self._lock:
+            for text in (*_PROBE_TEXTS, specials, " a  b\t\n\n c", "héllo 日本 🙂 123456",
+                         f"{specials} x{specials}\n", "word " * 300):
+                want = list(tok.encode(text, add_special_tokens=False))
+                if backend.truncation is not None or backend.padding is not None or list(
+                        backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+                ) != want:
+                    return None
+        return backend
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids with special tokens kept (for parsing and logs; never authoritative)."""
