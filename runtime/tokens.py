@@ -29,6 +29,7 @@ anything else renders the whole conversation as before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -114,6 +115,8 @@ FULL_RENDER = RenderPlan(refused=("incremental rendering is off",))
 _plans: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, str], RenderPlan]] = (
     weakref.WeakKeyDictionary())
 _plans_guard = threading.Lock()
+_backends: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Per tokenizer: whether its Rust backend may be called directly (``_find_backend``)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,8 @@ class ChatTokenizer:
 
     def _find_backend(self) -> Any:
         """The Rust tokenizer under a transformers fast tokenizer, called directly (without
-        offsets) where that is all the tokenizer's ``encode`` does; else None.
+        offsets) where that is all the tokenizer's ``encode`` does; else None. Decided once
+        per tokenizer object (each job makes its own ChatTokenizer of the served one).
 
         transformers' generic fast tokenizer encodes a text by setting the backend's
         truncation and padding (off, here) and its special-token splitting, then calling the
@@ -229,12 +233,23 @@ class ChatTokenizer:
         except ImportError:  # another transformers: its wrapper is used as it is
             return None
         tok = self.tokenizer
+        try:
+            known = _backends.get(tok)
+        except TypeError:  # not weak-referenceable: decided for this instance only
+            known = None
+        if known is not None:
+            return getattr(tok, "_tokenizer", None) if known else None
+        backend = self._check_backend(tok, PreTrainedTokenizerBase, TokenizersBackend)
+        with contextlib.suppress(TypeError):
+            _backends[tok] = backend is not None
+        return backend
+
+    def _check_backend(self, tok: Any, base: Any, generic: Any) -> Any:
         backend = getattr(tok, "_tokenizer", None)
         kind = type(tok)
-        if not isinstance(tok, TokenizersBackend) or backend is None \
+        if not isinstance(tok, generic) or backend is None \
                 or not hasattr(backend, "encode_batch_fast") \
-                or kind.encode is not PreTrainedTokenizerBase.encode \
-                or kind._encode_plus is not TokenizersBackend._encode_plus:
+                or kind.encode is not base.encode or kind._encode_plus is not generic._encode_plus:
             return None
         specials = "".join(str(t) for t in getattr(tok, "all_special_tokens", ()) or ())
         with self._lock:
