@@ -16,11 +16,23 @@ rest (the ``\\n`` after it, or the whole closing when the model ran out of token
 is appended as prompt tokens with loss mask 0. This works whether or not the template is
 append-only; whether it is (rendering the history then the new messages gives a prefix of
 rendering everything) is detected and reported, never papered over by re-tokenizing.
+
+How much is rendered for a delta: the text after the sentinel is, for ordinary templates, the
+same whether the whole history is rendered or only its head and its last few messages, the
+generation prompt is one fixed text appended, and the closing is one fixed text. Those three
+properties are what let a delta render a few messages once instead of the whole conversation
+three times; none is assumed. :func:`probe_render_plan` renders a set of probe conversations
+both ways once per tokenizer, template, template arguments and tools list, and a
+:class:`RenderPlan` takes each shortcut only where every probe gave the full render's text;
+anything else renders the whole conversation as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import random
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -36,6 +48,14 @@ _TOOL_SENTINEL = "ROLLOUT_TOOL_SENTINEL_9b41d7"
 _MEMO_MAX_CHARS = 64
 """Fragments this short (generation prompts, closings) are memoized by ``encode``."""
 _MEMO_MAX_ENTRIES = 256
+_HEAD = 2
+"""Leading history messages a windowed render keeps: templates treat the first message (a
+system prompt, a default one when absent) and the first user message (Llama 3.1 puts the
+tools there) specially."""
+_TAIL = 2
+"""Trailing history messages a windowed render keeps at least: templates look at the
+message before the one they render (Qwen groups consecutive tool results)."""
+_PLANS_PER_TOKENIZER = 64
 
 
 class ChatTemplateError(ValueError):
@@ -55,6 +75,48 @@ def _lock_for(tokenizer: Any) -> threading.Lock:
             return _locks.setdefault(tokenizer, threading.Lock())
         except TypeError:  # not weak-referenceable: one lock per process is still correct
             return _fallback_lock
+
+
+@dataclass(frozen=True)
+class RenderPlan:
+    """Which shortcuts a delta may take for one template, its arguments and one tools list.
+
+    Decided once by :func:`probe_render_plan`: each field is set only where every probe
+    conversation rendered to the same text with the shortcut as without it, and ``refused``
+    says why a shortcut was not taken. The default (all None) renders the whole conversation
+    for every part of a delta, as the ledger always could.
+    """
+
+    window: bool = False
+    """Render only the history's head and tail (:meth:`context`) before the new messages."""
+    generation_prompt: str | None = None
+    """The text ``add_generation_prompt`` appends, the same after every conversation; None:
+    render the conversation with it on to find it."""
+    closing: str | None = None
+    """What follows an assistant message's content that ends the chat, the same after every
+    history; None: render it."""
+    refused: tuple[str, ...] = ()
+
+    def context(self, history: Sequence[Message]) -> list[Message]:
+        """The history a delta renders: all of it, or with a windowed plan its first
+        ``_HEAD`` and its last ``_TAIL`` (or one more) messages; an even number is dropped
+        from the middle, so every kept message keeps the parity of its position (templates
+        that check roles alternate use it)."""
+        if not self.window:
+            return list(history)
+        dropped = max(0, len(history) - _HEAD - _TAIL)
+        dropped -= dropped % 2
+        return [*history[:_HEAD], *history[_HEAD + dropped:]]
+
+
+FULL_RENDER = RenderPlan(refused=("incremental rendering is off",))
+"""A plan without shortcuts (``ChatTokenizer(incremental=False)``: the reference)."""
+
+_plans: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, str], RenderPlan]] = (
+    weakref.WeakKeyDictionary())
+_plans_guard = threading.Lock()
+_backends: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Per tokenizer: whether its Rust backend may be called directly (``_find_backend``)."""
 
 
 @dataclass(frozen=True)
@@ -80,12 +142,17 @@ class ChatTokenizer:
     """
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 incremental: bool = True) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.template_kwargs = dict(template_kwargs or {})
+        self.incremental = incremental
+        """Take the shortcuts a probe proved (:class:`RenderPlan`); False renders every delta
+        from the whole conversation (the reference the shortcuts are tested against)."""
         self._lock = _lock_for(tokenizer)
         self._anchor_text, self._anchor_ids = self._find_anchor()
+        self._backend = self._find_backend()
         self._encoded: dict[str, tuple[int, ...]] = {}
 
     @property
@@ -134,12 +201,66 @@ class ChatTokenizer:
 
     def _encode_uncached(self, text: str) -> list[int]:
         with self._lock:
-            ids = list(self.tokenizer.encode(self._anchor_text + text, add_special_tokens=False))
+            ids = self._encode_raw(self._anchor_text + text)
         n = len(self._anchor_ids)
         if n and ids[:n] == self._anchor_ids:
             return ids[n:]
         with self._lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._encode_raw(text)
+
+    def _encode_raw(self, text: str) -> list[int]:
+        backend = self._backend
+        if backend is not None and backend.truncation is None and backend.padding is None \
+                and backend.encode_special_tokens == bool(
+                    getattr(self.tokenizer, "split_special_tokens", False)):
+            return list(backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _find_backend(self) -> Any:
+        """The Rust tokenizer under a transformers fast tokenizer, called directly (without
+        offsets) where that is all the tokenizer's ``encode`` does; else None. Decided once
+        per tokenizer object (each job makes its own ChatTokenizer of the served one).
+
+        transformers' generic fast tokenizer encodes a text by setting the backend's
+        truncation and padding (off, here) and its special-token splitting, then calling the
+        backend; its Python wrapping costs as much again as a short encode. So the backend is
+        called directly only for that generic class (no subclass that changes how text is
+        encoded), only while the backend's state is what ``encode`` would leave it in
+        (checked on every call), and only if it gives the wrapper's ids on probe texts."""
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers: its wrapper is used as it is
+            return None
+        tok = self.tokenizer
+        try:
+            known = _backends.get(tok)
+        except TypeError:  # not weak-referenceable: decided for this instance only
+            known = None
+        if known is not None:
+            return getattr(tok, "_tokenizer", None) if known else None
+        backend = self._check_backend(tok, PreTrainedTokenizerBase, TokenizersBackend)
+        with contextlib.suppress(TypeError):
+            _backends[tok] = backend is not None
+        return backend
+
+    def _check_backend(self, tok: Any, base: Any, generic: Any) -> Any:
+        backend = getattr(tok, "_tokenizer", None)
+        kind = type(tok)
+        if not isinstance(tok, generic) or backend is None \
+                or not hasattr(backend, "encode_batch_fast") \
+                or kind.encode is not base.encode or kind._encode_plus is not generic._encode_plus:
+            return None
+        specials = "".join(str(t) for t in getattr(tok, "all_special_tokens", ()) or ())
+        with self._lock:
+            for text in (*_PROBE_TEXTS, specials, " a  b\t\n\n c", "héllo 日本 🙂 123456",
+                         f"{specials} x{specials}\n", "word " * 300):
+                want = list(tok.encode(text, add_special_tokens=False))
+                if backend.truncation is not None or backend.padding is not None or list(
+                        backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+                ) != want:
+                    return None
+        return backend
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids with special tokens kept (for parsing and logs; never authoritative)."""
@@ -196,6 +317,40 @@ class ChatTokenizer:
             out.add(closing[0])
         return frozenset(out)
 
+    def render_plan(self, tools: Sequence[Mapping[str, Any]] | None = None) -> RenderPlan:
+        """The shortcuts deltas may take with ``tools``: probed on first use (a few dozen
+        renders), then cached per tokenizer, template, template arguments and tools."""
+        if not self.incremental:
+            return FULL_RENDER
+        plan = self.known_render_plan(tools)
+        if plan is None:
+            plan = probe_render_plan(self, tools)
+            with _plans_guard:
+                table = self._plan_table()
+                if len(table) >= _PLANS_PER_TOKENIZER:
+                    table.clear()
+                table[self._plan_key(tools)] = plan
+        return plan
+
+    def known_render_plan(self, tools: Sequence[Mapping[str, Any]] | None = None,
+                          ) -> RenderPlan | None:
+        """The plan for ``tools`` if it is probed already (None: the next delta probes)."""
+        if not self.incremental:
+            return FULL_RENDER
+        with _plans_guard:
+            return self._plan_table().get(self._plan_key(tools))
+
+    def _plan_table(self) -> dict[tuple[str, str, str], RenderPlan]:
+        try:
+            return _plans.setdefault(self.tokenizer, {})
+        except TypeError:  # not weak-referenceable: keep this instance's own table
+            return self.__dict__.setdefault("_own_plans", {})
+
+    def _plan_key(self, tools: Sequence[Mapping[str, Any]] | None) -> tuple[str, str, str]:
+        return (self.template_source,
+                json.dumps(self.template_kwargs, sort_keys=True, default=repr),
+                json.dumps(list(tools or ()), sort_keys=True, default=repr))
+
     def delta(self, history: Sequence[Message], output_ids: Sequence[int],
               new_messages: Sequence[Message], *, assistant_text: str | None = None,
               tools: Sequence[Mapping[str, Any]] | None = None,
@@ -203,20 +358,28 @@ class ChatTokenizer:
         """Ids to append after ``output_ids`` (the raw ids of the assistant turn that follows
         ``history``) so that ``new_messages`` and the next generation prompt come after it.
 
+        The texts are those of rendering the whole conversation; the template's
+        :class:`RenderPlan` says which parts come from a shorter render or a fixed text
+        because a probe showed they are the same.
         ``assistant_text`` (the decoded output) is used only to check append-only-ness;
         without ``check_append_only`` the delta's ``append_only`` is True unchecked."""
+        plan = self.render_plan(tools)
+        context = plan.context(history)
         assistant = {"role": "assistant", "content": _SENTINEL}
-        conv = [*history, assistant, *new_messages]
+        conv = [*context, assistant, *new_messages]
         tail_obs = _after_sentinel(self.render(conv, add_generation_prompt=False, tools=tools))
         prompt_text = ""
-        if add_generation_prompt:
+        if add_generation_prompt and plan.generation_prompt is not None:
+            prompt_text = plan.generation_prompt
+        elif add_generation_prompt:
             tail_gen = _after_sentinel(self.render(conv, add_generation_prompt=True, tools=tools))
             if tail_gen.startswith(tail_obs):
                 prompt_text = tail_gen[len(tail_obs):]
             else:  # the generation prompt rewrote the end: keep the whole rendering as one piece
                 tail_obs = tail_gen
         obs_ids = self.encode(tail_obs)
-        closing = self.closing_ids(history, tools)
+        closing = (self.encode(plan.closing) if plan.closing is not None
+                   else self.closing_ids(context, tools))
         bound = _common_prefix_len(closing, obs_ids)
         emitted = _overlap(list(output_ids), obs_ids, bound)
         return Delta(observation_ids=obs_ids[emitted:], prompt_ids=self.encode(prompt_text),
@@ -247,6 +410,121 @@ class ChatTokenizer:
                 if len(ids) == 1:
                     return text, ids
         return "", []
+
+
+def probe_render_plan(chat: ChatTokenizer,
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> RenderPlan:
+    """Which of :class:`RenderPlan`'s shortcuts give exactly the full render's text for
+    ``chat``'s template with ``tools``, shown on probe conversations.
+
+    Every probe history (with and without a system prompt, user turns, assistant turns with
+    text and with calls, tool results alone and in runs, contents that templates look into)
+    is rendered with an assistant turn and each probe list of new messages after it, whole
+    and windowed, with the generation prompt off and on. A shortcut is taken only if every
+    probe agrees, where "agrees" includes the template refusing both renders; a template
+    that refuses every probe gets no shortcut at all.
+    """
+    histories, news = _probe_chats(chat, tools)
+    windowed = RenderPlan(window=True)
+    refused: list[str] = []
+    window = True
+    generation: set[str] = set()
+    closings: set[str] = set()
+    gen_appends, rendered = True, False
+    for history in histories:
+        for new in news:
+            conv = [*history, {"role": "assistant", "content": _SENTINEL}, *new]
+            short = [*windowed.context(history), *conv[len(history):]]
+            full_off = _tail_or_error(chat, conv, False, tools)
+            full_on = _tail_or_error(chat, conv, True, tools)
+            if window and (full_off != _tail_or_error(chat, short, False, tools)
+                           or full_on != _tail_or_error(chat, short, True, tools)):
+                window = False
+                refused.append("the text after the assistant turn depends on history a "
+                               "windowed render leaves out")
+            if full_off[0] is None or full_on[0] is None:
+                continue
+            rendered = True
+            if full_on[0].startswith(full_off[0]):
+                generation.add(full_on[0][len(full_off[0]):])
+            else:
+                gen_appends = False
+            if not new:
+                closings.add(full_off[0])
+    if not rendered:
+        return RenderPlan(refused=("the template rendered no probe conversation",))
+    generation_prompt = next(iter(generation)) if gen_appends and len(generation) == 1 else None
+    if generation_prompt is None:
+        refused.append("the generation prompt is not one text appended after every chat")
+    closing = next(iter(closings)) if len(closings) == 1 else None
+    if closing is None:
+        refused.append("the closing of an assistant turn depends on the history")
+    return RenderPlan(window=window, generation_prompt=generation_prompt, closing=closing,
+                      refused=tuple(refused))
+
+
+def _tail_or_error(chat: ChatTokenizer, conv: Sequence[Message], generation: bool,
+                   tools: Sequence[Mapping[str, Any]] | None) -> tuple[str | None, str]:
+    """The text after the sentinel, or (None, the error's type) where the template refuses."""
+    try:
+        return _after_sentinel(chat.render(conv, add_generation_prompt=generation,
+                                           tools=tools)), ""
+    except Exception as exc:  # jinja2 errors, raise_exception(...), ChatTemplateError
+        return None, type(exc).__name__
+
+
+_PROBE_TEXTS = ("a", "two words", "  padded  ", "line\nbreak", "<think>r</think>answer",
+                "/no_think", '{"name": "f", "arguments": {}}', "x" * 40)
+
+
+def _probe_chats(chat: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None,
+                 ) -> tuple[list[list[Message]], list[list[Message]]]:
+    """Probe histories (each ending where the model's turn starts) and lists of new
+    messages, in the roles this template renders; drawn from a fixed seed, so one template
+    is always probed with the same chats."""
+    rng = random.Random(0x5EED)
+    observation = chat.observation_role
+    name = ""
+    for tool in (tools or ()) if chat.supports_tools else ():
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            name = function["name"]
+            break
+
+    def text() -> str:
+        return rng.choice(_PROBE_TEXTS)
+
+    def assistant() -> Message:
+        if name and rng.random() < 0.5:
+            return {"role": "assistant", "content": rng.choice(("", text())), "tool_calls": [
+                {"id": "call_probe", "type": "function",
+                 "function": {"name": name, "arguments": {"x": text()}}}]}
+        return {"role": "assistant", "content": text()}
+
+    def results() -> list[Message]:
+        if observation == "tool":
+            return [{"role": "tool", "name": name or "probe", "content": text()}
+                    for _ in range(rng.randint(1, 3))]
+        return [{"role": "user", "content": text()}]
+
+    histories: list[list[Message]] = []
+    for k in range(10):
+        chat_: list[Message] = []
+        if k % 2 == 0:
+            chat_.append({"role": "system", "content": text()})
+        chat_.append({"role": "user", "content": text()})
+        for _ in range(k % 5 + 1):
+            chat_.append(assistant())
+            chat_.extend(results() if rng.random() < 0.6 else
+                         [{"role": "user", "content": text()}])
+        histories.append(chat_)
+    histories.append([{"role": "user", "content": text()}])
+    histories.append([{"role": "system", "content": text()}, {"role": "user", "content": text()}])
+    news: list[list[Message]] = [[], [{"role": "user", "content": text()}], results(),
+                                 [*results(), {"role": "user", "content": text()}]]
+    if observation == "tool":
+        news.append([{"role": "tool", "name": name or "probe", "content": text()}] * 3)
+    return histories, news
 
 
 def _after_sentinel(text: str) -> str:
@@ -305,11 +583,13 @@ class ChatLedger:
     _awaiting_output: bool = False
     _last_output: list[int] = field(default_factory=list)
 
-    def start(self) -> list[int]:
-        """Ids of the initial prompt (turn 0's ``prompt_ids``)."""
+    def start(self, rendered: str | None = None) -> list[int]:
+        """Ids of the initial prompt (turn 0's ``prompt_ids``). ``rendered``: the messages
+        already rendered with the generation prompt by the caller (not rendered again)."""
         if self.token_ids:
             raise RuntimeError("ledger already started")
-        ids = self.chat.initial_prompt(self.messages, self.tools)
+        ids = (self.chat.encode(rendered) if rendered is not None
+               else self.chat.initial_prompt(self.messages, self.tools))
         _ = self.chat.end_of_turn_ids  # a template unfit for deltas fails here, before any turn
         self.token_ids = list(ids)
         self._awaiting_output = True

@@ -48,7 +48,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,34 @@ class _LiveText:
                     cut = min(cut, len(body) - k)
                     break
         return body[:cut].rstrip().rstrip("\ufffd").rstrip()
+
+
+INLINE_CHARS = 2048
+"""A render whose text (new messages, tool schemas) is at most this many characters runs
+on the event loop (see :class:`RenderPlacement`)."""
+
+
+@dataclass(frozen=True)
+class RenderPlacement:
+    """Where a request's render runs: on the event loop or in a worker thread.
+
+    A worker thread keeps the loop free while a render runs, but the hop there and back, and
+    the wait for a turn in :func:`budget.fair_turn`, cost more than a small render itself. So
+    a render runs on the loop when its cost is known to be small: it is ``bounded`` by its
+    text (a fresh chain renders only the request; an extension renders a window of the
+    history only once the template's :class:`~rollout.runtime.tokens.RenderPlan` is probed,
+    a probe being a few dozen renders) and that text is short. Anything else takes the
+    thread and its fair turn."""
+
+    chars: int
+    """Characters the render writes and tokenizes that grow with the request: message text
+    (the new messages of an extension) and tool schemas."""
+    bounded: bool
+    """The render's cost follows ``chars`` (not the length of the chain's history, nor a
+    probe still to run)."""
+
+    def on_loop(self) -> bool:
+        return self.bounded and self.chars <= INLINE_CHARS
 
 
 @dataclass(eq=False)
@@ -408,9 +436,14 @@ class JobConversation:
             chain = joined
             mark, previous = chain.ledger.mark(), chain.turns[-1].observation_ids
             chain.busy = True
+            new_messages = request.messages[len(chain.expected):]
             try:
-                prompt_ids = await _rendering(asyncio.to_thread(
-                    self._extend, chain, request, request.messages[len(chain.expected):]))
+                if self._placement(chain, tools_key, new_messages).on_loop():
+                    with _template_errors():
+                        prompt_ids = self._extend(chain, request, new_messages)
+                else:
+                    prompt_ids = await _rendering(asyncio.to_thread(
+                        self._extend, chain, request, new_messages))
             except BaseException:
                 chain.ledger.rollback(mark)
                 chain.turns[-1].observation_ids = previous
@@ -422,7 +455,11 @@ class JobConversation:
                 reason, branch = SegmentReason.PARALLEL, len(joined.turns)
             else:
                 parent, reason, branch = self._branch_of(keys)
-            ledger, opened = await _rendering(asyncio.to_thread(self._fresh, request))
+            if self._fresh_placement(request, tools_key).on_loop():
+                with _template_errors():
+                    ledger, opened = self._fresh(request)
+            else:
+                ledger, opened = await _rendering(asyncio.to_thread(self._fresh, request))
             chain = _Chain(order=max((c.order for c in self._chains), default=-1) + 1,
                            ledger=ledger, tools_key=tools_key, side_call=side,
                            reasoning_opened=opened, reason=reason, parent=parent,
@@ -492,6 +529,22 @@ class JobConversation:
         # Turn t's context ends with its answer: request t's messages plus one.
         covered = sum(1 for r in best.requests if len(r) + 1 <= shared)
         return best, SegmentReason.HISTORY_REWRITTEN, covered
+
+    def _placement(self, chain: _Chain, tools_key: str,
+                   new_messages: Sequence[Message]) -> RenderPlacement:
+        """An extension renders the history's window (when its plan is probed) and the new
+        messages, and tokenizes the new messages."""
+        chat = self._chat
+        assert chat is not None
+        plan = chat.known_render_plan(chain.ledger.tools)
+        return RenderPlacement(
+            chars=budget.request_chars(new_messages) + len(tools_key),
+            bounded=plan is not None and plan.window)
+
+    def _fresh_placement(self, request: ChatRequest, tools_key: str) -> RenderPlacement:
+        """A fresh chain renders and tokenizes every message of the request."""
+        return RenderPlacement(chars=budget.request_chars(request.messages) + len(tools_key),
+                               bounded=True)
 
     def _live_text(self, chain: _Chain, request: ChatRequest) -> _LiveText | None:
         """How a streamed answer on ``chain`` is sent as it comes; None: at the end (the
@@ -593,8 +646,8 @@ class JobConversation:
         assert chat is not None
         messages, template_tools = self._template(request.messages, request, first=True)
         ledger = ChatLedger(chat, messages, template_tools, check_append_only=False)
-        ledger.start()
         generation = chat.render(messages, add_generation_prompt=True, tools=template_tools)
+        ledger.start(rendered=generation)
         return ledger, generation.rstrip().endswith(THINK_OPEN)
 
     def _extend(self, chain: _Chain, request: ChatRequest,
@@ -779,10 +832,17 @@ async def _streamed(llm: LLMClient, request: GenerateRequest,
 
 
 async def _rendering(call: Any) -> Any:
-    """Await a render; a template that rejects the messages is the request's fault (400)."""
-    try:
+    """Await a render in its fair turn (:mod:`budget`)."""
+    with _template_errors():
         async with budget.fair_turn():
             return await call
+
+
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """A template that rejects the messages is the request's fault (400)."""
+    try:
+        yield
     except BadRequest:
         raise
     except Exception as exc:  # jinja2 errors, raise_exception(...) in templates, ChatTemplateError

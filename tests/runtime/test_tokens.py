@@ -241,3 +241,19 @@ _chats: dict[int, ChatTokenizer] = {}
 
 def _shared_chat(tok: Any) -> ChatTokenizer:
     return _chats.setdefault(id(tok), ChatTokenizer(tok))
+
+
+def test_the_backend_encoder_is_used_only_while_it_does_what_encode_does(tok: Any) -> None:
+    """The Rust tokenizer is called directly for the generic fast tokenizer, but not while its
+    state differs from what the tokenizer's ``encode`` would set (here: truncation on)."""
+    chat = ChatTokenizer(tok)
+    assert chat._backend is not None
+    text = "a long observation line\n" * 12  # longer than the fragment memo keeps
+    backend = tok._tokenizer
+    backend.enable_truncation(max_length=5)
+    try:
+        got = chat.encode(text)
+    finally:
+        backend.no_truncation()
+    assert got == ids(tok, tok.eos_token + text)[1:] and len(got) > 5
+    assert chat.encode(text * 2) == ids(tok, tok.eos_token + text * 2)[1:]
