@@ -19,9 +19,9 @@ from google.protobuf import struct_pb2
 from rollout.server.api.servicer import RolloutServicer
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
-from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from tests.client.conftest import ServerHarness
 from tests.server.handlers import running_scheduler
+from tests.server.raw_stream import alone, run_raw
 from tests.util import scaled
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,12 +31,6 @@ def _job(job_id: str, environment: str = "scripted", **task: Any) -> job_pb2.Job
     s = struct_pb2.Struct()
     s.update(task or {"reward": 1.0})
     return job_pb2.JobSpec(job_id=job_id, environment=environment, task=s)
-
-
-def alone(frames: list[pb.StreamRolloutsResponse]) -> list[pb.StreamRolloutsResponse]:
-    """The frames as if each had been written alone (`batch` frames unpacked)."""
-    return [g for f in frames for g in (f.batch.frames if f.WhichOneof("kind") == "batch"
-                                        else [f])]
 
 
 def kinds(frames: list[pb.StreamRolloutsResponse], kind: str) -> list[pb.StreamRolloutsResponse]:
@@ -126,39 +120,6 @@ async def harness(tmp_path: Path) -> AsyncIterator[ServerHarness]:
     await h.stop()
 
 
-async def _run_raw(harness: ServerHarness, client_id: str, jobs: list[job_pb2.JobSpec],
-                   open_: pb.OpenSession, expect_finished: int) -> list[pb.StreamRolloutsResponse]:
-    """Open, submit all jobs in one frame, read until ``expect_finished`` jobs finished
-    (acknowledging), half-close; returns the frames as written."""
-    queue: asyncio.Queue[pb.StreamRolloutsRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[pb.StreamRolloutsRequest]:
-        while (item := await queue.get()) is not None:
-            yield item
-
-    open_.client_id = client_id
-    open_.heartbeat_interval.FromSeconds(0)  # only the jobs' frames
-    queue.put_nowait(pb.StreamRolloutsRequest(open=open_))
-    queue.put_nowait(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(jobs=jobs)))
-    wire: list[pb.StreamRolloutsResponse] = []
-    finished = 0
-    async with grpc.aio.insecure_channel(harness.address) as channel:
-        call = pb_grpc.RolloutServiceStub(channel).StreamRollouts(requests(), timeout=50)
-        async for f in call:
-            wire.append(f)
-            for g in alone([f]):
-                if g.WhichOneof("kind") == "trajectory":
-                    queue.put_nowait(pb.StreamRolloutsRequest(ack=pb.AckTrajectories(
-                        delivery_ids=[g.trajectory.delivery_id])))
-                elif g.WhichOneof("kind") == "finished":
-                    finished += 1
-            if finished == expect_finished:
-                queue.put_nowait(None)
-                finished = -1
-        assert await call.code() == grpc.StatusCode.OK
-    return wire
-
-
 def _assert_each_job_once(frames: list[pb.StreamRolloutsResponse], ids: list[str]) -> None:
     for kind in ("accepted", "trajectory", "finished"):
         assert sorted(f.job_id for f in kinds(frames, kind)) == sorted(ids), kind
@@ -173,7 +134,7 @@ async def test_n_jobs_take_far_fewer_writes_than_frames(harness: ServerHarness) 
     answers to one submit are queued together and each trajectory with its finished frame, so
     a batching session is written in at most one write per job plus a few."""
     ids = [f"n{i}" for i in range(200)]
-    wire = await _run_raw(harness, "batched", [_job(j) for j in ids],
+    wire = await run_raw(harness.address, "batched", [_job(j) for j in ids],
                           pb.OpenSession(batch_frames=True), 200)
     frames = alone(wire)
     assert len(frames) == 1 + 3 * 200
@@ -187,7 +148,7 @@ async def test_n_jobs_take_far_fewer_writes_than_frames(harness: ServerHarness) 
 async def test_old_client_gets_one_write_per_frame(harness: ServerHarness) -> None:
     """An OpenSession from before batching never sees a `batch` frame."""
     ids = [f"o{i}" for i in range(60)]
-    wire = await _run_raw(harness, "old", [_job(j) for j in ids], pb.OpenSession(), 60)
+    wire = await run_raw(harness.address, "old", [_job(j) for j in ids], pb.OpenSession(), 60)
     assert not kinds(wire, "batch") and len(wire) == 1 + 3 * 60
     _assert_each_job_once(wire, ids)
     assert [f.sequence for f in wire] == list(range(1, len(wire) + 1))
@@ -201,7 +162,7 @@ async def test_a_bad_job_in_a_batch_is_rejected_alone(harness: ServerHarness) ->
     jobs = [_job(good[0]), _job("bad-env", environment="no-such-env"), _job(good[1]),
             _job("bad-task", bad=True), _job("nan-task", reward=float("nan")),
             *(_job(j) for j in good[2:]), _job("", reward=1.0)]
-    wire = await _run_raw(harness, "mixed", jobs, pb.OpenSession(batch_frames=True), 6)
+    wire = await run_raw(harness.address, "mixed", jobs, pb.OpenSession(batch_frames=True), 6)
     frames = alone(wire)
     rejected = {f.job_id: f.rejected for f in kinds(frames, "rejected")}
     assert set(rejected) == {"bad-env", "bad-task", "nan-task", ""}

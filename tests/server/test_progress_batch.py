@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from google.protobuf import struct_pb2
 
@@ -22,9 +21,9 @@ from rollout.runtime.handler import JobContext
 from rollout.server.api.servicer import RolloutServicer
 from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
-from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from tests.client.conftest import ServerHarness
 from tests.server.handlers import ScriptedHandler, running_scheduler
+from tests.server.raw_stream import run_raw
 from tests.util import assert_eventually, scaled
 
 pytestmark = pytest.mark.timeout(60)
@@ -242,38 +241,10 @@ async def harness(tmp_path: Path) -> AsyncIterator[ServerHarness]:
     await h.stop()
 
 
-async def _run_raw(harness: ServerHarness, client_id: str, jobs: list[job_pb2.JobSpec],
-                   open_: pb.OpenSession) -> list[pb.StreamRolloutsResponse]:
-    """Open, submit, read until every job finished (acknowledging), half-close."""
-    queue: asyncio.Queue[pb.StreamRolloutsRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[pb.StreamRolloutsRequest]:
-        while (item := await queue.get()) is not None:
-            yield item
-
-    open_.client_id = client_id
-    queue.put_nowait(pb.StreamRolloutsRequest(open=open_))
-    queue.put_nowait(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(jobs=jobs)))
-    frames, finished = [], 0
-    async with grpc.aio.insecure_channel(harness.address) as channel:
-        call = pb_grpc.RolloutServiceStub(channel).StreamRollouts(requests(), timeout=50)
-        async for f in call:
-            frames.append(f)
-            if f.WhichOneof("kind") == "trajectory":
-                queue.put_nowait(pb.StreamRolloutsRequest(ack=pb.AckTrajectories(
-                    delivery_ids=[f.trajectory.delivery_id])))
-            elif f.WhichOneof("kind") == "finished":
-                finished += 1
-                if finished == len(jobs):
-                    queue.put_nowait(None)
-        assert await call.code() == grpc.StatusCode.OK
-    return frames
-
-
 async def test_old_client_over_grpc_gets_single_frames(harness: ServerHarness) -> None:
     """An OpenSession from before batching (progress only) never sees progress_batch."""
     jobs = [_job(f"o{i}", turns=2) for i in range(40)]
-    frames = await _run_raw(harness, "old", jobs, pb.OpenSession(progress=True))
+    frames = await run_raw(harness.address, "old", jobs, pb.OpenSession(progress=True))
     assert not any(f.WhichOneof("kind") == "progress_batch" for f in frames)
     assert per_job(frames) == {j.job_id: expected_events(2) for j in jobs}
     _assert_progress_precedes_trajectory(frames)
@@ -284,7 +255,7 @@ async def test_batching_under_load_over_grpc_keeps_each_jobs_order(
     """300 jobs at once: events pile up while writes are in flight and share frames; each
     job's events still arrive complete, in order, before its trajectory."""
     jobs = [_job(f"l{i}", turns=2) for i in range(300)]
-    frames = await _run_raw(harness, "loaded", jobs,
+    frames = await run_raw(harness.address, "loaded", jobs,
                             pb.OpenSession(progress=True, batch_progress=True))
     batches = [f for f in frames if f.WhichOneof("kind") == "progress_batch"]
     assert not any(f.WhichOneof("kind") == "progress" for f in frames)
