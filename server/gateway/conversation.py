@@ -562,12 +562,13 @@ class JobConversation:
         job's run at the latest; the client going away (or the lease closing) cancels it."""
         self.awaiting_budget += 1
         try:
-            await asyncio.wait_for(freed.wait(), max(0.0, self.deadline - time.monotonic()))
+            await asyncio.wait_for(freed.wait(), max(
+                0.0, self.deadline - DEADLINE_MARGIN_S - time.monotonic()))
         except TimeoutError:
-            raise BadRequest("the job's run time ended while this request waited for the "
+            raise BadRequest("the job's RUN deadline has passed while this request waited for "
                              "response tokens its running requests hold "
-                             "(sampling.max_response_tokens)", status=503,
-                             code="aborted") from None
+                             "(sampling.max_response_tokens)", status=504,
+                             code="deadline_exceeded") from None
         finally:
             self.awaiting_budget -= 1
 

@@ -4,6 +4,7 @@ never splits a rollout. Over a real gateway socket, with a gated policy double."
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -256,3 +257,30 @@ async def test_a_call_gives_back_the_budget_it_did_not_use(gateway: Gateway,
     assert llm.asked[-1] == min(10, 12 - used)
     capture = await gateway.close(lease)
     assert sum(len(t.output_ids) for t in capture.turns) <= 12
+
+
+async def test_a_call_waiting_for_held_budget_ends_with_the_jobs_run(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """The holder outlives the job's RUN deadline: the waiting call is answered 504 then,
+    not kept waiting, and is not counted as the job's token budget."""
+    import openai
+
+    lease = await gateway.open(budgeted("job-held-late", 10), llm,
+                               options=GatewayOptions(max_concurrent=4),
+                               deadline=time.monotonic() + 6.0)
+    client = openai_client(lease)
+    holder = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(0)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    waiter = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(1)))
+    await assert_eventually(lambda: awaiting_budget(gateway, lease) == 1)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await waiter
+    assert raised.value.status_code == 504
+    assert raised.value.body["code"] == "deadline_exceeded"
+    assert llm.started == 1 and not gateway.capture(lease).refused
+    assert llm.gate is not None
+    llm.gate.set()
+    await holder
+    await gateway.close(lease)
