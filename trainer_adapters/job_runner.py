@@ -19,6 +19,7 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,25 +116,46 @@ class JobRunner:
             self._waiting.pop(proto.job_id, None)
 
     async def group_mean(self, group_id: str, *, exclude: str, others: int,
-                         timeout_s: float, poll_s: float = 0.5) -> float | None:
-        """The mean reward of ``group_id``'s SUCCEEDED jobs other than ``exclude``, read from
-        the service once ``others`` of them are terminal (or, at ``timeout_s``, of those
-        terminal by then); None when none succeeded. The service is asked, not this process,
-        because a trainer may run a group's samples in several processes."""
+                         timeout_s: float, poll_s: float = 0.5,
+                         trains: Callable[[JobOutcome], bool] | None = None) -> float | None:
+        """The mean reward of ``group_id``'s valid jobs other than ``exclude``, read from the
+        service once ``others`` of them are settled (or, at ``timeout_s``, of those settled by
+        then); None when none is valid. Valid: SUCCEEDED and, given ``trains``, trained by the
+        caller (``trains`` is the caller's own test of its row, applied to the job read with
+        its trajectory; a job whose trajectory cannot be read yet is not settled). The service
+        is asked, not this process, because a trainer may run a group's samples in several
+        processes."""
         await self.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout_s, 0.0)
         delay = poll_s
+        valid: dict[str, float | None] = {}  # settled jobs: the reward when valid, else None
         while True:
-            done = [job async for job in self.client.list_jobs(group_id=group_id)
-                    if job.job_id != exclude and job.state in TERMINAL]
+            async for job in self.client.list_jobs(group_id=group_id):
+                if job.job_id != exclude and job.state in TERMINAL and job.job_id not in valid:
+                    counts = await self._counts(job, trains)
+                    if counts is not None:
+                        valid[job.job_id] = job.reward if counts else None
             left = deadline - loop.time()
-            if len(done) >= others or left <= 0:
+            if len(valid) >= others or left <= 0:
                 break
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, 2.0)
-        rewards = [job.reward for job in done if job.state == SUCCEEDED]
+        rewards = [r for r in valid.values() if r is not None]
         return sum(rewards) / len(rewards) if rewards else None
+
+    async def _counts(self, job: job_pb2.Job,
+                      trains: Callable[[JobOutcome], bool] | None) -> bool | None:
+        """Whether a terminal ``job`` is valid for :meth:`group_mean`; None: not known yet
+        (its trajectory is not readable until the job's record is durable)."""
+        if job.state != SUCCEEDED:
+            return False
+        if trains is None:
+            return True
+        got = await self.client.get_job(job.job_id, include_trajectory=True)
+        if not got.HasField("trajectory"):
+            return None
+        return trains(JobOutcome(got.trajectory, job.state))
 
     async def cancel_group(self, group_id: str) -> None:
         """Stop a group's unfinished jobs (their callers get CANCELLED outcomes)."""

@@ -265,6 +265,32 @@ class _Prepared:
     generates (its ``max_tokens``); given back when it settles."""
 
 
+@dataclass(frozen=True)
+class ResponseRoom:
+    """Where the job's ``sampling.max_response_tokens`` stands when a request arrives: the
+    one decision of whether it is served now, waits, or is refused."""
+
+    limit: int | None
+    """The budget; None: no budget."""
+    committed: int
+    """Output tokens of the turns recorded so far (spent: never given back)."""
+    reserved: int
+    """Tokens held by generations still running (each may give back what it does not use)."""
+
+    @property
+    def left(self) -> int:
+        return (1 << 62) if self.limit is None else self.limit - self.committed - self.reserved
+
+    def verdict(self) -> str:
+        """``"serve"``: tokens are free now. ``"wait"``: none are free, but running requests
+        hold some, and whatever they do not use comes back. ``"spent"``: the recorded turns
+        used it all; nothing can come back (a turn's output never exceeds what it held)."""
+        if self.left > 0:
+            return "serve"
+        assert self.limit is not None
+        return "spent" if self.committed >= self.limit else "wait"
+
+
 @dataclass(eq=False)
 class _Flight:
     task: asyncio.Task[ServedTurn]
@@ -299,6 +325,10 @@ class JobConversation:
         """Generations of this job running now (what the concurrency test watches)."""
         self._reserved = 0
         """Response tokens held by generations still running (see :meth:`_response_room`)."""
+        self._freed = asyncio.Event()
+        """Set (and replaced) whenever a running request gives back its reservation."""
+        self.awaiting_budget = 0
+        """Requests waiting now for running ones to give back response tokens."""
 
     @property
     def model_name(self) -> str:
@@ -332,24 +362,32 @@ class JobConversation:
     async def _answer_for(self, request: ChatRequest, ident: Ident, keys: list[Key],
                           listener: Listener | None = None,
                           live: list[_LiveText] | None = None) -> ServedTurn:
-        async with self._lock:
-            await self._ensure_chat()
-            await self._admit(request)  # before anything is tokenized
-            for chain in self._chains:
-                if chain.tip is not None and chain.tip[0] == ident:
-                    return chain.tip[1]
-            flight = self._flights.get(ident)
-            if flight is None:
-                prepared = await self._prepare(request, ident, keys)
-                feed = None
-                if listener is not None and live is not None:
-                    text = self._live_text(prepared.chain, request)
-                    if text is not None:
-                        live.append(text)
-                        feed = _feeder(text, listener, prepared.total)
-                flight = _Flight(asyncio.ensure_future(self._run(prepared, request, feed)))
-                flight.task.add_done_callback(functools.partial(self._settle, prepared))
-                self._flights[ident] = flight
+        while True:
+            async with self._lock:
+                await self._ensure_chat()
+                await self._admit(request)  # before anything is tokenized
+                for chain in self._chains:
+                    if chain.tip is not None and chain.tip[0] == ident:
+                        return chain.tip[1]
+                flight = self._flights.get(ident)
+                if flight is None and self._response_room().verdict() == "wait":
+                    freed = self._freed
+                elif flight is None:
+                    prepared = await self._prepare(request, ident, keys)
+                    feed = None
+                    if listener is not None and live is not None:
+                        text = self._live_text(prepared.chain, request)
+                        if text is not None:
+                            live.append(text)
+                            feed = _feeder(text, listener, prepared.total)
+                    flight = _Flight(asyncio.ensure_future(self._run(prepared, request, feed)))
+                    flight.task.add_done_callback(functools.partial(self._settle, prepared))
+                    self._flights[ident] = flight
+            if flight is not None:
+                break
+            # Outside the lock, so the holders settle and other requests are answered
+            # meanwhile; then everything is decided again, as for a request just arrived.
+            await self._await_freed(freed)
         flight.waiters += 1
         try:
             return await asyncio.shield(flight.task)
@@ -479,17 +517,19 @@ class JobConversation:
             raise BadRequest(f"the prompt is {total} tokens; this job allows {limit} in one "
                              "sequence (its sampling.total_token_budget or the model's context)",
                              param="messages", code="context_length_exceeded")
-        response_room = self._response_room()
-        if response_room <= 0:
+        room = self._response_room()
+        # Under the lock since the caller saw "serve" or "spent": only releases (which add
+        # room) ran meanwhile, so "wait" cannot come back here.
+        if room.verdict() != "serve":
             self._abandon(prepared)
             self.capture.refused = "token_budget"
-            raise BadRequest(f"this job's model has generated (or its running requests hold) "
-                             f"its {self.spec.sampling.max_response_tokens} tokens "
+            raise BadRequest(f"this job's model has generated its "
+                             f"{self.spec.sampling.max_response_tokens} tokens "
                              "(its sampling.max_response_tokens); no more are served",
                              code="context_length_exceeded")
         wanted = request.max_tokens or self.spec.sampling.max_tokens_per_turn
         prepared.max_tokens = max(1, min(wanted, self.spec.sampling.max_tokens_per_turn,
-                                         limit - total, response_room))
+                                         limit - total, room.left))
         if self.spec.sampling.max_response_tokens is not None:
             # Reserved here, under the job's lock, before any await: a request generating in
             # parallel sees only what is left after this one's cap, so together they can never
@@ -499,20 +539,38 @@ class JobConversation:
         self._requests += 1
         return prepared
 
-    def _response_room(self) -> int:
-        """Tokens the model may still generate under ``sampling.max_response_tokens``: the
-        budget less the committed turns' output and less what running requests hold (each
-        holds its ``max_tokens`` until it settles, then gives back what it did not use)."""
+    def _response_room(self) -> ResponseRoom:
+        """Where ``sampling.max_response_tokens`` stands: the committed turns' output and what
+        running requests hold (each holds its ``max_tokens`` until it settles, then gives back
+        what it did not use)."""
         limit = self.spec.sampling.max_response_tokens
-        if limit is None:
-            return 1 << 62
-        committed = sum(len(t.output_ids) for c in self._chains for t in c.turns)
-        return limit - committed - self._reserved
+        committed = 0 if limit is None else sum(
+            len(t.output_ids) for c in self._chains for t in c.turns)
+        return ResponseRoom(limit, committed, self._reserved)
 
     def _release(self, prepared: _Prepared) -> None:
-        """Give back ``prepared``'s reservation (its committed turn, if any, now counts)."""
-        self._reserved -= prepared.reserved
-        prepared.reserved = 0
+        """Give back ``prepared``'s reservation (its committed turn, if any, now counts) and
+        wake the requests waiting for room."""
+        if prepared.reserved:
+            self._reserved -= prepared.reserved
+            prepared.reserved = 0
+            self._freed.set()
+            self._freed = asyncio.Event()
+
+    async def _await_freed(self, freed: asyncio.Event) -> None:
+        """Wait for a running request to give its reservation back. The wait ends with the
+        job's run at the latest; the client going away (or the lease closing) cancels it."""
+        self.awaiting_budget += 1
+        try:
+            await asyncio.wait_for(freed.wait(), max(
+                0.0, self.deadline - DEADLINE_MARGIN_S - time.monotonic()))
+        except TimeoutError:
+            raise BadRequest("the job's RUN deadline has passed while this request waited for "
+                             "response tokens its running requests hold "
+                             "(sampling.max_response_tokens)", status=504,
+                             code="deadline_exceeded") from None
+        finally:
+            self.awaiting_budget -= 1
 
     def _branch_of(self, keys: list[Key]) -> tuple[_Chain | None, SegmentReason, int]:
         """The chain a new one branches from: the one sharing the most leading messages, and

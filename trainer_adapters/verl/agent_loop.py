@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,8 +34,13 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from rollout.trainer_adapters.job_runner import shared_runner
-from rollout.trainer_adapters.verl.job_mapping import VerlSample, job_for_sample, to_verl_samples
+from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
+from rollout.trainer_adapters.verl.job_mapping import (
+    PromptTooLong,
+    VerlSample,
+    job_for_sample,
+    to_verl_samples,
+)
 
 AGENT_NAME = "rollout_service"
 
@@ -139,28 +144,44 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         fallback: list[int] = []
         if not outcome.trajectory.turns:
             fallback = await self._render_prompt(kwargs.get("raw_prompt"))
-        samples = to_verl_samples(
-            outcome, prompt_length=self.prompt_length, response_length=self.response_length,
-            reward_components=s.reward_components, overlong=s.overlong,
-            fallback_prompt_ids=fallback)
+        samples = self._rows(outcome, fallback)
         if "session_id" in kwargs:
             # verl's V1 worker (AgentLoopWorkerTQ) calls every loop with the sample's session
             # (rollout) id, keys each output {uid}_{session}_{index} and computes GRPO
             # advantages per session from its final output; the legacy worker passes no
             # session id and takes exactly one output per sample.
-            return [_output(x) for x in samples if any(x.response_mask)]
+            return [_output(x) for x in samples if x.trained]
         row = samples[-1]
-        if not any(row.response_mask) and self.group_size > 1 and s.neutral_wait_s > 0:
+        if not row.trained and self.group_size > 1 and s.neutral_wait_s > 0:
             row = await self._neutral_reward(runner, spec, row)
         return _output(row)
 
+    def _rows(self, outcome: JobOutcome, fallback: Sequence[int] = ()) -> list[VerlSample]:
+        s = self.settings
+        return to_verl_samples(
+            outcome, prompt_length=self.prompt_length, response_length=self.response_length,
+            reward_components=s.reward_components, overlong=s.overlong,
+            fallback_prompt_ids=fallback)
+
+    def _legacy_row_trains(self, outcome: JobOutcome) -> bool:
+        """Whether this loop, given ``outcome``, would return a trained row to the legacy
+        worker: the very test :meth:`run` applies to its own row, so a group's valid set is
+        exactly the rows verl trains (a SUCCEEDED job whose row is masked, e.g. overlong, is
+        not valid)."""
+        try:
+            return self._rows(outcome)[-1].trained
+        except PromptTooLong:
+            return False  # that sample's own loop raises: it is trained on nothing
+
     async def _neutral_reward(self, runner: Any, spec: Any, row: VerlSample) -> VerlSample:
-        """``row`` with the mean reward of its group's other SUCCEEDED jobs, so that verl's
-        group mean (over every row of the ``uid``) equals the mean over valid rollouts and this
-        row's advantage is 0. ``reward`` in the row's reward info keeps the job's own."""
+        """``row`` with the mean reward of its group's other valid rollouts (rows this loop
+        trains), so that verl's group mean (over every row of the ``uid``) equals the mean
+        over valid rollouts and this row's advantage is 0. ``reward`` in the row's reward info
+        keeps the job's own."""
         group = spec.group.group_id
         mean = await runner.group_mean(group, exclude=spec.job_id, others=self.group_size - 1,
-                                       timeout_s=self.settings.neutral_wait_s)
+                                       timeout_s=self.settings.neutral_wait_s,
+                                       trains=self._legacy_row_trains)
         if mean is None:
             # No valid rollout in the group: every row is masked, any equal value is neutral.
             return row

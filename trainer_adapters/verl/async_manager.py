@@ -368,7 +368,7 @@ def rollout_rows(groups: Sequence[Group], sources: Mapping[str, Mapping[str, Any
                               prompt_length=prompt_length, response_length=response_length,
                               reward_components=reward_components, overlong=overlong)
                     for flat in s.flats]
-            kept = [row for row in rows if any(row.response_mask)]
+            kept = [row for row in rows if row.trained]
             dropped += len(rows) - len(kept)
             if not kept:
                 untrainable += 1

@@ -94,6 +94,13 @@ class VerlSample:
     over ``prompt_ids + response_ids`` (what verl's router replay indexes by absolute
     position); None for a dense model."""
 
+    @property
+    def trained(self) -> bool:
+        """Whether verl trains this row: some token of it is in the loss. A failed job's row,
+        an answer cut under ``overlong="mask"`` and a dropped segment are wholly masked; every
+        adapter path asks this one question to leave a row out of training and statistics."""
+        return any(self.response_mask)
+
 
 def to_verl_sample(job: Any, *, prompt_length: int, response_length: int,
                    reward_components: Sequence[str] = (), overlong: str = "mask",

@@ -4,6 +4,7 @@ never splits a rollout. Over a real gateway socket, with a gated policy double."
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -150,11 +151,16 @@ def budgeted(job_id: str, budget: int) -> JobSpec:
                    limits=Limits(max_turns=16))
 
 
+def awaiting_budget(gateway: Gateway, lease: Any) -> int:
+    return gateway._leases[lease.api_key].conversation.awaiting_budget
+
+
 async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_within_it(
         gateway: Gateway, llm: PromptPolicy) -> None:
     """Four sub-agents call at once under a budget of 24 response tokens, 10 a turn: the
-    first three hold 10, 10 and the 4 left; the fourth finds nothing left and gets the
-    budget's refusal; every reply runs long, yet the job samples exactly 24 tokens."""
+    first three hold 10, 10 and the 4 left; the fourth finds nothing free and waits for them;
+    every reply runs long, so they spend it all, and only then is the fourth refused with the
+    budget's answer: the job samples exactly 24 tokens."""
     import openai
 
     llm.replies.extend(["word " * 40] * 4)
@@ -163,8 +169,8 @@ async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_
     client = openai_client(lease)
     calls = [asyncio.ensure_future(client.chat.completions.create(
         model="m", messages=conversation(k))) for k in range(4)]
-    await assert_eventually(lambda: llm.in_flight == 3 and sum(c.done() for c in calls) == 1)
-    assert sorted(llm.asked) == [4, 10, 10]
+    await assert_eventually(lambda: llm.in_flight == 3 and awaiting_budget(gateway, lease) == 1)
+    assert sorted(llm.asked) == [4, 10, 10] and not any(c.done() for c in calls)
     assert llm.gate is not None
     llm.gate.set()
     results = await asyncio.gather(*calls, return_exceptions=True)
@@ -172,9 +178,55 @@ async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_
     assert len(errors) == 1 and isinstance(errors[0], openai.BadRequestError)
     assert errors[0].body["code"] == "context_length_exceeded"
     assert "max_response_tokens" in errors[0].body["message"]
+    assert len(llm.asked) == 3
     capture = await gateway.close(lease)
     assert sum(len(t.output_ids) for t in capture.turns) == 24
     assert capture.refused == "token_budget"
+
+
+async def test_a_call_that_finds_the_budget_only_held_is_served_with_what_comes_back(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """The three holders reply briefly and give back what they did not use: the fourth,
+    which found all 24 tokens held, is served from that (not refused), and the job's limit
+    is never recorded as reached."""
+    llm.replies.extend(["ok"] * 4)
+    lease = await gateway.open(budgeted("job-held", 24), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(4)]
+    await assert_eventually(lambda: llm.in_flight == 3 and awaiting_budget(gateway, lease) == 1)
+    assert sorted(llm.asked) == [4, 10, 10] and not any(c.done() for c in calls)
+    assert llm.gate is not None
+    llm.gate.set()
+    answers = await asyncio.gather(*calls)
+    assert all(a.choices[0].message.content == "ok" for a in answers)
+    first_three = sum(len(out) for _, out in llm.calls[:3])
+    assert llm.asked[3] == min(10, 24 - first_three)
+    capture = await gateway.close(lease)
+    assert len(capture.turns) == 4 and not capture.refused
+    assert sum(len(t.output_ids) for t in capture.turns) <= 24
+
+
+async def test_a_call_waiting_for_held_budget_leaves_when_its_client_does(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """A waiting call whose client goes away stops waiting and leaves nothing behind."""
+    lease = await gateway.open(budgeted("job-held-gone", 10), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    holder = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(0)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    waiter = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(1)))
+    await assert_eventually(lambda: awaiting_budget(gateway, lease) == 1)
+    waiter.cancel()
+    await assert_eventually(lambda: awaiting_budget(gateway, lease) == 0)
+    assert llm.gate is not None
+    llm.gate.set()
+    await holder
+    capture = await gateway.close(lease)
+    assert len(capture.turns) == 1 and llm.started == 1
 
 
 async def test_a_call_gives_back_the_budget_it_did_not_use(gateway: Gateway,
@@ -205,3 +257,30 @@ async def test_a_call_gives_back_the_budget_it_did_not_use(gateway: Gateway,
     assert llm.asked[-1] == min(10, 12 - used)
     capture = await gateway.close(lease)
     assert sum(len(t.output_ids) for t in capture.turns) <= 12
+
+
+async def test_a_call_waiting_for_held_budget_ends_with_the_jobs_run(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """The holder outlives the job's RUN deadline: the waiting call is answered 504 then,
+    not kept waiting, and is not counted as the job's token budget."""
+    import openai
+
+    lease = await gateway.open(budgeted("job-held-late", 10), llm,
+                               options=GatewayOptions(max_concurrent=4),
+                               deadline=time.monotonic() + 6.0)
+    client = openai_client(lease)
+    holder = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(0)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    waiter = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(1)))
+    await assert_eventually(lambda: awaiting_budget(gateway, lease) == 1)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await waiter
+    assert raised.value.status_code == 504
+    assert raised.value.body["code"] == "deadline_exceeded"
+    assert llm.started == 1 and not gateway.capture(lease).refused
+    assert llm.gate is not None
+    llm.gate.set()
+    await holder
+    await gateway.close(lease)

@@ -194,3 +194,30 @@ async def test_a_failed_rollout_leaves_the_legacy_group_mean(tmp_path: Path) -> 
     # Turned off, the failed row's 0 pulls the mean to 1/2 (what the fix removes).
     assert sum(off["tensors"]["rm_scores"][1]) == 0.0
     assert off["advantages"]["False"] == pytest.approx([0.5, 0.0, -0.5, 0.5], abs=1e-6)
+
+
+async def test_a_masked_succeeded_rollout_is_left_out_of_the_legacy_group_mean(
+        tmp_path: Path) -> None:
+    """A group of four through verl's own worker: rewards 1, an overlong answer that
+    SUCCEEDED with reward 1 (its row is cut, so wholly masked), a failed job, 0. The valid
+    rollouts are the two rows verl trains, [1, 0]: both untrainable rows take their mean 1/2,
+    not the 2/3 that counting the overlong sibling's own reward would give, and the Dr.GRPO
+    advantages are exactly those over the valid rollouts."""
+    long = {**overlong_episode(), "reward": 1.0}
+    tasks = [two_turn_tool_episode(base=100, reward=1.0), long,
+             two_turn_tool_episode(base=300, reward=1.0, fail="eval"),
+             two_turn_tool_episode(base=400, reward=0.0)]
+    h = episode_harness(tmp_path / "state")
+    await h.start()
+    try:
+        res = await run_verl(h.address, [sample(t, "g") for t in tasks], tmp_path, n=4)
+    finally:
+        await h.stop()
+    t, nt = res["tensors"], res["non_tensors"]
+    assert [nt["rollout_state"][k] for k in range(4)] == [
+        "SUCCEEDED", "SUCCEEDED", "FAILED", "SUCCEEDED"]
+    assert t["response_mask"][1] == [0] * RESPONSE_LEN and nt["truncated"][1] is True
+    assert t["response_mask"][2] == [0] * RESPONSE_LEN
+    assert sum(t["rm_scores"][1]) == pytest.approx(0.5)
+    assert sum(t["rm_scores"][2]) == pytest.approx(0.5)
+    assert res["advantages"]["False"] == pytest.approx([0.5, 0.0, 0.0, -0.5], abs=1e-6)
