@@ -7,7 +7,6 @@ through the bare generated stub, as any language's client sees it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,7 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness
 from tests.server.handlers import running_scheduler
-from tests.server.raw_stream import alone, run_raw
-from tests.util import scaled
+from tests.server.raw_stream import PulledStream, alone, run_raw
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,31 +33,6 @@ def _job(job_id: str, environment: str = "scripted", **task: Any) -> job_pb2.Job
 
 def kinds(frames: list[pb.StreamRolloutsResponse], kind: str) -> list[pb.StreamRolloutsResponse]:
     return [f for f in frames if f.WhichOneof("kind") == kind]
-
-
-class PulledStream:
-    """One StreamRollouts call on the servicer, with the test as its transport."""
-
-    def __init__(self, servicer: RolloutServicer, client_id: str, **open_: Any) -> None:
-        self.requests: asyncio.Queue[pb.StreamRolloutsRequest | None] = asyncio.Queue()
-        msg = pb.OpenSession(client_id=client_id, **open_)
-        msg.heartbeat_interval.FromSeconds(0)  # no heartbeats: only job frames are queued
-        self.requests.put_nowait(pb.StreamRolloutsRequest(open=msg))
-        self.gen = servicer.StreamRollouts(self._requests(), None)  # type: ignore[arg-type]
-        self.frames: list[pb.StreamRolloutsResponse] = []
-
-    async def _requests(self) -> AsyncIterator[pb.StreamRolloutsRequest]:
-        while (req := await self.requests.get()) is not None:
-            yield req
-
-    async def pull(self) -> pb.StreamRolloutsResponse:
-        frame = await asyncio.wait_for(anext(self.gen), scaled(10))
-        self.frames.append(frame)
-        return frame
-
-    async def close(self) -> None:
-        self.requests.put_nowait(None)
-        await self.gen.aclose()
 
 
 async def test_answers_ready_together_go_out_as_one_frame_and_a_lone_one_at_once(

@@ -23,8 +23,8 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from tests.client.conftest import ServerHarness
 from tests.server.handlers import ScriptedHandler, running_scheduler
-from tests.server.raw_stream import run_raw
-from tests.util import assert_eventually, scaled
+from tests.server.raw_stream import PulledStream, run_raw
+from tests.util import assert_eventually
 
 pytestmark = pytest.mark.timeout(60)
 P = pb.StageProgress
@@ -84,35 +84,6 @@ def _job(job_id: str, **task: Any) -> job_pb2.JobSpec:
     return job_pb2.JobSpec(job_id=job_id, environment="scripted", task=s)
 
 
-class PulledStream:
-    """One StreamRollouts call on the servicer, with the test as its transport."""
-
-    def __init__(self, servicer: RolloutServicer, client_id: str, *, batch: bool) -> None:
-        self.requests: asyncio.Queue[pb.StreamRolloutsRequest | None] = asyncio.Queue()
-        open_ = pb.OpenSession(client_id=client_id, progress=True, batch_progress=batch)
-        open_.heartbeat_interval.FromSeconds(0)  # no heartbeats: only job frames are queued
-        self.requests.put_nowait(pb.StreamRolloutsRequest(open=open_))
-        self.gen = servicer.StreamRollouts(self._requests(), None)  # type: ignore[arg-type]
-        self.frames: list[pb.StreamRolloutsResponse] = []
-
-    async def _requests(self) -> AsyncIterator[pb.StreamRolloutsRequest]:
-        while (req := await self.requests.get()) is not None:
-            yield req
-
-    async def pull(self) -> pb.StreamRolloutsResponse:
-        frame = await asyncio.wait_for(anext(self.gen), scaled(10))
-        self.frames.append(frame)
-        return frame
-
-    async def pull_until(self, done: Any) -> None:
-        while not done(self.frames):
-            await self.pull()
-
-    async def close(self) -> None:
-        self.requests.put_nowait(None)
-        await self.gen.aclose()
-
-
 def _seen(frames: list[pb.StreamRolloutsResponse], job_id: str, key: Any) -> bool:
     return (job_id, key) in progress_of(frames)
 
@@ -136,7 +107,8 @@ async def _scenario(tmp_path: Path, batch: bool) -> tuple[list[Any], list[Any], 
     handler = HeldRelease()
     async with running_scheduler(tmp_path / "db", handler, init_workers=4, run_workers=4,
                                  eval_workers=4) as (sched, _):
-        stream = PulledStream(RolloutServicer(sched, heartbeat_s=0), "c", batch=batch)
+        stream = PulledStream(RolloutServicer(sched, heartbeat_s=0), "c", progress=True,
+                              batch_progress=batch)
         try:
             assert (await stream.pull()).WhichOneof("kind") == "opened"
             waiting = ["a0", "a1", "a2"]
@@ -210,7 +182,7 @@ async def test_a_backlog_is_split_into_bounded_batches_in_order(tmp_path) -> Non
     async with running_scheduler(tmp_path / "db", init_workers=4, run_workers=4,
                                  eval_workers=4) as (sched, handler):
         stream = PulledStream(RolloutServicer(sched, heartbeat_s=0, max_progress_batch=4),
-                              "c", batch=True)
+                              "c", progress=True, batch_progress=True)
         try:
             await stream.pull()
             stream.requests.put_nowait(pb.StreamRolloutsRequest(submit=pb.SubmitJobs(

@@ -155,6 +155,22 @@ def awaiting_budget(gateway: Gateway, lease: Any) -> int:
     return gateway._leases[lease.api_key].conversation.awaiting_budget
 
 
+async def _four_calls_one_waiting(gateway: Gateway, llm: PromptPolicy,
+                                  job_id: str) -> tuple[Any, list[asyncio.Future[Any]]]:
+    """Four calls at once under a budget of 24, 10 a turn: three hold 10, 10 and 4, the
+    fourth waits for what they give back; then the backend is let go."""
+    lease = await gateway.open(budgeted(job_id, 24), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    calls = [asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(k))) for k in range(4)]
+    await assert_eventually(lambda: llm.in_flight == 3 and awaiting_budget(gateway, lease) == 1)
+    assert sorted(llm.asked) == [4, 10, 10] and not any(c.done() for c in calls)
+    assert llm.gate is not None
+    llm.gate.set()
+    return lease, calls
+
+
 async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_within_it(
         gateway: Gateway, llm: PromptPolicy) -> None:
     """Four sub-agents call at once under a budget of 24 response tokens, 10 a turn: the
@@ -164,15 +180,7 @@ async def test_parallel_calls_reserve_the_response_budget_so_together_they_stay_
     import openai
 
     llm.replies.extend(["word " * 40] * 4)
-    lease = await gateway.open(budgeted("job-reserve", 24), llm,
-                               options=GatewayOptions(max_concurrent=4))
-    client = openai_client(lease)
-    calls = [asyncio.ensure_future(client.chat.completions.create(
-        model="m", messages=conversation(k))) for k in range(4)]
-    await assert_eventually(lambda: llm.in_flight == 3 and awaiting_budget(gateway, lease) == 1)
-    assert sorted(llm.asked) == [4, 10, 10] and not any(c.done() for c in calls)
-    assert llm.gate is not None
-    llm.gate.set()
+    lease, calls = await _four_calls_one_waiting(gateway, llm, "job-reserve")
     results = await asyncio.gather(*calls, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert len(errors) == 1 and isinstance(errors[0], openai.BadRequestError)
@@ -190,15 +198,7 @@ async def test_a_call_that_finds_the_budget_only_held_is_served_with_what_comes_
     which found all 24 tokens held, is served from that (not refused), and the job's limit
     is never recorded as reached."""
     llm.replies.extend(["ok"] * 4)
-    lease = await gateway.open(budgeted("job-held", 24), llm,
-                               options=GatewayOptions(max_concurrent=4))
-    client = openai_client(lease)
-    calls = [asyncio.ensure_future(client.chat.completions.create(
-        model="m", messages=conversation(k))) for k in range(4)]
-    await assert_eventually(lambda: llm.in_flight == 3 and awaiting_budget(gateway, lease) == 1)
-    assert sorted(llm.asked) == [4, 10, 10] and not any(c.done() for c in calls)
-    assert llm.gate is not None
-    llm.gate.set()
+    lease, calls = await _four_calls_one_waiting(gateway, llm, "job-held")
     answers = await asyncio.gather(*calls)
     assert all(a.choices[0].message.content == "ok" for a in answers)
     first_three = sum(len(out) for _, out in llm.calls[:3])
