@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
+from typing import TextIO
 
 import pytest
 
@@ -54,6 +58,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if base:
         item.add_marker(pytest.mark.timeout(patience(float(base)), **kwargs), append=False)
     yield
+
+
+_STACKS_TO: list[TextIO] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A parent that gives up waiting for this process (``tests/test_under_load.py`` runs the
+    suite's tool tests in a child) sends SIGUSR1 first: every thread's stack then goes to
+    stderr, whatever the process is stuck in, its exit included. A copy of the real stderr
+    made here, where pytest's capture of it is suspended, and kept for the process's life."""
+    if not _STACKS_TO:
+        _STACKS_TO.append(os.fdopen(os.dup(2), "w"))
+        faulthandler.register(signal.SIGUSR1, file=_STACKS_TO[0], all_threads=True)
 
 
 # How long a test's event loop waits, once the test is over, for the worker threads its
@@ -122,13 +140,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _exit_status.append(int(exitstatus))
 
 
+EXIT_GRACE_S = 60.0
+"""How long the interpreter's exit (joining threads, ``atexit`` handlers) may take once pytest
+is done, stretched by ``patience``."""
+
+
+def _suite_status() -> int:
+    return _exit_status[-1] if _exit_status and _exit_status[-1] else 1
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A worker thread still blocked now would hang the interpreter's exit (it joins them):
-    report it and leave with the suite's status instead."""
+    report it and leave with the suite's status instead.
+
+    Anything else that blocks the exit (a non-daemon thread, an ``atexit`` handler) is caught
+    by a watchdog: past ``EXIT_GRACE_S`` it prints every thread's stack and ends the process
+    with a failing status, so a hang at exit is a reported failure, never a lost CI run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     stuck = _worker_stacks()
     if stuck:
         sys.stderr.write(f"worker threads still blocked at exit:\n{stuck}\n")
         sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)
+        os._exit(_suite_status())
+    grace = patience(EXIT_GRACE_S)
+
+    def watchdog() -> None:
+        time.sleep(grace)
+        out = _STACKS_TO[0] if _STACKS_TO else sys.__stderr__
+        assert out is not None
+        out.write(f"\nEXIT HANG: the test process was still exiting {grace:g} s after pytest "
+                  "finished; every thread's stack:\n")
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.flush()
+        os._exit(_suite_status())
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

@@ -11,6 +11,7 @@ run the tool and sandbox tests beside two busy-loop processes.
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from rollout.runtime.timeouts import ENV_VAR, scaled, timeout_scale
 from rollout.runtime.tools.ipython import KERNEL_STARTUP_S, IPythonKernel, KernelError
-from tests.util import assert_eventually, hang_guard_factor
+from tests.util import assert_eventually, hang_guard_factor, patience
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -92,29 +93,47 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         # pytest-timeout's thread method: a test that hangs, even in its teardown, ends the
-        # child with every thread's stack printed, which this test then shows.
-        res = subprocess.run(
+        # child with every thread's stack printed, which this test then shows. Unbuffered, so
+        # what the child printed before a hang is all here.
+        code, out = _run_child(
             [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x",
              "-o", "timeout_method=thread",
              "tests/runtime/test_tools_ipython.py", "tests/runtime/test_tools_bash.py",
-             "tests/runtime/test_sandbox.py"],
-            cwd=ROOT, capture_output=True, text=True, timeout=scaled(840),
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except subprocess.TimeoutExpired as exc:
-        out = _text(exc.stdout)[-6000:] + _text(exc.stderr)[-3000:]
-        pytest.fail(f"the child suite did not finish in {exc.timeout:g} s:\n{out}")
+             "tests/runtime/test_sandbox.py"], timeout=scaled(840))
     finally:
         alive = all(h.poll() is None for h in hogs)
         for h in hogs:
             h.kill()
             h.wait()
+    assert code is not None, f"the child suite did not finish in {scaled(840):g} s:\n{out}"
     assert alive, "the load lasted the whole run"
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and "failed" not in res.stdout
+    assert code == 0, out
+    assert " passed" in out and "failed" not in out and "EXIT HANG" not in out, out
 
 
-def _text(out: bytes | str | None) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+def _run_child(argv: list[str], timeout: float,
+               scale: str | None = None) -> tuple[int | None, str]:
+    """Run a child pytest; its exit status (``None`` if it overran ``timeout``) and the tail of
+    its output. One that overruns is asked for its threads' stacks (``tests/conftest.py``
+    registers SIGUSR1 for that) before it is killed, so a hang says where it is."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+    if scale is not None:
+        env[ENV_VAR] = scale
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=env) as child:
+        try:
+            out, _ = child.communicate(timeout=timeout)
+            code: int | None = child.returncode
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)
+            try:
+                out, _ = child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                out, _ = child.communicate()
+            child.kill()
+            code = None
+    return code, out.decode(errors="replace")[-12000:]
 
 
 def test_hang_guards_grow_with_the_load() -> None:
@@ -142,3 +161,24 @@ def test_a_blocked_worker_thread_fails_its_test_instead_of_hanging_the_suite() -
     assert res.returncode == 1, res.stdout[-3000:]
     assert "StuckWorkerThread" in res.stdout and "in wait" in res.stdout  # its stack
     assert "worker threads still blocked at exit" in res.stderr
+
+
+def test_a_process_that_cannot_exit_reports_its_stacks_and_fails() -> None:
+    """A thread nobody stops blocks the interpreter's exit after every test passed: the exit
+    watchdog in ``tests/conftest.py`` prints the stacks and fails the run instead of hanging."""
+    env = {**os.environ, ENV_VAR: "0.1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/exit_hang_probe.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(90))
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "1 passed" in res.stdout
+    assert "EXIT HANG" in res.stderr and "in block_forever" in res.stderr  # the stuck stack
+
+
+def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed() -> None:
+    """The exit watchdog is pushed past the deadline here: the parent's SIGUSR1 is what
+    brings the stacks out."""
+    code, out = _run_child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/exit_hang_probe.py"], timeout=patience(20), scale="100")
+    assert code is None, out
+    assert "1 passed" in out and "in block_forever" in out and "EXIT HANG" not in out, out
