@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 from typing import TextIO
@@ -154,9 +153,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """A worker thread still blocked now would hang the interpreter's exit (it joins them):
     report it and leave with the suite's status instead.
 
-    Anything else that blocks the exit (a non-daemon thread, an ``atexit`` handler) is caught
-    by a watchdog: past ``EXIT_GRACE_S`` it prints every thread's stack and ends the process
-    with a failing status, so a hang at exit is a reported failure, never a lost CI run."""
+    Anything else that blocks the exit (a non-daemon thread, an ``atexit`` handler, a
+    finaliser) is caught by a watchdog: past ``EXIT_GRACE_S`` it prints every thread's stack
+    and ends the process with a failing status, so a hang at exit is a reported failure, never
+    a lost CI run."""
     sys.stdout.flush()
     sys.stderr.flush()
     stuck = _worker_stacks()
@@ -164,17 +164,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stderr.write(f"worker threads still blocked at exit:\n{stuck}\n")
         sys.stderr.flush()
         os._exit(_suite_status())
-    grace = patience(EXIT_GRACE_S)
-
-    def watchdog() -> None:
-        time.sleep(grace)
-        out = _STACKS_TO[0] if _STACKS_TO else sys.__stderr__
-        assert out is not None
-        out.write(f"\nEXIT HANG: the test process was still exiting {grace:g} s after pytest "
-                  "finished; every thread's stack:\n")
-        out.flush()
-        faulthandler.dump_traceback(file=out, all_threads=True)
-        out.flush()
-        os._exit(_suite_status())
-
-    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+    # faulthandler's own C timer, not a Python thread: it needs no interpreter lock, so it
+    # also fires in the last phase of the exit, where Python threads no longer run. It prints
+    # "Timeout (h:mm:ss)!" and every thread's stack, then exits with status 1.
+    faulthandler.dump_traceback_later(patience(EXIT_GRACE_S), exit=True,
+                                      file=_STACKS_TO[0] if _STACKS_TO else sys.stderr)

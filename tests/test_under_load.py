@@ -108,7 +108,8 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
     assert code is not None, f"the child suite did not finish in {scaled(840):g} s:\n{out}"
     assert alive, "the load lasted the whole run"
     assert code == 0, out
-    assert " passed" in out and "failed" not in out and "EXIT HANG" not in out, out
+    assert " passed" in out and "failed" not in out, out
+    assert "most recent call first" not in out, out  # no stack dump (the exit watchdog's)
 
 
 def _run_child(argv: list[str], timeout: float,
@@ -172,7 +173,7 @@ def test_a_process_that_cannot_exit_reports_its_stacks_and_fails() -> None:
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(90))
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     assert "1 passed" in res.stdout
-    assert "EXIT HANG" in res.stderr and "in block_forever" in res.stderr  # the stuck stack
+    assert "Timeout (" in res.stderr and "in block_forever" in res.stderr  # the stuck stack
 
 
 def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed() -> None:
@@ -181,4 +182,4 @@ def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed() -> None:
     code, out = _run_child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/exit_hang_probe.py"], timeout=patience(20), scale="100")
     assert code is None, out
-    assert "1 passed" in out and "in block_forever" in out and "EXIT HANG" not in out, out
+    assert "1 passed" in out and "in block_forever" in out and "Timeout (" not in out, out
