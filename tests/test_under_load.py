@@ -10,6 +10,7 @@ run the tool and sandbox tests beside two busy-loop processes.
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import stat
@@ -87,7 +88,7 @@ async def test_assert_eventually_scales(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
+def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog(tmp_path: Path) -> None:
     """Two busy loops (this machine has two cores) for the whole run of the IPython, bash and
     sandbox tests, at the default scale unless the caller set one."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
@@ -96,10 +97,9 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
         # child with every thread's stack printed, which this test then shows. Unbuffered, so
         # what the child printed before a hang is all here.
         code, out = _run_child(
-            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x",
-             "-o", "timeout_method=thread",
-             "tests/runtime/test_tools_ipython.py", "tests/runtime/test_tools_bash.py",
-             "tests/runtime/test_sandbox.py"], timeout=scaled(840))
+            _pytest_argv(tmp_path, "-v", "-x", "-o", "timeout_method=thread",
+                         "tests/runtime/test_tools_ipython.py", "tests/runtime/test_tools_bash.py",
+                         "tests/runtime/test_sandbox.py"), timeout=scaled(840))
     finally:
         alive = all(h.poll() is None for h in hogs)
         for h in hogs:
@@ -110,6 +110,16 @@ def test_tool_and_sandbox_tests_pass_beside_a_cpu_hog() -> None:
     assert code == 0, out
     assert " passed" in out and "failed" not in out, out
     assert "most recent call first" not in out, out  # no stack dump (the exit watchdog's)
+
+
+def _pytest_argv(tmp_path: Path, *args: str) -> list[str]:
+    """A child pytest with its own base folder for ``tmp_path``. Without one, a session ends
+    by deleting the numbered folders of earlier sessions of the same user (pytest keeps the
+    last three): on a machine that keeps ``/tmp`` between CI runs, that is a whole earlier
+    suite's gigabytes of images and sandboxes, deleted after the child's last test and
+    before it exits."""
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+            f"--basetemp={tmp_path / 'child-basetemp'}", *args]
 
 
 def _run_child(argv: list[str], timeout: float,
@@ -147,39 +157,52 @@ def test_hang_guards_grow_with_the_load() -> None:
 def test_the_scaled_guard_is_the_one_applied(tmp_path: Path) -> None:
     probe = tmp_path / "guard"
     env = {**os.environ, ENV_VAR: "50", "ROLLOUT_GUARD_PROBE": str(probe)}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "tests/guard_probe.py"],
+    subprocess.run(_pytest_argv(tmp_path, "-q", "tests/guard_probe.py"),
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=100)
     assert 7 * 50 <= float(probe.read_text()) <= 7 * 50 * 6
 
 
-def test_a_blocked_worker_thread_fails_its_test_instead_of_hanging_the_suite() -> None:
+def test_a_blocked_worker_thread_fails_its_test_instead_of_hanging_the_suite(
+        tmp_path: Path) -> None:
     """Without the bounded executor shutdown in ``tests/conftest.py``, this child never exits."""
     env = {**os.environ, ENV_VAR: "0.1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/stuck_worker_probe.py"],
+    res = subprocess.run(_pytest_argv(tmp_path, "-q", "tests/stuck_worker_probe.py"),
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(90))
     assert res.returncode == 1, res.stdout[-3000:]
     assert "StuckWorkerThread" in res.stdout and "in wait" in res.stdout  # its stack
     assert "worker threads still blocked at exit" in res.stderr
 
 
-def test_a_process_that_cannot_exit_reports_its_stacks_and_fails() -> None:
+def test_a_process_that_cannot_exit_reports_its_stacks_and_fails(tmp_path: Path) -> None:
     """A thread nobody stops blocks the interpreter's exit after every test passed: the exit
     watchdog in ``tests/conftest.py`` prints the stacks and fails the run instead of hanging."""
     env = {**os.environ, ENV_VAR: "0.1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/exit_hang_probe.py"],
+    res = subprocess.run(_pytest_argv(tmp_path, "-q", "tests/exit_hang_probe.py"),
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(90))
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     assert "1 passed" in res.stdout
     assert "Timeout (" in res.stderr and "in block_forever" in res.stderr  # the stuck stack
 
 
-def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed() -> None:
+def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed(tmp_path: Path) -> None:
     """The exit watchdog is pushed past the deadline here: the parent's SIGUSR1 is what
     brings the stacks out."""
-    code, out = _run_child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/exit_hang_probe.py"], timeout=patience(20), scale="100")
+    code, out = _run_child(_pytest_argv(tmp_path, "-q", "tests/exit_hang_probe.py"),
+                           timeout=patience(20), scale="100")
     assert code is None, out
     assert "1 passed" in out and "in block_forever" in out and "Timeout (" not in out, out
+
+
+def test_a_child_suite_leaves_other_sessions_folders_alone(tmp_path: Path) -> None:
+    """The child suites above end without deleting earlier sessions' folders (see
+    ``_pytest_argv``): with pytest's default, this child would delete ``pytest-0`` and
+    ``pytest-1`` below, as the cpu-hog child once deleted an earlier CI run's."""
+    user_root = tmp_path / "tmp" / f"pytest-of-{getpass.getuser()}"
+    for n in range(6):  # finished sessions: no lock file
+        (user_root / f"pytest-{n}").mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    res = subprocess.run(_pytest_argv(tmp_path, "-q", "tests/guard_probe.py"), cwd=ROOT,
+                         env={**env, "ROLLOUT_GUARD_PROBE": str(tmp_path / "guard")},
+                         capture_output=True, text=True, timeout=scaled(90))
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert sorted(p.name for p in user_root.iterdir()) == [f"pytest-{n}" for n in range(6)]
