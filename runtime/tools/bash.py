@@ -140,7 +140,6 @@ class BashSession:
             raise
         if sandbox is not None:
             sandbox.track(proc.pid)
-        _raw_terminal(proc.fd)
         session = cls(proc, sandbox, max_output)
         first = await session.run("true", timeout=start_timeout)
         if first.exit_code != 0:
@@ -303,9 +302,11 @@ def spawn_pty(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = Non
     master, slave = os.openpty()  # both non-inheritable; Popen dup2()s the slave to 0, 1, 2
     try:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-        attrs = termios.tcgetattr(slave)
-        attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo from the first byte on
-        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+        # The terminal's final modes before the child exists: an interactive bash saves the
+        # modes it starts with and puts them back whenever a job dies of a signal, so modes set
+        # after the spawn (on a loaded machine, after bash had saved cooked ones) came back
+        # with the first Ctrl-C, and every later line ended in CR LF.
+        _raw_terminal(slave)
         popen = subprocess.Popen([*DEFAULT_SIGNALS, "setsid", "--ctty", *argv],
                                  stdin=slave, stdout=slave, stderr=slave, env=dict(env),
                                  cwd=cwd, close_fds=True)

@@ -14,7 +14,7 @@ import pytest
 
 from rollout.runtime.sandbox import Sandbox, procs
 from rollout.runtime.tools import make_tools, tool_schema
-from rollout.runtime.tools.bash import BashSession, BashTool, ansi_c_quote
+from rollout.runtime.tools.bash import BashSession, BashTool, ansi_c_quote, spawn_pty
 from tests.runtime.sandbox_helpers import host_has, temp_sandbox
 from tests.util import assert_eventually
 
@@ -152,6 +152,26 @@ async def test_host_session_for_baselines() -> None:
         assert (await session.run("pwd")).output == "/\n"
     finally:
         await session.close()
+
+
+def test_the_terminal_is_raw_before_the_shell_starts() -> None:
+    """An interactive bash saves the terminal modes it starts with and restores them when a
+    job dies of a signal: modes set after the spawn came back cooked after the first Ctrl-C
+    on a loaded machine (lines ending in CR LF). So the child's very first look at its
+    terminal must already show the final modes."""
+    child = spawn_pty(["stty", "-a"], {"PATH": os.environ["PATH"]})
+    try:
+        assert child.wait(timeout=30) == 0
+        out = b""
+        with contextlib.suppress(OSError):  # EIO once the child's side is closed
+            while chunk := os.read(child.fd, 65536):
+                out += chunk
+    finally:
+        child.close()
+    modes = out.decode().split()
+    for mode in ("-onlcr", "-icanon", "-echo", "-echonl", "isig"):
+        assert mode in modes, out.decode()
+    assert b"\r\n" not in out
 
 
 def test_ansi_c_quote_round_trips_through_bash() -> None:
