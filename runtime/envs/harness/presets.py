@@ -186,6 +186,12 @@ def resolve(value: Any) -> HarnessSpec:
     return HarnessSpec(name, tuple(command), install, env, files, port, side_calls, limits)
 
 
+def resolve_side_calls(name: str) -> tuple[SideCallRule, ...]:
+    """A preset's side-call rules alone: what the gateway is told about its jobs, readable where
+    the harness is not installed (a replay of its recorded requests)."""
+    return _side_calls(name, load_preset(name).get("side_call", []))
+
+
 def _side_calls(name: str, value: Any) -> tuple[SideCallRule, ...]:
     """``[[side_call]]`` tables: ``model`` / ``system`` patterns, ``metadata = {key =
     pattern}``."""

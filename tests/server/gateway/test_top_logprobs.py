@@ -1,4 +1,5 @@
-"""``top_logprobs`` through the gateway with a real (tiny) model: OpenAI chat and Responses answer
+"""``top_logprobs`` through the gateway with a real (tiny) model, in process or behind the vLLM
+HTTP backend (``rollout llm-serve`` answering in vLLM's shapes): OpenAI chat and Responses answer
 each sampled token's ``k`` most likely tokens in their own shape, texts from the tokenizer and
 values equal to the log-softmax of the model's logits computed here; the trajectory keeps only
 the sampled tokens' logprobs; an out-of-range ``top_logprobs`` is a 400 in the API's shape."""
@@ -19,9 +20,11 @@ from rollout.runtime.gateway import GatewayLease
 from rollout.runtime.types import JobSpec, Limits, SamplingParams
 from rollout.server.gateway import Gateway
 from rollout.server.llm.backend_pool import BackendPool
+from rollout.server.llm.http_engine import HttpEngine
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import tiny_model_dir
 from tests.server.gateway.conftest import openai_client
+from tests.server.llm.conftest import Served, start_server
 from tests.server.llm.reference import full_forward_logits
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,11 +37,22 @@ class TinyRig:
     lease: GatewayLease
 
 
-@pytest.fixture
-async def rig(tmp_path: Path) -> AsyncIterator[TinyRig]:
-    engine = TransformersEngine(tiny_model_dir(), name="tiny")
-    engine.eos_ids = frozenset()  # random weights: every answer runs to max tokens
-    pool = BackendPool([engine], health_interval_s=0)
+@pytest.fixture(params=["in-process", "vllm-http-generate", "vllm-http-completions"])
+async def rig(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[TinyRig]:
+    """The gateway over the in-process engine, or over the vLLM HTTP backend (``HttpEngine``)
+    talking to ``rollout llm-serve`` in vLLM's two request shapes; ``engine`` is the model that
+    generated either way (the reference forward runs on it)."""
+    served: Served | None = None
+    backend: Any
+    if request.param == "in-process":
+        engine = backend = TransformersEngine(tiny_model_dir(), name="tiny")
+        engine.eos_ids = frozenset()  # random weights: every answer runs to max tokens
+    else:
+        served = await start_server(tiny_model_dir(), "tiny")  # its turns ignore EOS too
+        engine = served.engine
+        backend = HttpEngine(served.url, "tiny", protocol=request.param.rsplit("-", 1)[1],
+                             tokenizer=engine.tokenizer)
+    pool = BackendPool([backend], health_interval_s=0)
     gateway = await Gateway(tmp_path / "state").start()
     lease = await gateway.open(JobSpec(
         job_id="job", environment="harness", task={},
@@ -48,6 +62,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[TinyRig]:
     await gateway.stop()
     with contextlib.suppress(Exception):
         await pool.close()
+    if served is not None:
+        await served.stop()
 
 
 async def post(lease: GatewayLease, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -98,6 +114,16 @@ async def test_chat_answers_the_models_top_logprobs(rig: TinyRig) -> None:
     # The trajectory records the sampled tokens' logprobs only, as before.
     assert len(turn.output_logprobs) == len(turn.output_ids)
     assert "top_logprobs" not in vars(turn)
+
+
+async def test_the_cap_itself_is_served(rig: TinyRig) -> None:
+    """``top_logprobs: 20`` (the bound; a vLLM backend is asked for 21) is the model's 20 best."""
+    client = openai_client(rig.lease)
+    answer = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+        top_logprobs=20)
+    assert_top_is_the_models(rig, [c.model_dump() for c in answer.choices[0].logprobs.content],
+                             20)
 
 
 async def test_streamed_chat_carries_them_too(rig: TinyRig) -> None:
