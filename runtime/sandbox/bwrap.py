@@ -22,7 +22,9 @@ state dir, ``/root``, ``/run`` (host sockets) and similar covered by empty tmpfs
 When the server runs as root, bwrap runs privileged (it can read ``/root/.pyenv`` to bind the
 interpreter) and the command then drops to a per-sandbox uid with ``setpriv`` and
 ``no_new_privs`` — so RLIMIT_NPROC applies (root is exempt from it) and counts per sandbox.
-Otherwise bwrap runs rootless in a user namespace as the server's own user.
+Otherwise bwrap runs rootless in a user namespace as the server's own user; an image sandbox of
+a server with a subordinate id range (``images.subids``) runs in a user namespace that maps the
+image's uids, as bwrap's root there with a setpriv drop to the image's user.
 
 Why not a user namespace owned by the sandbox uid when we are root: that bwrap would have to
 read every bind source as that uid, and the server's interpreter typically lives under a
@@ -235,7 +237,9 @@ class BwrapSandbox(Sandbox):
         that maps it onto the sandbox's own uid (that inner bwrap loads the seccomp filter,
         which forbids the user namespace it makes; the program's fd is inherited down to it);
         the image's root keeps the sandbox uid with the image capabilities. A rootless server
-        maps the user onto its own in bwrap's user namespace."""
+        with subordinate ids runs bwrap as its holder namespace's root, where the image's uids
+        exist, and drops to the user with setpriv; one without maps the user onto its own in
+        bwrap's user namespace."""
         cached = self._chains.get(user)
         if cached is not None:
             return cached
