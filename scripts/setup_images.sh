@@ -5,7 +5,9 @@
 #                     builds), docker-registry (the CNCF distribution server the tests run on
 #                     loopback), mmdebstrap (the base image), busybox-static (the tiny test
 #                     image's one binary), bash-static (the shell the image sandboxes fall back
-#                     to in images without bash).
+#                     to in images without bash), uidmap (newuidmap/newgidmap: a rootless
+#                     server maps its /etc/subuid range into image sandboxes so the image's
+#                     file owners hold; the tests make a user with a range).
 #   base image        an OCI layout of Debian bookworm minbase + python3, made ONCE with
 #                     mmdebstrap and cached under the set-up cache, keyed by its recipe:
 #                     <cache>/image-base-<key>/ (layout: oci:<dir>/oci:base), and a link
@@ -25,7 +27,8 @@ fi
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 need=()
 for pair in skopeo:skopeo umoci:umoci buildah:buildah docker-registry:docker-registry \
-            mmdebstrap:mmdebstrap busybox:busybox-static bash-static:bash-static; do
+            mmdebstrap:mmdebstrap busybox:busybox-static bash-static:bash-static \
+            newuidmap:uidmap; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
 # busybox may come from the dynamic package; the tests want the static one.

@@ -22,7 +22,9 @@ state dir, ``/root``, ``/run`` (host sockets) and similar covered by empty tmpfs
 When the server runs as root, bwrap runs privileged (it can read ``/root/.pyenv`` to bind the
 interpreter) and the command then drops to a per-sandbox uid with ``setpriv`` and
 ``no_new_privs`` — so RLIMIT_NPROC applies (root is exempt from it) and counts per sandbox.
-Otherwise bwrap runs rootless in a user namespace as the server's own user.
+Otherwise bwrap runs rootless in a user namespace as the server's own user; an image sandbox of
+a server with a subordinate id range (``images.subids``) runs in a user namespace that maps the
+image's uids, as bwrap's root there with a setpriv drop to the image's user.
 
 Why not a user namespace owned by the sandbox uid when we are root: that bwrap would have to
 read every bind source as that uid, and the server's interpreter typically lives under a
@@ -64,7 +66,7 @@ from rollout.runtime.sandbox.base import (
     finish_creation,
     register_live,
 )
-from rollout.runtime.sandbox.images import ImageLease, inject, owners
+from rollout.runtime.sandbox.images import ImageLease, inject, owners, subids
 from rollout.runtime.sandbox.images.user import ROOT as ROOT_USER
 
 CTL_IN_SANDBOX = "/.sandbox"
@@ -72,6 +74,8 @@ LAUNCH_VAR = "ROLLOUT_LAUNCH"
 PARKED_EXEC = (Path(__file__).resolve().parent.parent / "envs" / "in_sandbox"
                / "parked_exec.py")
 """The waiter a parked launch runs (:meth:`BwrapSandbox.park`)."""
+NS_OWNERS = PARKED_EXEC.with_name("ns_owners.py")
+"""What sets the image's owners inside a rootless sandbox's mapped user namespace."""
 log = logging.getLogger(__name__)
 
 
@@ -135,9 +139,14 @@ class BwrapSandbox(Sandbox):
                  image: ImageLease | None = None,
                  image_user: images.ImageUser = ROOT_USER,
                  holder: subprocess.Popen[bytes] | None = None,
-                 pinned: frozenset[str] = frozenset()) -> None:
+                 pinned: frozenset[str] = frozenset(),
+                 ids: subids.SubIds | None = None) -> None:
         super().__init__()
         self._holder = holder
+        self._ids = ids if holder is not None else None
+        """A rootless image sandbox's subordinate id mapping (its holder's user namespace
+        has the image's uids): launches run bwrap as that namespace's root and drop to the
+        image user with setpriv, as a root server's do."""
         self.config = config
         self.id = sid
         self.path = path
@@ -176,7 +185,8 @@ class BwrapSandbox(Sandbox):
         interpreters = view.python_prefixes(self.python)
         if image is not None:
             binds: Sequence[str] = self._image_root(image, path, lease is not None,
-                                                    interpreters)
+                                                    interpreters,
+                                                    setpriv=self._ids is not None)
         elif rootfs is not None:
             binds = view.host_binds(str(rootfs), (), state, ())
         elif config.host_view == "host":
@@ -227,7 +237,9 @@ class BwrapSandbox(Sandbox):
         that maps it onto the sandbox's own uid (that inner bwrap loads the seccomp filter,
         which forbids the user namespace it makes; the program's fd is inherited down to it);
         the image's root keeps the sandbox uid with the image capabilities. A rootless server
-        maps the user onto its own in bwrap's user namespace."""
+        with subordinate ids runs bwrap as its holder namespace's root, where the image's uids
+        exist, and drops to the user with setpriv; one without maps the user onto its own in
+        bwrap's user namespace."""
         cached = self._chains.get(user)
         if cached is not None:
             return cached
@@ -235,7 +247,21 @@ class BwrapSandbox(Sandbox):
         nested = image is not None and lease is not None and not user.is_root
         ns = list(self._ns)
         extra: list[str] = []
-        if lease is None:
+        ids = self._ids
+        if ids is not None and not ids.covers(user.uid, user.gid):
+            raise SandboxError(
+                f"image user {user.name} ({user.uid}:{user.gid}) is outside the server's "
+                f"subordinate id range (uids and gids 0..{ids.count} exist in its sandboxes): "
+                "give the server's user a larger range in /etc/subuid and /etc/subgid",
+                "INVALID_SANDBOX_OPTIONS")
+        if ids is not None:
+            # bwrap runs as the holder namespace's root (no user namespace of its own, so the
+            # image's uids stay themselves) and keeps only what the drop needs, or the image
+            # capabilities for the image's root.
+            ns += ["--cap-drop", "ALL"]
+            ns += [a for cap in (("CAP_SETUID", "CAP_SETGID") if not user.is_root
+                                 else inject.IMAGE_CAPS) for a in ("--cap-add", cap)]
+        elif lease is None:
             ns.append("--unshare-user")
             if image is not None:  # the image's user is the server's own user
                 ns += ["--uid", str(user.uid), "--gid", str(user.gid)]
@@ -259,7 +285,11 @@ class BwrapSandbox(Sandbox):
                      "--preserve-credentials", "--"] if self._holder is not None else []),
                   "bwrap", *ns, *self._binds, *extra, *self._mounts]
         drop: list[str] = []
-        if lease is not None:
+        if ids is not None and not user.is_root:
+            drop = [*inject.loader_argv(), f"{inject.BIN_IN}/setpriv", f"--reuid={user.uid}",
+                    f"--regid={user.gid}", "--clear-groups", "--inh-caps=-all",
+                    "--no-new-privs", "--"]
+        elif lease is not None:
             u = str(lease.uid)
             if image is None:
                 drop = ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
@@ -292,6 +322,10 @@ class BwrapSandbox(Sandbox):
             spec, named_by = cached.config.user, "its config's User"
         user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
         # Only before the first launch: no process of the sandbox could have planted a link.
+        if self._ids is not None and not user.is_root and self._launches == 0:
+            _ns_owners(self._holder, {"dirs": _home_dirs(
+                cached.rootfs, self.path / "root", (user.home, cached.config.working_dir),
+                user)})
         if self._lease is not None and not user.is_root and self._launches == 0:
             _give_dirs(self.path / "root", (user.home, cached.config.working_dir),
                        self._lease.uid)
@@ -314,7 +348,7 @@ class BwrapSandbox(Sandbox):
         return {k: v for k, v in env.items() if k not in self._pinned}
 
     def _image_root(self, image: ImageLease, path: Path, mounted: bool,
-                    interpreters: tuple[str, ...]) -> list[str]:
+                    interpreters: tuple[str, ...], *, setpriv: bool = False) -> list[str]:
         """bwrap arguments of a root made of the image: the overlay (mounted on the host by
         :meth:`_create_sync` when the server may mount; bwrap's own ``--overlay`` otherwise),
         ``/proc``, ``/dev`` and the helpers of ``/.rollout``; the image's config as the
@@ -324,7 +358,8 @@ class BwrapSandbox(Sandbox):
         # (root server), or by each launch in a user namespace of its own (_userns_overlay).
         args = ["--bind", str(path / "root"), "/"]
         # bwrap itself too on a root server: any launch may run as a user other than root.
-        args += ["--proc", "/proc", "--dev", "/dev", *inject.helper_binds(mounted, nested=mounted)]
+        args += ["--proc", "/proc", "--dev", "/dev",
+                 *inject.helper_binds(mounted or setpriv, nested=mounted)]
         py_args, ok = inject.python_binds(interpreters, rootfs)
         if ok:
             args += py_args
@@ -403,6 +438,7 @@ class BwrapSandbox(Sandbox):
         lease: procs.UidLease | None = None
         lock_fd = -1
         holder: subprocess.Popen[bytes] | None = None
+        ids: subids.SubIds | None = None
         try:
             if config.disk_bytes > 0 and _quota_possible():
                 hardening.mount_quota(path, config.disk_bytes)
@@ -447,15 +483,20 @@ class BwrapSandbox(Sandbox):
                                    lease.uid)
                         _give_owned(path / "root", owned, lease.uid)
                 else:
-                    holder = _rootless_root(config.images.rootless_root, image, path, sid)
+                    ids = _mapping_for(user)
+                    holder = _rootless_root(config.images.rootless_root, image, path, sid, ids)
+                    if ids is not None:
+                        _map_owners(holder, image, path, user, ids)
             sb_env.update(env)
             sb = cls(config, sid, path, lock_fd, lease, sb_env, network, limits, rootfs, binds,
-                     image, user, holder, frozenset(pinned))
+                     image, user, holder, frozenset(pinned), ids)
             register_live(sb)
         except BaseException:
             if holder is not None:
                 procs.stop_process(holder)
                 _close_pipes(holder)
+            if ids is not None:
+                _ns_cleanup(path, ids)
             if lease:
                 lease.release()
             if lock_fd >= 0:
@@ -637,7 +678,10 @@ class BwrapSandbox(Sandbox):
         # Each step on its own: one that raises must not keep the others (the quota mount
         # above all) from being released. Idempotent, since exit may run it a second time.
         group, self._memory_group = self._memory_group, None
+        ids, self._ids = self._ids, None
         try:
+            if ids is not None:  # the image's users' files: only removable inside
+                _ns_cleanup(self.path, ids)
             self._release_host_side(self.path, group)
         finally:
             if self.image is not None:  # after the overlay is gone: eviction may remove it
@@ -655,7 +699,8 @@ MOUNT_REFUSED = 125
 """The holder's exit status when the kernel refused the mount (not a failure to start)."""
 
 
-def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[bytes]:
+def _userns_overlay(rootfs: Path, path: Path, sid: str, ids: subids.SubIds | None = None,
+                    *, mount: bool = True) -> subprocess.Popen[bytes]:
     """The overlay of a rootless image sandbox, held by one process for the sandbox's life:
     a user and mount namespace (util-linux ``unshare``; the server's user is root there) in
     which the kernel mounts the overlay (unprivileged overlay mounts: Linux 5.11+) once;
@@ -663,18 +708,27 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
     each other's writes at once (separate mounts of one upper layer do not). bubblewrap 0.8
     (Debian 12) has no ``--overlay`` of its own. The holder waits on a pipe only the server
     holds: it ends when the sandbox closes it or the server dies; it carries the sandbox's
-    launch tag, so teardown's sweep (and the reaper's) finds it too."""
+    launch tag, so teardown's sweep (and the reaper's) finds it too.
+
+    With ``ids`` the namespace maps the server's subordinate ranges too (``newuidmap`` and
+    ``newgidmap`` write its maps once the holder says it is in it: util-linux 2.38's
+    ``unshare --map-users`` cannot add them to the root mapping); ``mount=False``: no
+    overlay (the private copy of :func:`_rootless_root`), the namespace alone."""
     dirs = [str(rootfs), str(path / "upper"), str(path / "work"), str(path / "root")]
     if any("," in d or ":" in d for d in dirs):
         raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
                            f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
     script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
-              f'|| exit {MOUNT_REFUSED}; echo ready; read -r _')
+              f'|| exit {MOUNT_REFUSED}; ' if mount else '') + 'echo ready; read -r _'
+    if ids is not None:
+        script = "echo mapme; read -r _; " + script
     proc = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c", script, "sh",
-         *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True)
+        ["unshare", "--user", *(["--map-root-user"] if ids is None else []), "--mount", "--",
+         "sh", "-c", script, "sh", *dirs, LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
+    if ids is not None:
+        _map_ids(proc, ids)
     ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
     line = proc.stdout.readline() if ready else b""
     if line.strip() != b"ready":
@@ -688,6 +742,125 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str) -> subprocess.Popen[byte
     return proc
 
 
+def _map_ids(proc: subprocess.Popen[bytes], ids: subids.SubIds) -> None:
+    """Give the holder's new user namespace the server's user as 0 and the subordinate
+    ranges as 1..count, then let it go on."""
+    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    errors = []
+    if line.strip() == b"mapme":
+        for tool, args in (("newuidmap", ids.uid_map(os.getuid())),
+                           ("newgidmap", ids.gid_map(os.getgid()))):
+            done = subprocess.run([tool, str(proc.pid), *args], capture_output=True,
+                                  timeout=HOLDER_READY_S)
+            if done.returncode != 0:
+                errors.append(f"{tool}: {done.stderr.decode(errors='replace').strip()[-300:]}")
+    else:
+        errors.append("the holder did not start")
+    if errors:
+        procs.stop_process(proc)
+        if line.strip() != b"mapme":
+            errors[-1] += ": " + (proc.stderr.read().decode(errors="replace").strip()[-300:]
+                                  or "no answer")
+        _close_pipes(proc)
+        raise SandboxUnavailable("a rootless server could not map its subordinate uids and "
+                                 "gids into an image sandbox's user namespace: "
+                                 + "; ".join(errors))
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+
+
+def _mapping_for(user: images.ImageUser) -> subids.SubIds | None:
+    """The subordinate id mapping a rootless image sandbox of ``user`` gets; None (today's
+    single-uid mapping, said once) without a range or the helpers, or for a user beyond it."""
+    ids = subids.server_subids()
+    if ids is not None and not ids.covers(user.uid, user.gid):
+        log.warning("image user %s (%s:%s) is beyond the server's subordinate range (0..%d): "
+                    "this sandbox maps it onto the server's user, which can write every file "
+                    "of the image", user.name, user.uid, user.gid, ids.count)
+        return None
+    return ids
+
+
+def _ns_owners(holder: subprocess.Popen[bytes] | None, job: Mapping[str, Any]) -> int:
+    """Run :data:`NS_OWNERS` in the holder's namespaces with ``job``; how many paths it could
+    not change (a failure to run at all raises)."""
+    if holder is None:
+        raise SandboxError("a mapped image sandbox has no namespace holder",
+                           "SANDBOX_START_FAILED")
+    done = subprocess.run(
+        ["nsenter", "-t", str(holder.pid), "--user", "--mount", "--preserve-credentials", "--",
+         sys.executable, "-I", "-S", "-c", NS_OWNERS.read_text()],
+        input=json.dumps(job).encode(), capture_output=True, timeout=COPY_TIMEOUT_S)
+    if done.returncode != 0:
+        raise SandboxError("could not set the image's owners inside the sandbox's user "
+                           f"namespace: {done.stderr.decode(errors='replace')[-500:]}",
+                           "SANDBOX_START_FAILED")
+    return int(done.stdout.strip() or b"0")
+
+
+def _home_dirs(rootfs: Path, merged: Path, dirs: Sequence[str],
+               user: images.ImageUser) -> list[tuple[str, int, int]]:
+    """The user's home and working directory to give it (as :func:`_give_dirs` does on a root
+    server), as paths in the merged root; judged in the cached image, which is what the
+    merged root shows before the first launch."""
+    out = []
+    for d in dirs:
+        norm = os.path.normpath(d) if d else ""
+        if (not norm.startswith("/") or norm in _SYSTEM_DIRS
+                or inject.through_link(rootfs, norm)):
+            continue
+        rel = norm.lstrip("/")
+        if (not os.path.lexists(rootfs / rel)
+                and not os.path.isdir(rootfs / os.path.dirname(rel))):
+            continue
+        out.append((str(merged / rel), user.uid, user.gid))
+    return out
+
+
+def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path: Path,
+                user: images.ImageUser, ids: subids.SubIds) -> None:
+    """Before the first launch: every file the image's layers gave a user gets that owner in
+    the job's layer (a copy-up: the kernel refuses ``metacopy`` in a user namespace), the
+    user its home and working directory and the sandbox's own folders."""
+    rootfs = image.image.rootfs
+    merged = path / "root"
+    chown = [(str(merged / rel), uid, gid) for rel, uid, gid in owners.image_owners(str(rootfs))
+             if ids.covers(uid, gid) and not inject.through_link(rootfs, "/" + rel)]
+    job: dict[str, Any] = {"chown": chown}
+    if not user.is_root:
+        job["dirs"] = _home_dirs(rootfs, merged, (user.home, image.image.config.working_dir),
+                                 user)
+        job["trees"] = [(str(path / sub), user.uid, user.gid)
+                        for sub in ("workspace", "ctl", "tmp/home")]
+    started = time.monotonic()
+    failed = _ns_owners(holder, job)
+    if failed:
+        log.warning("image %s: %d of its files kept the server's user as owner in sandbox %s "
+                    "(chown refused inside the mapped namespace)", image.image.ref, failed,
+                    path.name)
+    log.debug("image %s: %d owners set in sandbox %s in %.2f s", image.image.ref, len(chown),
+              path.name, time.monotonic() - started)
+
+
+def _ns_cleanup(path: Path, ids: subids.SubIds) -> None:
+    """Remove what the image's users own in a torn-down sandbox's folders from inside a
+    namespace of the same mapping (the server, outside it, may not). A fresh one: the
+    sandbox's holder is gone with its launches (teardown's sweep) and its overlay with it."""
+    holder = None
+    try:
+        holder = _userns_overlay(path, path, f"{path.name}-cleanup", ids, mount=False)
+        _ns_owners(holder, {"remove": [
+            str(path / sub) for sub in ("root", "upper", "work", "workspace", "tmp", "ctl")]})
+    except (SandboxError, OSError, subprocess.SubprocessError) as e:
+        log.warning("sandbox %s: could not remove its mapped folders: %s", path.name, e)
+    finally:
+        if holder is not None:
+            procs.stop_process(holder)
+            _close_pipes(holder)
+
+
 class _OverlayRefused(SandboxUnavailable):
     """The kernel refused the rootless overlay mount itself (not a failure to start)."""
 
@@ -698,8 +871,8 @@ overlay there: found by the first sandbox that tried, so every later one copies 
 _OVERLAY_LOCK = threading.Lock()
 
 
-def _rootless_root(mode: str, image: ImageLease, path: Path,
-                   sid: str) -> subprocess.Popen[bytes] | None:
+def _rootless_root(mode: str, image: ImageLease, path: Path, sid: str,
+                   ids: subids.SubIds | None = None) -> subprocess.Popen[bytes] | None:
     """Make a rootless image sandbox's writable root at ``path/root``: the overlay's holder
     (returned), or, where the kernel refuses a rootless overlay (before Linux 5.11, or an
     upper layer on a filesystem it rejects) or ``mode`` is ``copy``, a private copy of the
@@ -709,7 +882,7 @@ def _rootless_root(mode: str, image: ImageLease, path: Path,
     key = (os.stat(rootfs).st_dev, os.stat(path).st_dev)
     if mode != "copy" and not (mode == "auto" and key in _OVERLAY_REFUSED):
         try:
-            return _userns_overlay(rootfs, path, sid)
+            return _userns_overlay(rootfs, path, sid, ids)
         except _OverlayRefused as e:
             if mode == "overlay":
                 raise
@@ -723,7 +896,8 @@ def _rootless_root(mode: str, image: ImageLease, path: Path,
                             "disk holds it; sandbox.image_rootless_root = \"copy\" skips "
                             "this try)", e)
     _copy_root(rootfs, path / "root", image.image.ref)
-    return None
+    # With subordinate ids, the copy still needs the mapped namespace its owners live in.
+    return None if ids is None else _userns_overlay(rootfs, path, sid, ids, mount=False)
 
 
 def _copy_root(rootfs: Path, dest: Path, ref: str) -> None:

@@ -9,8 +9,10 @@ gid, both varints; absent = 0; ``0xFFFFFFFF`` = unchanged). Files of root carry 
 A root server hands these owners back where its sandboxes can tell them apart: the files of
 the sandbox's image user (and of its group) are chowned, in the job's upper layer, to the
 sandbox's own uid, which is that user inside (``bwrap.py``); every other file stays root's.
-A rootless server maps the image's user onto its own, which owns the whole unpacked image, so
-there the user may write every file (docs/images.md says so).
+A rootless server with a subordinate id range (:mod:`.subids`) chowns every recorded owner
+inside the sandbox's mapped user namespace; without one it maps the image's user onto its
+own, which owns the whole unpacked image, so there the user may write every file
+(docs/images.md says so).
 """
 
 from __future__ import annotations

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import os
-import shutil
-import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -163,34 +159,6 @@ async def test_a_sandbox_runs_as_a_user_asked_for_and_one_command_as_another(
                              user=UserRequest("nobody-here", named_by="task.toml [agent].user"))
     assert "task.toml [agent].user 'nobody-here'" in str(e.value)
     assert os.listdir(cfg.sandboxes_dir) == []
-
-
-@pytest.fixture(scope="module")
-def owned_layout(tmp_path_factory: pytest.TempPathFactory, user_layout: Path) -> Path:
-    """The ``named`` image (User app) plus a layer whose tar headers give owners, as
-    ``COPY --chown=app`` and a ``RUN`` after ``USER app`` leave them: /app and /app/owned.txt
-    app's, /app/group.txt root's but group app's (0664), /srv/other uid 1002's, /rootfile
-    root's; tagged ``owned``."""
-    top = tmp_path_factory.mktemp("owned")
-    layout = top / "layout"
-    shutil.copytree(user_layout, layout)
-    raw = top / "layer.tar"
-    with tarfile.open(raw, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, uid, gid, mode, data in (
-                ("app", 1000, 1001, 0o755, None), ("app/owned.txt", 1000, 1001, 0o644, b"v1\n"),
-                ("app/group.txt", 0, 1001, 0o664, b"g\n"), ("srv", 0, 0, 0o755, None),
-                ("srv/other", 1002, 1002, 0o755, None), ("rootfile", 0, 0, 0o644, b"r\n")):
-            info = tarfile.TarInfo(name)
-            info.uid, info.gid, info.mode = uid, gid, mode
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:named", "--tag",
-                    "owned", str(raw)], check=True, capture_output=True, timeout=120)
-    return layout
 
 
 def test_owners_are_read_from_the_rootless_unpacks_xattrs() -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 NOBODY = 65534
 CHILD = Path(__file__).with_name("rootless_child.py")
+SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
+SUBIDS_USER = "rollout-subids"
+SUBIDS_RANGE = (700000, 65536)
 
 
 def _system_python() -> str:
@@ -78,6 +83,117 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         shutil.rmtree(top, ignore_errors=True)
 
 
+@pytest.fixture
+def subids_user() -> Iterator[tuple[int, int]]:
+    """A real user with a range in /etc/subuid and /etc/subgid, as an administrator gives
+    one to each user that runs rootless containers; removed again with its ranges."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("making a user with subordinate ids needs root and useradd")
+    if shutil.which("newuidmap") is None:
+        pytest.skip("newuidmap is missing (apt-get install uidmap; scripts/setup_images.sh)")
+    subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
+    first, count = SUBIDS_RANGE
+    last = first + count - 1
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    SUBIDS_USER], check=True, capture_output=True, timeout=60)
+    try:
+        subprocess.run(["usermod", "--add-subuids", f"{first}-{last}", "--add-subgids",
+                        f"{first}-{last}", SUBIDS_USER], check=True, capture_output=True,
+                       timeout=60)
+        entry = pwd.getpwnam(SUBIDS_USER)
+        yield entry.pw_uid, entry.pw_gid
+    finally:
+        subprocess.run(["usermod", "--del-subuids", f"{first}-{last}", "--del-subgids",
+                        f"{first}-{last}", SUBIDS_USER], capture_output=True, timeout=60)
+        subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
+
+
+def _run_as(uid: int, gid: int, child: Path, top: Path) -> dict[str, object]:
+    """Run ``child`` as ``uid`` with no capabilities, this venv's packages on its path, and
+    return the JSON line it prints."""
+    python = _system_python()
+    site = sysconfig.get_paths()["purelib"]
+    boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
+            f"sys.argv = [{str(child)!r}, {str(top)!r}]; "
+            f"runpy.run_path({str(child)!r}, run_name='__main__')")
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
+         "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", python, "-c", boot],
+        capture_output=True, text=True, timeout=240, cwd=top)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
+        owned_layout: Path, subids_user: tuple[int, int]) -> None:
+    # The server runs as a user with a subordinate range: each sandbox's user namespace maps
+    # the image's uids (0 the server's user, 1.. the range), so the image's user (app) cannot
+    # change root's files or another user's, and writes its own, its home and its workspace.
+    uid, gid = subids_user
+    top = Path(tempfile.mkdtemp(prefix="subids-images-", dir="/tmp"))
+    try:
+        shutil.copytree(owned_layout, top / "layout")
+        for d, _, files in os.walk(top):
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.lchown(name, uid, gid)
+        os.chmod(top, 0o755)
+        seen = _run_as(uid, gid, SUBIDS_CHILD, top)
+        assert seen["euid"] == uid and seen["subids"] != "None", seen
+        mine = ["own-ok", "dir-ok", "group-ok", "root-denied", "passwd-denied", "other-denied",
+                "ws-ok", "home-ok"]
+        for mode in ("auto", "copy"):  # the overlay, and the private copy of the root
+            code, out, err = seen[f"{mode}_app"]  # type: ignore[misc]
+            assert code == 0 and out == ["1000", "1000:1001", "0:0", "0:0", *mine], (mode, out,
+                                                                                     err)
+            # The image's root writes everything, its users' files too.
+            code, out, err = seen[f"{mode}_root"]  # type: ignore[misc]
+            assert out == ["0", "1000:1001", "passwd-ok", "app-file-ok"], (mode, out, err)
+        assert seen["holder"] is True
+        # The bash tool runs as the image's user with the same rights.
+        assert seen["bash"][:2] == ["1000", "b"] and "denied" in seen["bash"], seen["bash"]  # type: ignore[index,operator]
+        # One command as the image's root in the app sandbox (a Harbor [verifier].user).
+        assert seen["as_root"][1] == ["0", "root-ok", "app-file-ok"], seen["as_root"]  # type: ignore[index]
+        # The cache is untouched: its files keep their content and the server's user.
+        assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
+        assert seen["cache_uids"] == [uid]
+        assert seen["sandboxes_left"] == []
+        # Nothing of the sandboxes is left on the host, owned by a subordinate id or not.
+        left = [os.path.join(d, n) for d, dirs, files in os.walk(top / "state")
+                for n in dirs + files
+                if os.lstat(os.path.join(d, n)).st_uid != uid]
+        assert left == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_without_a_subordinate_range_the_server_says_so_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from rollout.runtime.sandbox.images import subids
+
+    (tmp_path / "subuid").write_text("someone:100000:65536\n")
+    (tmp_path / "subgid").write_text("someone:100000:65536\n")
+    monkeypatch.setattr(subids, "SUBUID", str(tmp_path / "subuid"))
+    monkeypatch.setattr(subids, "SUBGID", str(tmp_path / "subgid"))
+    subids.server_subids.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=subids.__name__):
+            assert subids.server_subids() is None and subids.server_subids() is None
+        assert len(caplog.records) == 1, caplog.records
+        message = caplog.records[0].getMessage()
+        assert "no range in " + str(tmp_path / "subuid") in message
+        assert "can write every file of the image" in message
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        (tmp_path / "subuid").write_text(f"{me}:100000:65536\n")
+        (tmp_path / "subgid").write_text(f"{os.geteuid()}:200000:4096\n")
+        ids, why = subids.lookup(os.geteuid())
+        assert ids == subids.SubIds(100000, 200000, 4096) and why == ""
+        assert ids.uid_map(5) == ["0", "5", "1", "1", "100000", "4096"]
+        assert ids.covers(4096, 0) and not ids.covers(4097, 0)
+    finally:
+        subids.server_subids.cache_clear()
+
+
 def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
         tmp_path: Path, busybox_layout: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -89,7 +205,7 @@ def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
 
     tries: list[str] = []
 
-    def refused(rootfs: Path, path: Path, sid: str) -> None:
+    def refused(rootfs: Path, path: Path, sid: str, ids: object = None) -> None:
         tries.append(sid)
         raise bwrap._OverlayRefused("mount: permission denied")
 

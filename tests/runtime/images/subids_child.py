@@ -1,0 +1,66 @@
+"""TEST-ONLY: run by test_rootless_images.py as a user with a range in /etc/subuid and
+/etc/subgid (no root, no capabilities): image sandboxes of a rootless server whose user
+namespaces map the image's uids; prints what it saw as one JSON line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.sandbox.images import subids
+
+PROBE = ("id -u; stat -c '%u:%g' /app/owned.txt /rootfile /etc/passwd; "
+         "echo v2 >> /app/owned.txt && echo own-ok; touch /app/new && echo dir-ok; "
+         "echo g2 >> /app/group.txt && echo group-ok; "
+         "echo x >> /rootfile 2>/dev/null && echo root-written || echo root-denied; "
+         "echo x >> /etc/passwd 2>/dev/null && echo passwd-written || echo passwd-denied; "
+         "touch /srv/other/x 2>/dev/null && echo other-written || echo other-denied; "
+         "echo w > /workspace/w && echo ws-ok; echo h > $HOME/h && echo home-ok")
+
+
+async def main(top: Path) -> dict[str, object]:
+    seen: dict[str, object] = {"euid": os.geteuid(), "subids": str(subids.server_subids())}
+    ref = f"oci:{top}/layout:owned"
+    for mode in ("auto", "copy"):
+        cfg = SandboxConfig(state_dir=top / "state", images=ImageSettings(
+            cache_dir=str(top / "cache"), rootless_root=mode))
+        async with await create_sandbox(cfg, image=ref) as sb:
+            r = await sb.exec(["sh", "-c", PROBE])
+            seen[f"{mode}_app"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+            if mode == "auto":
+                await more(sb, seen)
+        async with await create_sandbox(cfg, image=ref, user="root") as sb:
+            r = await sb.exec(["sh", "-c", "id -u; stat -c '%u:%g' /app/owned.txt; "
+                               "echo x >> /etc/passwd && echo passwd-ok; "
+                               "echo x >> /app/owned.txt && echo app-file-ok"])
+            seen[f"{mode}_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+            image = sb.image.image  # type: ignore[attr-defined]
+    seen["cache_rootfile"] = (image.rootfs / "rootfile").read_text()
+    seen["cache_owned"] = (image.rootfs / "app" / "owned.txt").read_text()
+    seen["cache_uids"] = sorted({os.lstat(os.path.join(d, n)).st_uid
+                                 for d, dirs, files in os.walk(image.rootfs)
+                                 for n in dirs + files})
+    seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
+    return seen
+
+
+async def more(sb: Any, seen: dict[str, object]) -> None:
+    """The tools in the app sandbox: the bash tool, one command as the image's root."""
+    bash = await sb.bash()  # the tool's long-lived bash, as the image's user
+    seen["bash"] = (await bash.run("id -u; echo b > /workspace/b; cat /workspace/b; "
+                                   "echo y >> /rootfile || echo denied")).output.split()
+    root = sb.user_for("root")
+    r = await sb.exec(["sh", "-c", "id -u; echo r >> /rootfile && echo root-ok; "
+                       "echo r >> /app/owned.txt && echo app-file-ok"], user=root)
+    seen["as_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    seen["holder"] = sb._holder is not None
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(Path(sys.argv[1])))))
