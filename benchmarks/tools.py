@@ -187,10 +187,11 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
     """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``
     spawned as the server spawns it (by the spawner thread, which is in the sandboxes' memory
     cgroup, so the launch is born inside), the same line spawned by another thread (its
-    prologue joins the cgroup), the line as it was before the prologue set the rlimits (a
-    ``prlimit`` exec), then that line with one more link taken out per row; interleaved, so
-    every variant sees the same machine. Blocking: run it in the spawner
-    (``procs.in_spawner``)."""
+    prologue joins the cgroup), the line with the host's ``nsswitch.conf`` (as before the
+    curated ``/etc`` answered account lookups from its files alone), the line as it was
+    before the prologue set the rlimits (a ``prlimit`` exec), then that line with one more
+    link taken out per row; interleaved, so every variant sees the same machine. Blocking:
+    run it in the spawner (``procs.in_spawner``)."""
     import concurrent.futures
     import os
 
@@ -207,8 +208,13 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
               *with_prlimit]
     cut = bwrap_on.index("setpriv") if "setpriv" in bwrap_on else len(bwrap_on) - 1
     no_setpriv = [*bwrap_on[:cut], "true"]
+    seal = full.index("--remount-ro") if "--remount-ro" in full else len(full) - 1
+    host_nss = [*full[:seal], "--ro-bind", "/etc/nsswitch.conf", "/etc/nsswitch.conf",
+                *full[seal:]]
     variants = [
         ("full launch line, spawned as the server does (born in the cgroup)", full, True),
+        ("before: the host's nsswitch.conf (NSS modules load in the uid drop)", host_nss,
+         True),
         ("full launch line, spawned by another thread (joins the cgroup)", full, False),
         ("before: prlimit exec instead of ulimit builtins (born in the cgroup)", before, True),
         ("  without the prologue, prlimit kept (seccomp fd passed directly)", with_prlimit,

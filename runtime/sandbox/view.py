@@ -137,10 +137,36 @@ def _curated_etc(state_dir: str, entries: tuple[str, ...], source: str) -> str:
                     os.chmod(dst, 0o644)
             except OSError:  # unreadable (a 0600 file): it is not for the sandbox anyway
                 continue
+    _files_only_accounts(staging / "nsswitch.conf")
     os.chmod(staging, 0o755)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     return str(final)
+
+
+ACCOUNT_DATABASES = ("passwd", "group", "shadow", "gshadow", "initgroups")
+"""nsswitch databases whose lookups a sandbox answers from its copied ``/etc`` files alone."""
+
+
+def _files_only_accounts(conf: Path) -> None:
+    """Make the sandbox's user and group lookups read only its copied ``passwd``/``group``.
+
+    Why: every launch's uid drop (``setpriv``) and every ``id`` or ``getpwuid`` inside looks
+    the sandbox uid up; a host line such as ``passwd: files systemd`` makes each of them load
+    ``libnss_systemd`` and its libraries and probe ``/run/systemd/userdb``, which a sandbox
+    never has, before answering from the files anyway. Other databases (``hosts``...) keep
+    the host's sources."""
+    try:
+        lines = conf.read_text().splitlines()
+    except OSError:
+        return  # no nsswitch.conf: glibc's default reads the files
+    out = []
+    for line in lines:
+        name, sep, _ = line.partition(":")
+        if sep and name.strip() in ACCOUNT_DATABASES and not line.lstrip().startswith("#"):
+            line = f"{name.strip()}: files"
+        out.append(line)
+    conf.write_text("\n".join(out) + "\n")
 
 
 def _alive(pid: str) -> bool:

@@ -159,6 +159,43 @@ async def test_every_rlimit_is_set_soft_and_hard_by_the_launch_prologue(
     assert rows["Max file size"] == [str(5 << 20)] * 2
 
 
+async def test_commands_run_as_the_sandbox_uid_with_no_privileges_left(
+        cfg: SandboxConfig) -> None:
+    # What the launch's uid drop guarantees, seen by the command itself: the sandbox's own
+    # uid and gid (every one of real, effective, saved, fs), no supplementary groups, no
+    # capability in any set, no_new_privs, and the seccomp filter.
+    async with await create_sandbox(cfg) as sb:
+        uid = _uid_of(sb)
+        res = await sb.exec(["cat", "/proc/self/status"])
+    status = dict(line.split(":", 1) for line in res.stdout.splitlines() if ":" in line)
+    fields = {k: v.split() for k, v in status.items()}
+    if uid is not None:  # a root server: a uid of the sandbox's own, never root
+        assert fields["Uid"] == [str(uid)] * 4 and fields["Gid"] == [str(uid)] * 4
+        assert uid != 0
+        assert fields["Groups"] == []
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(fields[caps][0], 16) == 0, (caps, fields[caps])
+    assert fields["NoNewPrivs"] == ["1"]
+    assert fields["Seccomp"] == ["2"]  # filter mode
+
+
+async def test_account_lookups_read_only_the_sandboxes_files(cfg: SandboxConfig) -> None:
+    # The curated /etc answers user and group lookups from its files alone (no NSS module
+    # loads per launch); lookups still work, and other databases keep the host's sources.
+    async with await create_sandbox(cfg) as sb:
+        conf = (await sb.exec(["cat", "/etc/nsswitch.conf"])).stdout
+        root = await sb.exec(["getent", "passwd", "root"])
+    if not os.path.exists("/etc/nsswitch.conf"):
+        pytest.skip("the host has no nsswitch.conf to curate")
+    sources = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].split()
+               for line in conf.splitlines() if ":" in line and not line.startswith("#")}
+    assert sources["passwd"] == ["files"] and sources["group"] == ["files"]
+    host = {line.split(":", 1)[0].strip() for line in open("/etc/nsswitch.conf")
+            if ":" in line and not line.startswith("#")}
+    assert host <= set(sources)
+    assert root.stdout.startswith("root:x:0:0:")
+
+
 async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) -> None:
     marker = f"stubborn{os.getpid()}"
     async with await create_sandbox(cfg) as sb:
