@@ -118,7 +118,7 @@ class _Start:
         for name, rel in self.started:
             if changed is None or rel in changed:
                 self.findings.append(f"started_from_repository: {name} ({rel})")
-        names = self.names() | {n for n in extra if n}
+        names = self.names() | self.started_names() | {n for n in extra if n}
         seen = set()
         for directory in directories:
             if not isinstance(directory, str) or not self.inside(directory):
@@ -155,6 +155,59 @@ class _Start:
         if entry.endswith((".py", ".pyc", ".so", ".pyd")):
             return stem
         return None
+
+    @staticmethod
+    def started_names():
+        """Top-level modules that the import lines of the site directories' ``.pth`` files
+        name. The interpreter's start imports them before any code of the runner runs, from a
+        directory of the repository that an earlier ``.pth`` put on ``sys.path`` (an editable
+        install's ``src/``) when the environment lacks the module; a module whose import failed
+        is not in ``sys.modules``, and one that ran may have taken itself out of it, so the
+        names come from the ``.pth`` files, not from what is loaded."""
+        os = sys.modules["os"]
+        site = sys.modules.get("site")
+        folders = []
+        try:
+            folders.extend(site.getsitepackages())
+        except AttributeError:  # -S, or an old virtualenv's own site.py
+            pass
+        user = getattr(site, "USER_SITE", None)
+        if user and getattr(site, "ENABLE_USER_SITE", False):
+            folders.append(user)
+        found = set()
+        for folder in folders:
+            try:
+                entries = sorted(os.listdir(folder))
+            except (OSError, TypeError):
+                continue
+            for entry in entries:
+                if not entry.endswith(".pth"):
+                    continue
+                try:
+                    with open(os.path.join(folder, entry), errors="replace") as f:
+                        lines = f.read().splitlines()
+                except OSError:
+                    continue
+                for line in lines:
+                    if line.startswith(("import ", "import\t")):  # what site.py executes
+                        found.update(_Start.imported(line))
+        return found
+
+    @staticmethod
+    def imported(line):
+        """Top-level names a line of Python source imports: ``import a.b, c as d``,
+        ``from e import f``, ``__import__('g')``, ``importlib.import_module('h')``."""
+        import re
+        found = set()
+        for statement in line.split(";"):
+            words = statement.split()
+            if words[:1] == ["import"]:
+                for part in " ".join(words[1:]).split(","):
+                    found.add(part.split()[0] if part.split() else "")
+            elif words[:1] == ["from"] and len(words) > 1:
+                found.add(words[1])
+        found.update(re.findall(r"(?:__import__|import_module)\(\s*['\"]([\w.]+)", line))
+        return {n.partition(".")[0] for n in found if n.partition(".")[0].isidentifier()}
 
     @staticmethod
     def names():

@@ -133,7 +133,8 @@ async def test_gold_with_the_repositorys_own_modules_earns_1(rollout: Rollout) -
 
 
 def _start(tmp_path: Path, files: dict[str, str], added: list[str],
-           pythonpath: list[str]) -> subprocess.CompletedProcess[str]:
+           pythonpath: list[str], python: str = sys.executable,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """runner_start.py and a launcher that only reopens, on a scratch repository."""
     repo = tmp_path / "repo"
     for name, text in files.items():
@@ -142,10 +143,10 @@ def _start(tmp_path: Path, files: dict[str, str], added: list[str],
     (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added}))
     source = swe_runners.START.read_text() + (
         "\n_start.reopen(front=[sys.argv[1]])\nimport json\nprint('ran', json.__file__)\n")
-    env = {"PATH": os.environ["PATH"],
+    env = {"PATH": os.environ["PATH"], **(env or {}),
            "ROLLOUT_START": json.dumps({"pythonpath": [str(repo / p) for p in pythonpath],
                                         "added": str(tmp_path / "added.json")})}
-    return subprocess.run([sys.executable, "-c", source, str(repo)], cwd=repo, env=env,
+    return subprocess.run([python, "-c", source, str(repo)], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -158,6 +159,55 @@ def test_a_stdlib_name_added_on_a_path_of_the_task_is_refused(tmp_path: Path) ->
     assert "shadow ran" not in refused.stdout
     # The same file tracked at base_commit (a repository that is its own backport) runs.
     kept = _start(tmp_path, files, [], ["src"])
+    assert kept.returncode == 0 and "ran" in kept.stdout, kept
+
+
+# Imported by a .pth of the environment that names a module the environment lacks, from the
+# src/ folder an editable install's .pth put on sys.path: it runs at the interpreter's start,
+# before the runner, and takes itself out of sys.modules (its import then fails, which the
+# start only prints) so that neither the check of what the start loaded nor the names loaded
+# by the runner's start know it.
+STARTUP_HOOK = "import sys\nsys.stderr.write('hook ran\\n')\ndel sys.modules[__name__]\n"
+OLD_PYTHONS = sorted(str(p) for p in Path("/root/.pyenv/versions").glob("3.*/bin/python3"))
+
+
+def _site_with_pths(python: str, tmp_path: Path, repo: Path) -> tuple[str, dict[str, str]]:
+    """An interpreter whose site directory holds an editable install's ``.pth`` and one whose
+    import line names ``_speedups_hook``, and the environment variables it needs: a fresh
+    venv, as a task's environment is, for this interpreter; the user site directory
+    (``PYTHONUSERBASE``) for the others."""
+    env = {"PYTHONUSERBASE": str(tmp_path / "userbase"), "HOME": str(tmp_path)}
+    where = "site.getusersitepackages()"
+    if python == sys.executable:
+        subprocess.run([python, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                       check=True, timeout=120)
+        python, where = str(tmp_path / "venv" / "bin" / "python"), "site.getsitepackages()[0]"
+    folder = Path(subprocess.run([python, "-c", f"import site; print({where})"],
+                                 env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                                 text=True, check=True, timeout=60).stdout.strip())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__editable__.fastlib-1.0.pth").write_text(f"{repo / 'src'}\n")
+    (folder / "zz-speedups.pth").write_text(
+        "import os; os.environ.get('NO_SPEEDUPS') or __import__('_speedups_hook')\n")
+    return python, env
+
+
+@pytest.mark.parametrize("python", [sys.executable, *OLD_PYTHONS],
+                         ids=lambda p: "venv" if p == sys.executable else p.split("/")[-3])
+def test_a_module_an_environments_pth_imports_is_refused_when_the_agent_adds_it(
+        python: str, tmp_path: Path) -> None:
+    """The names the ``.pth`` files import are probed like the runner's: an added
+    ``src/_speedups_hook.py`` ran at the start (nothing before the runner can stop that) but
+    the run is refused before the runner's tests, on every interpreter the recorder serves."""
+    files = {"src/_speedups_hook.py": STARTUP_HOOK, "src/fastlib/__init__.py": ""}
+    python, env = _site_with_pths(python, tmp_path, tmp_path / "repo")
+    refused = _start(tmp_path, files, ["src/_speedups_hook.py"], [], python, env)
+    assert "hook ran" in refused.stderr, refused  # the .pth really ran it at the start
+    assert refused.returncode == swe_runners.REFUSED, refused
+    assert swe_runners.refusals(refused.returncode, refused.stderr) == [
+        "shadowed_module: _speedups_hook (src/_speedups_hook.py)"]
+    # The repository's own module (tracked at base_commit) is the task's, and runs.
+    kept = _start(tmp_path, files, [], [], python, env)
     assert kept.returncode == 0 and "ran" in kept.stdout, kept
 
 
