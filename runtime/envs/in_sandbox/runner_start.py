@@ -27,8 +27,11 @@ the report plugin or the recorder has taken its fingerprints, or later, while th
    front as the interpreter would have put it, and probes every directory of the repository
    the run puts on ``sys.path`` for a top-level module (``NAME.py``, ``NAME/__init__.py``, an
    extension module, sourceless bytecode) named like a module of the standard library or of
-   the runner (every module loaded so far, and pytest's, pluggy's, unittest's, ...) that the
-   agent added (not tracked at ``base_commit``: the list comes from the grading tree). Any
+   the runner (every module loaded so far, and pytest's, pluggy's, unittest's, ...) or like
+   one that an import line of the site directories' ``.pth`` files names (the interpreter's
+   start imported it, from the repository when the environment lacks it), that the agent
+   added (not tracked at ``base_commit``: the list comes from the grading tree) or, for what
+   the start imports, changed. Any
    found: the run is refused before any code of the repository runs, with one line per module
    on stderr (``shadowed_module: NAME (PATH)``) and exit status :data:`REFUSED`.
 
@@ -118,7 +121,10 @@ class _Start:
         for name, rel in self.started:
             if changed is None or rel in changed:
                 self.findings.append(f"started_from_repository: {name} ({rel})")
-        names = self.names() | self.started_names() | {n for n in extra if n}
+        # What the interpreter's start imports has run before the runner: the agent's change to
+        # such a file counts as well as a file it added.
+        at_start = self.started_names() | {"sitecustomize", "usercustomize"}
+        names = self.names() | at_start | {n for n in extra if n}
         seen = set()
         for directory in directories:
             if not isinstance(directory, str) or not self.inside(directory):
@@ -138,7 +144,7 @@ class _Start:
                 path = os.path.join(real, entry)
                 found = (os.path.join(path, "__init__.py") if os.path.isdir(path) else path)
                 rel = self.relative(found)
-                if added is None or rel in added:
+                if added is None or rel in added or (name in at_start and rel in changed):
                     self.findings.append(f"shadowed_module: {name} ({rel})")
 
     @staticmethod

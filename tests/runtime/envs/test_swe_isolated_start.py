@@ -134,13 +134,15 @@ async def test_gold_with_the_repositorys_own_modules_earns_1(rollout: Rollout) -
 
 def _start(tmp_path: Path, files: dict[str, str], added: list[str],
            pythonpath: list[str], python: str = sys.executable,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """runner_start.py and a launcher that only reopens, on a scratch repository."""
+           env: dict[str, str] | None = None,
+           changed: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """runner_start.py and a launcher that only reopens, on a scratch repository (``changed``:
+    the files the agent changed, ``added`` unless given)."""
     repo = tmp_path / "repo"
     for name, text in files.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
-    (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added}))
+    (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added if changed is None else changed}))
     source = swe_runners.START.read_text() + (
         "\n_start.reopen(front=[sys.argv[1]])\nimport json\nprint('ran', json.__file__)\n")
     env = {"PATH": os.environ["PATH"], **(env or {}),
@@ -206,7 +208,11 @@ def test_a_module_an_environments_pth_imports_is_refused_when_the_agent_adds_it(
     assert refused.returncode == swe_runners.REFUSED, refused
     assert swe_runners.refusals(refused.returncode, refused.stderr) == [
         "shadowed_module: _speedups_hook (src/_speedups_hook.py)"]
-    # The repository's own module (tracked at base_commit) is the task's, and runs.
+    # Tracked at base_commit and changed by the agent: its change ran at the start too.
+    changed = _start(tmp_path, files, [], [], python, env, changed=["src/_speedups_hook.py"])
+    assert swe_runners.refusals(changed.returncode, changed.stderr) == [
+        "shadowed_module: _speedups_hook (src/_speedups_hook.py)"], changed
+    # The repository's own module as base_commit has it is the task's, and runs.
     kept = _start(tmp_path, files, [], [], python, env)
     assert kept.returncode == 0 and "ran" in kept.stdout, kept
 
