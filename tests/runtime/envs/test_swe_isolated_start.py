@@ -142,7 +142,8 @@ def _start(tmp_path: Path, files: dict[str, str], added: list[str],
     for name, text in files.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
-    (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added if changed is None else changed}))
+    lists = {"added": added, "changed": added if changed is None else changed}
+    (tmp_path / "added.json").write_text(json.dumps(lists))
     source = swe_runners.START.read_text() + (
         "\n_start.reopen(front=[sys.argv[1]])\nimport json\nprint('ran', json.__file__)\n")
     env = {"PATH": os.environ["PATH"], **(env or {}),
