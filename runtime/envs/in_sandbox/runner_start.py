@@ -144,7 +144,7 @@ class _Start:
                 path = os.path.join(real, entry)
                 found = (os.path.join(path, "__init__.py") if os.path.isdir(path) else path)
                 rel = self.relative(found)
-                if added is None or rel in added or (name in at_start and rel in changed):
+                if added is None or rel in added or (name in at_start and rel in (changed or ())):
                     self.findings.append(f"shadowed_module: {name} ({rel})")
 
     @staticmethod
@@ -173,10 +173,9 @@ class _Start:
         os = sys.modules["os"]
         site = sys.modules.get("site")
         folders = []
-        try:
-            folders.extend(site.getsitepackages())
-        except AttributeError:  # -S, or an old virtualenv's own site.py
-            pass
+        listed = getattr(site, "getsitepackages", None)  # None: -S, an old virtualenv's site.py
+        if listed is not None:
+            folders.extend(listed())
         user = getattr(site, "USER_SITE", None)
         if user and getattr(site, "ENABLE_USER_SITE", False):
             folders.append(user)
