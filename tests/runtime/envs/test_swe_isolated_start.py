@@ -218,6 +218,41 @@ def test_a_module_an_environments_pth_imports_is_refused_when_the_agent_adds_it(
     assert kept.returncode == 0 and "ran" in kept.stdout, kept
 
 
+@pytest.mark.parametrize("python", OLD_PYTHONS, ids=lambda p: p.split("/")[-3])
+def test_the_start_and_the_recorder_serve_every_interpreter(python: str, tmp_path: Path) -> None:
+    """No ``-P`` before 3.11: the launcher's first statement keeps the repository off
+    ``sys.path`` on every interpreter, so an added ``unittest/`` is neither imported by the
+    recorder nor allowed to run; without it the record is the runner's."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "__init__.py").write_text("")
+    (repo / "tests" / "test_a.py").write_text(
+        "import unittest\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_ok(self):\n        self.assertEqual(1 + 1, 2)\n\n"
+        "    def test_bad(self):\n        self.assertEqual(1, 2)\n")
+    source = swe_runners.launcher(swe_runners.RECORDER)
+
+    def run(name: str, added: list[str]) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added}))
+        env = {"PATH": os.environ["PATH"], "ROLLOUT_UNITTEST_REPORT": str(tmp_path / name),
+               "ROLLOUT_START": json.dumps({"added": str(tmp_path / "added.json")})}
+        return subprocess.run([python, "-c", source, str(repo), "unittest", "tests.test_a"],
+                              cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+
+    clean = run("clean.json", [])
+    record = json.loads((tmp_path / "clean.json").read_text())
+    assert clean.returncode == 1 and record["end"] and not record["tampered"], clean
+    assert {n: t["outcome"] for n, t in record["tests"].items()} == {
+        "test_ok (tests.test_a.T)": "PASSED", "test_bad (tests.test_a.T)": "FAILED"}
+    (repo / "unittest").mkdir()
+    (repo / "unittest" / "__init__.py").write_text(
+        "import sys\nsys.stderr.write('shadow ran\\n')\n" + FAKE_UNITTEST)
+    shadowed = run("shadowed.json", ["unittest/__init__.py"])
+    assert "shadow ran" not in shadowed.stderr, shadowed
+    assert swe_runners.refusals(shadowed.returncode, shadowed.stderr) == [
+        "shadowed_module: unittest (unittest/__init__.py)"], shadowed
+
+
 # SymPy's log forged: every "F" line printed as "ok", the failure reports dropped, and the
 # runner's sys.exit(1) made a no-op so that the run ends with status 0 by its own end.
 FORGED_SYMPY_LOG = call("bash", command="cat >> tinysym/__init__.py <<'EOF'\n"
