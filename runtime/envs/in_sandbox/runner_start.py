@@ -44,7 +44,8 @@ REFUSED = 86
 _MARK = "rollout-start refused: "
 _RUNNER_NAMES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging",
                  "exceptiongroup", "tomli", "unittest", "rollout_pytest_report", "sitecustomize",
-                 "usercustomize", "runpy", "site")
+                 "usercustomize", "runpy", "site",
+                 "django")  # Django's runner (django.test.runner) when the environment has it
 
 
 class _Start:
