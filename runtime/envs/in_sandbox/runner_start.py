@@ -27,8 +27,11 @@ the report plugin or the recorder has taken its fingerprints, or later, while th
    front as the interpreter would have put it, and probes every directory of the repository
    the run puts on ``sys.path`` for a top-level module (``NAME.py``, ``NAME/__init__.py``, an
    extension module, sourceless bytecode) named like a module of the standard library or of
-   the runner (every module loaded so far, and pytest's, pluggy's, unittest's, ...) that the
-   agent added (not tracked at ``base_commit``: the list comes from the grading tree). Any
+   the runner (every module loaded so far, and pytest's, pluggy's, unittest's, ...) or like
+   one that an import line of the site directories' ``.pth`` files names (the interpreter's
+   start imported it, from the repository when the environment lacks it), that the agent
+   added (not tracked at ``base_commit``: the list comes from the grading tree) or, for what
+   the start imports, changed. Any
    found: the run is refused before any code of the repository runs, with one line per module
    on stderr (``shadowed_module: NAME (PATH)``) and exit status :data:`REFUSED`.
 
@@ -41,7 +44,8 @@ REFUSED = 86
 _MARK = "rollout-start refused: "
 _RUNNER_NAMES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging",
                  "exceptiongroup", "tomli", "unittest", "rollout_pytest_report", "sitecustomize",
-                 "usercustomize", "runpy", "site")
+                 "usercustomize", "runpy", "site",
+                 "django")  # Django's runner (django.test.runner) when the environment has it
 
 
 class _Start:
@@ -118,7 +122,10 @@ class _Start:
         for name, rel in self.started:
             if changed is None or rel in changed:
                 self.findings.append(f"started_from_repository: {name} ({rel})")
-        names = self.names() | {n for n in extra if n}
+        # What the interpreter's start imports has run before the runner: the agent's change to
+        # such a file counts as well as a file it added.
+        at_start = self.started_names() | {"sitecustomize", "usercustomize"}
+        names = self.names() | at_start | {n for n in extra if n}
         seen = set()
         for directory in directories:
             if not isinstance(directory, str) or not self.inside(directory):
@@ -138,7 +145,7 @@ class _Start:
                 path = os.path.join(real, entry)
                 found = (os.path.join(path, "__init__.py") if os.path.isdir(path) else path)
                 rel = self.relative(found)
-                if added is None or rel in added:
+                if added is None or rel in added or (name in at_start and rel in (changed or ())):
                     self.findings.append(f"shadowed_module: {name} ({rel})")
 
     @staticmethod
@@ -155,6 +162,58 @@ class _Start:
         if entry.endswith((".py", ".pyc", ".so", ".pyd")):
             return stem
         return None
+
+    @staticmethod
+    def started_names():
+        """Top-level modules that the import lines of the site directories' ``.pth`` files
+        name. The interpreter's start imports them before any code of the runner runs, from a
+        directory of the repository that an earlier ``.pth`` put on ``sys.path`` (an editable
+        install's ``src/``) when the environment lacks the module; a module whose import failed
+        is not in ``sys.modules``, and one that ran may have taken itself out of it, so the
+        names come from the ``.pth`` files, not from what is loaded."""
+        os = sys.modules["os"]
+        site = sys.modules.get("site")
+        folders = []
+        listed = getattr(site, "getsitepackages", None)  # None: -S, an old virtualenv's site.py
+        if listed is not None:
+            folders.extend(listed())
+        user = getattr(site, "USER_SITE", None)
+        if user and getattr(site, "ENABLE_USER_SITE", False):
+            folders.append(user)
+        found = set()
+        for folder in folders:
+            try:
+                entries = sorted(os.listdir(folder))
+            except (OSError, TypeError):
+                continue
+            for entry in entries:
+                if not entry.endswith(".pth"):
+                    continue
+                try:
+                    with open(os.path.join(folder, entry), errors="replace") as f:
+                        lines = f.read().splitlines()
+                except OSError:
+                    continue
+                for line in lines:
+                    if line.startswith(("import ", "import\t")):  # what site.py executes
+                        found.update(_Start.imported(line))
+        return found
+
+    @staticmethod
+    def imported(line):
+        """Top-level names a line of Python source imports: ``import a.b, c as d``,
+        ``from e import f``, ``__import__('g')``, ``importlib.import_module('h')``."""
+        import re
+        found = set()
+        for statement in line.split(";"):
+            words = statement.split()
+            if words[:1] == ["import"]:
+                for part in " ".join(words[1:]).split(","):
+                    found.add(part.split()[0] if part.split() else "")
+            elif words[:1] == ["from"] and len(words) > 1:
+                found.add(words[1])
+        found.update(re.findall(r"(?:__import__|import_module)\(\s*['\"]([\w.]+)", line))
+        return {n.partition(".")[0] for n in found if n.partition(".")[0].isidentifier()}
 
     @staticmethod
     def names():

@@ -133,19 +133,23 @@ async def test_gold_with_the_repositorys_own_modules_earns_1(rollout: Rollout) -
 
 
 def _start(tmp_path: Path, files: dict[str, str], added: list[str],
-           pythonpath: list[str]) -> subprocess.CompletedProcess[str]:
-    """runner_start.py and a launcher that only reopens, on a scratch repository."""
+           pythonpath: list[str], python: str = sys.executable,
+           env: dict[str, str] | None = None,
+           changed: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """runner_start.py and a launcher that only reopens, on a scratch repository (``changed``:
+    the files the agent changed, ``added`` unless given)."""
     repo = tmp_path / "repo"
     for name, text in files.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
-    (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added}))
+    lists = {"added": added, "changed": added if changed is None else changed}
+    (tmp_path / "added.json").write_text(json.dumps(lists))
     source = swe_runners.START.read_text() + (
         "\n_start.reopen(front=[sys.argv[1]])\nimport json\nprint('ran', json.__file__)\n")
-    env = {"PATH": os.environ["PATH"],
+    env = {"PATH": os.environ["PATH"], **(env or {}),
            "ROLLOUT_START": json.dumps({"pythonpath": [str(repo / p) for p in pythonpath],
                                         "added": str(tmp_path / "added.json")})}
-    return subprocess.run([sys.executable, "-c", source, str(repo)], cwd=repo, env=env,
+    return subprocess.run([python, "-c", source, str(repo)], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -159,6 +163,94 @@ def test_a_stdlib_name_added_on_a_path_of_the_task_is_refused(tmp_path: Path) ->
     # The same file tracked at base_commit (a repository that is its own backport) runs.
     kept = _start(tmp_path, files, [], ["src"])
     assert kept.returncode == 0 and "ran" in kept.stdout, kept
+
+
+# Imported by a .pth of the environment that names a module the environment lacks, from the
+# src/ folder an editable install's .pth put on sys.path: it runs at the interpreter's start,
+# before the runner, and takes itself out of sys.modules (its import then fails, which the
+# start only prints) so that neither the check of what the start loaded nor the names loaded
+# by the runner's start know it.
+STARTUP_HOOK = "import sys\nsys.stderr.write('hook ran\\n')\ndel sys.modules[__name__]\n"
+OLD_PYTHONS = sorted(str(p) for p in Path("/root/.pyenv/versions").glob("3.*/bin/python3"))
+
+
+def _site_with_pths(python: str, tmp_path: Path, repo: Path) -> tuple[str, dict[str, str]]:
+    """An interpreter whose site directory holds an editable install's ``.pth`` and one whose
+    import line names ``_speedups_hook``, and the environment variables it needs: a fresh
+    venv, as a task's environment is, for this interpreter; the user site directory
+    (``PYTHONUSERBASE``) for the others."""
+    env = {"PYTHONUSERBASE": str(tmp_path / "userbase"), "HOME": str(tmp_path)}
+    where = "site.getusersitepackages()"
+    if python == sys.executable:
+        subprocess.run([python, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                       check=True, timeout=120)
+        python, where = str(tmp_path / "venv" / "bin" / "python"), "site.getsitepackages()[0]"
+    folder = Path(subprocess.run([python, "-c", f"import site; print({where})"],
+                                 env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                                 text=True, check=True, timeout=60).stdout.strip())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__editable__.fastlib-1.0.pth").write_text(f"{repo / 'src'}\n")
+    (folder / "zz-speedups.pth").write_text(
+        "import os; os.environ.get('NO_SPEEDUPS') or __import__('_speedups_hook')\n")
+    return python, env
+
+
+@pytest.mark.parametrize("python", [sys.executable, *OLD_PYTHONS],
+                         ids=lambda p: "venv" if p == sys.executable else p.split("/")[-3])
+def test_a_module_an_environments_pth_imports_is_refused_when_the_agent_adds_it(
+        python: str, tmp_path: Path) -> None:
+    """The names the ``.pth`` files import are probed like the runner's: an added
+    ``src/_speedups_hook.py`` ran at the start (nothing before the runner can stop that) but
+    the run is refused before the runner's tests, on every interpreter the recorder serves."""
+    files = {"src/_speedups_hook.py": STARTUP_HOOK, "src/fastlib/__init__.py": ""}
+    python, env = _site_with_pths(python, tmp_path, tmp_path / "repo")
+    refused = _start(tmp_path, files, ["src/_speedups_hook.py"], [], python, env)
+    assert "hook ran" in refused.stderr, refused  # the .pth really ran it at the start
+    assert refused.returncode == swe_runners.REFUSED, refused
+    assert swe_runners.refusals(refused.returncode, refused.stderr) == [
+        "shadowed_module: _speedups_hook (src/_speedups_hook.py)"]
+    # Tracked at base_commit and changed by the agent: its change ran at the start too.
+    changed = _start(tmp_path, files, [], [], python, env, changed=["src/_speedups_hook.py"])
+    assert swe_runners.refusals(changed.returncode, changed.stderr) == [
+        "shadowed_module: _speedups_hook (src/_speedups_hook.py)"], changed
+    # The repository's own module as base_commit has it is the task's, and runs.
+    kept = _start(tmp_path, files, [], [], python, env)
+    assert kept.returncode == 0 and "ran" in kept.stdout, kept
+
+
+@pytest.mark.parametrize("python", OLD_PYTHONS, ids=lambda p: p.split("/")[-3])
+def test_the_start_and_the_recorder_serve_every_interpreter(python: str, tmp_path: Path) -> None:
+    """No ``-P`` before 3.11: the launcher's first statement keeps the repository off
+    ``sys.path`` on every interpreter, so an added ``unittest/`` is neither imported by the
+    recorder nor allowed to run; without it the record is the runner's."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "__init__.py").write_text("")
+    (repo / "tests" / "test_a.py").write_text(
+        "import unittest\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_ok(self):\n        self.assertEqual(1 + 1, 2)\n\n"
+        "    def test_bad(self):\n        self.assertEqual(1, 2)\n")
+    source = swe_runners.launcher(swe_runners.RECORDER)
+
+    def run(name: str, added: list[str]) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "added.json").write_text(json.dumps({"added": added, "changed": added}))
+        env = {"PATH": os.environ["PATH"], "ROLLOUT_UNITTEST_REPORT": str(tmp_path / name),
+               "ROLLOUT_START": json.dumps({"added": str(tmp_path / "added.json")})}
+        return subprocess.run([python, "-c", source, str(repo), "unittest", "tests.test_a"],
+                              cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+
+    clean = run("clean.json", [])
+    record = json.loads((tmp_path / "clean.json").read_text())
+    assert clean.returncode == 1 and record["end"] and not record["tampered"], clean
+    assert {n: t["outcome"] for n, t in record["tests"].items()} == {
+        "test_ok (tests.test_a.T)": "PASSED", "test_bad (tests.test_a.T)": "FAILED"}
+    (repo / "unittest").mkdir()
+    (repo / "unittest" / "__init__.py").write_text(
+        "import sys\nsys.stderr.write('shadow ran\\n')\n" + FAKE_UNITTEST)
+    shadowed = run("shadowed.json", ["unittest/__init__.py"])
+    assert "shadow ran" not in shadowed.stderr, shadowed
+    assert swe_runners.refusals(shadowed.returncode, shadowed.stderr) == [
+        "shadowed_module: unittest (unittest/__init__.py)"], shadowed
 
 
 # SymPy's log forged: every "F" line printed as "ok", the failure reports dropped, and the
@@ -236,3 +328,15 @@ async def test_the_root_is_probed_for_a_runner_script_that_puts_it_on_the_path(
                            [create("json.py", "VALUE = 1\n"), SUBMIT])
     assert result.reward.value == 0.0, result.reward.info
     assert "shadowed_module: json (json.py)" in result.reward.info["screen"]
+
+
+async def test_a_django_package_added_at_the_root_is_refused(rollout: Rollout) -> None:
+    """Django's runner modules (``django.test.runner``, ``django.test.utils``) come from
+    ``django``: a ``django/`` the agent adds where the runner script puts the root on
+    ``sys.path`` would be the runner. Refused even beside the gold fix, which alone earns 1."""
+    django = TASKS["rollout__tinydj-1"]
+    steps = [call("bash", command=f"git apply <<'PATCH_EOF'\n{django['patch']}PATCH_EOF\n"),
+             create("django/__init__.py", ""), create("django/test/__init__.py", ""), SUBMIT]
+    result = await rollout(SweHandler(honeypots=False), django, steps)
+    assert result.reward.value == 0.0, result.reward.info
+    assert "shadowed_module: django (django/__init__.py)" in result.reward.info["screen"]
