@@ -53,6 +53,15 @@ class JobOutcome:
         return job_pb2.Job.State.Name(self.state).removeprefix("STATE_")  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class SettledGroup:
+    """A group's settled jobs as one caller sees them: the valid ones' rewards by job id, and
+    the ids of the others (failed, cancelled, or not trained by the caller)."""
+
+    valid: dict[str, float]
+    untrainable: frozenset[str]
+
+
 class JobRejectedError(ValueError):
     """The server refused a submitted job (bad environment, task, sampling parameters...)."""
 
@@ -115,15 +124,16 @@ class JobRunner:
         finally:
             self._waiting.pop(proto.job_id, None)
 
-    async def group_mean(self, group_id: str, *, exclude: str, others: int,
-                         timeout_s: float, poll_s: float = 0.5,
-                         trains: Callable[[JobOutcome], bool] | None = None) -> float | None:
-        """The mean reward of ``group_id``'s valid jobs other than ``exclude``, read from the
-        service once ``others`` of them are settled (or, at ``timeout_s``, of those settled by
-        then); None when none is valid. Valid: SUCCEEDED and, given ``trains``, trained by the
-        caller (``trains`` is the caller's own test of its row, applied to the job read with
-        its trajectory; a job whose trajectory cannot be read yet is not settled). The service
-        is asked, not this process, because a trainer may run a group's samples in several
+    async def settled_group(self, group_id: str, *, exclude: str, others: int,
+                            timeout_s: float, poll_s: float = 0.5,
+                            trains: Callable[[JobOutcome], bool] | None = None
+                            ) -> SettledGroup:
+        """``group_id``'s jobs other than ``exclude``, read from the service once ``others`` of
+        them are settled (or, at ``timeout_s``, those settled by then): the valid ones' rewards
+        and the others' ids. Valid: SUCCEEDED and, given ``trains``, trained by the caller
+        (``trains`` is the caller's own test of its row, applied to the job read with its
+        trajectory; a job whose trajectory cannot be read yet is not settled). The service is
+        asked, not this process, because a trainer may run a group's samples in several
         processes."""
         await self.start()
         loop = asyncio.get_running_loop()
@@ -141,12 +151,13 @@ class JobRunner:
                 break
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, 2.0)
-        rewards = [r for r in valid.values() if r is not None]
-        return sum(rewards) / len(rewards) if rewards else None
+        return SettledGroup(
+            valid={j: r for j, r in valid.items() if r is not None},
+            untrainable=frozenset(j for j, r in valid.items() if r is None))
 
     async def _counts(self, job: job_pb2.Job,
                       trains: Callable[[JobOutcome], bool] | None) -> bool | None:
-        """Whether a terminal ``job`` is valid for :meth:`group_mean`; None: not known yet
+        """Whether a terminal ``job`` is valid for :meth:`settled_group`; None: not known yet
         (its trajectory is not readable until the job's record is durable)."""
         if job.state != SUCCEEDED:
             return False

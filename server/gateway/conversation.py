@@ -48,6 +48,7 @@ import random
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -325,8 +326,9 @@ class JobConversation:
         """Generations of this job running now (what the concurrency test watches)."""
         self._reserved = 0
         """Response tokens held by generations still running (see :meth:`_response_room`)."""
-        self._freed = asyncio.Event()
-        """Set (and replaced) whenever a running request gives back its reservation."""
+        self._budget_queue: deque[asyncio.Event] = deque()
+        """Requests waiting for response tokens, in arrival order: only the first is woken
+        when room comes back, and a request arriving while any waits queues behind them."""
         self.awaiting_budget = 0
         """Requests waiting now for running ones to give back response tokens."""
 
@@ -362,32 +364,45 @@ class JobConversation:
     async def _answer_for(self, request: ChatRequest, ident: Ident, keys: list[Key],
                           listener: Listener | None = None,
                           live: list[_LiveText] | None = None) -> ServedTurn:
-        while True:
-            async with self._lock:
-                await self._ensure_chat()
-                await self._admit(request)  # before anything is tokenized
-                for chain in self._chains:
-                    if chain.tip is not None and chain.tip[0] == ident:
-                        return chain.tip[1]
-                flight = self._flights.get(ident)
-                if flight is None and self._response_room().verdict() == "wait":
-                    freed = self._freed
-                elif flight is None:
-                    prepared = await self._prepare(request, ident, keys)
-                    feed = None
-                    if listener is not None and live is not None:
-                        text = self._live_text(prepared.chain, request)
-                        if text is not None:
-                            live.append(text)
-                            feed = _feeder(text, listener, prepared.total)
-                    flight = _Flight(asyncio.ensure_future(self._run(prepared, request, feed)))
-                    flight.task.add_done_callback(functools.partial(self._settle, prepared))
-                    self._flights[ident] = flight
-            if flight is not None:
-                break
-            # Outside the lock, so the holders settle and other requests are answered
-            # meanwhile; then everything is decided again, as for a request just arrived.
-            await self._await_freed(freed)
+        ticket: asyncio.Event | None = None  # this request's place among the waiters
+        try:
+            while True:
+                async with self._lock:
+                    await self._ensure_chat()
+                    await self._admit(request)  # before anything is tokenized
+                    for chain in self._chains:
+                        if chain.tip is not None and chain.tip[0] == ident:
+                            return chain.tip[1]
+                    flight = self._flights.get(ident)
+                    if flight is None and self._must_wait(ticket):
+                        # A request the job's turn limit refuses is refused now, not after
+                        # its wait.
+                        self._check_max_turns()
+                        if ticket is None:
+                            ticket = asyncio.Event()
+                            self._budget_queue.append(ticket)
+                        ticket.clear()
+                    elif flight is None:
+                        prepared = await self._prepare(request, ident, keys)
+                        feed = None
+                        if listener is not None and live is not None:
+                            text = self._live_text(prepared.chain, request)
+                            if text is not None:
+                                live.append(text)
+                                feed = _feeder(text, listener, prepared.total)
+                        flight = _Flight(asyncio.ensure_future(
+                            self._run(prepared, request, feed)))
+                        flight.task.add_done_callback(functools.partial(self._settle, prepared))
+                        self._flights[ident] = flight
+                if flight is not None:
+                    break
+                # Outside the lock, so the holders settle and other requests are answered
+                # meanwhile; then everything is decided again, as for a request just arrived.
+                assert ticket is not None
+                await self._await_freed(ticket)
+        finally:
+            if ticket is not None:
+                self._leave_queue(ticket)
         flight.waiters += 1
         try:
             return await asyncio.shield(flight.task)
@@ -457,12 +472,16 @@ class JobConversation:
         self._chat, self._fmt = chat, fmt
 
     # ------------------------------------------------------------------ one request
-    async def _prepare(self, request: ChatRequest, ident: Ident, keys: list[Key]) -> _Prepared:
-        """Choose the request's chain and render its prompt there (under the job's lock)."""
+    def _check_max_turns(self) -> None:
+        """Refuse a request past ``limits.max_turns`` (recorded turns and running ones)."""
         if self.capture.requests + len(self._flights) >= self.spec.limits.max_turns:
             self.capture.refused = "max_turns"
             raise BadRequest(f"this job may make {self.spec.limits.max_turns} model requests "
                              "(its limits.max_turns); no more are served", code="max_turns")
+
+    async def _prepare(self, request: ChatRequest, ident: Ident, keys: list[Key]) -> _Prepared:
+        """Choose the request's chain and render its prompt there (under the job's lock)."""
+        self._check_max_turns()
         tools_key, side, _ = ident
         extends = [c for c in self._chains if c.turns and c.tools_key == tools_key
                    and c.side_call == side and len(keys) > len(c.expected)
@@ -554,15 +573,33 @@ class JobConversation:
         if prepared.reserved:
             self._reserved -= prepared.reserved
             prepared.reserved = 0
-            self._freed.set()
-            self._freed = asyncio.Event()
+            if self._budget_queue:
+                self._budget_queue[0].set()
 
-    async def _await_freed(self, freed: asyncio.Event) -> None:
-        """Wait for a running request to give its reservation back. The wait ends with the
-        job's run at the latest; the client going away (or the lease closing) cancels it."""
+    def _must_wait(self, ticket: asyncio.Event | None) -> bool:
+        """Whether a request (``ticket``: its place among the waiters, if it has one) waits
+        for response tokens: none are free but some are held, or some are free and requests
+        that came before it are waiting for them (they are served in arrival order)."""
+        verdict = self._response_room().verdict()
+        if verdict != "serve":
+            return verdict == "wait"  # spent: refused by _prepare, whatever the order
+        return bool(self._budget_queue) and self._budget_queue[0] is not ticket
+
+    def _leave_queue(self, ticket: asyncio.Event) -> None:
+        """``ticket``'s request stops waiting (served, refused, answered otherwise, or gone):
+        the next in line is woken if there is room (or none will come) for it to see."""
+        with contextlib.suppress(ValueError):
+            self._budget_queue.remove(ticket)
+        if self._budget_queue and self._response_room().verdict() != "wait":
+            self._budget_queue[0].set()
+
+    async def _await_freed(self, ticket: asyncio.Event) -> None:
+        """Wait until this request is first in line and a running request has given tokens
+        back. The wait ends with the job's run at the latest; the client going away (or the
+        lease closing) cancels it."""
         self.awaiting_budget += 1
         try:
-            await asyncio.wait_for(freed.wait(), max(
+            await asyncio.wait_for(ticket.wait(), max(
                 0.0, self.deadline - DEADLINE_MARGIN_S - time.monotonic()))
         except TimeoutError:
             raise BadRequest("the job's RUN deadline has passed while this request waited for "

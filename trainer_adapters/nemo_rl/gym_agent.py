@@ -13,22 +13,24 @@ place NeMo RL's GRPO reads it: ``_extract_mask_sample_flags`` in ``nemo_rl/exper
 rollouts.py`` takes ``full_result["instance_config"]["mask_sample"]`` and
 ``_apply_mask_sample_filter`` zeroes those samples' ``loss_multiplier``).
 
-NeMo RL still counts a masked sample's reward in its prompt's baseline
-(``calculate_baseline_and_std_per_prompt`` is called with an all-ones valid mask, rows grouped
-by their prompt's token ids). With ``group_size`` set (NeMo RL's
-``grpo.num_generations_per_prompt``), a masked sample answers with the mean reward of its
-group's valid samples instead, so that baseline is the mean over valid rollouts and the
-sample's own advantage is 0. A group is the row's ``_ng_task_index`` (NeMo RL stamps one per
-prompt group on its async path), else its prompt (``responses_create_params.input`` and
-task): the first ``group_size`` rows of one key to arrive form a group. All of a group's rows
-must reach this agent process (one Gym agent server does), concurrently, as NeMo RL posts them.
+NeMo RL computes its baseline and std (leave-one-out or not) over every row it groups together,
+masked ones included (``calculate_baseline_and_std_per_prompt`` is called with an all-ones valid
+mask), and it groups rows by the token ids of the first message of each row's own message log,
+which is this agent's first item's ``prompt_token_ids``. A masked sample therefore answers with
+the placeholder item alone (below), never its partial turns, and reward 0: its prompt is not
+its group's, so NeMo RL's statistics for the group are those of its valid rows alone, exactly
+what NeMo RL computes when the failed rows are not there (whatever its estimator settings),
+and the masked rows share a group of their own whose rewards are all 0 (advantage 0, and no
+gradient: their loss multiplier is 0). No value for a masked row in the group could do this:
+a leave-one-out advantage weighs a row's own reward by N/(N-1) for a group of N rows.
 
 Three rules keep NeMo RL's post-processing and metrics whole:
 
 - NeMo RL turns every result into a message log *before* it reads ``mask_sample``, and a result
-  without any token-carrying item fails the run. A job that produced no turn (it failed in INIT,
-  or was cancelled while queued) therefore answers with one placeholder item (token 0 as prompt
-  and generation, logprob 0.0) beside ``mask_sample: true``: it is never trained on.
+  without any token-carrying item fails the run. A masked sample (failed or cancelled, with or
+  without turns) therefore answers with one placeholder item (token 0 as prompt and
+  generation, logprob 0.0) beside ``mask_sample: true``: it is never trained on. The job id
+  in ``rollout_job_id`` finds its partial turns in the service.
 - ``reward_components`` has the same keys in every answer, whatever the outcome: always
   ``{"reward": reward}`` (Gym readers take components as parts that add up to the reward; the
   service's components are named measurements that need not). The service's components travel
@@ -46,9 +48,6 @@ the client side of this package.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -61,7 +60,7 @@ from nemo_gym.base_responses_api_agent import (
     SimpleResponsesAPIAgent,
 )
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
-from pydantic import ConfigDict, PrivateAttr
+from pydantic import ConfigDict
 
 from rollout.client.specs import job_spec
 from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
@@ -100,14 +99,6 @@ class RolloutServiceAgentConfig(BaseResponsesAPIAgentConfig):
     reward_components: list[str] = []
     """Component names reported in ``rollout_reward_components`` of every answer (0.0 when
     missing), so per-component columns line up; empty reports what each job measured."""
-    group_size: int = 0
-    """NeMo RL's ``grpo.num_generations_per_prompt``: a masked sample waits for the other
-    samples of its group and answers with their valid mean reward (see the module docstring).
-    0 (or 1) turns this off: a masked sample answers reward 0, which NeMo RL's baseline
-    counts."""
-    neutral_wait_s: float = 900.0
-    """Most seconds a masked sample waits for its group; then it takes the mean of the valid
-    samples finished so far."""
 
 
 class RolloutServiceRunRequest(BaseRunRequest):
@@ -123,7 +114,6 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
 
     config: RolloutServiceAgentConfig
     ray_enabled: ClassVar[bool] = False
-    _open_groups: _Groups | None = PrivateAttr(default=None)
 
     async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()
                         ) -> NeMoGymResponse:
@@ -136,22 +126,11 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
     async def run(self, body: RolloutServiceRunRequest = Body()) -> RolloutServiceVerifyResponse:
         extra = body.model_extra or {}
         answer = extra.get("expected_answer", extra.get("answer"))
-        group = self._groups().join(_group_key(body, extra)) \
-            if self.config.group_size > 1 else None
-        try:
-            outcome = await self._run_job(body.responses_create_params,
-                                          extra.get("rollout_task"),
-                                          extra.get("rollout_environment"), answer)
-        except BaseException:
-            if group is not None:
-                group.finish(None)
-            raise
+        outcome = await self._run_job(body.responses_create_params,
+                                      extra.get("rollout_task"),
+                                      extra.get("rollout_environment"), answer)
         traj = outcome.trajectory
         reward = float(traj.reward) if outcome.succeeded else 0.0
-        if group is not None:
-            group.finish(reward if outcome.succeeded else None)
-            if not outcome.succeeded:
-                reward = await group.valid_mean(self.config.neutral_wait_s)
         measured = {k: float(v) for k, v in traj.reward_components.items()} \
             if outcome.succeeded else {}
         names = self.config.reward_components
@@ -174,11 +153,6 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
             rollout_job_id=traj.job_id, rollout_state=outcome.state_name,
             rollout_reward_components=extra_components,
             num_turns=len(traj.turns))
-
-    def _groups(self) -> _Groups:
-        if self._open_groups is None:
-            self._open_groups = _Groups(self.config.group_size)
-        return self._open_groups
 
     async def _run_job(self, params: NeMoGymResponseCreateParamsNonStreaming, task: Any,
                        environment: str | None, answer: Any) -> JobOutcome:
@@ -234,65 +208,17 @@ class RolloutServiceAgent(SimpleResponsesAPIAgent):
     def _response(self, params: NeMoGymResponseCreateParamsNonStreaming,
                   outcome: JobOutcome) -> NeMoGymResponse:
         traj = outcome.trajectory
+        # A masked sample's turns stay out: its first prompt must not be its group's (see the
+        # module docstring), and nothing of it is trained.
+        items = gym_output_items(traj if outcome.succeeded else
+                                 trajectory_pb2.Trajectory(job_id=traj.job_id))
         return NeMoGymResponse.model_validate({
             "id": f"resp_{traj.job_id or uuid.uuid4().hex}".replace("/", "_"),
             "created_at": 0, "model": params.model or "rollout-service", "object": "response",
-            "output": gym_output_items(traj), "parallel_tool_calls": False,
+            "output": items, "parallel_tool_calls": False,
             "tool_choice": "auto", "tools": [],
             "status": "completed" if outcome.succeeded else "incomplete",
         })
-
-
-class _Group:
-    """The samples of one prompt group: each reports its reward (None: masked) once its job
-    ends; a masked one waits for all of them."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.joined = 0
-        self.rewards: list[float | None] = []
-        self._all_in = asyncio.Event()
-
-    def finish(self, reward: float | None) -> None:
-        self.rewards.append(reward)
-        if len(self.rewards) >= self.size:
-            self._all_in.set()
-
-    async def valid_mean(self, timeout_s: float) -> float:
-        """The mean reward of the group's valid samples (0.0 when none is), once every
-        sample has finished or ``timeout_s`` has passed."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._all_in.wait(), timeout_s)
-        valid = [r for r in self.rewards if r is not None]
-        return sum(valid) / len(valid) if valid else 0.0
-
-
-class _Groups:
-    """Open prompt groups by key: the first ``size`` rows of a key to arrive form one."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._open: dict[str, _Group] = {}
-
-    def join(self, key: str) -> _Group:
-        group = self._open.get(key)
-        if group is None:
-            group = self._open[key] = _Group(self.size)
-        group.joined += 1
-        if group.joined >= self.size:
-            del self._open[key]  # full: the next row of this key starts the next group
-        return group
-
-
-def _group_key(body: RolloutServiceRunRequest, extra: Mapping[str, Any]) -> str:
-    """NeMo RL's prompt group of a row: its ``_ng_task_index`` when stamped, else its prompt
-    and task (NeMo RL groups its baseline by the prompt's token ids)."""
-    if extra.get("_ng_task_index") is not None:
-        return f"task:{extra['_ng_task_index']}"
-    prompt = body.responses_create_params.model_dump(mode="json").get("input")
-    text = json.dumps([prompt, extra.get("rollout_task"), extra.get("rollout_environment")],
-                      sort_keys=True, default=str)
-    return "prompt:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _last_user_text(items: Any) -> str | None:

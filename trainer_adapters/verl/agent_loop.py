@@ -34,6 +34,7 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
+from rollout.trainer_adapters.group_fill import grpo_fills
 from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
 from rollout.trainer_adapters.verl.job_mapping import (
     PromptTooLong,
@@ -71,9 +72,9 @@ class ServiceSettings:
     """Most tokens per turn; 0 means ``response_length``."""
     neutral_wait_s: float = 900.0
     """Legacy trainer: how long an untrainable sample (its job failed or was cancelled, or its
-    row is wholly masked) waits for its group's other jobs to finish, to take their mean reward
-    as its own so that verl's group mean counts only valid rollouts (its advantage is then 0).
-    0 turns this off: the row keeps its reward (0 for a failed job) in the group mean."""
+    row is wholly masked) waits for its group's other jobs to finish, to take a reward that
+    keeps verl's group mean and std those of the valid rollouts (``group_fill``). 0 turns this
+    off: the row keeps its reward (0 for a failed job) in the group statistics."""
 
     @classmethod
     def resolve(cls, kwargs: Mapping[str, Any], trainer_config: Any) -> ServiceSettings:
@@ -130,9 +131,9 @@ class RolloutServiceAgentLoop(AgentLoopBase):
 
         The legacy worker must return exactly one row per sample, and verl groups rows by the
         ``uid`` it assigned (``DataProto.union`` refuses a changed one), so an untrainable row
-        cannot leave its group. Instead it takes the mean reward of its group's valid jobs
-        (:meth:`_neutral_reward`): the group's mean is then that of the valid rollouts, and the
-        row's own advantage is 0 (it is masked anyway)."""
+        cannot leave its group. Instead it takes a reward that keeps the group's GRPO mean and
+        std those of the valid rollouts (:meth:`_neutral_reward`); the row itself is masked, so
+        it carries no gradient whatever its advantage."""
         s = self.settings
         spec = job_for_sample(
             kwargs, sampling_params, environment=s.environment,
@@ -174,18 +175,21 @@ class RolloutServiceAgentLoop(AgentLoopBase):
             return False  # that sample's own loop raises: it is trained on nothing
 
     async def _neutral_reward(self, runner: Any, spec: Any, row: VerlSample) -> VerlSample:
-        """``row`` with the mean reward of its group's other valid rollouts (rows this loop
-        trains), so that verl's group mean (over every row of the ``uid``) equals the mean
-        over valid rollouts and this row's advantage is 0. ``reward`` in the row's reward info
-        keeps the job's own."""
-        group = spec.group.group_id
-        mean = await runner.group_mean(group, exclude=spec.job_id, others=self.group_size - 1,
-                                       timeout_s=self.settings.neutral_wait_s,
-                                       trains=self._legacy_row_trains)
-        if mean is None:
-            # No valid rollout in the group: every row is masked, any equal value is neutral.
-            return row
-        return dataclasses.replace(row, reward_score=mean)
+        """``row`` with the reward that leaves its group's valid rows (rows this loop trains)
+        their GRPO advantages as if the untrainable rows were not there: the group's
+        untrainable rows take :func:`~rollout.trainer_adapters.group_fill.grpo_fills` of the
+        valid rewards, each the fill at its job id's rank among them, so that verl's mean and
+        std over every row of the ``uid`` are the valid rows' own. ``reward`` in the row's
+        reward info keeps the job's own."""
+        group = await runner.settled_group(
+            spec.group.group_id, exclude=spec.job_id, others=self.group_size - 1,
+            timeout_s=self.settings.neutral_wait_s, trains=self._legacy_row_trains)
+        untrainable = sorted(group.untrainable | {spec.job_id})
+        fills = grpo_fills(sorted(group.valid.values()), self.group_size)
+        rank = untrainable.index(spec.job_id)
+        if rank >= len(fills):
+            return row  # more untrainable rows than the group's size: a view gone wrong
+        return dataclasses.replace(row, reward_score=fills[rank])
 
     async def _render_prompt(self, raw_prompt: Any) -> list[int]:
         """verl's own rendering of the prompt: the row of a job that never produced a turn."""

@@ -27,6 +27,8 @@ class PromptPolicy:
     """(prompt ids, output ids) of every generation that completed."""
     asked: list[int] = field(default_factory=list)
     """``max_tokens`` of every generation started, in the order they started."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """Prompt ids of every generation started, in the order they started."""
     gate: asyncio.Event | None = None
     started: int = 0
     in_flight: int = 0
@@ -41,6 +43,7 @@ class PromptPolicy:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.started += 1
         self.asked.append(request.max_tokens)
+        self.prompts.append(list(request.prompt_ids))
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:

@@ -284,3 +284,66 @@ async def test_a_call_waiting_for_held_budget_ends_with_the_jobs_run(
     llm.gate.set()
     await holder
     await gateway.close(lease)
+
+
+async def test_calls_waiting_for_budget_are_served_in_arrival_order(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """Room comes back while the job's lock is busy (as while another of its requests is
+    admitted) and a call that arrived after the waiting one is first to get the lock: it
+    queues behind the waiting call instead of taking the room, so generations start in the
+    calls' arrival order."""
+    llm.replies.extend(["ok"] * 3)
+    lease = await gateway.open(budgeted("job-fifo", 10), llm,
+                               options=GatewayOptions(max_concurrent=4))
+    conv = gateway._leases[lease.api_key].conversation
+    client = openai_client(lease)
+
+    def lock_waiters() -> int:
+        return len(conv._lock._waiters or ())
+
+    def call(k: int) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(client.chat.completions.create(
+            model="m", messages=conversation(k)))
+
+    holder = call(0)
+    await assert_eventually(lambda: llm.in_flight == 1)  # it holds all 10 tokens
+    first = call(1)
+    await assert_eventually(lambda: awaiting_budget(gateway, lease) == 1)
+    async with conv._lock:
+        later = call(2)
+        await assert_eventually(lambda: lock_waiters() == 1)
+        assert llm.gate is not None
+        llm.gate.set()  # the holder answers "ok" and gives back what it did not use
+        await holder
+        await assert_eventually(lambda: lock_waiters() == 2)  # the waiter, woken, behind
+    await asyncio.gather(first, later)
+    texts = [llm.tok.decode(p) for p in llm.prompts]
+    assert [next(k for k in range(3) if f"sub-agent {k}." in t) for t in texts] == [0, 1, 2]
+    capture = await gateway.close(lease)
+    assert len(capture.turns) == 3 and not capture.refused
+
+
+async def test_a_call_past_max_turns_is_refused_before_it_waits_for_budget(
+        gateway: Gateway, llm: PromptPolicy) -> None:
+    """The job may make one request and it is running, holding the whole budget: a second
+    call is refused at once with the turn limit, not kept waiting for tokens it could never
+    use."""
+    import openai
+
+    job = budgeted("job-turns", 10)
+    job = JobSpec(job_id=job.job_id, environment="harness", task={}, sampling=job.sampling,
+                  limits=Limits(max_turns=1))
+    lease = await gateway.open(job, llm, options=GatewayOptions(max_concurrent=4))
+    client = openai_client(lease)
+    holder = asyncio.ensure_future(client.chat.completions.create(
+        model="m", messages=conversation(0)))
+    await assert_eventually(lambda: llm.in_flight == 1)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.chat.completions.create(model="m", messages=conversation(1))
+    assert raised.value.body["code"] == "max_turns"
+    assert awaiting_budget(gateway, lease) == 0 and llm.in_flight == 1 and not holder.done()
+    assert gateway.capture(lease).refused == "max_turns"
+    assert llm.gate is not None
+    llm.gate.set()
+    await holder
+    await gateway.close(lease)

@@ -52,28 +52,10 @@ def nemo_rl_loss_multiplier(gym_results: list[dict[str, Any]]) -> list[float]:
     return [0.0 if flag else 1.0 for flag in flags]
 
 
-def nemo_rl_baseline(prompts: list[Any], rewards: list[float], leave_one_out: bool
-                     ) -> list[float]:
-    """NeMo RL's GRPO baseline, restated (``calculate_baseline_and_std_per_prompt`` in
-    nemo_rl/algorithms/utils.py at 7ea279ab, called from grpo.py with ``torch.ones_like
-    (rewards)`` as the valid mask, so every row counts): rows grouped by equal prompts; the
-    mean of the group's rewards, or with ``leave_one_out`` the mean of the others'; a group of
-    one takes its own reward."""
-    out = []
-    for i, p in enumerate(prompts):
-        group = [r for q, r in zip(prompts, rewards, strict=True) if q == p]
-        if len(group) <= 1:
-            out.append(rewards[i])
-        elif leave_one_out:
-            out.append((sum(group) - rewards[i]) / (len(group) - 1))
-        else:
-            out.append(sum(group) / len(group))
-    return out
-
-
 async def groups(req: dict[str, Any]) -> dict[str, Any]:
-    """Each group's rows posted at once (as NeMo RL does), with the agent's ``group_size``;
-    NeMo RL's masking and baseline over the answers."""
+    """Each group's rows posted at once (as NeMo RL does); NeMo RL's masking, its grouping
+    key (each answer's first message's tokens, as NeMo RL's Gym path builds it) and its GRPO
+    advantage (``nemo_rl_advantage.py``) over the answers, in each estimator setting."""
     import httpx
     from nemo_gym.server_utils import BaseServerConfig, ServerClient
     from omegaconf import DictConfig
@@ -83,10 +65,12 @@ async def groups(req: dict[str, Any]) -> dict[str, Any]:
         RolloutServiceAgentConfig,
     )
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nemo_rl_advantage import nemo_rl_advantages
+
     config = RolloutServiceAgentConfig(host="127.0.0.1", port=0, entrypoint="gym_agent.py",
                                        name="rollout_service_agent", address=req["address"],
-                                       environment="episode", group_size=req["group_size"],
-                                       neutral_wait_s=60)
+                                       environment="episode")
     client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
                           global_config_dict=DictConfig({}))
     app = RolloutServiceAgent(config=config, server_client=client).setup_webserver()
@@ -94,16 +78,17 @@ async def groups(req: dict[str, Any]) -> dict[str, Any]:
                                  base_url="http://agent", timeout=120) as http:
         replies = await asyncio.gather(*(http.post("/run", json=r) for r in req["rows"]))
     bodies = [r.json() for r in replies]
-    prompts = [json.dumps([r.get("_ng_task_index"), r["responses_create_params"]["input"]])
-               for r in req["rows"]]
+    keys = [tuple(nemo_flatten(b)[0]["token_ids"]) for b in bodies]
     rewards = [float(b["reward"]) for b in bodies]
     return {"rewards": rewards, "loss_multiplier": nemo_rl_loss_multiplier(bodies),
-            "baseline": nemo_rl_baseline(prompts, rewards, leave_one_out=False),
-            "baseline_loo": nemo_rl_baseline(prompts, rewards, leave_one_out=True)}
+            "keys": [list(k) for k in keys],
+            "advantages": {f"{loo}-{norm}": nemo_rl_advantages(keys, rewards, leave_one_out=loo,
+                                                               normalize=norm)
+                           for loo in (True, False) for norm in (True, False)}}
 
 
 async def main(req: dict[str, Any]) -> dict[str, Any]:
-    if "group_size" in req:
+    if req.get("groups"):
         return await groups(req)
     import httpx
     from nemo_gym.base_resources_server import (

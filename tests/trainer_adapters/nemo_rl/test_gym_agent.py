@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.trainer_adapters.nemo_rl.nemo_rl_advantage import nemo_rl_advantages
 from tests.trainer_adapters.venvs import GYM_PY, ROOT
 from tests.trainer_adapters.verl.episodes import (
     episode_harness,
@@ -153,45 +154,58 @@ async def test_run_answers_with_gym_models_and_nemo_rl_flattening(tmp_path: Path
     assert res["aggregate"] is not None
 
 
-async def test_a_failed_sample_leaves_nemo_rls_baseline(tmp_path: Path) -> None:
-    """Two prompt groups of four posted at once, rewards [1, failed, 0, 1] and [1, failed,
-    failed, 0]: with ``group_size`` the failed samples answer their group's valid mean, so
-    NeMo RL's baseline (restated from its code, every row counted) is the mean over valid
-    rollouts, and each failed row's advantage (reward - baseline) is 0. Without it, the
-    failed rows' 0 pulls the baseline down."""
-    def tasks(rewards: list[float | None], base: int) -> list[dict[str, Any]]:
-        return [two_turn_tool_episode(base=base + 10 * k, reward=r if r is not None else 1.0,
-                                      **({"fail": "eval"} if r is None else {}))
-                for k, r in enumerate(rewards)]
+GROUPS: list[list[float | str | None]] = [  # rewards; None: the job fails (after its turns,
+    [1.0, None, 0.0, 1.0],                     # or "init": before any)
+    [1.0, None, "init", 0.0],
+    [0.2, None, 1.0, 0.5, None, 0.7],
+]
 
-    a, b = tasks([1.0, None, 0.0, 1.0], 100), tasks([1.0, None, None, 0.0], 300)
-    rows = [row(t, 7) for t in a] + [row(t, 8) for t in b]
-    rows = [rows[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]  # the groups' rows interleaved
+
+async def test_failed_samples_leave_nemo_rls_group_statistics(tmp_path: Path) -> None:
+    """Three prompt groups posted at once, interleaved, with jobs that fail after their turns
+    or before any. NeMo RL (restated in nemo_rl_advantage.py: rows grouped by their answer's
+    first prompt tokens, baseline and std over every row of a group) gives each valid row,
+    in all four estimator settings (leave-one-out or not, normalised or not), exactly the
+    advantage it gets over its group's valid rows alone; the masked rows answer the
+    placeholder, so they share no group with a valid row, and get advantage 0."""
+    rows, members = [], []
+    for g, rewards in enumerate(GROUPS):
+        for r in rewards:
+            fail = {"fail": "eval"} if r is None else {"fail": "init"} if r == "init" else {}
+            task = two_turn_tool_episode(base=100 + 200 * g,
+                                         reward=r if isinstance(r, float) else 1.0, **fail)
+            rows.append(row(task, 7 + g))
+            members.append((g, isinstance(r, float)))
+    order = sorted(range(len(rows)), key=lambda i: (i % 3, i))  # interleave the groups
+    rows, members = [rows[i] for i in order], [members[i] for i in order]
     h = episode_harness(tmp_path / "state")
     await h.start()
     try:
-        on = await run_groups(h.address, rows, tmp_path, group_size=4)
-        off = await run_groups(h.address, rows, tmp_path, group_size=0)
+        res = await run_groups(h.address, rows, tmp_path)
     finally:
         await h.stop()
-    # Row order: a0 b0 a1 b1 a2 b2 a3 b3.
-    assert on["loss_multiplier"] == [1, 1, 0, 0, 1, 0, 1, 1]
-    assert on["rewards"] == pytest.approx([1, 1, 2 / 3, 0.5, 0, 0.5, 1, 0])
-    assert on["baseline"] == pytest.approx([2 / 3, 0.5] * 4)
-    masked = [i for i, m in enumerate(on["loss_multiplier"]) if m == 0]
-    assert all(on["rewards"][i] == pytest.approx(on["baseline"][i]) for i in masked)
-    # Leave-one-out (NeMo RL's default): a valid row's advantage is N/(N-1) (r - m), m the
-    # valid mean, N the group's size; over the valid rows alone it would be v/(v-1) (r - m):
-    # the same signs and ratios at a smaller scale, and no pull from the failed rows.
-    assert 1 - on["baseline_loo"][0] == pytest.approx(4 / 3 * (1 - 2 / 3))
-    assert off["rewards"] == pytest.approx([1, 1, 0, 0, 0, 0, 1, 0])
-    assert off["baseline"] == pytest.approx([0.5, 0.25] * 4)
+    valid = [ok for _, ok in members]
+    assert res["loss_multiplier"] == [1 if ok else 0 for ok in valid]
+    for setting, advantages in res["advantages"].items():
+        loo, norm = (part == "True" for part in setting.split("-"))
+        for g in range(len(GROUPS)):
+            mine = [i for i, (h_, ok) in enumerate(members) if h_ == g and ok]
+            alone = nemo_rl_advantages([g] * len(mine), [res["rewards"][i] for i in mine],
+                                       leave_one_out=loo, normalize=norm)
+            assert [advantages[i] for i in mine] == pytest.approx(alone, abs=1e-6), setting
+            assert any(abs(a) > 0.1 for a in alone)  # the check has something to see
+        assert [a for a, ok in zip(advantages, valid, strict=True) if not ok] == [0.0] * (
+            valid.count(False))
+    # A masked sample's answer is the placeholder alone: its prompt is no group's.
+    group_keys = {g: res["keys"][i] for i, (g, ok) in enumerate(members) if ok}
+    for i, (g, ok) in enumerate(members):
+        assert res["keys"][i] == (group_keys[g] if ok else [0])
+    assert len(set(map(tuple, group_keys.values()))) == len(GROUPS)
 
 
-async def run_groups(address: str, rows: list[dict[str, Any]], tmp: Path,
-                     group_size: int) -> dict[str, Any]:
+async def run_groups(address: str, rows: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     (tmp / "groups.json").write_text(json.dumps({"address": address, "rows": rows,
-                                                 "group_size": group_size}))
+                                                 "groups": True}))
     proc = await asyncio.create_subprocess_exec(
         str(GYM_PY), str(Path(__file__).with_name("drive_gym_agent.py")),
         str(tmp / "groups.json"), str(tmp / "groups-out.json"), cwd=str(ROOT),

@@ -131,8 +131,9 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     assert any(exp["mask"][p + RESPONSE_LEN:])
     assert t["response_mask"][1] == [0] * RESPONSE_LEN
     assert t["rollout_log_probs"][1] == pytest.approx(exp["logprobs"][p:p + RESPONSE_LEN])
-    # Its reward (0.5) would still count in g1's mean: it takes its group's valid mean (1.0).
-    assert t["rm_scores"][1][-1] == pytest.approx(1.0) and sum(t["rm_scores"][1]) == 1.0
+    # Its reward (0.5) would still count in g1's statistics: it takes the fill that keeps the
+    # group's mean that of its one valid row as verl sees a group of one (0): -1.0.
+    assert t["rm_scores"][1][-1] == pytest.approx(-1.0) and sum(t["rm_scores"][1]) == -1.0
     assert nt["truncated"][1] is True and nt["rollout_valid"][1] is False
     assert (nt["min_global_steps"][1], nt["max_global_steps"][1]) == (7, 7)
 
@@ -147,10 +148,13 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     fallback = chat_prompt_ids(sample(no_turns, "g3")["raw_prompt"])[-PROMPT_LEN:]
     assert t["prompts"][4][PROMPT_LEN - len(fallback):] == fallback
     assert t["response_mask"][4] == [0] * RESPONSE_LEN
-    # Failed rows take their group's valid mean (g2: 0.0, g3: 1.0), not 0, so verl's group
-    # mean is over valid rollouts only; every group here has one valid row: advantage 0.
-    assert sum(t["rm_scores"][4]) == 1.0
-    assert res["advantages"]["True"] == pytest.approx([0.0] * 6, abs=1e-6)
+    # Failed rows take the group_fill fill, not 0 (g2: 0.0, g3: -1.0). Every group here has
+    # one valid row, which verl alone would give its reward as advantage; two rows allow only
+    # 0 or +-1/sqrt(2), with the mean kept (Dr.GRPO: exactly the reward).
+    assert sum(t["rm_scores"][4]) == -1.0
+    top = 1 / (2 ** 0.5 + 1e-6)
+    assert res["advantages"]["True"] == pytest.approx([top, 0, 0, 0, 0, top], abs=1e-6)
+    assert res["advantages"]["False"] == pytest.approx([1.0, 0, 0, 0, 0, 1.0], abs=1e-6)
     assert nt["rollout_valid"][4] is False
 
     # Fixed reward-info keys in every sample; components reported per sample.
@@ -200,9 +204,10 @@ async def test_a_masked_succeeded_rollout_is_left_out_of_the_legacy_group_mean(
         tmp_path: Path) -> None:
     """A group of four through verl's own worker: rewards 1, an overlong answer that
     SUCCEEDED with reward 1 (its row is cut, so wholly masked), a failed job, 0. The valid
-    rollouts are the two rows verl trains, [1, 0]: both untrainable rows take their mean 1/2,
-    not the 2/3 that counting the overlong sibling's own reward would give, and the Dr.GRPO
-    advantages are exactly those over the valid rollouts."""
+    rollouts are the two rows verl trains, [1, 0] (not the overlong sibling with its own
+    reward): the two untrainable rows take fills that keep the group's mean and std those of
+    [1, 0], so verl's GRPO advantages, with and without the std, are exactly those over the
+    valid rollouts."""
     long = {**overlong_episode(), "reward": 1.0}
     tasks = [two_turn_tool_episode(base=100, reward=1.0), long,
              two_turn_tool_episode(base=300, reward=1.0, fail="eval"),
@@ -218,6 +223,10 @@ async def test_a_masked_succeeded_rollout_is_left_out_of_the_legacy_group_mean(
         "SUCCEEDED", "SUCCEEDED", "FAILED", "SUCCEEDED"]
     assert t["response_mask"][1] == [0] * RESPONSE_LEN and nt["truncated"][1] is True
     assert t["response_mask"][2] == [0] * RESPONSE_LEN
-    assert sum(t["rm_scores"][1]) == pytest.approx(0.5)
-    assert sum(t["rm_scores"][2]) == pytest.approx(0.5)
+    # Two fills keep the group's mean and std those of [1, 0]: 0.5 +- sqrt(1/2).
+    assert sorted([sum(t["rm_scores"][1]), sum(t["rm_scores"][2])]) == pytest.approx(
+        [0.5 - 0.5 ** 0.5, 0.5 + 0.5 ** 0.5], abs=1e-6)
     assert res["advantages"]["False"] == pytest.approx([0.5, 0.0, 0.0, -0.5], abs=1e-6)
+    # GRPO: exactly verl's advantages over [1, 0] alone, (r - 0.5) / (sqrt(1/2) + eps).
+    top = 0.5 / (0.5 ** 0.5 + 1e-6)
+    assert res["advantages"]["True"] == pytest.approx([top, 0.0, 0.0, -top], abs=1e-6)
