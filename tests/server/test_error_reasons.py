@@ -44,6 +44,8 @@ NOT_REASONS = {
     "RETURN_VALUE", "RETURN_CONST",
     # the proxy variables a confined Dockerfile build hands its RUN steps
     "HTTP_PROXY", "HTTPS_PROXY",
+    # the site module's attributes the isolated runner start reads
+    "USER_SITE", "ENABLE_USER_SITE",
 }
 STRING = re.compile(r'"([A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+)"')
 
