@@ -144,10 +144,6 @@ EXIT_GRACE_S = 60.0
 is done, stretched by ``patience``."""
 
 
-def _suite_status() -> int:
-    return _exit_status[-1] if _exit_status and _exit_status[-1] else 1
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A worker thread still blocked now would hang the interpreter's exit (it joins them):
@@ -163,7 +159,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if stuck:
         sys.stderr.write(f"worker threads still blocked at exit:\n{stuck}\n")
         sys.stderr.flush()
-        os._exit(_suite_status())
+        os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)
     # faulthandler's own C timer, not a Python thread: it needs no interpreter lock, so it
     # also fires in the last phase of the exit, where Python threads no longer run. It prints
     # "Timeout (h:mm:ss)!" and every thread's stack, then exits with status 1.

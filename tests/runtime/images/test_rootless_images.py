@@ -16,6 +16,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,24 +44,9 @@ def _system_python() -> str:
 def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the other image tests already run rootless here")
-    python = _system_python()
-    site = sysconfig.get_paths()["purelib"]
-    top = Path(tempfile.mkdtemp(prefix="rootless-images-", dir="/tmp"))
+    top = _layout_owned_by(user_layout, NOBODY, NOBODY, "rootless-images-")
     try:
-        shutil.copytree(user_layout, top / "layout")
-        for d, _, files in os.walk(top):
-            for name in (d, *(os.path.join(d, f) for f in files)):
-                os.lchown(name, NOBODY, NOBODY)
-        os.chmod(top, 0o755)
-        boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
-                f"sys.argv = [{str(CHILD)!r}, {str(top)!r}]; "
-                f"runpy.run_path({str(CHILD)!r}, run_name='__main__')")
-        proc = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-             "--inh-caps=-all", "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
-             python, "-c", boot], capture_output=True, text=True, timeout=240, cwd=top)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        seen: dict[str, Any] = _run_as(NOBODY, NOBODY, CHILD, top)
         assert seen["euid"] == NOBODY
         # The image's root is the server's own user; the job changes the image's files.
         assert seen["root_exec"][:2] == [0, ["0", "hi"]], seen["root_exec"]
@@ -108,6 +94,22 @@ def subids_user() -> Iterator[tuple[int, int]]:
         subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
 
 
+def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
+    """A fresh folder below /tmp holding a copy of ``layout``, all of it owned by ``uid``, for
+    a server that runs as that user; the caller removes it."""
+    top = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        shutil.copytree(layout, top / "layout")
+        for d, _, files in os.walk(top):
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.lchown(name, uid, gid)
+        os.chmod(top, 0o755)
+    except BaseException:
+        shutil.rmtree(top, ignore_errors=True)
+        raise
+    return top
+
+
 def _run_as(uid: int, gid: int, child: Path, top: Path) -> dict[str, object]:
     """Run ``child`` as ``uid`` with no capabilities, this venv's packages on its path, and
     return the JSON line it prints."""
@@ -130,13 +132,8 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
     # the image's uids (0 the server's user, 1.. the range), so the image's user (app) cannot
     # change root's files or another user's, and writes its own, its home and its workspace.
     uid, gid = subids_user
-    top = Path(tempfile.mkdtemp(prefix="subids-images-", dir="/tmp"))
+    top = _layout_owned_by(owned_layout, uid, gid, "subids-images-")
     try:
-        shutil.copytree(owned_layout, top / "layout")
-        for d, _, files in os.walk(top):
-            for name in (d, *(os.path.join(d, f) for f in files)):
-                os.lchown(name, uid, gid)
-        os.chmod(top, 0o755)
         seen = _run_as(uid, gid, SUBIDS_CHILD, top)
         assert seen["euid"] == uid and seen["subids"] != "None", seen
         mine = ["own-ok", "dir-ok", "group-ok", "root-denied", "passwd-denied", "other-denied",
