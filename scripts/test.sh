@@ -26,4 +26,5 @@ if [ -n "$base" ] && git cat-file -e "$base:buf.yaml" 2>/dev/null; then
   echo "== buf breaking against $base"; buf breaking --against ".git#ref=$base"
 fi
 echo "== pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+# The slowest tests are listed at the end, so a run that creeps towards CI's budget says where.
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"
