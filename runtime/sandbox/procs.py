@@ -169,8 +169,8 @@ def launch_group() -> dict[str, Any]:
     is no terminal to keep away, and a new session would only cost time: with the kernel's
     autogroup scheduling (``kernel.sched_autogroup_enabled``) every session is a scheduling
     group of its own, and a new group starts with no load history, so the launch's processes
-    wait behind the machine's other work (docs/benchmarks.md, "Where a cold launch's time
-    goes"). Asked on every launch (one failing ``open``), since a server that leads its
+    wait behind the machine's other work (docs/benchmarks.md, "The first command's
+    links"). Asked on every launch (one failing ``open``), since a server that leads its
     session could gain a terminal later."""
     try:
         fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
