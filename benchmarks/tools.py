@@ -6,6 +6,7 @@ Measured in one run on this machine:
   a tmux send-keys/capture-pane loop (how the reference system drove its shells);
 * IPython ``1+1`` over the ``ipc`` transport (kernel inside the sandbox), beside ``tcp``;
 * sandbox create + first command + destroy, beside a bare ``bwrap ... true`` spawn;
+* ``chain``: a cold launch line and a first command, link by link (:func:`bench_chain`);
 * the warm pool (``sandbox.pool_size``): a sandbox ready from the pool (taken, the job's
   files written) and ready + its first command (run in the parked launch), beside a cold
   create and a cold create + first command, and the bare ``bwrap ... true`` spawn.
@@ -183,15 +184,19 @@ async def bench_pool(cfg: SandboxConfig, n: int) -> list[Row]:
             Row("cold: created + first command", cold_first, 10.0)]
 
 
-def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
-    """Where a cold launch's time goes: the launcher line of a real sandbox running ``true``
-    spawned as the server spawns it (by the spawner thread, which is in the sandboxes' memory
-    cgroup, so the launch is born inside), the same line spawned by another thread (its
-    prologue joins the cgroup), the line with the host's ``nsswitch.conf`` (as before the
-    curated ``/etc`` answered account lookups from its files alone), the line as it was
-    before the prologue set the rlimits (a ``prlimit`` exec), then that line with one more
-    link taken out per row; interleaved, so every variant sees the same machine. Blocking:
-    run it in the spawner (``procs.in_spawner``)."""
+async def bench_chain(sb: Sandbox, n: int) -> list[Row]:
+    """Where a cold launch's time goes, link by link, on a real sandbox whose workspace holds
+    ``task.txt``: its launcher line running ``true`` spawned as the server spawns it (by the
+    spawner thread, which is in the sandboxes' memory cgroup, so the launch is born inside),
+    the same line spawned by another thread (its prologue joins the cgroup), the line with the
+    host's ``nsswitch.conf`` (as before the curated ``/etc`` answered account lookups from its
+    files alone), the line as it was before the prologue set the rlimits (a ``prlimit``
+    exec), then that line with one more link taken out per row. Then the first command's own
+    links: the line running ``bash -c 'cat task.txt'`` (the command's shell), spawned as
+    ``exec()`` spawns it (stdout and stderr pipes read to their end, its own process group),
+    the same with a session of its own (as every launch had before), and ``exec()`` itself on
+    this live sandbox (the Python path: the spawner hop, the pidfd, the event loop).
+    Interleaved, so every variant sees the same machine."""
     import concurrent.futures
     import os
 
@@ -211,18 +216,30 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
     seal = full.index("--remount-ro") if "--remount-ro" in full else len(full) - 1
     host_nss = [*full[:seal], "--ro-bind", "/etc/nsswitch.conf", "/etc/nsswitch.conf",
                 *full[seal:]]
-    variants = [
-        ("full launch line, spawned as the server does (born in the cgroup)", full, True),
+    first = [*full[:-1], "bash", "-c", "cat task.txt"]
+    piped: dict[str, object] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                                "stdin": subprocess.DEVNULL}
+    group: dict[str, object] = {**piped, "process_group": 0}
+    session: dict[str, object] = {**piped, "start_new_session": True}
+    raw: list[tuple[str, list[str], bool, dict[str, object]]] = [
+        ("full launch line, spawned as the server does (born in the cgroup)", full, True, {}),
         ("before: the host's nsswitch.conf (NSS modules load in the uid drop)", host_nss,
-         True),
-        ("full launch line, spawned by another thread (joins the cgroup)", full, False),
-        ("before: prlimit exec instead of ulimit builtins (born in the cgroup)", before, True),
+         True, {}),
+        ("full launch line, spawned by another thread (joins the cgroup)", full, False, {}),
+        ("before: prlimit exec instead of ulimit builtins (born in the cgroup)", before, True,
+         {}),
         ("  without the prologue, prlimit kept (seccomp fd passed directly)", with_prlimit,
-         False),
-        ("  without prlimit", bwrap_on, False), ("  without setpriv", no_setpriv, False)]
+         False, {}),
+        ("  without prlimit", bwrap_on, False, {}), ("  without setpriv", no_setpriv, False, {}),
+        ("first command: the line running `bash -c 'cat task.txt'`", first, True,
+         {"stdout": subprocess.DEVNULL}),
+        ("  spawned as exec() does (pipes read to the end, own process group)", first, True,
+         group),
+        ("  before: the same in a session of its own", first, True, session)]
     other = concurrent.futures.ThreadPoolExecutor(1)
+    loop = asyncio.get_running_loop()
 
-    def one(argv: list[str]) -> float:
+    def one(argv: list[str], how: dict[str, object]) -> float:
         fds: tuple[int, ...] = ()
         if seccomp and argv[0] not in ("sh", "dash"):
             fd = os.open(seccomp, os.O_RDONLY)
@@ -231,22 +248,42 @@ def _chain_samples(sb: Sandbox, n: int) -> list[Row]:
                     for j, a in enumerate(argv)]
         try:
             t = time.perf_counter()
-            subprocess.run(argv, env=env, pass_fds=fds, check=True)
-            return (time.perf_counter() - t) * 1e3
+            proc = subprocess.Popen(argv, env=env, pass_fds=fds, **how)  # type: ignore[call-overload]
+            proc.communicate()
+            ms = (time.perf_counter() - t) * 1e3
+            if proc.returncode != 0:
+                raise subprocess.CalledProcessError(proc.returncode, argv)
+            return ms
         finally:
             for fd in fds:
                 os.close(fd)
 
-    samples: list[list[float]] = [[] for _ in variants]
+    async def via_exec(cmd: str | list[str]) -> float:
+        t = time.perf_counter()
+        res = await sb.exec(cmd)
+        ms = (time.perf_counter() - t) * 1e3
+        assert res.exit_code == 0, res
+        return ms
+
+    await procs.in_spawner(lambda: None)  # its cgroup join has run
+    names = [name for name, *_ in raw] + [
+        "  exec(\"cat task.txt\") on this live sandbox (the whole Python path)",
+        "  exec([\"true\"]) on this live sandbox (no bash)"]
+    samples: list[list[float]] = [[] for _ in names]
     try:
         for i in range(n + 3):
-            for k, (_, argv, here) in enumerate(variants):
-                ms = one(argv) if here else other.submit(one, argv).result()
-                if i >= 3:
+            got = []
+            for _, argv, here, how in raw:
+                got.append(await procs.in_spawner(one, argv, how) if here else
+                           await loop.run_in_executor(other, one, argv, how))
+            got.append(await via_exec("cat task.txt"))
+            got.append(await via_exec(["true"]))
+            if i >= 3:
+                for k, ms in enumerate(got):
                     samples[k].append(ms)
     finally:
         other.shutdown()
-    return [Row(f"chain: {name}", x) for (name, _, _), x in zip(variants, samples, strict=True)]
+    return [Row(f"chain: {name}", x) for name, x in zip(names, samples, strict=True)]
 
 
 async def bench_pool_tools(cfg: SandboxConfig, n: int) -> list[Row]:
@@ -319,10 +356,9 @@ async def run(n: int, parts: tuple[str, ...] = PARTS) -> list[Row]:
         if "pool-tools" in parts:
             rows += await bench_pool_tools(cfg, max(5, n // 100))
         if "chain" in parts:
-            sb = await create_sandbox(cfg)
+            sb = await create_sandbox(cfg, workspace_files={"task.txt": "x"})
             try:
-                await procs.in_spawner(lambda: None)  # its cgroup join has run
-                rows += await procs.in_spawner(_chain_samples, sb, max(20, n // 20))
+                rows += await bench_chain(sb, max(20, n // 20))
             finally:
                 await sb.destroy()
             if "sandbox" not in parts:
@@ -377,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS[:3]),
                         help="which parts to run (default: bash ipython sandbox); `sandbox` is "
                              "the lifecycle, the warm pool and bare bwrap; `chain` profiles a "
-                             "cold launch line link by link; `pool-tools`: a job's first bash "
+                             "cold launch line and a first command link by link; `pool-tools`: "
+                             "a job's first bash "
                              "and IPython call with the pool's tools started ahead vs cold")
     args = parser.parse_args(argv)
     if shutil.which("bwrap") is None:

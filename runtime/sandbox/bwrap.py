@@ -83,6 +83,20 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
+_FOUND: set[str] = set()
+"""Tools found on PATH once: not looked for again (a PATH walk per tool per creation); a
+missing one is, so installing it fixes a running server."""
+
+
+def _missing(tool: str) -> bool:
+    if tool in _FOUND:
+        return False
+    if shutil.which(tool) is None:
+        return True
+    _FOUND.add(tool)
+    return False
+
+
 @functools.lru_cache(maxsize=1)
 def _quota_possible() -> bool:
     if not hardening.can_mount():
@@ -389,7 +403,7 @@ class BwrapSandbox(Sandbox):
                                "INVALID_SANDBOX_OPTIONS")
         for tool in ("bwrap", "dash") + (("setpriv",) if _is_root() else (
                 "unshare", "nsenter") if image is not None else ()):
-            if shutil.which(tool) is None:
+            if _missing(tool):
                 raise SandboxUnavailable(
                     f"the bwrap sandbox runtime needs `{tool}` on PATH: install it with "
                     "`apt-get install bubblewrap dash util-linux` (or your distribution's "

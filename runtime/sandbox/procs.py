@@ -150,14 +150,34 @@ def spawn_parked(argv: Sequence[str], env: Mapping[str, str],
     :func:`in_spawner`, whose thread outlives the launch, as ``--die-with-parent`` needs).
     ``pass_fds``: the pipe end the waiter signals readiness on."""
     return subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.PIPE,
-                            start_new_session=True, pass_fds=pass_fds)
+                            stderr=subprocess.PIPE, stdin=subprocess.PIPE, pass_fds=pass_fds,
+                            **launch_group())
 
 
 def _popen(argv: list[str], env: dict[str, str], with_stdin: bool) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
-                            start_new_session=True)
+                            **launch_group())
+
+
+def launch_group() -> dict[str, Any]:
+    """``Popen`` arguments that put a launch in a process group of its own (one ``killpg``
+    ends it), and in a session of its own only while the server has a controlling terminal.
+
+    A new session is what keeps a terminal away from the sandbox (``TIOCSTI`` input
+    injection, taking the terminal's foreground), so with one it stays. Without one there
+    is no terminal to keep away, and a new session would only cost time: with the kernel's
+    autogroup scheduling (``kernel.sched_autogroup_enabled``) every session is a scheduling
+    group of its own, and a new group starts with no load history, so the launch's processes
+    wait behind the machine's other work (docs/benchmarks.md, "The first command's
+    links"). Asked on every launch (one failing ``open``), since a server that leads its
+    session could gain a terminal later."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:  # ENXIO: no controlling terminal
+        return {"process_group": 0}
+    os.close(fd)
+    return {"start_new_session": True}
 
 
 def _read_into(loop: asyncio.AbstractEventLoop, fd: int, sink: CappedOutput,

@@ -77,9 +77,13 @@ def ro_bind_below(path: str, mount_point: str) -> list[str]:
     return [*args, "--ro-bind", path, path]
 
 
+@functools.lru_cache(maxsize=16)
 def python_prefixes(extra: str) -> tuple[str, ...]:
     """The server's interpreter (venv and base installation) and ``extra``'s (a venv's python
-    is a symlink: the venv itself and what it points to)."""
+    is a symlink: the venv itself and what it points to). Resolved once per process and
+    interpreter, like the curated ``/etc``: every sandbox creation asks for it, and its
+    ``realpath`` walks were a visible part of a cold creation (a restart picks up a venv
+    pointed elsewhere)."""
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
              os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
     if extra:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -194,6 +196,63 @@ async def test_account_lookups_read_only_the_sandboxes_files(cfg: SandboxConfig)
             if ":" in line and not line.startswith("#")}
     assert host <= set(sources)
     assert root.stdout.startswith("root:x:0:0:")
+
+
+_TTY_PROBE = """
+import asyncio, os, sys
+from pathlib import Path
+from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+
+def probe():  # the server's own terminal, as this process sees it
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+        return "server-has-tty"
+    except OSError:
+        return "server-has-no-tty"
+
+async def main():
+    print(probe())
+    async with await create_sandbox(SandboxConfig(state_dir=Path(sys.argv[1]))) as sb:
+        res = await sb.exec("if : 3</dev/tty; then echo sandbox-has-tty; "
+                            "else echo sandbox-has-no-tty; fi")
+        print(res.stdout.strip(), res.stderr.strip()[-200:])
+
+asyncio.run(main())
+"""
+
+
+def test_a_server_terminal_never_reaches_its_sandboxes(cfg: SandboxConfig) -> None:
+    # Launches of a server without a terminal skip the new session (process group only, for
+    # speed); a server started from a terminal must still give its launches a session of
+    # their own, or they could open the terminal (inject input with TIOCSTI, take the
+    # foreground). The server here is a child whose controlling terminal is a fresh pty.
+    master, slave = os.openpty()
+    try:
+        done = subprocess.run(["setsid", "--ctty", sys.executable, "-c", _TTY_PROBE,
+                               str(cfg.state_dir)], stdin=slave, capture_output=True,
+                              timeout=80, text=True)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "server-has-tty", done.stdout  # the probe itself sees a terminal
+    assert lines[1].startswith("sandbox-has-no-tty"), done.stdout
+
+
+async def test_a_launch_leads_a_process_group_of_its_own(cfg: SandboxConfig) -> None:
+    # One killpg() ends a launch (timeouts, cancellation): its launcher leads its own
+    # process group, with or without a session of its own.
+    async with await create_sandbox(cfg) as sb:
+        run = asyncio.ensure_future(sb.exec("sleep 30", timeout=60))
+        try:
+            await assert_eventually(lambda: bool(sb.tracked_pids))
+            (pid,) = sb.tracked_pids
+            assert os.getpgid(pid) == pid != os.getpgid(0)
+        finally:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
 
 
 async def test_sigint_ignoring_command_is_killed_at_timeout(cfg: SandboxConfig) -> None:
