@@ -280,11 +280,9 @@ async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
     if not missing or needed_by == "the harness command":
         return  # a missing program is the install's (HARNESS_NOT_STARTED at RUN)
     ref = str(getattr(getattr(image, "image", None), "ref", "") or "the task's image")
-    inner = ctx.spec.task.get("task", {})
-    name = next((str(inner[k]) for k in ("instance_id", "name", "task_id", "id")
-                 if isinstance(inner, Mapping) and inner.get(k)), "")
+    # The pipeline names the task in front of an ImageError's message.
     raise ImageError(
-        f"{'task ' + repr(name) + ': ' if name else ''}harness {harness.name!r} cannot start "
+        f"harness {harness.name!r} cannot start "
         f"in image {ref}: its program {needed_by} needs {missing}, which the image does not "
         "have (an image without glibc, such as busybox or a musl one?). Use a harness that "
         "brings its own runtime (docs/bring-your-own-agent.md) or an image that has it.",

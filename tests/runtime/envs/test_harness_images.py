@@ -19,10 +19,10 @@ import pytest
 from rollout.runtime.envs.harbor import taskdir
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.handler import HarnessHandler
+from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox.base import ImageSettings
-from rollout.runtime.sandbox.images.errors import ImageError
 from rollout.runtime.tasksets import harbor_import
-from rollout.runtime.types import Limits, TerminationReason
+from rollout.runtime.types import JobSpec, Limits, TerminationReason
 from tests.runtime.envs.conftest import call
 from tests.runtime.envs.harbor_helpers import image_factory
 from tests.runtime.envs.harness_helpers import GatewayRig, harness_task, routed_rollout
@@ -85,15 +85,27 @@ async def test_claude_code_runs_in_an_image_without_glibc(
 async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
         tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
         gateway_rig: GatewayRig) -> None:
+    """Through the pipeline's INIT stage: a FAILED job, the task's fault (``INVALID_TASK``),
+    whose message names the task, the harness, the image, the program and the loader."""
+    from rollout.server.pipeline.stages import Stage, run_stage
+
     installed("mini-swe-agent")
-    task = busybox_task(tmp_path / "tasks", busybox_layout)
-    with pytest.raises(ImageError) as info:
-        await routed_rollout(
-            HarnessHandler(), harness_task("harbor", task, "mini-swe-agent"),
-            lambda p: "Done.", tokenizer=tok, sandbox_factory=factory,
-            gateway=gateway_rig.gateway, limits=Limits(max_turns=6, run_timeout_s=120))
-    error = info.value
-    assert error.reason == "IMAGE_REJECTED" and error.task_fault, error
-    message = str(error)
-    assert "task 'hello-busybox'" in message and "'mini-swe-agent'" in message, message
-    assert f"oci:{busybox_layout}:bb" in message and GLIBC_LOADER in message, message
+    task = harness_task("harbor", busybox_task(tmp_path / "tasks", busybox_layout),
+                        "mini-swe-agent")
+    spec = JobSpec(job_id="glibc-less", environment="harness", task=task,
+                   limits=Limits(max_turns=6, run_timeout_s=120))
+    ctx = JobContext(spec=spec, llm=None, sandbox_factory=factory,
+                     gateway=gateway_rig.gateway)
+    handler = HarnessHandler()
+    async with ctx.resources:
+        try:
+            result = await run_stage(handler, ctx, Stage.INIT, 120)
+        finally:
+            await handler.cleanup(ctx)
+    error = result.error
+    assert error is not None and (error.code, error.reason) == (
+        "INVALID_TASK", "IMAGE_REJECTED"), error
+    assert error.message.startswith("task 'hello-busybox' (harness): harness 'mini-swe-agent'"), \
+        error.message
+    assert f"oci:{busybox_layout}:bb" in error.message, error.message
+    assert f"/.rollout-harness/bin/python needs {GLIBC_LOADER}" in error.message, error.message
