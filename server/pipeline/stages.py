@@ -116,12 +116,16 @@ async def run_stage(handler: AgentHandler, ctx: JobContext, stage: Stage,
 
 
 def _task_name(ctx: JobContext) -> str:
-    """How a failure names the job's task: its own id where it has one."""
+    """How a failure names the job's task: its own id where it has one, else the id of the
+    task it wraps (a harness job's ``task``: the swe instance or Harbor task the harness
+    works on)."""
     task = ctx.spec.task if isinstance(ctx.spec.task, Mapping) else {}
-    for key in ("instance_id", "task_id", "id", "name"):
-        value = task.get(key)
-        if isinstance(value, str) and value:
-            return f"task {value!r} ({ctx.spec.environment})"
+    inner = task.get("task")
+    for candidate in (task, inner if isinstance(inner, Mapping) else {}):
+        for key in ("instance_id", "task_id", "id", "name"):
+            value = candidate.get(key)
+            if isinstance(value, str) and value:
+                return f"task {value!r} ({ctx.spec.environment})"
     return f"the {ctx.spec.environment} task"
 
 

@@ -60,6 +60,7 @@ from rollout.runtime.envs.harness.presets import HarnessSpec
 from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox.base import SandboxLimits, limits_of, runtime_of
+from rollout.runtime.sandbox.images.errors import ImageError
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
 
 ENV = "harness"
@@ -67,6 +68,7 @@ INNER = ("swe", "code", "math", "harbor")
 INSTALL_MOUNT = "/.rollout-harness"
 GATEWAY_SOCKET = "/.rollout-gateway.sock"
 LAUNCH_SOURCE = IN_SANDBOX / "harness_launch.py"
+PROGRAM_CHECK_SOURCE = IN_SANDBOX / "harness_program.py"
 ANSWER_FILE = "answer.txt"
 SPEC_KEY = "harness.spec"
 LIMITS_KEY = "harness.limits"
@@ -164,6 +166,7 @@ class HarnessHandler(AgentHandler):
         if SANDBOX_KEY not in ctx.state:  # math without tools opens none; a harness needs one
             ctx.state[SANDBOX_KEY] = await dataclasses.replace(
                 ctx, sandbox_factory=with_harness).open_sandbox()
+        await check_program(ctx, harness)
 
     async def run(self, ctx: JobContext) -> RunOutcome:
         sandbox = sandbox_of(ctx)
@@ -251,6 +254,39 @@ class HarnessHandler(AgentHandler):
         inner = inner_context(ctx)
         await inner_handler(inner.spec.environment).cleanup(inner)
         ctx.state.pop(SANDBOX_KEY, None)
+
+
+async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
+    """In a task's image: refuse at INIT, naming the task and the image, a harness whose
+    program cannot start in that root because the image lacks what the kernel needs to load it
+    (the dynamic loader it is linked against, glibc's in a busybox or musl image; the
+    interpreter of its ``#!`` line). Started anyway it would exit 127 before its first request,
+    which reads as the service's failure (``HARNESS_NOT_STARTED``) when it is the task's choice
+    of image. A harness that brings its own runtime under :data:`INSTALL_MOUNT` passes; the
+    host's view (no image) has the host's libraries and is not checked."""
+    sandbox = sandbox_of(ctx)
+    image = getattr(sandbox, "image", None)
+    program = harness.command[0].replace("{install}", INSTALL_MOUNT)
+    if image is None or not program.startswith("/") or "{" in program:
+        return
+    result = await sandbox.exec(
+        [*getattr(sandbox, "python_launcher", ()), getattr(sandbox, "python", "python3"),
+         "-c", PROGRAM_CHECK_SOURCE.read_text(), program], timeout=60, max_output=8192)
+    try:
+        verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return  # the check itself could not run: RUN's own start says what is wrong
+    missing, needed_by = verdict.get("missing"), verdict.get("needed_by")
+    if not missing or needed_by == "the harness command":
+        return  # a missing program is the install's (HARNESS_NOT_STARTED at RUN)
+    ref = str(getattr(getattr(image, "image", None), "ref", "") or "the task's image")
+    # The pipeline names the task in front of an ImageError's message.
+    raise ImageError(
+        f"harness {harness.name!r} cannot start "
+        f"in image {ref}: its program {needed_by} needs {missing}, which the image does not "
+        "have (an image without glibc, such as busybox or a musl one?). Use a harness that "
+        "brings its own runtime (docs/bring-your-own-agent.md) or an image that has it.",
+        "IMAGE_REJECTED", ref=ref)
 
 
 def task_prompt(ctx: JobContext, workspace: str) -> str:

@@ -4,6 +4,7 @@ it (the network ones), which answer a fixed reply and record nothing."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import tempfile
 from collections.abc import AsyncIterator
@@ -297,3 +298,48 @@ def _side_call_prompt(request: Any, turns: list[Any], segments: list[Any]) -> bo
                 for t in turns[start:end]):
             return True
     return False
+
+
+async def replay_recorded(gateway: Any, requests: list[dict[str, Any]], answers: list[str],
+                          side_calls: tuple[Any, ...], headers: dict[str, str]) -> Any:
+    """Send a harness's recorded request bodies (``{"path", "body"}``, as sent) through the
+    real gateway for one job whose preset has ``side_calls``; the scripted policy answers
+    ``answers`` in request order; the job's key goes in both dialects' headers. Returns the
+    gateway's capture of the job."""
+    import httpx2
+
+    from rollout.server.llm.backend_pool import BackendPool
+    from rollout.server.llm.scripted import ScriptedEngine
+    from tests.runtime.doubles import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    engine = ScriptedEngine(tok, {"job": list(answers)},
+                            end_of_turn_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    pool = BackendPool([engine], health_interval_s=0)
+    try:
+        lease = await gateway.open(
+            JobSpec(job_id="job", environment="harness", task={},
+                    sampling=SamplingParams(seed=7, total_token_budget=65536),
+                    limits=Limits(max_turns=8)),
+            pool, options=GatewayOptions(side_calls=side_calls))
+        transport = httpx2.AsyncHTTPTransport(uds=lease.socket_path)
+        async with httpx2.AsyncClient(transport=transport, timeout=60) as http:
+            for request in requests:
+                reply = await http.post(f"http://gateway{request['path']}",
+                                        content=json.dumps(request["body"]),
+                                        headers={**headers, "x-api-key": lease.api_key,
+                                                 "authorization": f"Bearer {lease.api_key}",
+                                                 "content-type": "application/json"})
+                assert reply.status_code == 200, reply.text[:2000]
+        return gateway.capture(lease)
+    finally:
+        await pool.close()
+
+
+def chains_of(capture: Any, tokenizer: Any) -> list[tuple[bool, list[tuple[str, bool]]]]:
+    """Each chain of a capture: (side call, [(its turns' output text, trained)])."""
+    segments, turns = capture.segments, capture.turns
+    ends = [s.first_turn for s in segments[1:]] + [len(turns)]
+    return [(s.side_call, [(str(tokenizer.decode(t.output_ids, skip_special_tokens=True)),
+                            t.trained) for t in turns[s.first_turn:end]])
+            for s, end in zip(segments, ends, strict=True)]

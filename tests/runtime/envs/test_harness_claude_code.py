@@ -154,13 +154,24 @@ def with_a_summary(prompt: str) -> str:
     return bash("ls && echo LISTED-$((1+1))")
 
 
+SMALL_MODEL_AS_MAIN = {"ANTHROPIC_DEFAULT_HAIKU_MODEL": "{model}",
+                       "ANTHROPIC_SMALL_FAST_MODEL": "{model}"}
+"""A task's override that sends the small fast model's calls under the main model's name."""
+
+
+@pytest.mark.parametrize("small_model", [{}, SMALL_MODEL_AS_MAIN],
+                         ids=["haiku-name", "main-models-name"])
 async def test_claude_codes_small_fast_model_calls_are_side_calls(
-        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig,
+        small_model: dict[str, str]) -> None:
     """Real Claude Code traffic: with CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES (an SDK setting a
     task may turn on) it asks its small fast model to label each tool use. Under the preset
-    that request names a Haiku model (ANTHROPIC_DEFAULT_HAIKU_MODEL), so it is a side-call
-    chain, never trained, while both turns of the main thread are."""
-    harness = {"preset": "claude-code", "env": {"CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES": "1"}}
+    that request names a Haiku model (ANTHROPIC_DEFAULT_HAIKU_MODEL); when a task points the
+    Haiku variables at the job's model it goes out under the main thread's name, and the
+    preset's system-prompt rule still tells it apart. Either way it is a side-call chain, never
+    trained, while both turns of the main thread are."""
+    harness = {"preset": "claude-code",
+               "env": {"CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES": "1", **small_model}}
     result = await claude(TASKS[0], with_a_summary, tok, sandbox_factory, gateway_rig,
                           harness=harness)
     prompts = result.engine.prompts

@@ -5,13 +5,15 @@ shipped preset's rules (no Claude Code install needed).
 2.1.332 made in an interactive session (a pty, the preset's model variables, a loopback stub
 answering): the session-title request it sends to its small fast model after the first prompt,
 then two main-thread requests (the second carries the first's answer and a new prompt). The
-title request must be a chain of its own and never trained, the main thread one trained chain.
-``claude -p`` itself makes no title request (the live test in test_harness_claude_code.py covers
-the side call it does make, a tool-use summary); the rule is the same model-name rule."""
+title request must be a chain of its own and never trained, the main thread one trained chain,
+whether the title goes out under the preset's Haiku name (as recorded) or under the main
+model's name (what Claude Code sends when a task points the Haiku variables at ``{model}``):
+the preset names the call by its model and by its system prompt. ``claude -p`` itself makes no
+title request (the live test in test_harness_claude_code.py covers the side call it does make,
+a tool-use summary, under both names)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,11 +23,11 @@ import pytest
 
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.gateway import GatewayOptions
-from rollout.runtime.types import JobSpec, Limits, SamplingParams
 from rollout.server.gateway import Gateway
-from rollout.server.llm.backend_pool import BackendPool
-from rollout.server.llm.scripted import ScriptedEngine
+from rollout.server.gateway import anthropic as anthropic_dialect
+from rollout.server.gateway.messages import RequestLimits
 from tests.runtime.doubles import smollm2_tokenizer
+from tests.runtime.envs.harness_helpers import chains_of, replay_recorded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,6 +36,18 @@ TITLE = '{"title": "List files"}'
 FIRST_ANSWER = '{"isNewTopic": true, "title": "List files"}'
 """What the loopback stub answered the first main-thread request: the second request repeats it
 as the assistant turn, so the scripted policy answers the same to let it extend the chain."""
+HEADERS = {"anthropic-version": "2023-06-01"}
+
+# How 2.1.332's three tool-free helper requests begin their own system block (after its
+# billing header and identity blocks): the session title, the tool-use summary label (a
+# ``CLAUDE_CODE_EMIT_TOOL_USE_SUMMARIES`` session) and the session's kebab-case name (/rename).
+HELPER_PROMPTS = (
+    "You are naming a coding session so the user can pick it out of a long list of sessions.",
+    "Write a short summary label describing what these tool calls accomplished. It appears as "
+    "a single-line row in a mobile app.",
+    'Generate a short kebab-case name (2-4 words) that captures the main topic of this '
+    'conversation. Use lowercase words separated by hyphens. Return JSON with a "name" field.',
+)
 
 
 def recorded() -> list[dict[str, Any]]:
@@ -41,16 +55,10 @@ def recorded() -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[tuple[Gateway, BackendPool, Any]]:
-    tok = smollm2_tokenizer()
-    scripts = {"job": [TITLE, FIRST_ANSWER, "Hello!"]}
-    engine = ScriptedEngine(tok, scripts, end_of_turn_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    pool = BackendPool([engine], health_interval_s=0)
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     gw = await Gateway(tmp_path / "state").start()
-    yield gw, pool, tok
+    yield gw
     await gw.stop()
-    with contextlib.suppress(Exception):
-        await pool.close()
 
 
 def test_the_recording_is_what_the_preset_makes_claude_code_send() -> None:
@@ -65,36 +73,42 @@ def test_the_recording_is_what_the_preset_makes_claude_code_send() -> None:
     assert not title.get("tools") and len(title["messages"]) == 1
 
 
+@pytest.mark.parametrize("title_model", ["claude-haiku-4-5", "policy"],
+                         ids=["haiku-name", "main-models-name"])
 async def test_claude_codes_title_request_is_an_untrained_chain_of_its_own(
-        gateway: tuple[Gateway, BackendPool, Any]) -> None:
-    import httpx2
-
-    gw, pool, tok = gateway
-    rules = harness_presets.resolve_side_calls("claude-code")
-    lease = await gw.open(JobSpec(job_id="job", environment="harness", task={},
-                                  sampling=SamplingParams(seed=7, total_token_budget=65536),
-                                  limits=Limits(max_turns=8)),
-                          pool, options=GatewayOptions(side_calls=rules))
-    transport = httpx2.AsyncHTTPTransport(uds=lease.socket_path)
-    async with httpx2.AsyncClient(transport=transport, timeout=60) as http:
-        for request in recorded():
-            reply = await http.post(f"http://gateway{request['path']}",
-                                    content=json.dumps(request["body"]), headers={
-                                        "x-api-key": lease.api_key,
-                                        "anthropic-version": "2023-06-01",
-                                        "content-type": "application/json"})
-            assert reply.status_code == 200, reply.text[:2000]
-    capture = gw.capture(lease)
+        gateway: Gateway, title_model: str) -> None:
+    requests = recorded()
+    requests[0]["body"]["model"] = title_model
+    capture = await replay_recorded(gateway, requests, [TITLE, FIRST_ANSWER, "Hello!"],
+                                    harness_presets.resolve_side_calls("claude-code"),
+                                    HEADERS)
     assert capture.requests == 3
-    segments, turns = capture.segments, capture.turns
-    assert [s.side_call for s in segments] == [True, False], segments
-    ends = [s.first_turn for s in segments[1:]] + [len(turns)]
-    owned = [turns[s.first_turn:end] for s, end in zip(segments, ends, strict=True)]
-    side, main = owned
-    assert [tok.decode(t.output_ids, skip_special_tokens=True) for t in side] == [TITLE]
-    assert [t.trained for t in side] == [False]
     # One main thread: the second request extends the first (its system message, which
     # Claude Code sends as blocks first and as a string after, is the same text).
-    assert [t.trained for t in main] == [True, True]
-    assert [tok.decode(t.output_ids, skip_special_tokens=True) for t in main] == [
-        FIRST_ANSWER, "Hello!"]
+    assert chains_of(capture, smollm2_tokenizer()) == [
+        (True, [(TITLE, False)]), (False, [(FIRST_ANSWER, True), ("Hello!", True)])]
+
+
+def system_of(body: dict[str, Any]) -> str:
+    """The system prompt as the gateway reads it (the text side-call rules are searched in)."""
+    return anthropic_dialect.parse(body, RequestLimits()).system_text()
+
+
+def test_the_preset_tells_claude_codes_helper_prompts_from_its_agent_by_the_prompt_alone(
+        ) -> None:
+    """The system-prompt rules alone (every request under the main model's name): each helper
+    request is a side call, the main thread (the interactive prompt recorded, the preset's own
+    ``-p`` prompt) never is."""
+    rules = tuple(r for r in harness_presets.resolve_side_calls("claude-code") if not r.model)
+    options = GatewayOptions(side_calls=rules)
+    title, main, _ = (r["body"] for r in recorded())
+    header = title["system"][:2]  # the billing header and identity blocks every request has
+    helpers = [{**title, "model": "policy",
+                "system": [*header, {"type": "text", "text": prompt}]}
+               for prompt in HELPER_PROMPTS]
+    assert all(options.is_side_call("policy", system_of(b), {}) for b in helpers)
+    assert options.is_side_call("policy", system_of({**title, "model": "policy"}), {})
+    preset_prompt = harness_presets.load_preset("claude-code")["files"][
+        "{home}/.claude/rollout-system.md"]
+    for body in (main, {**main, "system": [*header, {"type": "text", "text": preset_prompt}]}):
+        assert not options.is_side_call("policy", system_of(body), {})

@@ -1,0 +1,111 @@
+"""Harness jobs in a task's own image without glibc: the fixtures' busybox image (one static
+busybox and its applet links, no loader, no libc, no bash), a Harbor task on it.
+
+Claude Code brings its own loader and C libraries under its install (scripts/harness_loader.py)
+and the image sandbox brings a static bash under ``/.rollout`` (its Bash tool's shell), so it
+runs there as anywhere: the task's gold step through its Bash tool earns 1. A harness whose
+program is linked against the image's glibc (mini-swe-agent's venv interpreter) cannot start
+there: INIT refuses it, naming the task, the image and the missing loader, as the task's fault
+(an ``ImageError``, so a FAILED job with ``INVALID_TASK``), instead of an exit 127 at RUN that
+would read as the service's ``HARNESS_NOT_STARTED``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout.runtime.envs.harbor import taskdir
+from rollout.runtime.envs.harness import presets as harness_presets
+from rollout.runtime.envs.harness.handler import HarnessHandler
+from rollout.runtime.handler import JobContext
+from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.tasksets import harbor_import
+from rollout.runtime.types import JobSpec, Limits, TerminationReason
+from tests.runtime.envs.conftest import call
+from tests.runtime.envs.harbor_helpers import image_factory
+from tests.runtime.envs.harness_helpers import GatewayRig, harness_task, routed_rollout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
+TEST = """#!/bin/sh
+mkdir -p /logs/verifier
+if [ "$(cat /tmp/hello.txt 2>/dev/null)" = "hello" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+WROTE = "WROTE-2"  # what the gold step prints; its own text says $((1+1))
+
+
+def busybox_task(top: Path, layout: Path) -> dict[str, Any]:
+    folder = top / "hello-busybox"
+    for sub in ("solution", "tests"):
+        (folder / sub).mkdir(parents=True)
+    (folder / "instruction.md").write_text("Write hello to /tmp/hello.txt.\n")
+    (folder / "solution" / "solve.sh").write_text("#!/bin/sh\necho hello > /tmp/hello.txt\n")
+    (folder / "tests" / "test.sh").write_text(TEST)
+    (folder / "task.toml").write_text(
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
+        f'[environment]\ndocker_image = "oci:{layout}:bb"\n')
+    return dict(harbor_import.job_line(taskdir.load(folder))["task"])
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Any:
+    return image_factory(tmp_path / "state", ImageSettings(cache_dir=str(tmp_path / "cache")))
+
+
+def installed(name: str) -> None:
+    try:
+        harness_presets.resolve(name)
+    except Exception as e:  # the message says what to run
+        pytest.skip(f"{name} is not installed: {e}")
+
+
+async def test_claude_code_runs_in_an_image_without_glibc(
+        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
+        gateway_rig: GatewayRig) -> None:
+    installed("claude-code")
+    task = busybox_task(tmp_path / "tasks", busybox_layout)
+    # The gold step writes the answer only where there is no glibc loader: a reward of 1 says
+    # Claude Code and its Bash tool ran in the image's own root.
+    gold = call("Bash", command=f"test ! -e {GLIBC_LOADER} && test ! -e /usr && "
+                "echo hello > /tmp/hello.txt && echo WROTE-$((1+1))", description="write it")
+    result = await routed_rollout(
+        HarnessHandler(), harness_task("harbor", task, "claude-code"),
+        lambda p: "Done." if WROTE in p else gold, tokenizer=tok, sandbox_factory=factory,
+        gateway=gateway_rig.gateway, limits=Limits(max_turns=6, run_timeout_s=120))
+    assert result.reward.value == 1.0, (result.reward.info, result.log)
+    assert result.capture.requests == 2, result.log
+    assert WROTE in result.engine.prompts[1]
+    assert result.outcome.termination is TerminationReason.SUBMITTED
+
+
+async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
+        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
+        gateway_rig: GatewayRig) -> None:
+    """Through the pipeline's INIT stage: a FAILED job, the task's fault (``INVALID_TASK``),
+    whose message names the task, the harness, the image, the program and the loader."""
+    from rollout.server.pipeline.stages import Stage, run_stage
+
+    installed("mini-swe-agent")
+    task = harness_task("harbor", busybox_task(tmp_path / "tasks", busybox_layout),
+                        "mini-swe-agent")
+    spec = JobSpec(job_id="glibc-less", environment="harness", task=task,
+                   limits=Limits(max_turns=6, run_timeout_s=120))
+    ctx = JobContext(spec=spec, llm=None, sandbox_factory=factory,
+                     gateway=gateway_rig.gateway)
+    handler = HarnessHandler()
+    async with ctx.resources:
+        try:
+            result = await run_stage(handler, ctx, Stage.INIT, 120)
+        finally:
+            await handler.cleanup(ctx)
+    error = result.error
+    assert error is not None and (error.code, error.reason) == (
+        "INVALID_TASK", "IMAGE_REJECTED"), error
+    assert error.message.startswith("task 'hello-busybox' (harness): harness 'mini-swe-agent'"), \
+        error.message
+    assert f"oci:{busybox_layout}:bb" in error.message, error.message
+    assert f"/.rollout-harness/bin/python needs {GLIBC_LOADER}" in error.message, error.message
