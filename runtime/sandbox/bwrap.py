@@ -665,11 +665,12 @@ class BwrapSandbox(Sandbox):
         if parked is not None:
             procs.stop_process(parked)
             _close_pipes(parked)
-        procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
-        holder, self._holder = self._holder, None
-        if holder is not None:  # after every launch that entered its namespaces
-            procs.stop_process(holder)
-            _close_pipes(holder)
+        # The holder of a rootless image sandbox carries the tag too (the reaper finds it by
+        # it) but lives until teardown: the launches after ``stop_processes`` (a verifier, a
+        # grader) enter its namespaces and its overlay.
+        holder = self._holder
+        procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".",
+                    spare=frozenset((holder.pid,)) if holder is not None else frozenset())
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)
@@ -679,6 +680,10 @@ class BwrapSandbox(Sandbox):
         # above all) from being released. Idempotent, since exit may run it a second time.
         group, self._memory_group = self._memory_group, None
         ids, self._ids = self._ids, None
+        holder, self._holder = self._holder, None
+        if holder is not None:  # after every launch that entered its namespaces (killed above)
+            procs.stop_process(holder)
+            _close_pipes(holder)
         try:
             if ids is not None:  # the image's users' files: only removable inside
                 _ns_cleanup(self.path, ids)

@@ -52,6 +52,7 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["root_exec"][:2] == [0, ["0", "hi"]], seen["root_exec"]
         assert seen["bash"][0] == "hi"  # the long-lived bash launch sees the other's write
         assert seen["second_launch"] == ["hi", "gone"]
+        assert seen["after_stop"][:2] == [0, ["hi"]], seen["after_stop"]
         # Into the upper layer, never the cache.
         assert seen["upper_written"] == "hi\n"
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
