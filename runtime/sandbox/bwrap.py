@@ -147,6 +147,9 @@ class BwrapSandbox(Sandbox):
         """A rootless image sandbox's subordinate id mapping (its holder's user namespace
         has the image's uids): launches run bwrap as that namespace's root and drop to the
         image user with setpriv, as a root server's do."""
+        self._handed: set[str] = set()
+        """Host folders :meth:`hand_over` gave the image's users in the mapped namespace:
+        given back to the server's user at teardown, while the namespace still exists."""
         self.config = config
         self.id = sid
         self.path = path
@@ -332,6 +335,27 @@ class BwrapSandbox(Sandbox):
             _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
                         self._lease.uid)
         return user
+
+    def hand_over(self, paths: Sequence[Path | str], user: Any = None) -> None:
+        """On a rootless server with a subordinate range: chown inside the sandbox's mapped
+        user namespace, where its root (the server's user, which owns these host folders)
+        may give them to any of the image's uids, as :data:`NS_OWNERS` gives the workspace
+        at creation; the server cannot from outside."""
+        if self._ids is None:
+            super().hand_over(paths, user)
+            return
+        who = user if isinstance(user, images.ImageUser) else self.image_user
+        self._handed.update(str(p) for p in paths)
+        failed = _ns_owners(self._holder, {"trees": [(str(p), who.uid, who.gid) for p in paths]})
+        if failed:
+            raise SandboxError(f"sandbox {self.id}: {failed} entries of "
+                               f"{[str(p) for p in paths]} could not be given to image user "
+                               f"{who.name} ({who.uid}:{who.gid}) in its user namespace")
+
+    def take_back(self, paths: Sequence[Path | str]) -> None:
+        if self._ids is not None and paths:
+            # A path that is gone (the job removed it) is not kept from the others.
+            _ns_owners(self._holder, {"trees": [(str(p), 0, 0) for p in paths]})
 
     def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
         """``HOME`` and ``USER`` of a launch as ``user`` when it is not the default one
@@ -680,6 +704,12 @@ class BwrapSandbox(Sandbox):
         # above all) from being released. Idempotent, since exit may run it a second time.
         group, self._memory_group = self._memory_group, None
         ids, self._ids = self._ids, None
+        handed, self._handed = sorted(self._handed), set()
+        if ids is not None and handed:
+            try:  # while the holder's namespace still maps the image's uids
+                _ns_owners(self._holder, {"trees": [(p, 0, 0) for p in handed]})
+            except Exception as e:  # teardown goes on
+                log.warning("sandbox %s: could not give back %s: %s", self.id, handed, e)
         holder, self._holder = self._holder, None
         if holder is not None:  # after every launch that entered its namespaces (killed above)
             procs.stop_process(holder)

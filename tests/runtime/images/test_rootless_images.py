@@ -27,6 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 NOBODY = 65534
 CHILD = Path(__file__).with_name("rootless_child.py")
 SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
+HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
+REPO = Path(__file__).resolve().parents[3]
 SUBIDS_USER = "rollout-subids"
 SUBIDS_RANGE = (700000, 65536)
 
@@ -111,17 +113,21 @@ def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
     return top
 
 
-def _run_as(uid: int, gid: int, child: Path, top: Path) -> dict[str, object]:
-    """Run ``child`` as ``uid`` with no capabilities, this venv's packages on its path, and
-    return the JSON line it prints."""
+def _run_as(uid: int, gid: int, child: Path, top: Path,
+            env: tuple[str, ...] = ()) -> dict[str, object]:
+    """Run ``child`` as ``uid`` with no capabilities, this venv's packages (and the
+    checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added, and return the
+    JSON line it prints."""
     python = _system_python()
     site = sysconfig.get_paths()["purelib"]
     boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
+            f"sys.path.insert(0, {str(REPO)!r}); "
             f"sys.argv = [{str(child)!r}, {str(top)!r}]; "
             f"runpy.run_path({str(child)!r}, run_name='__main__')")
     proc = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
-         "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", python, "-c", boot],
+         "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env, python, "-c",
+         boot],
         capture_output=True, text=True, timeout=240, cwd=top)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -160,6 +166,48 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                 for n in dirs + files
                 if os.lstat(os.path.join(d, n)).st_uid != uid]
         assert left == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+# The verifier also writes a folder of its own and beside its tests, and with umask 077 (a
+# reward file only its own user may read): the server must still read and remove them.
+VERIFIER_WRITES = ("umask 077\nmkdir -p /logs/verifier/sub && echo s > /logs/verifier/sub/f "
+                   "&& echo c > /tests/cache || exit 1\n")
+
+
+def test_harbor_verifiers_of_image_users_write_their_reward_on_a_rootless_server(
+        user_layout: Path, subids_user: tuple[int, int]) -> None:
+    # On a rootless server with a subordinate range /logs/verifier and /tests are the
+    # server's folders, root's inside the sandbox; a verifier (or agent) of a non-root image
+    # user gets them in the sandbox's user namespace, and the server takes them back to read
+    # the reward and to remove them.
+    from tests.runtime.envs.test_harbor_users import APP, TEST, _task
+
+    uid, gid = subids_user
+    top = _layout_owned_by(user_layout, uid, gid, "subids-harbor-")
+    try:
+        tasks = top / "tasks"
+        layout = top / "layout"
+        for name, tag, agent, verifier, users in (
+                ("a-verifier-app", "root", "root", APP, '|user = "app"'),
+                ("b-image-user", "named", APP, APP, ""),
+                ("c-verifier-root", "named", APP, "root", '|user = "root"'),
+                ("d-agent-app", "root", APP, "root", 'user = "app"|')):
+            folder = _task(tasks, name, layout, tag, agent, verifier, users)
+            (folder / "tests" / "test.sh").write_text(
+                TEST.replace("#!/bin/sh\n", "#!/bin/sh\n" + VERIFIER_WRITES, 1))
+        (top / "tmp").mkdir()
+        for d, _, files in os.walk(top):
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.lchown(name, uid, gid)
+        seen = _run_as(uid, gid, HARBOR_CHILD, top, (f"TMPDIR={top / 'tmp'}",))
+        assert seen["euid"] == uid and seen["subids"] != "None", seen
+        assert seen["results"] == [[name, 1.0, 0.0, []] for name in (
+            "a-verifier-app", "b-image-user", "c-verifier-root", "d-agent-app")], seen
+        # The jobs' verifier folders and sandboxes are gone, none left to a subordinate id.
+        assert os.listdir(top / "tmp") == []
+        assert os.listdir(top / "state" / "sandboxes") == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
