@@ -670,11 +670,29 @@ class BwrapSandbox(Sandbox):
                 orphan_needle=self._parked_needle, parked=parked,
                 request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
         argv = self.command_argv(command, cwd=cwd, file_binds=file_binds, user=user)
-        return await procs.run_collect(
-            argv, env=self.spawn_env(env),
-            timeout=timeout if timeout is not None else self.limits.default_timeout_s,
-            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
-            orphan_needle=self._needle(argv))
+        shares = other and self._ids is not None and user is not None and not user.is_root
+        if shares:
+            # Every user of a root server's sandbox shares its uid, so a command as another
+            # user (a task's tests run as their own user) writes the workspace; here the
+            # image's uids are distinct, so the workspace is that user's while it runs.
+            await asyncio.to_thread(self._give_workspace, user)
+        try:
+            return await procs.run_collect(
+                argv, env=self.spawn_env(env),
+                timeout=timeout if timeout is not None else self.limits.default_timeout_s,
+                stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
+                orphan_needle=self._needle(argv))
+        finally:
+            if shares and not self.destroyed:
+                await asyncio.shield(asyncio.to_thread(self._give_workspace, self.image_user))
+
+    def _give_workspace(self, user: images.ImageUser) -> None:
+        """The workspace, with all it holds, to ``user`` in the mapped namespace."""
+        failed = _ns_owners(self._holder, {"trees": [(str(self.workspace), user.uid,
+                                                       user.gid)]})
+        if failed:
+            log.warning("sandbox %s: %d workspace entries kept their owner when given to %s",
+                        self.id, failed, user.name)
 
     # -- lifetime ----------------------------------------------------------------------------
     def _kill_runtime_processes(self) -> None:

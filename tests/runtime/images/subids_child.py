@@ -60,6 +60,19 @@ async def more(sb: Any, seen: dict[str, object]) -> None:
                        "echo r >> /app/owned.txt && echo app-file-ok"], user=root)
     seen["as_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
     seen["holder"] = sb._holder is not None
+    # A command as another non-root user (a task's tests run as their own user) writes the
+    # workspace, its files and a folder of the sandbox's user; the sandbox's user then still
+    # writes what that command made.
+    r = await sb.exec("mkdir -p /workspace/mine && echo m > /workspace/mine/f")
+    other = sb.user_for("1002:1002")
+    r = await sb.exec(["sh", "-c", "id -u; echo o >> /workspace/b && echo ws-file-ok; "
+                       "echo o > /workspace/mine/o && echo ws-dir-ok; "
+                       "mkdir /workspace/theirs && echo t > /workspace/theirs/t && echo ws-new-ok; "
+                       "echo o > /rootfile || echo root-denied"], user=other)
+    seen["other_user"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    r = await sb.exec("id -u; echo a >> /workspace/theirs/t && echo back-ok; "
+                      "stat -c %u /workspace/theirs/t /workspace/b")
+    seen["after_other"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
 
 
 if __name__ == "__main__":

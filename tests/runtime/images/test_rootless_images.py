@@ -157,6 +157,10 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
         assert seen["bash"][:2] == ["1000", "b"] and "denied" in seen["bash"], seen["bash"]  # type: ignore[index,operator]
         # One command as the image's root in the app sandbox (a Harbor [verifier].user).
         assert seen["as_root"][1] == ["0", "root-ok", "app-file-ok"], seen["as_root"]  # type: ignore[index]
+        # Another non-root user writes the workspace; the sandbox's user gets it back after.
+        assert seen["other_user"][1] == ["1002", "ws-file-ok", "ws-dir-ok", "ws-new-ok",  # type: ignore[index]
+                                         "root-denied"], seen["other_user"]
+        assert seen["after_other"][1] == ["1000", "back-ok", "1000", "1000"], seen["after_other"]  # type: ignore[index]
         # The cache is untouched: its files keep their content and the server's user.
         assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
         assert seen["cache_uids"] == [uid]
