@@ -520,7 +520,7 @@ class BwrapSandbox(Sandbox):
                 procs.stop_process(holder)
                 _close_pipes(holder)
             if ids is not None:
-                _ns_cleanup(path, ids)
+                remove_mapped(path, ids)
             if lease:
                 lease.release()
             if lock_fd >= 0:
@@ -670,12 +670,13 @@ class BwrapSandbox(Sandbox):
                 orphan_needle=self._parked_needle, parked=parked,
                 request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
         argv = self.command_argv(command, cwd=cwd, file_binds=file_binds, user=user)
-        shares = other and self._ids is not None and user is not None and not user.is_root
-        if shares:
+        shares = (user if other and self._ids is not None and user is not None
+                  and not user.is_root else None)
+        if shares is not None:
             # Every user of a root server's sandbox shares its uid, so a command as another
             # user (a task's tests run as their own user) writes the workspace; here the
             # image's uids are distinct, so the workspace is that user's while it runs.
-            await asyncio.to_thread(self._give_workspace, user)
+            await asyncio.to_thread(self._give_workspace, shares)
         try:
             return await procs.run_collect(
                 argv, env=self.spawn_env(env),
@@ -683,7 +684,7 @@ class BwrapSandbox(Sandbox):
                 stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
                 orphan_needle=self._needle(argv))
         finally:
-            if shares and not self.destroyed:
+            if shares is not None and not self.destroyed:
                 await asyncio.shield(asyncio.to_thread(self._give_workspace, self.image_user))
 
     def _give_workspace(self, user: images.ImageUser) -> None:
@@ -734,7 +735,7 @@ class BwrapSandbox(Sandbox):
             _close_pipes(holder)
         try:
             if ids is not None:  # the image's users' files: only removable inside
-                _ns_cleanup(self.path, ids)
+                remove_mapped(self.path, ids)
             self._release_host_side(self.path, group)
         finally:
             if self.image is not None:  # after the overlay is gone: eviction may remove it
@@ -897,10 +898,11 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
               path.name, time.monotonic() - started)
 
 
-def _ns_cleanup(path: Path, ids: subids.SubIds) -> None:
+def remove_mapped(path: Path, ids: subids.SubIds) -> None:
     """Remove what the image's users own in a torn-down sandbox's folders from inside a
     namespace of the same mapping (the server, outside it, may not). A fresh one: the
-    sandbox's holder is gone with its launches (teardown's sweep) and its overlay with it."""
+    sandbox's holder is gone with its launches (teardown stops it; a crashed server's died
+    with it) and its overlay with it. Teardown and the reaper's sweep use it."""
     holder = None
     try:
         holder = _userns_overlay(path, path, f"{path.name}-cleanup", ids, mount=False)

@@ -28,6 +28,7 @@ NOBODY = 65534
 CHILD = Path(__file__).with_name("rootless_child.py")
 SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
 HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
+CRASH_CHILD = Path(__file__).with_name("subids_crash_child.py")
 REPO = Path(__file__).resolve().parents[3]
 SUBIDS_USER = "rollout-subids"
 SUBIDS_RANGE = (700000, 65536)
@@ -113,24 +114,25 @@ def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
     return top
 
 
-def _run_as(uid: int, gid: int, child: Path, top: Path,
-            env: tuple[str, ...] = ()) -> dict[str, object]:
-    """Run ``child`` as ``uid`` with no capabilities, this venv's packages (and the
-    checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added, and return the
-    JSON line it prints."""
+def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (),
+            args: tuple[str, ...] = (), returncode: int = 0) -> dict[str, object]:
+    """Run ``child TOP ARGS...`` as ``uid`` with no capabilities, this venv's packages (and
+    the checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added; check its exit
+    status and return the first JSON line it prints."""
     python = _system_python()
     site = sysconfig.get_paths()["purelib"]
     boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
             f"sys.path.insert(0, {str(REPO)!r}); "
-            f"sys.argv = [{str(child)!r}, {str(top)!r}]; "
+            f"sys.argv = [{str(child)!r}, {str(top)!r}, *{list(args)!r}]; "
             f"runpy.run_path({str(child)!r}, run_name='__main__')")
     proc = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
          "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env, python, "-c",
          boot],
         capture_output=True, text=True, timeout=240, cwd=top)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    assert proc.returncode == returncode, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("{"))
+    return json.loads(line)  # type: ignore[no-any-return]
 
 
 def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
@@ -170,6 +172,27 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                 for n in dirs + files
                 if os.lstat(os.path.join(d, n)).st_uid != uid]
         assert left == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_files(
+        owned_layout: Path, subids_user: tuple[int, int]) -> None:
+    # A server with a subordinate range SIGKILLed with an image sandbox open: its folder holds
+    # files of the image's user (a subordinate uid on the host; one folder of them 0500),
+    # which the next server's start-up sweep removes from inside a fresh mapped namespace.
+    uid, gid = subids_user
+    top = _layout_owned_by(owned_layout, uid, gid, "subids-crash-")
+    try:
+        crashed = _run_as(uid, gid, CRASH_CHILD, top, args=("crash",), returncode=-9)
+        assert crashed["written"] == "ok", crashed
+        left = top / "state" / "sandboxes" / str(crashed["sid"])
+        foreign = {os.lstat(os.path.join(d, n)).st_uid for d, dirs, files in os.walk(left)
+                   for n in dirs + files} - {uid}
+        assert foreign, "the crashed sandbox should hold files of subordinate uids"
+        reaped = _run_as(uid, gid, CRASH_CHILD, top, args=("reap",))
+        assert reaped == {"removed": [crashed["sid"]], "live": []}, reaped
+        assert not left.exists()
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
