@@ -251,12 +251,8 @@ class BwrapSandbox(Sandbox):
         ns = list(self._ns)
         extra: list[str] = []
         ids = self._ids
-        if ids is not None and not ids.covers(user.uid, user.gid):
-            raise SandboxError(
-                f"image user {user.name} ({user.uid}:{user.gid}) is outside the server's "
-                f"subordinate id range (uids and gids 0..{ids.count} exist in its sandboxes): "
-                "give the server's user a larger range in /etc/subuid and /etc/subgid",
-                "INVALID_SANDBOX_OPTIONS")
+        if ids is not None and image is not None and not ids.covers(user.uid, user.gid):
+            raise _beyond(ids, image, f"image user {user.name}", user)
         if ids is not None:
             # bwrap runs as the holder namespace's root (no user namespace of its own, so the
             # image's uids stay themselves) and keeps only what the drop needs, or the image
@@ -324,6 +320,8 @@ class BwrapSandbox(Sandbox):
         if spec is None:
             spec, named_by = cached.config.user, "its config's User"
         user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
+        if self._ids is not None and not self._ids.covers(user.uid, user.gid):
+            raise _beyond(self._ids, self.image, f"the user {spec!r} ({named_by})", user)
         # Only before the first launch: no process of the sandbox could have planted a link.
         if self._ids is not None and not user.is_root and self._launches == 0:
             _ns_owners(self._holder, {"dirs": _home_dirs(
@@ -507,7 +505,7 @@ class BwrapSandbox(Sandbox):
                                    lease.uid)
                         _give_owned(path / "root", owned, lease.uid)
                 else:
-                    ids = _mapping_for(user)
+                    ids = _mapping_for(user, image)
                     holder = _rootless_root(config.images.rootless_root, image, path, sid, ids)
                     if ids is not None:
                         _map_owners(holder, image, path, user, ids)
@@ -825,16 +823,26 @@ def _map_ids(proc: subprocess.Popen[bytes], ids: subids.SubIds) -> None:
     proc.stdin.flush()
 
 
-def _mapping_for(user: images.ImageUser) -> subids.SubIds | None:
-    """The subordinate id mapping a rootless image sandbox of ``user`` gets; None (today's
-    single-uid mapping, said once) without a range or the helpers, or for a user beyond it."""
+def _mapping_for(user: images.ImageUser, image: ImageLease) -> subids.SubIds | None:
+    """The subordinate id mapping a rootless image sandbox of ``user`` gets; None (the
+    single-uid mapping, said once) without a range or the helpers. A user beyond the range
+    is refused (the image's fault, naming the fix): mapped onto the server's user instead,
+    it could write every file of the image, and its own files would not be its own."""
     ids = subids.server_subids()
     if ids is not None and not ids.covers(user.uid, user.gid):
-        log.warning("image user %s (%s:%s) is beyond the server's subordinate range (0..%d): "
-                    "this sandbox maps it onto the server's user, which can write every file "
-                    "of the image", user.name, user.uid, user.gid, ids.count)
-        return None
+        raise _beyond(ids, image, f"its user {user.name}", user)
     return ids
+
+
+def _beyond(ids: subids.SubIds, image: ImageLease, what: str,
+            user: images.ImageUser | None = None, uid: int = 0,
+            gid: int = 0) -> images.ImageError:
+    """``IMAGE_REJECTED`` for an id of the image that this server's range does not reach."""
+    if user is not None:
+        uid, gid = user.uid, user.gid
+    ref = image.image.ref
+    return images.ImageError(f"image {ref}: " + ids.refusal(what, uid, gid), "IMAGE_REJECTED",
+                             ref=ref)
 
 
 def _ns_owners(holder: subprocess.Popen[bytes] | None, job: Mapping[str, Any]) -> int:
@@ -880,8 +888,12 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
     user its home and working directory and the sandbox's own folders."""
     rootfs = image.image.rootfs
     merged = path / "root"
-    chown = [(str(merged / rel), uid, gid) for rel, uid, gid in owners.image_owners(str(rootfs))
-             if ids.covers(uid, gid) and not inject.through_link(rootfs, "/" + rel)]
+    recorded = owners.image_owners(str(rootfs))
+    for rel, uid, gid in recorded:
+        if not ids.covers(uid, gid):
+            raise _beyond(ids, image, f"the owner of /{rel}", uid=uid, gid=gid)
+    chown = [(str(merged / rel), uid, gid) for rel, uid, gid in recorded
+             if not inject.through_link(rootfs, "/" + rel)]
     job: dict[str, Any] = {"chown": chown}
     if not user.is_root:
         job["dirs"] = _home_dirs(rootfs, merged, (user.home, image.image.config.working_dir),

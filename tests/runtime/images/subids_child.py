@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
-from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.sandbox.base import ImageSettings, SandboxError
 from rollout.runtime.sandbox.images import subids
 
 PROBE = ("id -u; stat -c '%u:%g' /app/owned.txt /rootfile /etc/passwd; "
@@ -41,6 +41,14 @@ async def main(top: Path) -> dict[str, object]:
                                "echo x >> /app/owned.txt && echo app-file-ok"])
             seen[f"{mode}_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
             image = sb.image.image  # type: ignore[attr-defined]
+    # An image whose user, or a file's owner, lies beyond the server's range is refused,
+    # naming the id, the range and the fix (never run with the wrong owners).
+    for tag in ("far", "far-owner"):
+        try:
+            async with await create_sandbox(cfg, image=f"oci:{top}/layout:{tag}"):
+                seen[tag] = "created"
+        except SandboxError as e:
+            seen[tag] = [e.reason, str(e)]
     seen["cache_rootfile"] = (image.rootfs / "rootfile").read_text()
     seen["cache_owned"] = (image.rootfs / "app" / "owned.txt").read_text()
     seen["cache_uids"] = sorted({os.lstat(os.path.join(d, n)).st_uid

@@ -6,6 +6,7 @@ config's ``User`` maps onto the server's user."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pwd
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +116,29 @@ def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
     return top
 
 
+FAR = 200000
+"""An id beyond the test user's two 65536-id ranges."""
+
+
+def _with_far_ids(owned: Path) -> Path:
+    """A copy of the ``owned`` layout with two more tags: ``far`` (User 200000) and
+    ``far-owner`` (a layer giving /far.txt to uid 200000); the caller removes its parent."""
+    top = Path(tempfile.mkdtemp(prefix="far-ids-", dir="/tmp"))
+    layout = top / "layout"
+    shutil.copytree(owned, layout)
+    subprocess.run(["umoci", "config", "--image", f"{layout}:owned", "--tag", "far",
+                    "--config.user", f"{FAR}:{FAR}"], check=True, capture_output=True,
+                   timeout=120)
+    raw = top / "layer.tar"
+    with tarfile.open(raw, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("far.txt")
+        info.uid, info.size = FAR, 2
+        tar.addfile(info, io.BytesIO(b"f\n"))
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:owned", "--tag",
+                    "far-owner", str(raw)], check=True, capture_output=True, timeout=120)
+    return layout
+
+
 def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (),
             args: tuple[str, ...] = (), returncode: int = 0) -> dict[str, object]:
     """Run ``child TOP ARGS...`` as ``uid`` with no capabilities, this venv's packages (and
@@ -141,7 +166,11 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
     # the image's uids (0 the server's user, 1.. the range), so the image's user (app) cannot
     # change root's files or another user's, and writes its own, its home and its workspace.
     uid, gid = subids_user
-    top = _layout_owned_by(owned_layout, uid, gid, "subids-images-")
+    far = _with_far_ids(owned_layout)
+    try:
+        top = _layout_owned_by(far, uid, gid, "subids-images-")
+    finally:
+        shutil.rmtree(far.parent)
     try:
         seen = _run_as(uid, gid, SUBIDS_CHILD, top)
         assert seen["euid"] == uid and seen["subids"] != "None", seen
@@ -164,6 +193,14 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                                          "root-denied"], seen["other_user"]
         assert seen["after_other"][1] == ["1000", "back-ok", "1000", "1000"], seen["after_other"]  # type: ignore[index]
         # The cache is untouched: its files keep their content and the server's user.
+        # Ids beyond the range (two 65536-id ranges here): refused, the task's fault.
+        for tag, what in (("far", "its user 200000 (200000:200000)"),
+                          ("far-owner", "the owner of /far.txt (200000:0)")):
+            reason, message = seen[tag]  # type: ignore[misc]
+            assert reason == "IMAGE_REJECTED", seen[tag]
+            assert f"{what} is beyond the server's subordinate id range" in message, message
+            assert "0..131072" in message and "usermod --add-subuids" in message, message
+            assert SUBIDS_USER in message, message
         assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
         assert seen["cache_uids"] == [uid]
         assert seen["sandboxes_left"] == []
@@ -224,14 +261,23 @@ def test_harbor_verifiers_of_image_users_write_their_reward_on_a_rootless_server
             folder = _task(tasks, name, layout, tag, agent, verifier, users)
             (folder / "tests" / "test.sh").write_text(
                 TEST.replace("#!/bin/sh\n", "#!/bin/sh\n" + VERIFIER_WRITES, 1))
+        # A verifier user beyond the server's range: INIT refuses the task, naming the fix.
+        _task(tasks, "e-far-verifier", layout, "root", "root", "root", f'|user = "{FAR}"')
         (top / "tmp").mkdir()
         for d, _, files in os.walk(top):
             for name in (d, *(os.path.join(d, f) for f in files)):
                 os.lchown(name, uid, gid)
         seen = _run_as(uid, gid, HARBOR_CHILD, top, (f"TMPDIR={top / 'tmp'}",))
         assert seen["euid"] == uid and seen["subids"] != "None", seen
-        assert seen["results"] == [[name, 1.0, 0.0, []] for name in (
+        results = seen["results"]
+        assert results[:4] == [[name, 1.0, 0.0, []] for name in (  # type: ignore[index]
             "a-verifier-app", "b-image-user", "c-verifier-root", "d-agent-app")], seen
+        name, oracle, noop, problems = results[4]  # type: ignore[index]
+        assert (name, oracle, noop) == ("e-far-verifier", None, None), results[4]  # type: ignore[index]
+        assert problems[0].startswith("oracle earned None") and "IMAGE_REJECTED: image " in (
+            problems[0]), problems
+        assert (f"the user '{FAR}' (task.toml [verifier].user) ({FAR}:0) is beyond the "
+                "server's subordinate id range") in problems[0], problems
         # The jobs' verifier folders and sandboxes are gone, none left to a subordinate id.
         assert os.listdir(top / "tmp") == []
         assert os.listdir(top / "state" / "sandboxes") == []
@@ -260,9 +306,21 @@ def test_without_a_subordinate_range_the_server_says_so_once(
         (tmp_path / "subuid").write_text(f"{me}:100000:65536\n")
         (tmp_path / "subgid").write_text(f"{os.geteuid()}:200000:4096\n")
         ids, why = subids.lookup(os.geteuid())
-        assert ids == subids.SubIds(100000, 200000, 4096) and why == ""
+        assert ids == subids.SubIds(((100000, 65536),), ((200000, 4096),), me) and why == ""
         assert ids.uid_map(5) == ["0", "5", "1", "1", "100000", "4096"]
         assert ids.covers(4096, 0) and not ids.covers(4097, 0)
+        # A range added with `usermod --add-subuids` counts too: the ranges follow each other.
+        (tmp_path / "subgid").write_text(f"{me}:200000:4096\n{me}:300000:65536\n"
+                                         "other:400000:65536\n")
+        ids, _ = subids.lookup(os.geteuid())
+        assert ids is not None and ids.count == 65536 + 4096 - 4096
+        assert ids.gid_map(5) == ["0", "5", "1", "1", "200000", "4096", "4097", "300000",
+                                  "61440"]
+        # Beyond it: the uid, what exists and the fix, past every user's range.
+        why = ids.refusal("its user far", 70000, 0)
+        assert "(70000:0) is beyond the server's subordinate id range" in why, why
+        assert "uids and gids 0..65536" in why and "at least 4464 more ids" in why, why
+        assert f"usermod --add-subuids 524288-589823 --add-subgids 524288-589823 {me}" in why
     finally:
         subids.server_subids.cache_clear()
 
