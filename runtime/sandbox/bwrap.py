@@ -162,6 +162,10 @@ class BwrapSandbox(Sandbox):
         self.python_launcher: tuple[str, ...] = ()
         """What the IPython kernel's interpreter is started through (the host loader in an
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
+        self.kernel_socket_umask = 0 if self._ids is not None and not image_user.is_root else None
+        """The umask the IPython kernel binds its sockets with (then its usual one): on a
+        rootless server with a subordinate range the kernel's user is not the server's, which
+        must still connect to them (in the control folder only they share)."""
         self.image = image
         self.image_user = image_user
         """Who the processes of an image sandbox are by default (the image config's ``User``,
@@ -899,9 +903,15 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
         job["dirs"] = _home_dirs(rootfs, merged, (user.home, image.image.config.working_dir),
                                  user)
         job["trees"] = [(str(path / sub), user.uid, user.gid)
-                        for sub in ("workspace", "ctl", "tmp/home")]
+                        for sub in ("workspace", "tmp/home")]
+        # The control folder is shared: the server writes the kernel's connection file and
+        # log there and connects to the sockets the kernel (the user) binds in it; its group
+        # is the user's and nobody else on the host may enter it.
+        chown.append((str(path / "ctl"), 0, user.gid))
     started = time.monotonic()
     failed = _ns_owners(holder, job)
+    if not user.is_root:
+        os.chmod(path / "ctl", 0o770)
     if failed:
         log.warning("image %s: %d of its files kept the server's user as owner in sandbox %s "
                     "(chown refused inside the mapped namespace)", image.image.ref, failed,

@@ -31,6 +31,7 @@ CHILD = Path(__file__).with_name("rootless_child.py")
 SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
 HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
 CRASH_CHILD = Path(__file__).with_name("subids_crash_child.py")
+IPYTHON_CHILD = Path(__file__).with_name("subids_ipython_child.py")
 REPO = Path(__file__).resolve().parents[3]
 SUBIDS_USER = "rollout-subids"
 SUBIDS_RANGE = (700000, 65536)
@@ -139,12 +140,55 @@ def _with_far_ids(owned: Path) -> Path:
     return layout
 
 
+@pytest.fixture
+def own_python() -> Iterator[str]:
+    """A rootless server's own interpreter outside the system trees (an image sandbox binds
+    the server's interpreter for the IPython kernel, never over the image's /usr, /opt or
+    /tmp): this venv's base installation hard-linked (readable by any user; never chown
+    anything in it) below the checkout's build/, and a venv of it whose one .pth adds this
+    venv's packages; its python's path."""
+    base = os.path.realpath(sys.base_prefix)
+    build = REPO / "build"
+    tops = ("/usr", "/opt", "/tmp", "/var")
+    if any(p == t or p.startswith(t + "/") for p in (base, str(build)) for t in tops):
+        pytest.skip("the kernel needs an interpreter and a checkout outside /usr, /opt, /tmp "
+                    "and /var")
+    build.mkdir(exist_ok=True)
+    if os.stat(base).st_dev != os.stat(build).st_dev:
+        pytest.skip("hard links need the base interpreter on the checkout's filesystem")
+    top = Path(tempfile.mkdtemp(prefix="own-python-", dir=build))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    try:
+        os.chmod(top, 0o755)
+        stdlib = top / "base" / "lib" / version
+        stdlib.mkdir(parents=True)
+        subprocess.run(["cp", "-al", f"{base}/bin", str(top / "base")], check=True,
+                       timeout=120)
+        for src in Path(base, "lib").iterdir():
+            if src.name != version:
+                subprocess.run(["cp", "-al", str(src), str(top / "base" / "lib")], check=True,
+                               timeout=120)
+        for src in Path(base, "lib", version).iterdir():
+            if src.name != "site-packages":
+                subprocess.run(["cp", "-al", str(src), str(stdlib)], check=True, timeout=120)
+        (stdlib / "site-packages").mkdir()
+        subprocess.run([str(top / "base" / "bin" / version), "-m", "venv", "--without-pip",
+                        str(top / "venv")], check=True, capture_output=True, timeout=120)
+        site = sysconfig.get_paths()["purelib"]
+        (top / "venv" / "lib" / version / "site-packages" / "host-venv.pth").write_text(
+            f"import site; site.addsitedir({site!r})\n")
+        yield str(top / "venv" / "bin" / "python3")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (),
-            args: tuple[str, ...] = (), returncode: int = 0) -> dict[str, object]:
+            args: tuple[str, ...] = (), returncode: int = 0,
+            python: str = "") -> dict[str, object]:
     """Run ``child TOP ARGS...`` as ``uid`` with no capabilities, this venv's packages (and
     the checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added; check its exit
     status and return the first JSON line it prints."""
-    python = _system_python()
+    python = python or _system_python()
     site = sysconfig.get_paths()["purelib"]
     boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
             f"sys.path.insert(0, {str(REPO)!r}); "
@@ -230,6 +274,24 @@ def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_fil
         reaped = _run_as(uid, gid, CRASH_CHILD, top, args=("reap",))
         assert reaped == {"removed": [crashed["sid"]], "live": []}, reaped
         assert not left.exists()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_ipython_kernel_runs_as_the_image_user_on_a_rootless_server(
+        owned_layout: Path, subids_user: tuple[int, int], own_python: str) -> None:
+    # The kernel (this server's interpreter, bound read-only: the busybox image has no
+    # Python) runs as the image's app with its rights; the server still writes its
+    # connection file and connects to the sockets app's kernel binds.
+    uid, gid = subids_user
+    top = _layout_owned_by(owned_layout, uid, gid, "subids-ipython-")
+    try:
+        seen = _run_as(uid, gid, IPYTHON_CHILD, top, python=own_python,
+                       args=(sysconfig.get_paths()["purelib"],))
+        assert seen["cell"] == ["ok", ["1000", "1001", "v1", "kernel-ws-ok", "kernel-own-ok",
+                                       "kernel-root-denied"]], seen
+        assert seen["restarted"] == ["ok", ["1000"]], seen
+        assert seen["sandboxes_left"] == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
