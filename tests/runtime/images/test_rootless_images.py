@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -33,8 +33,10 @@ HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
 CRASH_CHILD = Path(__file__).with_name("subids_crash_child.py")
 IPYTHON_CHILD = Path(__file__).with_name("subids_ipython_child.py")
 REPO = Path(__file__).resolve().parents[3]
-SUBIDS_USER = "rollout-subids"
-SUBIDS_RANGE = (700000, 65536)
+FAR = 200000
+"""An id beyond the test user's ranges."""
+SUBIDS_PREFIX = "rollout-sub-"
+"""The test user's name: this prefix and the test session's pid."""
 
 
 def _system_python() -> str:
@@ -76,29 +78,100 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         shutil.rmtree(top, ignore_errors=True)
 
 
-@pytest.fixture
-def subids_user() -> Iterator[tuple[int, int]]:
-    """A real user with a range in /etc/subuid and /etc/subgid, as an administrator gives
-    one to each user that runs rootless containers; removed again with its ranges."""
+class SubIdsUser(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+    count: int
+    """How many ids its sandboxes map (1..count): its ranges' total."""
+
+
+def _ranges_of(name: str | None, path: str) -> list[tuple[int, int]]:
+    """(start, count) of ``name``'s lines of ``path`` (None: every user's)."""
+    with open(path, encoding="utf-8") as f:
+        parts = [line.strip().split(":") for line in f]
+    return [(int(p[1]), int(p[2])) for p in parts
+            if len(p) == 3 and name in (None, p[0]) and p[1].isdigit() and p[2].isdigit()]
+
+
+def _add_range(name: str) -> None:
+    """One more 65536-id range of each kind for ``name``, past every user's range."""
+    first = max((s + n for p in ("/etc/subuid", "/etc/subgid") for s, n in _ranges_of(None, p)),
+                default=100000)
+    subprocess.run(["usermod", "--add-subuids", f"{first}-{first + 65535}", "--add-subgids",
+                    f"{first}-{first + 65535}", name], check=True, capture_output=True,
+                   timeout=60)
+
+
+def _remove_test_user(name: str) -> None:
+    """The user and every subordinate range it has (userdel alone keeps them on some
+    versions of shadow)."""
+    for path, flag in (("/etc/subuid", "--del-subuids"), ("/etc/subgid", "--del-subgids")):
+        for start, n in _ranges_of(name, path):
+            subprocess.run(["usermod", flag, f"{start}-{start + n - 1}", name],
+                           capture_output=True, timeout=60)
+    subprocess.run(["userdel", name], capture_output=True, timeout=60)
+
+
+def sweep_stale_test_users() -> list[str]:
+    """Remove the test users a session killed before its end left (their pid is gone);
+    another live session's user stays."""
+    gone = []
+    for entry in pwd.getpwall():
+        pid = entry.pw_name.removeprefix(SUBIDS_PREFIX)
+        if pid != entry.pw_name and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _remove_test_user(entry.pw_name)
+            gone.append(entry.pw_name)
+    return gone
+
+
+@pytest.fixture(scope="session")
+def subids_user() -> Iterator[SubIdsUser]:
+    """A real user with ranges in /etc/subuid and /etc/subgid, as an administrator gives one
+    to each user that runs rootless containers: named after this session's pid, so that two
+    suites on one machine never share one, and removed with its ranges at the session's end
+    (a session killed before it leaves one that the next session's sweep removes)."""
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("making a user with subordinate ids needs root and useradd")
     if shutil.which("newuidmap") is None:
         pytest.skip("newuidmap is missing (apt-get install uidmap; scripts/setup_images.sh)")
-    subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
-    first, count = SUBIDS_RANGE
-    last = first + count - 1
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                    SUBIDS_USER], check=True, capture_output=True, timeout=60)
+    sweep_stale_test_users()
+    name = f"{SUBIDS_PREFIX}{os.getpid()}"
+    _remove_test_user(name)
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True, timeout=60)
     try:
-        subprocess.run(["usermod", "--add-subuids", f"{first}-{last}", "--add-subgids",
-                        f"{first}-{last}", SUBIDS_USER], check=True, capture_output=True,
-                       timeout=60)
-        entry = pwd.getpwnam(SUBIDS_USER)
-        yield entry.pw_uid, entry.pw_gid
+        if not _ranges_of(name, "/etc/subuid") or not _ranges_of(name, "/etc/subgid"):
+            _add_range(name)  # useradd gave none (SUB_UID_COUNT 0)
+        count = min(sum(n for _, n in _ranges_of(name, p)) for p in ("/etc/subuid",
+                                                                    "/etc/subgid"))
+        if count >= FAR:
+            pytest.skip(f"the test user's ranges reach {FAR}, the id the tests need beyond "
+                        "them")
+        entry = pwd.getpwnam(name)
+        yield SubIdsUser(name, entry.pw_uid, entry.pw_gid, count)
     finally:
-        subprocess.run(["usermod", "--del-subuids", f"{first}-{last}", "--del-subgids",
-                        f"{first}-{last}", SUBIDS_USER], capture_output=True, timeout=60)
-        subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
+        _remove_test_user(name)
+
+
+def test_the_subids_test_user_is_this_sessions_own(subids_user: SubIdsUser) -> None:
+    # Two suites on one machine each have their own user; one a killed session left (its
+    # pid gone) is removed by the next session's sweep, never a live session's.
+    assert subids_user.name == f"{SUBIDS_PREFIX}{os.getpid()}"
+    stale = subprocess.Popen(["true"])
+    stale.wait(timeout=60)
+    dead = f"{SUBIDS_PREFIX}{stale.pid}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", dead],
+                   check=True, capture_output=True, timeout=60)
+    try:
+        _add_range(dead)
+        assert sweep_stale_test_users() == [dead]
+        with pytest.raises(KeyError):
+            pwd.getpwnam(dead)
+        assert _ranges_of(dead, "/etc/subuid") == [] and _ranges_of(dead, "/etc/subgid") == []
+        assert pwd.getpwnam(subids_user.name).pw_uid == subids_user.uid  # the live one stays
+    finally:
+        _remove_test_user(dead)
 
 
 def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
@@ -115,10 +188,6 @@ def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
         shutil.rmtree(top, ignore_errors=True)
         raise
     return top
-
-
-FAR = 200000
-"""An id beyond the test user's two 65536-id ranges."""
 
 
 def _with_far_ids(owned: Path) -> Path:
@@ -205,11 +274,11 @@ def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (
 
 
 def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
-        owned_layout: Path, subids_user: tuple[int, int]) -> None:
+        owned_layout: Path, subids_user: SubIdsUser) -> None:
     # The server runs as a user with a subordinate range: each sandbox's user namespace maps
     # the image's uids (0 the server's user, 1.. the range), so the image's user (app) cannot
     # change root's files or another user's, and writes its own, its home and its workspace.
-    uid, gid = subids_user
+    uid, gid = subids_user.uid, subids_user.gid
     far = _with_far_ids(owned_layout)
     try:
         top = _layout_owned_by(far, uid, gid, "subids-images-")
@@ -237,14 +306,14 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                                          "root-denied"], seen["other_user"]
         assert seen["after_other"][1] == ["1000", "back-ok", "1000", "1000"], seen["after_other"]  # type: ignore[index]
         # The cache is untouched: its files keep their content and the server's user.
-        # Ids beyond the range (two 65536-id ranges here): refused, the task's fault.
+        # Ids beyond the range: refused, the task's fault.
         for tag, what in (("far", "its user 200000 (200000:200000)"),
                           ("far-owner", "the owner of /far.txt (200000:0)")):
             reason, message = seen[tag]  # type: ignore[misc]
             assert reason == "IMAGE_REJECTED", seen[tag]
             assert f"{what} is beyond the server's subordinate id range" in message, message
-            assert "0..131072" in message and "usermod --add-subuids" in message, message
-            assert SUBIDS_USER in message, message
+            assert f"0..{subids_user.count}" in message, message
+            assert "usermod --add-subuids" in message and subids_user.name in message, message
         assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
         assert seen["cache_uids"] == [uid]
         assert seen["sandboxes_left"] == []
@@ -258,11 +327,11 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
 
 
 def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_files(
-        owned_layout: Path, subids_user: tuple[int, int]) -> None:
+        owned_layout: Path, subids_user: SubIdsUser) -> None:
     # A server with a subordinate range SIGKILLed with an image sandbox open: its folder holds
     # files of the image's user (a subordinate uid on the host; one folder of them 0500),
     # which the next server's start-up sweep removes from inside a fresh mapped namespace.
-    uid, gid = subids_user
+    uid, gid = subids_user.uid, subids_user.gid
     top = _layout_owned_by(owned_layout, uid, gid, "subids-crash-")
     try:
         crashed = _run_as(uid, gid, CRASH_CHILD, top, args=("crash",), returncode=-9)
@@ -279,11 +348,11 @@ def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_fil
 
 
 def test_the_ipython_kernel_runs_as_the_image_user_on_a_rootless_server(
-        owned_layout: Path, subids_user: tuple[int, int], own_python: str) -> None:
+        owned_layout: Path, subids_user: SubIdsUser, own_python: str) -> None:
     # The kernel (this server's interpreter, bound read-only: the busybox image has no
     # Python) runs as the image's app with its rights; the server still writes its
     # connection file and connects to the sockets app's kernel binds.
-    uid, gid = subids_user
+    uid, gid = subids_user.uid, subids_user.gid
     top = _layout_owned_by(owned_layout, uid, gid, "subids-ipython-")
     try:
         seen = _run_as(uid, gid, IPYTHON_CHILD, top, python=own_python,
@@ -303,14 +372,14 @@ VERIFIER_WRITES = ("umask 077\nmkdir -p /logs/verifier/sub && echo s > /logs/ver
 
 
 def test_harbor_verifiers_of_image_users_write_their_reward_on_a_rootless_server(
-        user_layout: Path, subids_user: tuple[int, int]) -> None:
+        user_layout: Path, subids_user: SubIdsUser) -> None:
     # On a rootless server with a subordinate range /logs/verifier and /tests are the
     # server's folders, root's inside the sandbox; a verifier (or agent) of a non-root image
     # user gets them in the sandbox's user namespace, and the server takes them back to read
     # the reward and to remove them.
     from tests.runtime.envs.test_harbor_users import APP, TEST, _task
 
-    uid, gid = subids_user
+    uid, gid = subids_user.uid, subids_user.gid
     top = _layout_owned_by(user_layout, uid, gid, "subids-harbor-")
     try:
         tasks = top / "tasks"
