@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
@@ -20,6 +22,32 @@ CELL = ("import os\n"
         "open('/app/owned.txt', 'a').write('k'); print('kernel-own-ok')\n"
         "try:\n    open('/rootfile', 'a').write('k')\nexcept PermissionError:\n"
         "    print('kernel-root-denied')\n")
+
+
+async def _gateway(sb: Any, top: Path) -> list[object]:
+    path = str(top / "gw.sock")
+    got: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.read(100))
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, path)
+    try:
+        os.chmod(path, 0o600)
+        await asyncio.to_thread(sb.hand_over, [path])
+        r = await sb.exec([*sb.python_launcher, sb.python, "-c",
+                           "import socket; s = socket.socket(socket.AF_UNIX); "
+                           "s.connect('/.gw.sock'); s.sendall(b'hello'); print('sent')"],
+                          file_binds=[(path, "/.gw.sock")])
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        return [r.exit_code, r.stdout.split(), r.stderr[-300:], [g.decode() for g in got]]
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def main(top: Path, site: str) -> dict[str, object]:
@@ -33,6 +61,9 @@ async def main(top: Path, site: str) -> dict[str, object]:
         await kernel.restart()  # a second kernel binds its sockets in the same folder
         cell = await kernel.execute("import os; print(os.getuid())")
         seen["restarted"] = [cell.status, cell.output.split()]
+        # A harness's gateway socket (the server's, mode 0600): handed to the image's user,
+        # whose relay (the server's interpreter) connects to it through a file bind.
+        seen["gateway"] = await _gateway(sb, top)
     seen["sandboxes_left"] = [p.name for p in cfg.sandboxes_dir.iterdir()]
     return seen
 

@@ -360,6 +360,8 @@ def test_the_ipython_kernel_runs_as_the_image_user_on_a_rootless_server(
         assert seen["cell"] == ["ok", ["1000", "1001", "v1", "kernel-ws-ok", "kernel-own-ok",
                                        "kernel-root-denied"]], seen
         assert seen["restarted"] == ["ok", ["1000"]], seen
+        # A harness's relay, as the image's user, reaches the server's 0600 gateway socket.
+        assert seen["gateway"][:2] == [0, ["sent"]] and seen["gateway"][3] == ["hello"], seen  # type: ignore[index]
         assert seen["sandboxes_left"] == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
