@@ -36,6 +36,7 @@ the sandboxed command: an unprivileged uid, no capabilities, nothing it can rega
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
 import functools
@@ -76,6 +77,8 @@ PARKED_EXEC = (Path(__file__).resolve().parent.parent / "envs" / "in_sandbox"
 """The waiter a parked launch runs (:meth:`BwrapSandbox.park`)."""
 NS_OWNERS = PARKED_EXEC.with_name("ns_owners.py")
 """What sets the image's owners inside a rootless sandbox's mapped user namespace."""
+NS_FILES = PARKED_EXEC.with_name("ns_files.py")
+"""What writes a workspace file there (appended to :mod:`hostfs`'s source)."""
 log = logging.getLogger(__name__)
 
 
@@ -613,10 +616,52 @@ class BwrapSandbox(Sandbox):
         """Give a pooled sandbox its job's workspace files and environment (what
         :meth:`create` would have written; blocking when there are files)."""
         for rel, data in files.items():
-            hostfs.write_beneath(self.workspace, rel,
-                                 data.encode() if isinstance(data, str) else data, 0o644,
-                                 self._owner())
+            self._write_file(rel, data.encode() if isinstance(data, str) else data, 0o644)
         self.env.update(env)
+
+    @property
+    def _mapped_workspace(self) -> bool:
+        """The workspace belongs to an image user of the mapped namespace: the server writes
+        and removes its files from inside (:data:`NS_FILES`)."""
+        return self._ids is not None and not self.image_user.is_root
+
+    def _write_file(self, rel: str, data: bytes, mode: int) -> None:
+        if not self._mapped_workspace:
+            hostfs.write_beneath(self.workspace, rel, data, mode, self._owner())
+            return
+        user = self.image_user
+        self._ns_file({"op": "write", "root": str(self.workspace), "rel": rel,
+                       "data": base64.b64encode(data).decode(), "mode": mode,
+                       "owner": [user.uid, user.gid]})
+
+    def _ns_file(self, job: Mapping[str, Any]) -> None:
+        if self._holder is None:
+            raise SandboxError(f"sandbox {self.id} has no namespace holder",
+                               "SANDBOX_DESTROYED")
+        done = subprocess.run(
+            ["nsenter", "-t", str(self._holder.pid), "--user", "--mount",
+             "--preserve-credentials", "--", sys.executable, "-I", "-S", "-c",
+             _ns_files_script()], input=json.dumps(job).encode(), capture_output=True,
+            timeout=COPY_TIMEOUT_S)
+        answer = json.loads(done.stdout or b"null") if done.returncode == 0 else None
+        if not isinstance(answer, dict):
+            raise SandboxError(f"sandbox {self.id}: a workspace file operation failed: "
+                               f"{done.stderr.decode(errors='replace')[-500:]}")
+        if "error" in answer:
+            kind, _, message = answer["error"]
+            cls = _FILE_ERRORS.get(kind, OSError)
+            raise cls(message)
+
+    async def put_file(self, rel_path: str, data: bytes | str, mode: int = 0o644) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        await asyncio.to_thread(self._write_file, self._rel(rel_path), raw, mode)
+
+    async def remove_file(self, rel_path: str) -> None:
+        if not self._mapped_workspace:
+            await super().remove_file(rel_path)
+            return
+        await asyncio.to_thread(self._ns_file, {"op": "unlink", "root": str(self.workspace),
+                                                "rel": self._rel(rel_path)})
 
     @property
     def parked_pid(self) -> int | None:
@@ -1064,6 +1109,18 @@ def _give_owned(merged: Path, owned: Sequence[tuple[str, bool, bool]], uid: int)
 
 _SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",
                 "/proc", "/dev", "/sys", "/root", "/home", "/srv", "/run", "/boot", "/mnt")
+
+
+_FILE_ERRORS: dict[str, type[OSError]] = {
+    "PermissionError": PermissionError, "FileNotFoundError": FileNotFoundError,
+    "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
+    "SpecialFileError": hostfs.SpecialFileError, "FileTooLarge": hostfs.FileTooLarge}
+"""hostfs's exceptions by name, raised again on the server's side of :data:`NS_FILES`."""
+
+
+@functools.lru_cache(maxsize=1)
+def _ns_files_script() -> str:
+    return Path(hostfs.__file__).read_text() + "\n" + NS_FILES.read_text()
 
 
 @functools.lru_cache(maxsize=1)

@@ -63,6 +63,22 @@ async def more(sb: Any, seen: dict[str, object]) -> None:
     bash = await sb.bash()  # the tool's long-lived bash, as the image's user
     seen["bash"] = (await bash.run("id -u; echo b > /workspace/b; cat /workspace/b; "
                                    "echo y >> /rootfile || echo denied")).output.split()
+    # The server's own file API (the editor tool, a pooled sandbox's files) writes and
+    # removes workspace files of the image's user: given to that user, who writes them on.
+    await sb.put_file("ed/new.txt", "e\n")
+    await sb.put_file("/workspace/b", "server\n")  # the user's own file, 0644
+    r = await sb.exec("stat -c %u:%g /workspace/ed /workspace/ed/new.txt /workspace/b; "
+                      "cat /workspace/b; echo more >> /workspace/ed/new.txt && echo app-ok")
+    seen["put_file"] = [r.exit_code, r.stdout.split(), r.stderr[-300:],
+                        (await sb.get_file("ed/new.txt")).decode()]
+    await sb.remove_file("ed/new.txt")
+    errors = []
+    for bad in ("ed/new.txt", "", "../x"):
+        try:
+            await (sb.remove_file(bad) if bad == "ed/new.txt" else sb.put_file(bad, "x"))
+        except OSError as e:
+            errors.append(type(e).__name__)
+    seen["file_errors"] = errors
     root = sb.user_for("root")
     r = await sb.exec(["sh", "-c", "id -u; echo r >> /rootfile && echo root-ok; "
                        "echo r >> /app/owned.txt && echo app-file-ok"], user=root)

@@ -299,6 +299,12 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
         assert seen["holder"] is True
         # The bash tool runs as the image's user with the same rights.
         assert seen["bash"][:2] == ["1000", "b"] and "denied" in seen["bash"], seen["bash"]  # type: ignore[index,operator]
+        # The server's file API writes the user's workspace for it (the editor tool).
+        assert seen["put_file"][:2] == [0, ["1000:1001", "1000:1001", "1000:1001", "server",  # type: ignore[index]
+                                            "app-ok"]] and seen["put_file"][3] == "e\nmore\n", (  # type: ignore[index]
+            seen["put_file"])
+        assert seen["file_errors"] == ["FileNotFoundError", "IsADirectoryError",
+                                       "PermissionError"], seen["file_errors"]
         # One command as the image's root in the app sandbox (a Harbor [verifier].user).
         assert seen["as_root"][1] == ["0", "root-ok", "app-file-ok"], seen["as_root"]  # type: ignore[index]
         # Another non-root user writes the workspace; the sandbox's user gets it back after.
