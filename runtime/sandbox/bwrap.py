@@ -652,6 +652,28 @@ class BwrapSandbox(Sandbox):
             cls = _FILE_ERRORS.get(kind, OSError)
             raise cls(message)
 
+    async def copy_workspace_from(self, other: Sandbox, *,
+                                  skip: frozenset[str] = frozenset()) -> int:
+        """A mapped image user's workspace (this one, or ``other``'s, whose files that user
+        may have made 0600) is the server's for the copy on the host, and its user's again
+        after it."""
+        mapped = [sb for sb in (self, other)
+                  if isinstance(sb, BwrapSandbox) and sb._mapped_workspace]
+        if not mapped:
+            return await super().copy_workspace_from(other, skip=skip)
+
+        def copy() -> int:
+            for sb in mapped:
+                sb._give_workspace(ROOT_USER)
+            try:
+                return hostfs.copy_tree(other.workspace, self.workspace, owner=self._owner(),
+                                        skip=skip)
+            finally:
+                for sb in mapped:
+                    sb._give_workspace(sb.image_user)
+
+        return await asyncio.to_thread(copy)
+
     async def put_file(self, rel_path: str, data: bytes | str, mode: int = 0o644) -> None:
         raw = data.encode() if isinstance(data, str) else data
         await asyncio.to_thread(self._write_file, self._rel(rel_path), raw, mode)

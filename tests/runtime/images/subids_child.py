@@ -41,6 +41,18 @@ async def main(top: Path) -> dict[str, object]:
                                "echo x >> /app/owned.txt && echo app-file-ok"])
             seen[f"{mode}_root"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
             image = sb.image.image  # type: ignore[attr-defined]
+    # A grader's fresh sandbox gets a copy of the agent's workspace (files app made 0600
+    # included), both of app; each workspace is app's again after.
+    async with await create_sandbox(cfg, image=ref) as agent, \
+            await create_sandbox(cfg, image=ref) as grader:
+        await agent.exec("mkdir /workspace/src && echo s > /workspace/src/f && "
+                         "chmod 600 /workspace/src/f && chmod 700 /workspace/src")
+        await agent.stop_processes()
+        copied = await grader.copy_workspace_from(agent)
+        r = await grader.exec("cat /workspace/src/f; stat -c %u:%g /workspace/src/f; "
+                              "echo g >> /workspace/src/f && echo grader-ok")
+        a = await agent.exec("echo a >> /workspace/src/f && echo agent-ok")
+        seen["copy"] = [copied, r.exit_code, r.stdout.split(), a.stdout.split()]
     # An image whose user, or a file's owner, lies beyond the server's range is refused,
     # naming the id, the range and the fix (never run with the wrong owners).
     for tag in ("far", "far-owner"):

@@ -312,6 +312,8 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                                          "root-denied"], seen["other_user"]
         assert seen["after_other"][1] == ["1000", "back-ok", "1000", "1000"], seen["after_other"]  # type: ignore[index]
         # The cache is untouched: its files keep their content and the server's user.
+        # A grader's copy of the agent's workspace (both mapped): app's files, app's again.
+        assert seen["copy"] == [2, 0, ["s", "1000:1001", "grader-ok"], ["agent-ok"]], seen["copy"]
         # Ids beyond the range: refused, the task's fault.
         for tag, what in (("far", "its user 200000 (200000:200000)"),
                           ("far-owner", "the owner of /far.txt (200000:0)")):
