@@ -331,6 +331,31 @@ class Sandbox(abc.ABC):
         a host directory bound writable into the sandbox must belong to it."""
         return self._owner()
 
+    def hand_over(self, paths: Sequence[Path | str], user: Any = None) -> None:
+        """Give host folders (or files) bound writable into the sandbox, with all they hold,
+        to the user whose processes write them (``user``: a user of the image from
+        ``user_for``; None: the sandbox's own): a root server's sandbox uid (every user of
+        its sandbox shares it); on a rootless server with a subordinate range, that user's
+        uid inside the sandbox's user namespace (:class:`~rollout.runtime.sandbox.bwrap.
+        BwrapSandbox`). Elsewhere the server's user is every user already. Blocking; call it
+        while no process of the sandbox runs (before the first launch, or after
+        :meth:`stop_processes`). Raises :class:`SandboxError` when a path could not be
+        given."""
+        owner = self._owner()
+        if owner is None:
+            return
+        failed = sum(hostfs.chown_tree(p, *owner) for p in paths)
+        if failed:
+            raise SandboxError(f"sandbox {self.id}: {failed} entries of {list(map(str, paths))} "
+                               "could not be given to its user")
+
+    def take_back(self, paths: Sequence[Path | str]) -> None:  # noqa: B027 - optional hook
+        """Give folders :meth:`hand_over` gave back to the server's user, so that the server
+        reads, empties and removes what the sandbox's users wrote there (a rootless server
+        cannot, from outside the sandbox's user namespace, for files a subordinate uid owns).
+        Blocking; after :meth:`stop_processes`. A no-op where the server is root or the
+        sandbox's users are the server's own user."""
+
     async def copy_workspace_from(self, other: Sandbox, *,
                                   skip: frozenset[str] = frozenset()) -> int:
         """Copy ``other``'s workspace into this (empty) one, owned by this sandbox's user;

@@ -36,6 +36,7 @@ the sandboxed command: an unprivileged uid, no capabilities, nothing it can rega
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
 import functools
@@ -76,6 +77,8 @@ PARKED_EXEC = (Path(__file__).resolve().parent.parent / "envs" / "in_sandbox"
 """The waiter a parked launch runs (:meth:`BwrapSandbox.park`)."""
 NS_OWNERS = PARKED_EXEC.with_name("ns_owners.py")
 """What sets the image's owners inside a rootless sandbox's mapped user namespace."""
+NS_FILES = PARKED_EXEC.with_name("ns_files.py")
+"""What writes a workspace file there (appended to :mod:`hostfs`'s source)."""
 log = logging.getLogger(__name__)
 
 
@@ -161,6 +164,9 @@ class BwrapSandbox(Sandbox):
         """A rootless image sandbox's subordinate id mapping (its holder's user namespace
         has the image's uids): launches run bwrap as that namespace's root and drop to the
         image user with setpriv, as a root server's do."""
+        self._handed: set[str] = set()
+        """Host folders :meth:`hand_over` gave the image's users in the mapped namespace:
+        given back to the server's user at teardown, while the namespace still exists."""
         self.config = config
         self.id = sid
         self.path = path
@@ -173,6 +179,10 @@ class BwrapSandbox(Sandbox):
         self.python_launcher: tuple[str, ...] = ()
         """What the IPython kernel's interpreter is started through (the host loader in an
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
+        self.kernel_socket_umask = 0 if self._ids is not None and not image_user.is_root else None
+        """The umask the IPython kernel binds its sockets with (then its usual one): on a
+        rootless server with a subordinate range the kernel's user is not the server's, which
+        must still connect to them (in the control folder only they share)."""
         self.image = image
         self.image_user = image_user
         """Who the processes of an image sandbox are by default (the image config's ``User``,
@@ -262,12 +272,8 @@ class BwrapSandbox(Sandbox):
         ns = list(self._ns)
         extra: list[str] = []
         ids = self._ids
-        if ids is not None and not ids.covers(user.uid, user.gid):
-            raise SandboxError(
-                f"image user {user.name} ({user.uid}:{user.gid}) is outside the server's "
-                f"subordinate id range (uids and gids 0..{ids.count} exist in its sandboxes): "
-                "give the server's user a larger range in /etc/subuid and /etc/subgid",
-                "INVALID_SANDBOX_OPTIONS")
+        if ids is not None and image is not None and not ids.covers(user.uid, user.gid):
+            raise _beyond(ids, image, f"image user {user.name}", user)
         if ids is not None:
             # bwrap runs as the holder namespace's root (no user namespace of its own, so the
             # image's uids stay themselves) and keeps only what the drop needs, or the image
@@ -335,6 +341,8 @@ class BwrapSandbox(Sandbox):
         if spec is None:
             spec, named_by = cached.config.user, "its config's User"
         user = images.resolve_user(cached.rootfs, spec, image=cached.ref, named_by=named_by)
+        if self._ids is not None and not self._ids.covers(user.uid, user.gid):
+            raise _beyond(self._ids, self.image, f"the user {spec!r} ({named_by})", user)
         # Only before the first launch: no process of the sandbox could have planted a link.
         if self._ids is not None and not user.is_root and self._launches == 0:
             _ns_owners(self._holder, {"dirs": _home_dirs(
@@ -346,6 +354,27 @@ class BwrapSandbox(Sandbox):
             _give_owned(self.path / "root", owners.owned_by(str(cached.rootfs), user),
                         self._lease.uid)
         return user
+
+    def hand_over(self, paths: Sequence[Path | str], user: Any = None) -> None:
+        """On a rootless server with a subordinate range: chown inside the sandbox's mapped
+        user namespace, where its root (the server's user, which owns these host folders)
+        may give them to any of the image's uids, as :data:`NS_OWNERS` gives the workspace
+        at creation; the server cannot from outside."""
+        if self._ids is None:
+            super().hand_over(paths, user)
+            return
+        who = user if isinstance(user, images.ImageUser) else self.image_user
+        self._handed.update(str(p) for p in paths)
+        failed = _ns_owners(self._holder, {"trees": [(str(p), who.uid, who.gid) for p in paths]})
+        if failed:
+            raise SandboxError(f"sandbox {self.id}: {failed} entries of "
+                               f"{[str(p) for p in paths]} could not be given to image user "
+                               f"{who.name} ({who.uid}:{who.gid}) in its user namespace")
+
+    def take_back(self, paths: Sequence[Path | str]) -> None:
+        if self._ids is not None and paths:
+            # A path that is gone (the job removed it) is not kept from the others.
+            _ns_owners(self._holder, {"trees": [(str(p), 0, 0) for p in paths]})
 
     def _user_env(self, user: images.ImageUser | None) -> dict[str, str]:
         """``HOME`` and ``USER`` of a launch as ``user`` when it is not the default one
@@ -497,7 +526,7 @@ class BwrapSandbox(Sandbox):
                                    lease.uid)
                         _give_owned(path / "root", owned, lease.uid)
                 else:
-                    ids = _mapping_for(user)
+                    ids = _mapping_for(user, image)
                     holder = _rootless_root(config.images.rootless_root, image, path, sid, ids)
                     if ids is not None:
                         _map_owners(holder, image, path, user, ids)
@@ -510,7 +539,7 @@ class BwrapSandbox(Sandbox):
                 procs.stop_process(holder)
                 _close_pipes(holder)
             if ids is not None:
-                _ns_cleanup(path, ids)
+                remove_mapped(path, ids)
             if lease:
                 lease.release()
             if lock_fd >= 0:
@@ -601,10 +630,74 @@ class BwrapSandbox(Sandbox):
         """Give a pooled sandbox its job's workspace files and environment (what
         :meth:`create` would have written; blocking when there are files)."""
         for rel, data in files.items():
-            hostfs.write_beneath(self.workspace, rel,
-                                 data.encode() if isinstance(data, str) else data, 0o644,
-                                 self._owner())
+            self._write_file(rel, data.encode() if isinstance(data, str) else data, 0o644)
         self.env.update(env)
+
+    @property
+    def _mapped_workspace(self) -> bool:
+        """The workspace belongs to an image user of the mapped namespace: the server writes
+        and removes its files from inside (:data:`NS_FILES`)."""
+        return self._ids is not None and not self.image_user.is_root
+
+    def _write_file(self, rel: str, data: bytes, mode: int) -> None:
+        if not self._mapped_workspace:
+            hostfs.write_beneath(self.workspace, rel, data, mode, self._owner())
+            return
+        user = self.image_user
+        self._ns_file({"op": "write", "root": str(self.workspace), "rel": rel,
+                       "data": base64.b64encode(data).decode(), "mode": mode,
+                       "owner": [user.uid, user.gid]})
+
+    def _ns_file(self, job: Mapping[str, Any]) -> None:
+        if self._holder is None:
+            raise SandboxError(f"sandbox {self.id} has no namespace holder",
+                               "SANDBOX_DESTROYED")
+        done = subprocess.run(
+            ["nsenter", "-t", str(self._holder.pid), "--user", "--mount",
+             "--preserve-credentials", "--", sys.executable, "-I", "-S", "-c",
+             _ns_files_script()], input=json.dumps(job).encode(), capture_output=True,
+            timeout=COPY_TIMEOUT_S)
+        answer = json.loads(done.stdout or b"null") if done.returncode == 0 else None
+        if not isinstance(answer, dict):
+            raise SandboxError(f"sandbox {self.id}: a workspace file operation failed: "
+                               f"{done.stderr.decode(errors='replace')[-500:]}")
+        if "error" in answer:
+            kind, _, message = answer["error"]
+            cls = _FILE_ERRORS.get(kind, OSError)
+            raise cls(message)
+
+    async def copy_workspace_from(self, other: Sandbox, *,
+                                  skip: frozenset[str] = frozenset()) -> int:
+        """A mapped image user's workspace (this one, or ``other``'s, whose files that user
+        may have made 0600) is the server's for the copy on the host, and its user's again
+        after it."""
+        mapped = [sb for sb in (self, other)
+                  if isinstance(sb, BwrapSandbox) and sb._mapped_workspace]
+        if not mapped:
+            return await super().copy_workspace_from(other, skip=skip)
+
+        def copy() -> int:
+            for sb in mapped:
+                sb._give_workspace(ROOT_USER)
+            try:
+                return hostfs.copy_tree(other.workspace, self.workspace, owner=self._owner(),
+                                        skip=skip)
+            finally:
+                for sb in mapped:
+                    sb._give_workspace(sb.image_user)
+
+        return await asyncio.to_thread(copy)
+
+    async def put_file(self, rel_path: str, data: bytes | str, mode: int = 0o644) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        await asyncio.to_thread(self._write_file, self._rel(rel_path), raw, mode)
+
+    async def remove_file(self, rel_path: str) -> None:
+        if not self._mapped_workspace:
+            await super().remove_file(rel_path)
+            return
+        await asyncio.to_thread(self._ns_file, {"op": "unlink", "root": str(self.workspace),
+                                                "rel": self._rel(rel_path)})
 
     @property
     def parked_pid(self) -> int | None:
@@ -660,11 +753,30 @@ class BwrapSandbox(Sandbox):
                 orphan_needle=self._parked_needle, parked=parked,
                 request=procs.parked_request(command, self.spawn_env(env), cwd or ""))
         argv = self.command_argv(command, cwd=cwd, file_binds=file_binds, user=user)
-        return await procs.run_collect(
-            argv, env=self.spawn_env(env),
-            timeout=timeout if timeout is not None else self.limits.default_timeout_s,
-            stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
-            orphan_needle=self._needle(argv))
+        shares = (user if other and self._ids is not None and user is not None
+                  and not user.is_root else None)
+        if shares is not None:
+            # Every user of a root server's sandbox shares its uid, so a command as another
+            # user (a task's tests run as their own user) writes the workspace; here the
+            # image's uids are distinct, so the workspace is that user's while it runs.
+            await asyncio.to_thread(self._give_workspace, shares)
+        try:
+            return await procs.run_collect(
+                argv, env=self.spawn_env(env),
+                timeout=timeout if timeout is not None else self.limits.default_timeout_s,
+                stdin=stdin, max_output=max_output, on_spawn=self.track, on_exit=self.untrack,
+                orphan_needle=self._needle(argv))
+        finally:
+            if shares is not None and not self.destroyed:
+                await asyncio.shield(asyncio.to_thread(self._give_workspace, self.image_user))
+
+    def _give_workspace(self, user: images.ImageUser) -> None:
+        """The workspace, with all it holds, to ``user`` in the mapped namespace."""
+        failed = _ns_owners(self._holder, {"trees": [(str(self.workspace), user.uid,
+                                                       user.gid)]})
+        if failed:
+            log.warning("sandbox %s: %d workspace entries kept their owner when given to %s",
+                        self.id, failed, user.name)
 
     # -- lifetime ----------------------------------------------------------------------------
     def _kill_runtime_processes(self) -> None:
@@ -679,11 +791,12 @@ class BwrapSandbox(Sandbox):
         if parked is not None:
             procs.stop_process(parked)
             _close_pipes(parked)
-        procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".")
-        holder, self._holder = self._holder, None
-        if holder is not None:  # after every launch that entered its namespaces
-            procs.stop_process(holder)
-            _close_pipes(holder)
+        # The holder of a rootless image sandbox carries the tag too (the reaper finds it by
+        # it) but lives until teardown: the launches after ``stop_processes`` (a verifier, a
+        # grader) enter its namespaces and its overlay.
+        holder = self._holder
+        procs.sweep(b"\0" + LAUNCH_VAR.encode() + b"\0" + self.id.encode() + b".",
+                    spare=frozenset((holder.pid,)) if holder is not None else frozenset())
         if self._lease is not None:
             if procs.uid_has_processes(self._lease.uid):
                 procs.kill_uid(self._lease.uid)
@@ -693,9 +806,19 @@ class BwrapSandbox(Sandbox):
         # above all) from being released. Idempotent, since exit may run it a second time.
         group, self._memory_group = self._memory_group, None
         ids, self._ids = self._ids, None
+        handed, self._handed = sorted(self._handed), set()
+        if ids is not None and handed:
+            try:  # while the holder's namespace still maps the image's uids
+                _ns_owners(self._holder, {"trees": [(p, 0, 0) for p in handed]})
+            except Exception as e:  # teardown goes on
+                log.warning("sandbox %s: could not give back %s: %s", self.id, handed, e)
+        holder, self._holder = self._holder, None
+        if holder is not None:  # after every launch that entered its namespaces (killed above)
+            procs.stop_process(holder)
+            _close_pipes(holder)
         try:
             if ids is not None:  # the image's users' files: only removable inside
-                _ns_cleanup(self.path, ids)
+                remove_mapped(self.path, ids)
             self._release_host_side(self.path, group)
         finally:
             if self.image is not None:  # after the overlay is gone: eviction may remove it
@@ -785,16 +908,26 @@ def _map_ids(proc: subprocess.Popen[bytes], ids: subids.SubIds) -> None:
     proc.stdin.flush()
 
 
-def _mapping_for(user: images.ImageUser) -> subids.SubIds | None:
-    """The subordinate id mapping a rootless image sandbox of ``user`` gets; None (today's
-    single-uid mapping, said once) without a range or the helpers, or for a user beyond it."""
+def _mapping_for(user: images.ImageUser, image: ImageLease) -> subids.SubIds | None:
+    """The subordinate id mapping a rootless image sandbox of ``user`` gets; None (the
+    single-uid mapping, said once) without a range or the helpers. A user beyond the range
+    is refused (the image's fault, naming the fix): mapped onto the server's user instead,
+    it could write every file of the image, and its own files would not be its own."""
     ids = subids.server_subids()
     if ids is not None and not ids.covers(user.uid, user.gid):
-        log.warning("image user %s (%s:%s) is beyond the server's subordinate range (0..%d): "
-                    "this sandbox maps it onto the server's user, which can write every file "
-                    "of the image", user.name, user.uid, user.gid, ids.count)
-        return None
+        raise _beyond(ids, image, f"its user {user.name}", user)
     return ids
+
+
+def _beyond(ids: subids.SubIds, image: ImageLease, what: str,
+            user: images.ImageUser | None = None, uid: int = 0,
+            gid: int = 0) -> images.ImageError:
+    """``IMAGE_REJECTED`` for an id of the image that this server's range does not reach."""
+    if user is not None:
+        uid, gid = user.uid, user.gid
+    ref = image.image.ref
+    return images.ImageError(f"image {ref}: " + ids.refusal(what, uid, gid), "IMAGE_REJECTED",
+                             ref=ref)
 
 
 def _ns_owners(holder: subprocess.Popen[bytes] | None, job: Mapping[str, Any]) -> int:
@@ -840,16 +973,26 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
     user its home and working directory and the sandbox's own folders."""
     rootfs = image.image.rootfs
     merged = path / "root"
-    chown = [(str(merged / rel), uid, gid) for rel, uid, gid in owners.image_owners(str(rootfs))
-             if ids.covers(uid, gid) and not inject.through_link(rootfs, "/" + rel)]
+    recorded = owners.image_owners(str(rootfs))
+    for rel, uid, gid in recorded:
+        if not ids.covers(uid, gid):
+            raise _beyond(ids, image, f"the owner of /{rel}", uid=uid, gid=gid)
+    chown = [(str(merged / rel), uid, gid) for rel, uid, gid in recorded
+             if not inject.through_link(rootfs, "/" + rel)]
     job: dict[str, Any] = {"chown": chown}
     if not user.is_root:
         job["dirs"] = _home_dirs(rootfs, merged, (user.home, image.image.config.working_dir),
                                  user)
         job["trees"] = [(str(path / sub), user.uid, user.gid)
-                        for sub in ("workspace", "ctl", "tmp/home")]
+                        for sub in ("workspace", "tmp/home")]
+        # The control folder is shared: the server writes the kernel's connection file and
+        # log there and connects to the sockets the kernel (the user) binds in it; its group
+        # is the user's and nobody else on the host may enter it.
+        chown.append((str(path / "ctl"), 0, user.gid))
     started = time.monotonic()
     failed = _ns_owners(holder, job)
+    if not user.is_root:
+        os.chmod(path / "ctl", 0o770)
     if failed:
         log.warning("image %s: %d of its files kept the server's user as owner in sandbox %s "
                     "(chown refused inside the mapped namespace)", image.image.ref, failed,
@@ -858,10 +1001,11 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
               path.name, time.monotonic() - started)
 
 
-def _ns_cleanup(path: Path, ids: subids.SubIds) -> None:
+def remove_mapped(path: Path, ids: subids.SubIds) -> None:
     """Remove what the image's users own in a torn-down sandbox's folders from inside a
     namespace of the same mapping (the server, outside it, may not). A fresh one: the
-    sandbox's holder is gone with its launches (teardown's sweep) and its overlay with it."""
+    sandbox's holder is gone with its launches (teardown stops it; a crashed server's died
+    with it) and its overlay with it. Teardown and the reaper's sweep use it."""
     holder = None
     try:
         holder = _userns_overlay(path, path, f"{path.name}-cleanup", ids, mount=False)
@@ -1001,6 +1145,18 @@ def _give_owned(merged: Path, owned: Sequence[tuple[str, bool, bool]], uid: int)
 
 _SYSTEM_DIRS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/opt", "/tmp",
                 "/proc", "/dev", "/sys", "/root", "/home", "/srv", "/run", "/boot", "/mnt")
+
+
+_FILE_ERRORS: dict[str, type[OSError]] = {
+    "PermissionError": PermissionError, "FileNotFoundError": FileNotFoundError,
+    "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
+    "SpecialFileError": hostfs.SpecialFileError, "FileTooLarge": hostfs.FileTooLarge}
+"""hostfs's exceptions by name, raised again on the server's side of :data:`NS_FILES`."""
+
+
+@functools.lru_cache(maxsize=1)
+def _ns_files_script() -> str:
+    return Path(hostfs.__file__).read_text() + "\n" + NS_FILES.read_text()
 
 
 @functools.lru_cache(maxsize=1)

@@ -191,6 +191,27 @@ def rmtree(path: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def chown_tree(path: Path | str, uid: int, gid: int) -> int:
+    """Give ``path`` and, when it is a directory, everything below it to ``uid``:``gid``
+    (links themselves, never their targets; directories opened relative to their parent's fd
+    without following links, so a link swapped in for a directory cannot lead the walk out);
+    returns how many entries could not be changed."""
+    failed = 0
+    try:
+        os.chown(path, uid, gid, follow_symlinks=False)
+    except OSError:
+        failed += 1
+    if not os.path.isdir(path) or os.path.islink(path):
+        return failed
+    for _, dirs, files, dfd in os.fwalk(path, follow_symlinks=False):
+        for name in dirs + files:
+            try:
+                os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                failed += 1
+    return failed
+
+
 class TreeTooLarge(OSError):
     """A copied tree exceeds the byte or entry budget the caller gave."""
 

@@ -423,8 +423,9 @@ async def in_spawner(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_SPAWNER, functools.partial(fn, *args))
 
 
-def sweep(needle: bytes) -> int:
-    """SIGKILL every process whose command line contains ``needle``; returns how many.
+def sweep(needle: bytes, spare: frozenset[int] = frozenset()) -> int:
+    """SIGKILL every process whose command line contains ``needle``, except the pids of
+    ``spare``; returns how many.
 
     Why: killing a bwrap launcher in the few milliseconds before its child (the sandbox's
     PID 1) has armed PR_SET_PDEATHSIG orphans that child, which then finishes setting up and
@@ -436,7 +437,7 @@ def sweep(needle: bytes) -> int:
     while True:
         found = 0
         for pid in os.listdir("/proc"):
-            if not pid.isdigit() or int(pid) == os.getpid():
+            if not pid.isdigit() or int(pid) == os.getpid() or int(pid) in spare:
                 continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -7,6 +7,8 @@ the dead sandbox's uid is killed — unless that uid has already been handed to 
 sandbox. Apptainer instances recorded in the dir are stopped. Then the quota tmpfs mounted on
 the dir is detached and the dir removed: a server killed with SIGKILL cannot unmount anything
 itself, and a mount left there keeps the state dir busy ("Device or resource busy") for good.
+A rootless server's image sandbox holds files of the image's users, owned by its subordinate
+uids: they are removed from inside a fresh user namespace of the same mapping.
 Last, memory cgroups that no live process holds (see ``hardening.sweep_memory_cgroups``) go.
 """
 
@@ -100,6 +102,9 @@ def _reap_one(path: Path, entry: str, locks: Path, report: ReapReport) -> None:
                 finally:
                     lease.release()
         procs.sweep(str(path / "workspace").encode() + b"\0")
+        # A rootless image sandbox's holder carries the sandbox's launch tag (it ends by
+        # itself when its server dies; this is the backstop).
+        procs.sweep(b"\0ROLLOUT_LAUNCH\0" + entry.encode() + b".")
         instance = meta.get("instance")
         exe = shutil.which("apptainer") or shutil.which("singularity")
         if isinstance(instance, str) and exe:
@@ -108,9 +113,31 @@ def _reap_one(path: Path, entry: str, locks: Path, report: ReapReport) -> None:
                                timeout=30, check=False)
         report.mounts += hardening.unmount_below(path)
         hostfs.rmtree(path)
+        if os.path.lexists(path):
+            _remove_mapped(path)
+            hostfs.rmtree(path)
+        if os.path.lexists(path):
+            log.warning("could not remove the stale sandbox %s: files below it belong to "
+                        "another user (a rootless server's subordinate uids need its range in "
+                        "/etc/subuid and /etc/subgid to be removed)", path)
+            return
         report.removed.append(entry)
     finally:
         os.close(lock_fd)
+
+
+def _remove_mapped(path: Path) -> None:
+    """What a rootless server's image sandbox left owned by its subordinate uids (the
+    image's users' files: the server cannot remove them from outside), removed from inside a
+    fresh user namespace of the same mapping, as teardown removes them."""
+    if os.geteuid() == 0:
+        return
+    from rollout.runtime.sandbox.bwrap import remove_mapped
+    from rollout.runtime.sandbox.images import subids
+
+    ids = subids.server_subids()
+    if ids is not None:
+        remove_mapped(path, ids)
 
 
 def _meta(path: Path) -> dict[str, object]:

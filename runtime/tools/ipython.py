@@ -62,6 +62,18 @@ KILL_WAIT_S = 5.0
 """How long a SIGKILLed kernel gets to exit before a daemon thread is left to reap it."""
 
 
+_BIND_WITH_UMASK = ("import os, sys\n"
+                    "from ipykernel.kernelapp import IPKernelApp\n"
+                    "app = IPKernelApp.instance()\n"
+                    "old = os.umask({umask})\n"
+                    "app.initialize(sys.argv[1:])\n"
+                    "os.umask(old)\n"
+                    "app.start()\n")
+"""What ``ipykernel_launcher`` does, with the sockets bound under another umask (a sandbox's
+``kernel_socket_umask``: a server that is not the kernel's user connects to them); the
+code the kernel runs keeps the usual one."""
+
+
 class KernelError(RuntimeError):
     """The kernel could not be started or answered nothing."""
 
@@ -154,7 +166,10 @@ class IPythonKernel:
         launcher = (list(getattr(self.sandbox, "python_launcher", ()))
                     if self.sandbox is not None and self.python == getattr(
                         self.sandbox, "python", None) else [])
-        argv = [*launcher, self.python, "-m", "ipykernel_launcher", "-f", f"{inside_dir}/k{n}.json",
+        umask = getattr(self.sandbox, "kernel_socket_umask", None)
+        start = (["-m", "ipykernel_launcher"] if umask is None else
+                 ["-c", _BIND_WITH_UMASK.format(umask=umask)])
+        argv = [*launcher, self.python, *start, "-f", f"{inside_dir}/k{n}.json",
                 "--HistoryManager.enabled=False", "--IPKernelApp.log_level=ERROR"]
         if self.sandbox is not None:
             full, env = self.sandbox.command_argv(argv), self.sandbox.spawn_env()

@@ -143,10 +143,9 @@ class HarborHandler(AgentHandler):
                                    "bwrap runtime does)", "INVALID_TASK")
             ctx.state[VERIFIER_USER_KEY] = await asyncio.to_thread(
                 user_for, harbor.verifier_user, named_by="task.toml [verifier].user")
-        owner = sandbox.owner()
-        if owner is not None:
-            for key in ("verifier", "tests"):
-                await asyncio.to_thread(os.chown, dirs[key], *owner)
+        # Writable by the agent's user (a root server's sandbox uid; the image's uid in a
+        # rootless server's mapped namespace).
+        await asyncio.to_thread(sandbox.hand_over, [dirs["verifier"], dirs["tests"]])
         # The image's WorkingDir (Harbor's tasks rely on their Dockerfile's WORKDIR).
         ctx.state[WORKDIR_KEY] = harbor.workdir or getattr(sandbox, "default_cwd",
                                                            sandbox.workspace_in_sandbox)
@@ -179,7 +178,11 @@ class HarborHandler(AgentHandler):
         # Nothing of the agent runs from here on; what it left in the verifier's and the
         # tests' folders goes, and the tests arrive only now.
         await end_agent(ctx)
-        await asyncio.to_thread(_refill, dirs, harbor, sandbox.owner())
+        shared = [dirs["verifier"], dirs["tests"]]
+        await asyncio.to_thread(sandbox.take_back, shared)
+        await asyncio.to_thread(_refill, dirs, harbor)
+        # The verifier's user writes its reward file and may write beside its tests.
+        await asyncio.to_thread(sandbox.hand_over, shared, ctx.state.get(VERIFIER_USER_KEY))
         timeout = max(1.0, min(harbor.verifier_timeout_s, ctx.spec.limits.eval_timeout_s - 5.0))
         env = {**harbor.verifier_env, "TEST_DIR": TESTS_DIR}
         as_user = ({"user": ctx.state[VERIFIER_USER_KEY]}
@@ -189,6 +192,8 @@ class HarborHandler(AgentHandler):
                                  **as_user)
         # Whatever the verifier left running must not touch the reward after this point.
         await sandbox.stop_processes()
+        # Readable on the host whatever mode the verifier gave its files.
+        await asyncio.to_thread(sandbox.take_back, shared)
         files = await asyncio.to_thread(_reward_files, dirs["verifier"])
         found = verdict.read(files)
         info = {"task": harbor.name, "verifier_exit": str(run.exit_code),
@@ -284,20 +289,18 @@ def _job_dirs(oracle: HarborTask | None) -> dict[str, Path]:
     return dirs
 
 
-def _empty(path: Path, owner: tuple[int, int] | None) -> None:
+def _empty(path: Path) -> None:
     """Remove everything in ``path`` (links themselves, never their targets) and leave it an
-    empty folder the sandbox's user owns."""
+    empty folder (the server's, until :meth:`~rollout.runtime.sandbox.base.Sandbox.hand_over`
+    gives it to the verifier's user)."""
     hostfs.rmtree(path)
     path.mkdir(mode=0o755)
-    if owner is not None:
-        os.chown(path, *owner)
 
 
-def _refill(dirs: Mapping[str, Path], harbor: HarborTask,
-            owner: tuple[int, int] | None) -> None:
-    _empty(dirs["verifier"], owner)
-    _empty(dirs["tests"], owner)
-    hostfs.copy_tree(harbor.path / taskdir.TESTS, dirs["tests"], owner=owner,
+def _refill(dirs: Mapping[str, Path], harbor: HarborTask) -> None:
+    _empty(dirs["verifier"])
+    _empty(dirs["tests"])
+    hostfs.copy_tree(harbor.path / taskdir.TESTS, dirs["tests"],
                      max_bytes=taskdir.MAX_FOLDER_BYTES)
     script = dirs["tests"] / "test.sh"
     with contextlib.suppress(OSError):

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import re
 import time
 from collections.abc import Mapping
@@ -187,10 +186,10 @@ class HarnessHandler(AgentHandler):
             # The live capture: a RUN cut by the scheduler still hands over these turns.
             live = gateway.capture(lease)
             ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = live.turns, live.segments
-            if (owner := sandbox.owner()) is not None:
-                # The sandbox's own uid (a root server's) must be able to connect; nobody
-                # else on the host gets anything new.
-                await asyncio.to_thread(os.chown, lease.socket_path, *owner)
+            # The sandbox's user (a root server's sandbox uid, the image's user in a rootless
+            # server's mapped namespace) must be able to connect to the 0600 socket; nobody
+            # else on the host gets anything new.
+            await asyncio.to_thread(sandbox.hand_over, [lease.socket_path])
             # In an image (a Harbor task, a SWE-bench instance) the agent starts in the task's
             # working directory, else in the workspace.
             workspace = ctx.state.get("harbor.workdir") or getattr(

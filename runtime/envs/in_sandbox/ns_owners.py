@@ -6,8 +6,8 @@ Reads one JSON object on stdin:
 - ``chown``: [path, uid, gid] the image's layers gave an owner (never followed: a link
   itself keeps its owner);
 - ``dirs``: [path, uid, gid] directories to create (0755) when missing, then chown;
-- ``trees``: [path, uid, gid] host folders of the sandbox (its workspace) chowned with all
-  they hold;
+- ``trees``: [path, uid, gid] host folders bound into the sandbox (its workspace, a Harbor
+  task's ``/logs/verifier``) chowned with all they hold (a missing one counts as failed);
 - ``remove``: folders to delete (teardown: what the image's users own there cannot be
   removed by the server outside the namespace).
 Prints the number of paths it could not change. Run with ``python -I -S -c`` (standard
@@ -39,13 +39,27 @@ def main():
         except OSError:
             failed += 1
     for top, uid, gid in job.get("trees", ()):
-        for dirpath, dirnames, filenames in os.walk(top):
-            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
-                try:
-                    os.chown(name, uid, gid, follow_symlinks=False)
-                except OSError:
-                    failed += 1
+        failed += tree(top, uid, gid)
     print(failed)
+
+
+def tree(top, uid, gid):
+    """Chown ``top`` and all below it; directories are opened relative to their parent's fd
+    without following links, so a link in place of a directory cannot lead the walk out."""
+    failed = 0
+    try:
+        os.chown(top, uid, gid, follow_symlinks=False)
+    except OSError:
+        return 1
+    if os.path.islink(top) or not os.path.isdir(top):
+        return 0
+    for _, dirs, files, dfd in os.fwalk(top, follow_symlinks=False):
+        for name in dirs + files:
+            try:
+                os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                failed += 1
+    return failed
 
 
 main()

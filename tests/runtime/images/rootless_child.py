@@ -24,6 +24,11 @@ async def main(top: Path) -> dict[str, object]:
         seen["bash"] = (await bash.run("cat /etc/written; echo $BASH_VERSION")).output.split()
         r = await sb.exec("cat /etc/written; rm /etc/passwd; test -e /etc/passwd || echo gone")
         seen["second_launch"] = r.stdout.split()
+        # A grader's or verifier's launch after every process of the agent was killed still
+        # enters the sandbox's overlay (its holder lives until teardown).
+        await sb.stop_processes()
+        r = await sb.exec("cat /etc/written")
+        seen["after_stop"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
         image = sb.image.image  # type: ignore[attr-defined]
         seen["upper_written"] = (sb.path / "upper" / "etc" / "written").read_text()  # type: ignore[attr-defined]
         seen["cache_written"] = (image.rootfs / "etc" / "written").exists()

@@ -6,6 +6,7 @@ config's ``User`` maps onto the server's user."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pwd
@@ -13,10 +14,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -27,8 +29,14 @@ pytestmark = pytest.mark.timeout(300)
 NOBODY = 65534
 CHILD = Path(__file__).with_name("rootless_child.py")
 SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
-SUBIDS_USER = "rollout-subids"
-SUBIDS_RANGE = (700000, 65536)
+HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
+CRASH_CHILD = Path(__file__).with_name("subids_crash_child.py")
+IPYTHON_CHILD = Path(__file__).with_name("subids_ipython_child.py")
+REPO = Path(__file__).resolve().parents[3]
+FAR = 200000
+"""An id beyond the test user's ranges."""
+SUBIDS_PREFIX = "rollout-sub-"
+"""The test user's name: this prefix and the test session's pid."""
 
 
 def _system_python() -> str:
@@ -52,6 +60,7 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["root_exec"][:2] == [0, ["0", "hi"]], seen["root_exec"]
         assert seen["bash"][0] == "hi"  # the long-lived bash launch sees the other's write
         assert seen["second_launch"] == ["hi", "gone"]
+        assert seen["after_stop"][:2] == [0, ["hi"]], seen["after_stop"]
         # Into the upper layer, never the cache.
         assert seen["upper_written"] == "hi\n"
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
@@ -69,29 +78,100 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         shutil.rmtree(top, ignore_errors=True)
 
 
-@pytest.fixture
-def subids_user() -> Iterator[tuple[int, int]]:
-    """A real user with a range in /etc/subuid and /etc/subgid, as an administrator gives
-    one to each user that runs rootless containers; removed again with its ranges."""
+class SubIdsUser(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+    count: int
+    """How many ids its sandboxes map (1..count): its ranges' total."""
+
+
+def _ranges_of(name: str | None, path: str) -> list[tuple[int, int]]:
+    """(start, count) of ``name``'s lines of ``path`` (None: every user's)."""
+    with open(path, encoding="utf-8") as f:
+        parts = [line.strip().split(":") for line in f]
+    return [(int(p[1]), int(p[2])) for p in parts
+            if len(p) == 3 and name in (None, p[0]) and p[1].isdigit() and p[2].isdigit()]
+
+
+def _add_range(name: str) -> None:
+    """One more 65536-id range of each kind for ``name``, past every user's range."""
+    first = max((s + n for p in ("/etc/subuid", "/etc/subgid") for s, n in _ranges_of(None, p)),
+                default=100000)
+    subprocess.run(["usermod", "--add-subuids", f"{first}-{first + 65535}", "--add-subgids",
+                    f"{first}-{first + 65535}", name], check=True, capture_output=True,
+                   timeout=60)
+
+
+def _remove_test_user(name: str) -> None:
+    """The user and every subordinate range it has (userdel alone keeps them on some
+    versions of shadow)."""
+    for path, flag in (("/etc/subuid", "--del-subuids"), ("/etc/subgid", "--del-subgids")):
+        for start, n in _ranges_of(name, path):
+            subprocess.run(["usermod", flag, f"{start}-{start + n - 1}", name],
+                           capture_output=True, timeout=60)
+    subprocess.run(["userdel", name], capture_output=True, timeout=60)
+
+
+def sweep_stale_test_users() -> list[str]:
+    """Remove the test users a session killed before its end left (their pid is gone);
+    another live session's user stays."""
+    gone = []
+    for entry in pwd.getpwall():
+        pid = entry.pw_name.removeprefix(SUBIDS_PREFIX)
+        if pid != entry.pw_name and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _remove_test_user(entry.pw_name)
+            gone.append(entry.pw_name)
+    return gone
+
+
+@pytest.fixture(scope="session")
+def subids_user() -> Iterator[SubIdsUser]:
+    """A real user with ranges in /etc/subuid and /etc/subgid, as an administrator gives one
+    to each user that runs rootless containers: named after this session's pid, so that two
+    suites on one machine never share one, and removed with its ranges at the session's end
+    (a session killed before it leaves one that the next session's sweep removes)."""
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("making a user with subordinate ids needs root and useradd")
     if shutil.which("newuidmap") is None:
         pytest.skip("newuidmap is missing (apt-get install uidmap; scripts/setup_images.sh)")
-    subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
-    first, count = SUBIDS_RANGE
-    last = first + count - 1
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                    SUBIDS_USER], check=True, capture_output=True, timeout=60)
+    sweep_stale_test_users()
+    name = f"{SUBIDS_PREFIX}{os.getpid()}"
+    _remove_test_user(name)
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True, timeout=60)
     try:
-        subprocess.run(["usermod", "--add-subuids", f"{first}-{last}", "--add-subgids",
-                        f"{first}-{last}", SUBIDS_USER], check=True, capture_output=True,
-                       timeout=60)
-        entry = pwd.getpwnam(SUBIDS_USER)
-        yield entry.pw_uid, entry.pw_gid
+        if not _ranges_of(name, "/etc/subuid") or not _ranges_of(name, "/etc/subgid"):
+            _add_range(name)  # useradd gave none (SUB_UID_COUNT 0)
+        count = min(sum(n for _, n in _ranges_of(name, p)) for p in ("/etc/subuid",
+                                                                    "/etc/subgid"))
+        if count >= FAR:
+            pytest.skip(f"the test user's ranges reach {FAR}, the id the tests need beyond "
+                        "them")
+        entry = pwd.getpwnam(name)
+        yield SubIdsUser(name, entry.pw_uid, entry.pw_gid, count)
     finally:
-        subprocess.run(["usermod", "--del-subuids", f"{first}-{last}", "--del-subgids",
-                        f"{first}-{last}", SUBIDS_USER], capture_output=True, timeout=60)
-        subprocess.run(["userdel", SUBIDS_USER], capture_output=True, timeout=60)
+        _remove_test_user(name)
+
+
+def test_the_subids_test_user_is_this_sessions_own(subids_user: SubIdsUser) -> None:
+    # Two suites on one machine each have their own user; one a killed session left (its
+    # pid gone) is removed by the next session's sweep, never a live session's.
+    assert subids_user.name == f"{SUBIDS_PREFIX}{os.getpid()}"
+    stale = subprocess.Popen(["true"])
+    stale.wait(timeout=60)
+    dead = f"{SUBIDS_PREFIX}{stale.pid}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", dead],
+                   check=True, capture_output=True, timeout=60)
+    try:
+        _add_range(dead)
+        assert sweep_stale_test_users() == [dead]
+        with pytest.raises(KeyError):
+            pwd.getpwnam(dead)
+        assert _ranges_of(dead, "/etc/subuid") == [] and _ranges_of(dead, "/etc/subgid") == []
+        assert pwd.getpwnam(subids_user.name).pw_uid == subids_user.uid  # the live one stays
+    finally:
+        _remove_test_user(dead)
 
 
 def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
@@ -110,29 +190,100 @@ def _layout_owned_by(layout: Path, uid: int, gid: int, prefix: str) -> Path:
     return top
 
 
-def _run_as(uid: int, gid: int, child: Path, top: Path) -> dict[str, object]:
-    """Run ``child`` as ``uid`` with no capabilities, this venv's packages on its path, and
-    return the JSON line it prints."""
-    python = _system_python()
+def _with_far_ids(owned: Path) -> Path:
+    """A copy of the ``owned`` layout with two more tags: ``far`` (User 200000) and
+    ``far-owner`` (a layer giving /far.txt to uid 200000); the caller removes its parent."""
+    top = Path(tempfile.mkdtemp(prefix="far-ids-", dir="/tmp"))
+    layout = top / "layout"
+    shutil.copytree(owned, layout)
+    subprocess.run(["umoci", "config", "--image", f"{layout}:owned", "--tag", "far",
+                    "--config.user", f"{FAR}:{FAR}"], check=True, capture_output=True,
+                   timeout=120)
+    raw = top / "layer.tar"
+    with tarfile.open(raw, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("far.txt")
+        info.uid, info.size = FAR, 2
+        tar.addfile(info, io.BytesIO(b"f\n"))
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:owned", "--tag",
+                    "far-owner", str(raw)], check=True, capture_output=True, timeout=120)
+    return layout
+
+
+@pytest.fixture
+def own_python() -> Iterator[str]:
+    """A rootless server's own interpreter outside the system trees (an image sandbox binds
+    the server's interpreter for the IPython kernel, never over the image's /usr, /opt or
+    /tmp): this venv's base installation hard-linked (readable by any user; never chown
+    anything in it) below the checkout's build/, and a venv of it whose one .pth adds this
+    venv's packages; its python's path."""
+    base = os.path.realpath(sys.base_prefix)
+    build = REPO / "build"
+    tops = ("/usr", "/opt", "/tmp", "/var")
+    if any(p == t or p.startswith(t + "/") for p in (base, str(build)) for t in tops):
+        pytest.skip("the kernel needs an interpreter and a checkout outside /usr, /opt, /tmp "
+                    "and /var")
+    build.mkdir(exist_ok=True)
+    if os.stat(base).st_dev != os.stat(build).st_dev:
+        pytest.skip("hard links need the base interpreter on the checkout's filesystem")
+    top = Path(tempfile.mkdtemp(prefix="own-python-", dir=build))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    try:
+        os.chmod(top, 0o755)
+        stdlib = top / "base" / "lib" / version
+        stdlib.mkdir(parents=True)
+        subprocess.run(["cp", "-al", f"{base}/bin", str(top / "base")], check=True,
+                       timeout=120)
+        for src in Path(base, "lib").iterdir():
+            if src.name != version:
+                subprocess.run(["cp", "-al", str(src), str(top / "base" / "lib")], check=True,
+                               timeout=120)
+        for src in Path(base, "lib", version).iterdir():
+            if src.name != "site-packages":
+                subprocess.run(["cp", "-al", str(src), str(stdlib)], check=True, timeout=120)
+        (stdlib / "site-packages").mkdir()
+        subprocess.run([str(top / "base" / "bin" / version), "-m", "venv", "--without-pip",
+                        str(top / "venv")], check=True, capture_output=True, timeout=120)
+        site = sysconfig.get_paths()["purelib"]
+        (top / "venv" / "lib" / version / "site-packages" / "host-venv.pth").write_text(
+            f"import site; site.addsitedir({site!r})\n")
+        yield str(top / "venv" / "bin" / "python3")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (),
+            args: tuple[str, ...] = (), returncode: int = 0,
+            python: str = "") -> dict[str, object]:
+    """Run ``child TOP ARGS...`` as ``uid`` with no capabilities, this venv's packages (and
+    the checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added; check its exit
+    status and return the first JSON line it prints."""
+    python = python or _system_python()
     site = sysconfig.get_paths()["purelib"]
     boot = (f"import site, runpy, sys; site.addsitedir({site!r}); "
-            f"sys.argv = [{str(child)!r}, {str(top)!r}]; "
+            f"sys.path.insert(0, {str(REPO)!r}); "
+            f"sys.argv = [{str(child)!r}, {str(top)!r}, *{list(args)!r}]; "
             f"runpy.run_path({str(child)!r}, run_name='__main__')")
     proc = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
-         "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", python, "-c", boot],
+         "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env, python, "-c",
+         boot],
         capture_output=True, text=True, timeout=240, cwd=top)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    assert proc.returncode == returncode, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("{"))
+    return json.loads(line)  # type: ignore[no-any-return]
 
 
 def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
-        owned_layout: Path, subids_user: tuple[int, int]) -> None:
+        owned_layout: Path, subids_user: SubIdsUser) -> None:
     # The server runs as a user with a subordinate range: each sandbox's user namespace maps
     # the image's uids (0 the server's user, 1.. the range), so the image's user (app) cannot
     # change root's files or another user's, and writes its own, its home and its workspace.
-    uid, gid = subids_user
-    top = _layout_owned_by(owned_layout, uid, gid, "subids-images-")
+    uid, gid = subids_user.uid, subids_user.gid
+    far = _with_far_ids(owned_layout)
+    try:
+        top = _layout_owned_by(far, uid, gid, "subids-images-")
+    finally:
+        shutil.rmtree(far.parent)
     try:
         seen = _run_as(uid, gid, SUBIDS_CHILD, top)
         assert seen["euid"] == uid and seen["subids"] != "None", seen
@@ -148,9 +299,29 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
         assert seen["holder"] is True
         # The bash tool runs as the image's user with the same rights.
         assert seen["bash"][:2] == ["1000", "b"] and "denied" in seen["bash"], seen["bash"]  # type: ignore[index,operator]
+        # The server's file API writes the user's workspace for it (the editor tool).
+        assert seen["put_file"][:2] == [0, ["1000:1001", "1000:1001", "1000:1001", "server",  # type: ignore[index]
+                                            "app-ok"]] and seen["put_file"][3] == "e\nmore\n", (  # type: ignore[index]
+            seen["put_file"])
+        assert seen["file_errors"] == ["FileNotFoundError", "IsADirectoryError",
+                                       "PermissionError"], seen["file_errors"]
         # One command as the image's root in the app sandbox (a Harbor [verifier].user).
         assert seen["as_root"][1] == ["0", "root-ok", "app-file-ok"], seen["as_root"]  # type: ignore[index]
+        # Another non-root user writes the workspace; the sandbox's user gets it back after.
+        assert seen["other_user"][1] == ["1002", "ws-file-ok", "ws-dir-ok", "ws-new-ok",  # type: ignore[index]
+                                         "root-denied"], seen["other_user"]
+        assert seen["after_other"][1] == ["1000", "back-ok", "1000", "1000"], seen["after_other"]  # type: ignore[index]
         # The cache is untouched: its files keep their content and the server's user.
+        # A grader's copy of the agent's workspace (both mapped): app's files, app's again.
+        assert seen["copy"] == [2, 0, ["s", "1000:1001", "grader-ok"], ["agent-ok"]], seen["copy"]
+        # Ids beyond the range: refused, the task's fault.
+        for tag, what in (("far", "its user 200000 (200000:200000)"),
+                          ("far-owner", "the owner of /far.txt (200000:0)")):
+            reason, message = seen[tag]  # type: ignore[misc]
+            assert reason == "IMAGE_REJECTED", seen[tag]
+            assert f"{what} is beyond the server's subordinate id range" in message, message
+            assert f"0..{subids_user.count}" in message, message
+            assert "usermod --add-subuids" in message and subids_user.name in message, message
         assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
         assert seen["cache_uids"] == [uid]
         assert seen["sandboxes_left"] == []
@@ -159,6 +330,98 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
                 for n in dirs + files
                 if os.lstat(os.path.join(d, n)).st_uid != uid]
         assert left == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_files(
+        owned_layout: Path, subids_user: SubIdsUser) -> None:
+    # A server with a subordinate range SIGKILLed with an image sandbox open: its folder holds
+    # files of the image's user (a subordinate uid on the host; one folder of them 0500),
+    # which the next server's start-up sweep removes from inside a fresh mapped namespace.
+    uid, gid = subids_user.uid, subids_user.gid
+    top = _layout_owned_by(owned_layout, uid, gid, "subids-crash-")
+    try:
+        crashed = _run_as(uid, gid, CRASH_CHILD, top, args=("crash",), returncode=-9)
+        assert crashed["written"] == "ok", crashed
+        left = top / "state" / "sandboxes" / str(crashed["sid"])
+        foreign = {os.lstat(os.path.join(d, n)).st_uid for d, dirs, files in os.walk(left)
+                   for n in dirs + files} - {uid}
+        assert foreign, "the crashed sandbox should hold files of subordinate uids"
+        reaped = _run_as(uid, gid, CRASH_CHILD, top, args=("reap",))
+        assert reaped == {"removed": [crashed["sid"]], "live": []}, reaped
+        assert not left.exists()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_ipython_kernel_runs_as_the_image_user_on_a_rootless_server(
+        owned_layout: Path, subids_user: SubIdsUser, own_python: str) -> None:
+    # The kernel (this server's interpreter, bound read-only: the busybox image has no
+    # Python) runs as the image's app with its rights; the server still writes its
+    # connection file and connects to the sockets app's kernel binds.
+    uid, gid = subids_user.uid, subids_user.gid
+    top = _layout_owned_by(owned_layout, uid, gid, "subids-ipython-")
+    try:
+        seen = _run_as(uid, gid, IPYTHON_CHILD, top, python=own_python,
+                       args=(sysconfig.get_paths()["purelib"],))
+        assert seen["cell"] == ["ok", ["1000", "1001", "v1", "kernel-ws-ok", "kernel-own-ok",
+                                       "kernel-root-denied"]], seen
+        assert seen["restarted"] == ["ok", ["1000"]], seen
+        # A harness's relay, as the image's user, reaches the server's 0600 gateway socket.
+        assert seen["gateway"][:2] == [0, ["sent"]] and seen["gateway"][3] == ["hello"], seen  # type: ignore[index]
+        assert seen["sandboxes_left"] == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+# The verifier also writes a folder of its own and beside its tests, and with umask 077 (a
+# reward file only its own user may read): the server must still read and remove them.
+VERIFIER_WRITES = ("umask 077\nmkdir -p /logs/verifier/sub && echo s > /logs/verifier/sub/f "
+                   "&& echo c > /tests/cache || exit 1\n")
+
+
+def test_harbor_verifiers_of_image_users_write_their_reward_on_a_rootless_server(
+        user_layout: Path, subids_user: SubIdsUser) -> None:
+    # On a rootless server with a subordinate range /logs/verifier and /tests are the
+    # server's folders, root's inside the sandbox; a verifier (or agent) of a non-root image
+    # user gets them in the sandbox's user namespace, and the server takes them back to read
+    # the reward and to remove them.
+    from tests.runtime.envs.test_harbor_users import APP, TEST, _task
+
+    uid, gid = subids_user.uid, subids_user.gid
+    top = _layout_owned_by(user_layout, uid, gid, "subids-harbor-")
+    try:
+        tasks = top / "tasks"
+        layout = top / "layout"
+        for name, tag, agent, verifier, users in (
+                ("a-verifier-app", "root", "root", APP, '|user = "app"'),
+                ("b-image-user", "named", APP, APP, ""),
+                ("c-verifier-root", "named", APP, "root", '|user = "root"'),
+                ("d-agent-app", "root", APP, "root", 'user = "app"|')):
+            folder = _task(tasks, name, layout, tag, agent, verifier, users)
+            (folder / "tests" / "test.sh").write_text(
+                TEST.replace("#!/bin/sh\n", "#!/bin/sh\n" + VERIFIER_WRITES, 1))
+        # A verifier user beyond the server's range: INIT refuses the task, naming the fix.
+        _task(tasks, "e-far-verifier", layout, "root", "root", "root", f'|user = "{FAR}"')
+        (top / "tmp").mkdir()
+        for d, _, files in os.walk(top):
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.lchown(name, uid, gid)
+        seen = _run_as(uid, gid, HARBOR_CHILD, top, (f"TMPDIR={top / 'tmp'}",))
+        assert seen["euid"] == uid and seen["subids"] != "None", seen
+        results = seen["results"]
+        assert results[:4] == [[name, 1.0, 0.0, []] for name in (  # type: ignore[index]
+            "a-verifier-app", "b-image-user", "c-verifier-root", "d-agent-app")], seen
+        name, oracle, noop, problems = results[4]  # type: ignore[index]
+        assert (name, oracle, noop) == ("e-far-verifier", None, None), results[4]  # type: ignore[index]
+        assert problems[0].startswith("oracle earned None") and "IMAGE_REJECTED: image " in (
+            problems[0]), problems
+        assert (f"the user '{FAR}' (task.toml [verifier].user) ({FAR}:0) is beyond the "
+                "server's subordinate id range") in problems[0], problems
+        # The jobs' verifier folders and sandboxes are gone, none left to a subordinate id.
+        assert os.listdir(top / "tmp") == []
+        assert os.listdir(top / "state" / "sandboxes") == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
@@ -184,9 +447,21 @@ def test_without_a_subordinate_range_the_server_says_so_once(
         (tmp_path / "subuid").write_text(f"{me}:100000:65536\n")
         (tmp_path / "subgid").write_text(f"{os.geteuid()}:200000:4096\n")
         ids, why = subids.lookup(os.geteuid())
-        assert ids == subids.SubIds(100000, 200000, 4096) and why == ""
+        assert ids == subids.SubIds(((100000, 65536),), ((200000, 4096),), me) and why == ""
         assert ids.uid_map(5) == ["0", "5", "1", "1", "100000", "4096"]
         assert ids.covers(4096, 0) and not ids.covers(4097, 0)
+        # A range added with `usermod --add-subuids` counts too: the ranges follow each other.
+        (tmp_path / "subgid").write_text(f"{me}:200000:4096\n{me}:300000:65536\n"
+                                         "other:400000:65536\n")
+        ids, _ = subids.lookup(os.geteuid())
+        assert ids is not None and ids.count == 65536 + 4096 - 4096
+        assert ids.gid_map(5) == ["0", "5", "1", "1", "200000", "4096", "4097", "300000",
+                                  "61440"]
+        # Beyond it: the uid, what exists and the fix, past every user's range.
+        why = ids.refusal("its user far", 70000, 0)
+        assert "(70000:0) is beyond the server's subordinate id range" in why, why
+        assert "uids and gids 0..65536" in why and "at least 4464 more ids" in why, why
+        assert f"usermod --add-subuids 524288-589823 --add-subgids 524288-589823 {me}" in why
     finally:
         subids.server_subids.cache_clear()
 
