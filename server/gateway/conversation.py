@@ -629,9 +629,7 @@ class JobConversation:
                    new_messages: Sequence[Message]) -> RenderPlacement:
         """An extension renders the history's window (when its plan is probed) and the new
         messages, and tokenizes the new messages."""
-        chat = self._chat
-        assert chat is not None
-        plan = chat.known_render_plan(chain.ledger.tools)
+        plan = chain.ledger.known_plan()
         return RenderPlacement(
             chars=budget.request_chars(new_messages) + len(tools_key),
             bounded=plan is not None and plan.window)
@@ -816,7 +814,8 @@ class JobConversation:
                         ) -> tuple[GenerateResult, int]:
         spec = self.spec
         stop = tuple(dict.fromkeys((*spec.sampling.stop, *request.stop)))
-        sampling = dataclasses.replace(spec.sampling, stop=stop)
+        sampling = spec.sampling if stop == spec.sampling.stop else dataclasses.replace(
+            spec.sampling, stop=stop)
         retries = 0
         while True:
             left = self.deadline - DEADLINE_MARGIN_S - time.monotonic()
