@@ -265,7 +265,7 @@ def test_decode_calls_the_backend_only_while_the_wrapper_cleans_up_no_spaces(
     would clean up spaces, decoding goes through it again."""
     chat = ChatTokenizer(tok)
     assert chat._backend is not None and not tok.clean_up_tokenization_spaces
-    some = ids(tok, "Hello , world ! héllo 日本 🙂<|im_end|>\n") + [0, 1, 2]
+    some = [*ids(tok, "Hello , world ! héllo 日本 🙂<|im_end|>\n"), 0, 1, 2]
     wrapper = type(tok).decode
     calls: list[int] = []
 
