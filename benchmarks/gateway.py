@@ -6,9 +6,12 @@
     the previous ids reused and the answer's tool calls parsed) and on the backend pool directly
     (a ``GenerateRequest`` with prompt ids of the same length). Per request: request in to the
     first content token out (``stream: true``) and to the last byte; p50 / p99 of each and the
-    gateway's added time. The gateway streams the pool's pieces as they come; the scripted
-    policy here gives each turn as one piece (``--latency-ms`` is a per-turn wait), so first
-    and last token stay close: the streaming itself is shown by
+    gateway's added time. The floor rows send the same requests, right after, to the
+    gateway's HTTP stack alone (same client, socket kind, connection guard, body read and
+    parse) answering with the gateway's recorded answers: the part of the added time that is
+    HTTP itself rather than the gateway's work. The gateway streams the pool's pieces as they
+    come; the scripted policy here gives each turn as one piece (``--latency-ms`` is a
+    per-turn wait), so first and last token stay close: the streaming itself is shown by
     ``tests/server/gateway/test_streaming.py``.
 (b) trainer tokens — multi-turn episodes (each turn a tool call and its observation) through the
     gateway: the tokens a trainer receives from the merged trajectory (one sequence per segment)
@@ -30,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
@@ -75,16 +81,21 @@ def pct(values: list[float], q: float) -> float:
 class Episode:
     """One harness conversation over a lease, speaking raw HTTP (no client library cost)."""
 
-    def __init__(self, lease: GatewayLease, system: dict[str, Any] = SYSTEM) -> None:
+    def __init__(self, lease: GatewayLease, system: dict[str, Any] = SYSTEM,
+                 url: str = "http://gateway/v1/chat/completions",
+                 record: list[bytes] | None = None) -> None:
         self.lease = lease
         self.messages: list[dict[str, Any]] = [system, TASK]
+        self.url = url
+        self.record = record
+        """Where each answer's raw body goes (what the HTTP floor replays)."""
 
     async def turn(self, session: aiohttp.ClientSession, index: int, *, stream: bool
                    ) -> tuple[float, float]:
         started = time.perf_counter()
         first = 0.0
         body = {"model": "m", "messages": self.messages, "tools": TOOLS, "stream": stream}
-        async with session.post("http://gateway/v1/chat/completions", json=body, headers={
+        async with session.post(self.url, json=body, headers={
                 "Authorization": f"Bearer {self.lease.api_key}"}) as response:
             if response.status != 200:
                 raise RuntimeError(f"gateway answered {response.status}: "
@@ -92,6 +103,8 @@ class Episode:
             if stream:
                 content, calls = "", []
                 async for raw in response.content:
+                    if self.record is not None:
+                        self.record.append(raw)
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -108,7 +121,10 @@ class Episode:
                 message: dict[str, Any] = {"role": "assistant", "content": content,
                                            "tool_calls": calls}
             else:
-                message = (await response.json())["choices"][0]["message"]
+                raw = await response.read()
+                if self.record is not None:
+                    self.record.append(raw)
+                message = json.loads(raw)["choices"][0]["message"]
         done = time.perf_counter() - started
         self.messages.append(message)
         for call in message.get("tool_calls") or []:
@@ -124,22 +140,28 @@ class Episode:
 async def bench_overhead(gateway: Gateway, pool: BackendPool, engine: ScriptedEngine,
                          episodes: int, turns: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"gw_first": [], "gw_last": [], "gw_plain": [],
-                                   "direct": []}
+                                   "direct": [], "http_first": [], "http_plain": []}
     for e in range(episodes):
         for stream in (True, False):
             job = f"gw-{e}-{int(stream)}"
             lease = await gateway.open(JobSpec(job, "bench", {}, sampling=SamplingParams(
                 seed=e), limits=Limits(max_turns=turns + 1)), pool)
+            answers: list[list[bytes]] = []
             episode = Episode(lease)
             connector = aiohttp.UnixConnector(path=lease.socket_path)
             async with aiohttp.ClientSession(connector=connector) as session:
                 for t in range(turns):
+                    episode.record = []
                     first, last = await episode.turn(session, t, stream=stream)
+                    answers.append(episode.record)
                     if stream:
                         out["gw_first"].append(first)
                         out["gw_last"].append(last)
                     else:
                         out["gw_plain"].append(last)
+            # The same requests and answers over HTTP alone, right after (same conditions).
+            for first, _ in await http_floor(lease, answers, stream=stream, turns=turns):
+                out["http_first" if stream else "http_plain"].append(first)
             capture = await gateway.close(lease)
             await pool.end_session(job)
             if stream:  # the same prompts and generations, on the pool directly
@@ -157,6 +179,47 @@ async def bench_overhead(gateway: Gateway, pool: BackendPool, engine: ScriptedEn
                     prompt += turn.output_ids + turn.observation_ids
                 await pool.end_session(f"direct-{e}")
     return out
+
+
+async def http_floor(lease: GatewayLease, answers: list[list[bytes]], *, stream: bool,
+                     turns: int) -> list[tuple[float, float]]:
+    """An episode's requests again, on a socket of its own served by the gateway's HTTP
+    stack (aiohttp with the same connection guard, body read and JSON parse) whose handler
+    answers each with the gateway's recorded answer: what HTTP alone costs of the added
+    time."""
+    from rollout.server.gateway import connections, routes
+    from rollout.server.gateway.messages import RequestLimits
+
+    limits = RequestLimits()
+    replies = iter(answers)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await routes._read_json(request, limits)
+        body = b"".join(next(replies))
+        if not stream:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(body)
+        await response.write_eof()
+        return response
+
+    app = connections.guard(web.Application(client_max_size=limits.max_body_bytes + 1))
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    path = lease.socket_path + ".floor"
+    try:
+        await connections.unix_site(runner, path, "bench HTTP floor").start()
+        episode = Episode(lease)
+        async with aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=path)) as session:
+            return [await episode.turn(session, t, stream=stream) for t in range(turns)]
+    finally:
+        await runner.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def trainer_tokens(capture: HarnessCapture) -> tuple[int, int, int, int]:
@@ -278,13 +341,17 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
     base = o["direct"]
     table.add_row("backend pool directly (baseline)", f"{pct(base, .5) * 1e3:.2f}",
                   f"{pct(base, .99) * 1e3:.2f}", "-", "-")
-    for key, label in (("gw_first", "gateway, stream: first token"),
+    for key, label in (("http_first", "HTTP alone (floor), stream: first token"),
+                       ("http_plain", "HTTP alone (floor), no stream: whole answer"),
+                       ("gw_first", "gateway, stream: first token"),
                        ("gw_last", "gateway, stream: last token"),
                        ("gw_plain", "gateway, no stream: whole answer")):
         values = o[key]
+        # HTTP alone generates nothing: all of its time is added to the pool's.
+        floor = 0.0 if key.startswith("http") else 1.0
         table.add_row(label, f"{pct(values, .5) * 1e3:.2f}", f"{pct(values, .99) * 1e3:.2f}",
-                      f"{(pct(values, .5) - pct(base, .5)) * 1e3:.2f}",
-                      f"{(pct(values, .99) - pct(base, .99)) * 1e3:.2f}")
+                      f"{(pct(values, .5) - floor * pct(base, .5)) * 1e3:.2f}",
+                      f"{(pct(values, .99) - floor * pct(base, .99)) * 1e3:.2f}")
     console.print(table)
     tokens = Table(title=f"(b) tokens a trainer receives for one {args.turns}-turn episode")
     for column in ("harness", "merged trajectory", "one sequence per request", "ratio"):

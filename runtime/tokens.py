@@ -225,8 +225,10 @@ class ChatTokenizer:
         truncation and padding (off, here) and its special-token splitting, then calling the
         backend; its Python wrapping costs as much again as a short encode. So the backend is
         called directly only for that generic class (no subclass that changes how text is
-        encoded), only while the backend's state is what ``encode`` would leave it in
-        (checked on every call), and only if it gives the wrapper's ids on probe texts."""
+        encoded or decoded), only while the backend's state is what ``encode`` would leave it
+        in (checked on every call), and only if it gives the wrapper's ids (and, where the
+        wrapper cleans up no spaces, its decoded texts) on probe texts. :meth:`decode` calls
+        the backend directly under the same decision while the clean-up stays off."""
         try:
             from transformers.tokenization_utils_base import PreTrainedTokenizerBase
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -249,7 +251,8 @@ class ChatTokenizer:
         kind = type(tok)
         if not isinstance(tok, generic) or backend is None \
                 or not hasattr(backend, "encode_batch_fast") \
-                or kind.encode is not base.encode or kind._encode_plus is not generic._encode_plus:
+                or kind.encode is not base.encode or kind._encode_plus is not generic._encode_plus \
+                or kind.decode is not base.decode or kind._decode is not generic._decode:
             return None
         specials = "".join(str(t) for t in getattr(tok, "all_special_tokens", ()) or ())
         with self._lock:
@@ -258,13 +261,22 @@ class ChatTokenizer:
                 want = list(tok.encode(text, add_special_tokens=False))
                 if backend.truncation is not None or backend.padding is not None or list(
                         backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-                ) != want:
+                ) != want or (not getattr(tok, "clean_up_tokenization_spaces", True) and str(
+                        backend.decode(want, skip_special_tokens=False)) != str(
+                        tok.decode(want, skip_special_tokens=False))):
                     return None
         return backend
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids with special tokens kept (for parsing and logs; never authoritative)."""
+        backend = self._backend
+        # The generic wrapper's decode is the backend's, then an optional clean-up of spaces;
+        # with the clean-up off the backend gives its text without the wrapper's cost.
+        direct = backend is not None and not getattr(
+            self.tokenizer, "clean_up_tokenization_spaces", True)
         with self._lock:
+            if direct:
+                return str(backend.decode(list(ids), skip_special_tokens=False))
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def initial_prompt(self, messages: Sequence[Message],
@@ -354,7 +366,8 @@ class ChatTokenizer:
     def delta(self, history: Sequence[Message], output_ids: Sequence[int],
               new_messages: Sequence[Message], *, assistant_text: str | None = None,
               tools: Sequence[Mapping[str, Any]] | None = None,
-              add_generation_prompt: bool = True, check_append_only: bool = True) -> Delta:
+              add_generation_prompt: bool = True, check_append_only: bool = True,
+              plan: RenderPlan | None = None) -> Delta:
         """Ids to append after ``output_ids`` (the raw ids of the assistant turn that follows
         ``history``) so that ``new_messages`` and the next generation prompt come after it.
 
@@ -362,8 +375,9 @@ class ChatTokenizer:
         :class:`RenderPlan` says which parts come from a shorter render or a fixed text
         because a probe showed they are the same.
         ``assistant_text`` (the decoded output) is used only to check append-only-ness;
-        without ``check_append_only`` the delta's ``append_only`` is True unchecked."""
-        plan = self.render_plan(tools)
+        without ``check_append_only`` the delta's ``append_only`` is True unchecked.
+        ``plan``: ``render_plan(tools)`` when the caller holds it already."""
+        plan = plan or self.render_plan(tools)
         context = plan.context(history)
         assistant = {"role": "assistant", "content": _SENTINEL}
         conv = [*context, assistant, *new_messages]
@@ -582,6 +596,14 @@ class ChatLedger:
     owner never reports ``append_only`` (the gateway's chains) skips that work."""
     _awaiting_output: bool = False
     _last_output: list[int] = field(default_factory=list)
+    _plan: RenderPlan | None = None
+    """The chat's render plan for ``tools`` once known (neither changes in a ledger's life)."""
+
+    def known_plan(self) -> RenderPlan | None:
+        """:meth:`ChatTokenizer.known_render_plan` for this ledger's tools."""
+        if self._plan is None:
+            self._plan = self.chat.known_render_plan(self.tools)
+        return self._plan
 
     def start(self, rendered: str | None = None) -> list[int]:
         """Ids of the initial prompt (turn 0's ``prompt_ids``). ``rendered``: the messages
@@ -611,10 +633,12 @@ class ChatLedger:
         """Append the ids of ``new_messages`` (and the next generation prompt)."""
         if self._awaiting_output:
             raise RuntimeError("add_messages needs a model turn before it")
+        if self._plan is None:
+            self._plan = self.chat.render_plan(self.tools)
         delta = self.chat.delta(self.messages[:-1], self._last_output, new_messages,
                                 assistant_text=self.messages[-1]["content"], tools=self.tools,
                                 add_generation_prompt=add_generation_prompt,
-                                check_append_only=self.check_append_only)
+                                check_append_only=self.check_append_only, plan=self._plan)
         self.token_ids.extend(delta.observation_ids + delta.prompt_ids)
         self.messages.extend(dict(m) for m in new_messages)
         self.append_only = self.append_only and delta.append_only

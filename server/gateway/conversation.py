@@ -48,6 +48,7 @@ import random
 import re
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,13 @@ DEADLINE_MARGIN_S = 1.0
 reaches the harness (and the trajectory) before the scheduler cancels RUN."""
 
 _LLAMA_CALL = re.compile(r'\{\s*"(name|function)"\s*:')
+
+_SHARED_CHATS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], ChatTokenizer]] = (
+    weakref.WeakKeyDictionary())
+"""Per served tokenizer, its :class:`ChatTokenizer` by template and template arguments: made
+and probed (tool role, end-of-turn ids) once, then used by every job (it holds no
+conversation's state), so a job's first request neither probes again nor waits for a
+thread to do it."""
 
 Key = tuple[Any, ...]
 Ident = tuple[str, bool, tuple[Key, ...]]
@@ -452,7 +460,10 @@ class JobConversation:
         if self._chat is not None:
             return
         try:
-            await asyncio.to_thread(self._load_chat)
+            if self._shared_chat() is not None:
+                self._load_chat()  # probed already: nothing left that is worth a thread
+            else:
+                await asyncio.to_thread(self._load_chat)
         except BadRequest:
             raise
         except Exception as exc:  # a template unfit for token-exact rendering
@@ -461,8 +472,8 @@ class JobConversation:
                              code="template_error") from exc
 
     def _load_chat(self) -> None:
-        chat = ChatTokenizer(self.llm.tokenizer,
-                             template_kwargs=dict(self.spec.chat.template_kwargs))
+        chat = self._shared_chat() or ChatTokenizer(
+            self.llm.tokenizer, template_kwargs=dict(self.spec.chat.template_kwargs))
         fmt = self.spec.chat.tool_call_format or detect_format(chat.template_source)
         if fmt not in TOOL_CALL_FORMATS:
             raise BadRequest(f"the job's tool-call format {fmt!r} is unknown", status=500,
@@ -470,6 +481,21 @@ class JobConversation:
         self._observation_role = chat.observation_role
         _ = chat.end_of_turn_ids
         self._chat, self._fmt = chat, fmt
+        with contextlib.suppress(TypeError):  # a tokenizer without weak references: not shared
+            _SHARED_CHATS.setdefault(self.llm.tokenizer, {})[self._chat_key()] = chat
+
+    def _chat_key(self) -> tuple[str, str]:
+        return (str(getattr(self.llm.tokenizer, "chat_template", "") or ""),
+                json.dumps(dict(self.spec.chat.template_kwargs), sort_keys=True, default=repr))
+
+    def _shared_chat(self) -> ChatTokenizer | None:
+        """The served tokenizer's :class:`ChatTokenizer` for this job's template arguments,
+        if an earlier job made it (and probed its template)."""
+        try:
+            known = _SHARED_CHATS.get(self.llm.tokenizer)
+        except TypeError:
+            return None
+        return known.get(self._chat_key()) if known else None
 
     # ------------------------------------------------------------------ one request
     def _check_max_turns(self) -> None:
@@ -629,9 +655,7 @@ class JobConversation:
                    new_messages: Sequence[Message]) -> RenderPlacement:
         """An extension renders the history's window (when its plan is probed) and the new
         messages, and tokenizes the new messages."""
-        chat = self._chat
-        assert chat is not None
-        plan = chat.known_render_plan(chain.ledger.tools)
+        plan = chain.ledger.known_plan()
         return RenderPlacement(
             chars=budget.request_chars(new_messages) + len(tools_key),
             bounded=plan is not None and plan.window)
@@ -816,7 +840,8 @@ class JobConversation:
                         ) -> tuple[GenerateResult, int]:
         spec = self.spec
         stop = tuple(dict.fromkeys((*spec.sampling.stop, *request.stop)))
-        sampling = dataclasses.replace(spec.sampling, stop=stop)
+        sampling = spec.sampling if stop == spec.sampling.stop else dataclasses.replace(
+            spec.sampling, stop=stop)
         retries = 0
         while True:
             left = self.deadline - DEADLINE_MARGIN_S - time.monotonic()

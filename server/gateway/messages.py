@@ -13,6 +13,7 @@ Everything a client sends is bounded here (:class:`RequestLimits`); a value out 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,11 +63,22 @@ class CallItem:
         return value if isinstance(value, dict) else {"arguments": value}
 
     def key(self) -> tuple[str, str]:
-        try:
-            canonical = json.dumps(json.loads(self.arguments or "{}"), sort_keys=True)
-        except ValueError:
-            canonical = self.arguments
-        return self.name, canonical
+        if len(self.arguments) <= MEMO_ARGUMENTS_CHARS:
+            return self.name, _canonical_memo(self.arguments)
+        return self.name, _canonical(self.arguments)
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments or "{}"), sort_keys=True)
+    except ValueError:
+        return arguments
+
+
+MEMO_ARGUMENTS_CHARS = 4096
+"""Arguments this short have their canonical form memoized: a harness resends every earlier
+call with each request, so the same texts are read again and again."""
+_canonical_memo = functools.lru_cache(maxsize=2048)(_canonical)
 
 
 @dataclass(frozen=True)

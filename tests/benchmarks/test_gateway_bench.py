@@ -32,6 +32,8 @@ async def test_the_bench_prints_both_tables() -> None:
     text = out.getvalue()
     assert "backend pool directly (baseline)" in text
     assert "gateway, stream: first token" in text
+    assert "HTTP alone (floor), stream: first token" in text
+    assert "HTTP alone (floor), no stream: whole answer" in text
     assert "appending harness" in text and "compacting harness" in text
     assert "one chain per line of conversation" in text
     assert "one current segment, a new one per switch" in text

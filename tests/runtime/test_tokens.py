@@ -257,3 +257,26 @@ def test_the_backend_encoder_is_used_only_while_it_does_what_encode_does(tok: An
         backend.no_truncation()
     assert got == ids(tok, tok.eos_token + text)[1:] and len(got) > 5
     assert chat.encode(text * 2) == ids(tok, tok.eos_token + text * 2)[1:]
+
+
+def test_decode_calls_the_backend_only_while_the_wrapper_cleans_up_no_spaces(
+        tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text of ids from the Rust tokenizer directly is the wrapper's text; once the wrapper
+    would clean up spaces, decoding goes through it again."""
+    chat = ChatTokenizer(tok)
+    assert chat._backend is not None and not tok.clean_up_tokenization_spaces
+    some = [*ids(tok, "Hello , world ! héllo 日本 🙂<|im_end|>\n"), 0, 1, 2]
+    wrapper = type(tok).decode
+    calls: list[int] = []
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return wrapper(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "decode", spy)
+    assert chat.decode(some) == wrapper(tok, some, skip_special_tokens=False)
+    assert chat.decode(some[3:]) == wrapper(tok, some[3:], skip_special_tokens=False)
+    assert not calls
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    chat.decode(some)
+    assert calls

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollout.runtime.tokens import ChatLedger, ChatTokenizer
-from rollout.runtime.types import JobSpec, Limits, SamplingParams
+from rollout.runtime.types import ChatOptions, JobSpec, Limits, SamplingParams
 from rollout.server.gateway.conversation import INLINE_CHARS, JobConversation, RenderPlacement
 from rollout.server.gateway.messages import ChatRequest, Message
 from tests.runtime.doubles import smollm2_tokenizer
@@ -76,3 +76,31 @@ async def test_small_extensions_render_on_the_loop_and_large_ones_in_a_thread() 
             new = messages[3 + 2 * k]
             ledger.add_messages([{"role": new.role, "content": new.content}])
     assert len(llm.calls) == 6
+
+
+async def test_a_jobs_first_request_uses_the_template_an_earlier_job_probed() -> None:
+    """The served tokenizer's template is loaded and probed in a thread by the first job; a
+    later job with the same template arguments takes that result on the event loop (no
+    thread, no probe renders); other template arguments get their own."""
+    tok = ThreadRecordingTokenizer(smollm2_tokenizer())
+    llm = PromptPolicy(tok, tok.convert_tokens_to_ids("<|im_end|>"))
+    loop_thread = threading.get_ident()
+
+    def job(name: str, **kwargs: Any) -> JobConversation:
+        spec = JobSpec(job_id=name, environment="harness", task={},
+                       sampling=SamplingParams(seed=3, max_tokens_per_turn=32),
+                       limits=Limits(max_turns=8), chat=ChatOptions(template_kwargs=kwargs))
+        return JobConversation(spec, llm, deadline=asyncio.get_running_loop().time() + 600)
+
+    request = ChatRequest(messages=[Message("system", "s"), Message("user", "task")])
+    first, second, other = job("a"), job("b"), job("c", probe_flag=True)
+    await first.serve(request)
+    assert tok.threads[0] != loop_thread  # the first job probed the template in a thread
+    tok.threads.clear()
+    answer = await second.serve(request)
+    assert tok.threads and set(tok.threads) == {loop_thread}
+    assert second._chat is first._chat
+    assert answer.turn.prompt_ids == llm.calls[0][0]
+    tok.threads.clear()
+    await other.serve(request)
+    assert tok.threads[0] != loop_thread and other._chat is not first._chat
