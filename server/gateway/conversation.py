@@ -152,6 +152,11 @@ Listener = Callable[[TextDelta], None]
 _CALL_MARKS = {"hermes": (OPEN,), "mistral": (MISTRAL_TAG,), "llama3": (PYTHON_TAG, "{")}
 
 
+_LIVE_CONTEXT = 8
+"""Ids decoded again before a streamed piece's new ids, so a decoder's dependence on an
+id's neighbours shows up (see :meth:`_LiveText._text`)."""
+
+
 class _LiveText:
     """The part of a generating answer's text that is certainly the start of its final
     ``content``, so it can be sent before the turn ends without ever taking text back.
@@ -169,15 +174,45 @@ class _LiveText:
         self._marks = marks
         self._ids: list[int] = []
         self.sent = ""
+        # A checkpoint: the text of ids[:_upto], decoded whole or grown from an earlier one.
+        self._upto = 0
+        self._upto_text = ""
 
     def feed(self, ids: Sequence[int]) -> str:
         """Take newly sampled ids; return the text that became safe to send (maybe "")."""
         self._ids.extend(ids)
-        safe = self._safe(self._chat.decode(self._strip(self._ids)))
+        safe = self._safe(self._text())
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent):], safe
         return delta
+
+    def _text(self) -> str:
+        """The decoded output so far, without decoding it all again on every piece.
+
+        An engine streams one token at a time, so decoding the whole output per piece costs
+        the square of its length, on the event loop. Instead the new ids are decoded with a
+        few ids of context before them, and the context's own text is cut off the front, so
+        decoders whose text for an id depends on its neighbours (a leading space dropped,
+        spaces cleaned before punctuation, a UTF-8 character split across ids) give the
+        whole decode's text. A decoder that reaches further shows it as context text that
+        does not match; that falls back to one whole decode, which restarts the checkpoint."""
+        ids = self._ids
+        start = max(0, self._upto - _LIVE_CONTEXT)
+        tail = self._strip(ids[start:])
+        whole: str | None = None
+        if self._upto and len(tail) >= self._upto - start:
+            before = self._chat.decode(ids[start:self._upto])
+            text = self._chat.decode(tail)
+            if text.startswith(before) and not before.endswith("\ufffd"):
+                whole = self._upto_text + text[len(before):]
+        if whole is None:
+            tail = self._strip(ids)
+            start = 0
+            whole = self._chat.decode(tail)
+        if not whole.endswith("\ufffd"):  # a split character is never a checkpoint
+            self._upto, self._upto_text = start + len(tail), whole
+        return whole
 
     def rest(self, content: str) -> str:
         """What of the final ``content`` is still to send."""
