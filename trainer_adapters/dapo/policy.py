@@ -24,6 +24,7 @@ from rollout.trainer_adapters.dapo.loss import (
     rollout_weights,
     token_logprobs,
 )
+from rollout.trainer_adapters.dapo.metrics import map_large_allocations
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Policy:
                  logit_chunk: int = 1024, gradient_checkpointing: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        map_large_allocations()  # freed activations go back to the system, not the heap
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
