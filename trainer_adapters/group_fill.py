@@ -27,7 +27,7 @@ that Dr.GRPO stays exact). A group with no valid row gets equal fills (every adv
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def grpo_target(valid: Sequence[float]) -> tuple[float, float]:
@@ -66,4 +66,20 @@ def grpo_fills(valid: Sequence[float], size: int) -> list[float]:
     return fills
 
 
-__all__ = ["grpo_fills", "grpo_target"]
+def fill_for(job_id: str, valid: Mapping[str, float], roster: Iterable[str],
+             size: int) -> float | None:
+    """The fill of untrainable job ``job_id`` in a group of ``size`` whose frozen view has the
+    valid rewards ``valid`` (by job id) and lists ``roster`` (every job id of the group,
+    settled or not): the :func:`grpo_fills` of ``valid`` at ``job_id``'s rank among the group's
+    jobs that are not valid. Every job that is not valid holds one rank, including one still
+    running at the freeze, so the untrainable rows that compute this from the same view take
+    distinct fills that complement each other; a job that later turned out valid trains with
+    its own reward in its slot. None: the view lists more than ``size`` jobs outside
+    ``valid`` (a view gone wrong; the caller keeps its own reward)."""
+    others = sorted((set(roster) | {job_id}) - set(valid))
+    fills = grpo_fills(sorted(valid.values()), size)
+    rank = others.index(job_id)
+    return fills[rank] if rank < len(fills) else None
+
+
+__all__ = ["fill_for", "grpo_fills", "grpo_target"]

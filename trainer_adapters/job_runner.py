@@ -14,6 +14,7 @@ module serves hooks that are called once per sample and must return that sample.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import socket
@@ -32,6 +33,9 @@ from rollout.v1 import job_pb2, trajectory_pb2
 SUCCEEDED = job_pb2.Job.State.STATE_SUCCEEDED
 TERMINAL = frozenset({SUCCEEDED, job_pb2.Job.State.STATE_FAILED,
                       job_pb2.Job.State.STATE_CANCELLED})
+FROZEN_GROUPS_KEPT = 4096
+"""Groups whose frozen view (:meth:`JobRunner.frozen_group`) a runner remembers; the oldest
+finished ones go first (a verl step's groups are all done long before 4096 newer ones)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class SettledGroup:
 
     valid: dict[str, float]
     untrainable: frozenset[str]
+    roster: frozenset[str] = frozenset()
+    """Every job id the service listed for the group, settled or not (a job still running
+    when the view was taken is in the roster and in neither set)."""
 
 
 class JobRejectedError(ValueError):
@@ -86,6 +93,8 @@ class JobRunner:
         self._waiting: dict[str, asyncio.Future[JobOutcome]] = {}
         self._trajectories: dict[str, tuple[int, trajectory_pb2.Trajectory]] = {}
         self._start_lock = asyncio.Lock()
+        self._frozen: collections.OrderedDict[str, asyncio.Task[SettledGroup]] = (
+            collections.OrderedDict())
 
     async def start(self) -> None:
         async with self._start_lock:
@@ -124,6 +133,31 @@ class JobRunner:
         finally:
             self._waiting.pop(proto.job_id, None)
 
+    async def frozen_group(self, group_id: str, *, size: int, timeout_s: float,
+                           poll_s: float = 0.5,
+                           trains: Callable[[JobOutcome], bool] | None = None) -> SettledGroup:
+        """``group_id``'s settled view, taken once and shared by every caller in this process:
+        the first call waits (up to ``timeout_s``) for all ``size`` jobs of the group to settle
+        (see :meth:`settled_group`, with no job excluded); every later call, however late, gets
+        that same view, even when more of the group's jobs have settled since. So all the
+        callers that derive something from the group (the verl legacy loop's fills) derive it
+        from one set. A view that failed (the service could not be read) is not kept."""
+        task = self._frozen.get(group_id)
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            task = asyncio.create_task(
+                self.settled_group(group_id, exclude="", others=size, timeout_s=timeout_s,
+                                   poll_s=poll_s, trains=trains),
+                name=f"job-runner:freeze:{group_id}")
+            self._frozen[group_id] = task
+            while len(self._frozen) > FROZEN_GROUPS_KEPT:
+                old_id, old = next(iter(self._frozen.items()))
+                if not old.done():
+                    break  # never drop a view someone is still waiting for
+                del self._frozen[old_id]
+        self._frozen.move_to_end(group_id)
+        # A caller cancelled while waiting leaves the view to be taken for the others.
+        return await asyncio.shield(task)
+
     async def settled_group(self, group_id: str, *, exclude: str, others: int,
                             timeout_s: float, poll_s: float = 0.5,
                             trains: Callable[[JobOutcome], bool] | None = None
@@ -140,8 +174,10 @@ class JobRunner:
         deadline = loop.time() + max(timeout_s, 0.0)
         delay = poll_s
         valid: dict[str, float | None] = {}  # settled jobs: the reward when valid, else None
+        roster: set[str] = set()
         while True:
             async for job in self.client.list_jobs(group_id=group_id):
+                roster.add(job.job_id)
                 if job.job_id != exclude and job.state in TERMINAL and job.job_id not in valid:
                     counts = await self._counts(job, trains)
                     if counts is not None:
@@ -153,7 +189,8 @@ class JobRunner:
             delay = min(delay * 2, 2.0)
         return SettledGroup(
             valid={j: r for j, r in valid.items() if r is not None},
-            untrainable=frozenset(j for j, r in valid.items() if r is None))
+            untrainable=frozenset(j for j, r in valid.items() if r is None),
+            roster=frozenset(roster - {exclude}))
 
     async def _counts(self, job: job_pb2.Job,
                       trains: Callable[[JobOutcome], bool] | None) -> bool | None:
@@ -175,6 +212,9 @@ class JobRunner:
         await self._session.cancel(group_ids=[group_id])
 
     async def close(self) -> None:
+        for task in self._frozen.values():
+            task.cancel()
+        self._frozen.clear()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -24,6 +24,7 @@ Per token, with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -162,10 +163,18 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets:
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_logprobs` from the model's last hidden states (``[B, T, H]``) and its output
     layer, ``chunk`` positions at a time, without ever holding the batch's full-vocabulary
-    logits: each chunk's logits exist only inside a checkpointed function, and the backward
-    pass recomputes them chunk by chunk instead of keeping them. Peak memory for the logits is
-    one chunk's ``chunk x vocabulary`` floats (and its softmax), not ``B x T x vocabulary``.
-    Entropy is a metric (no gradient flows through it)."""
+    logits. A bias-free linear head (the usual tied or untied LM head) outside autocast goes
+    through :class:`_LinearLogprobs`, whose backward pass recomputes each chunk's logits and
+    turns them into their gradient in place: one ``chunk x vocabulary`` buffer at a time in
+    either pass. Any other head runs each chunk inside a checkpointed function (the backward
+    recomputes the chunk, keeping its softmax and temporaries alive meanwhile). Entropy is a
+    metric (no gradient flows through it)."""
+    chunk = max(chunk, 1)
+    weight = getattr(head, "weight", None)
+    if (type(head) is torch.nn.Linear and head.bias is None and weight is not None
+            and not torch.is_autocast_enabled(hidden.device.type)):
+        lp, ent = _LinearLogprobs.apply(hidden, weight, targets, temperature, chunk)
+        return lp, ent
     from torch.utils.checkpoint import checkpoint
 
     def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +184,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets:
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
     logps, ents = [], []
-    for start in range(0, flat_h.shape[0], max(chunk, 1)):
+    for start in range(0, flat_h.shape[0], chunk):
         h, t = flat_h[start:start + chunk], flat_t[start:start + chunk]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(piece, h, t, use_reentrant=False)
@@ -185,6 +194,76 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets:
         ents.append(ent)
     shape = targets.shape
     return torch.cat(logps).reshape(shape), torch.cat(ents).reshape(shape)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``log softmax(h W^T / temperature)[target]`` and the entropy, chunk by chunk.
+
+    Forward keeps only ``h``, ``W``, the targets and each position's log-normaliser (one float
+    per position). Backward recomputes a chunk's logits into one buffer and overwrites it with
+    ``(onehot - softmax) * grad / temperature`` (the gradient of a log-probability with respect
+    to its logits), from which the hidden states' and the head's gradients follow; the head's
+    gradient is summed over the chunks into one ``vocabulary x hidden`` tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        flat_t = targets.reshape(-1)
+        n = flat_h.shape[0]
+        logp = flat_h.new_empty(n, dtype=torch.float32)
+        entropy = flat_h.new_empty(n, dtype=torch.float32)
+        logz = flat_h.new_empty(n, dtype=torch.float32)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = _scaled_logits(flat_h[start:end], weight, temperature)
+            z = torch.logsumexp(logits, dim=-1)
+            logz[start:end] = z
+            logp[start:end] = logits.gather(-1, flat_t[start:end, None]).squeeze(-1) - z
+            # entropy = logz - sum p * logits, with p made in the logits' own buffer
+            weighted = logits.sub(z[:, None]).exp_().mul_(logits).sum(-1)
+            entropy[start:end] = z - weighted
+            del logits
+        ctx.save_for_backward(hidden, weight, targets, logz)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        hidden, weight, targets, logz = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        flat_t = targets.reshape(-1)
+        g = grad_logp.reshape(-1).float()
+        n = flat_h.shape[0]
+        grad_h = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
+        grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                  if ctx.needs_input_grad[1] else None)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            buf = _scaled_logits(flat_h[start:end], weight, temperature)
+            # d logp / d logits = (onehot - softmax) / temperature, scaled by the incoming grad
+            buf.sub_(logz[start:end, None]).exp_().neg_()
+            buf.scatter_add_(-1, flat_t[start:end, None],
+                             torch.ones_like(flat_t[start:end, None], dtype=buf.dtype))
+            buf.mul_((g[start:end] / temperature)[:, None])
+            if grad_h is not None:
+                grad_h[start:end] = (buf @ weight.float()).to(grad_h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(buf.t(), flat_h[start:end].float())
+            del buf
+        return (None if grad_h is None else grad_h.reshape(hidden.shape),
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
+
+
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One chunk's float32 logits divided by the temperature, in a fresh buffer."""
+    logits = (h.float() @ weight.float().t())
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,

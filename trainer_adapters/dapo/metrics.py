@@ -57,6 +57,28 @@ def release_free_memory() -> None:
         pass
 
 
+LARGE_ALLOCATION = 1 << 20
+"""Bytes from which the C allocator maps memory for its own (see :func:`map_large_allocations`)."""
+
+
+def map_large_allocations() -> None:
+    """Make glibc serve every allocation of :data:`LARGE_ALLOCATION` bytes or more with its own
+    mapping, returned to the system when freed (``mallopt(M_MMAP_THRESHOLD)``, which also stops
+    glibc raising that threshold after each large free). By default a freed tensor of up to
+    32 MiB stays in the heap, and the layers' recomputed activations leave a model's worth of
+    free heap resident from the second update on. A no-op where the C library has no
+    ``mallopt``."""
+    import ctypes
+    import ctypes.util
+
+    m_mmap_threshold = -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(m_mmap_threshold, LARGE_ALLOCATION)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss_gib() -> float | str:
     """Resident memory now (``VmRSS``), in GiB; ``""`` where /proc is not available."""
     return _status_gib("VmRSS:")

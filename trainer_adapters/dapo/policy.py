@@ -24,6 +24,7 @@ from rollout.trainer_adapters.dapo.loss import (
     rollout_weights,
     token_logprobs,
 )
+from rollout.trainer_adapters.dapo.metrics import map_large_allocations
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Policy:
                  logit_chunk: int = 1024, gradient_checkpointing: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        map_large_allocations()  # freed activations go back to the system, not the heap
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -95,8 +97,12 @@ class Policy:
             else:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Fused: one kernel per parameter updates it and its two moments in place. The default
+        # (foreach) form makes whole-model temporaries (sqrt of the second moments, ...) that
+        # add a model's size to the step and stay in the C heap afterwards.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
-                                           weight_decay=weight_decay)
+                                           weight_decay=weight_decay,
+                                           **_adamw_kernel(self.model, self.device))
         self.base_lr = lr
         self.warmup_steps = warmup_steps
         self.updates = 0
@@ -241,6 +247,9 @@ class Policy:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
             grad_norms.append(float(norm))
             self.optimizer.step()
+            # The gradients are dead weight until the next backward pass: free them now so the
+            # rollouts between two updates do not carry a model's worth of them.
+            self.optimizer.zero_grad(set_to_none=True)
             self.updates += 1
         denom = max(loss_tokens, 1)
         if correction is not None:
@@ -282,3 +291,14 @@ def _fit(row: torch.Tensor, width: int) -> torch.Tensor:
     if row.shape[0] >= width:
         return row[:width]
     return torch.cat([row, row.new_zeros(width - row.shape[0])])
+
+
+def _adamw_kernel(model: torch.nn.Module, device: torch.device) -> dict[str, bool]:
+    """``fused=True`` where torch has the fused AdamW for these parameters (float32 or
+    half-precision on CPU or CUDA), else the per-parameter loop (``foreach=False``): neither
+    allocates temporaries over the whole model at once."""
+    float_params = all(p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                       for p in model.parameters())
+    if float_params and device.type in ("cpu", "cuda"):
+        return {"fused": True}
+    return {"foreach": False}

@@ -275,6 +275,7 @@ class DapoTrainer:
             mini_batches=cfg.algo.mini_batches, loss_agg=cfg.algo.loss_agg,
             correction=cfg.correction())
         t1 = time.monotonic()
+        release_free_memory()  # the update's freed activations and gradients, before rollouts
         self.version += 1
         if self.shared is not None:
             await self.shared.publish(self.version)

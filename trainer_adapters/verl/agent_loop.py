@@ -34,12 +34,13 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from rollout.trainer_adapters.group_fill import grpo_fills
+from rollout.trainer_adapters.group_fill import fill_for
 from rollout.trainer_adapters.job_runner import JobOutcome, shared_runner
 from rollout.trainer_adapters.verl.job_mapping import (
     PromptTooLong,
     VerlSample,
     job_for_sample,
+    prompt_only,
     to_verl_samples,
 )
 
@@ -133,7 +134,12 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         ``uid`` it assigned (``DataProto.union`` refuses a changed one), so an untrainable row
         cannot leave its group. Instead it takes a reward that keeps the group's GRPO mean and
         std those of the valid rollouts (:meth:`_neutral_reward`); the row itself is masked, so
-        it carries no gradient whatever its advantage."""
+        it carries no gradient whatever its advantage. It comes back with its prompt alone
+        (:func:`~rollout.trainer_adapters.verl.job_mapping.prompt_only`): verl's score and
+        reward metrics then leave it out as aborted, so they average valid rollouts only while
+        its reward still enters the advantages. Its fill is computed from the group's view that
+        :meth:`~rollout.trainer_adapters.job_runner.JobRunner.frozen_group` takes once for every
+        loop of the group in this process."""
         s = self.settings
         spec = job_for_sample(
             kwargs, sampling_params, environment=s.environment,
@@ -153,8 +159,10 @@ class RolloutServiceAgentLoop(AgentLoopBase):
             # session id and takes exactly one output per sample.
             return [_output(x) for x in samples if x.trained]
         row = samples[-1]
-        if not row.trained and self.group_size > 1 and s.neutral_wait_s > 0:
-            row = await self._neutral_reward(runner, spec, row)
+        if not row.trained:
+            if self.group_size > 1 and s.neutral_wait_s > 0:
+                row = await self._neutral_reward(runner, spec, row)
+            row = prompt_only(row)
         return _output(row)
 
     def _rows(self, outcome: JobOutcome, fallback: Sequence[int] = ()) -> list[VerlSample]:
@@ -181,15 +189,13 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         valid rewards, each the fill at its job id's rank among them, so that verl's mean and
         std over every row of the ``uid`` are the valid rows' own. ``reward`` in the row's
         reward info keeps the job's own."""
-        group = await runner.settled_group(
-            spec.group.group_id, exclude=spec.job_id, others=self.group_size - 1,
-            timeout_s=self.settings.neutral_wait_s, trains=self._legacy_row_trains)
-        untrainable = sorted(group.untrainable | {spec.job_id})
-        fills = grpo_fills(sorted(group.valid.values()), self.group_size)
-        rank = untrainable.index(spec.job_id)
-        if rank >= len(fills):
+        group = await runner.frozen_group(
+            spec.group.group_id, size=self.group_size, timeout_s=self.settings.neutral_wait_s,
+            trains=self._legacy_row_trains)
+        fill = fill_for(spec.job_id, group.valid, group.roster, self.group_size)
+        if fill is None:
             return row  # more untrainable rows than the group's size: a view gone wrong
-        return dataclasses.replace(row, reward_score=fills[rank])
+        return dataclasses.replace(row, reward_score=fill)
 
     async def _render_prompt(self, raw_prompt: Any) -> list[int]:
         """verl's own rendering of the prompt: the row of a job that never produced a turn."""

@@ -39,6 +39,8 @@ What verl does with these fields, and why each rule below exists:
   teach the policy that whatever it did was wrong, when a sandbox crashed or a group was cut
   short; so its response mask is all zero (no token of it is trained on) and ``rollout_valid``
   is 0, which a trainer can filter on. Its score stays 0.0 only because verl needs a number.
+  The legacy agent loop returns such a row (any row it does not train) with its prompt alone
+  (:func:`prompt_only`), which verl's score metrics leave out as aborted.
 - ``extra_fields["min_global_steps"]`` / ``["max_global_steps"]`` are the policy versions verl
   reads for staleness; they come from the turns that produced tokens.
 """
@@ -256,6 +258,20 @@ def from_flat(flat: Flat, *, succeeded: bool, turn_versions: Sequence[int], prom
         prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=logprobs,
         reward_score=reward, num_turns=1 + flat.num_turns + observations,
         metrics=dict(metrics or {}), extra_fields=extra, routed_experts=routed)
+
+
+def prompt_only(sample: VerlSample) -> VerlSample:
+    """An untrainable row as the legacy verl worker should return it: its prompt and reward
+    with an empty response. verl's data metrics (``critic/score/*``, ``critic/rewards/*``,
+    ``response_length_non_aborted/*``) leave out rows with no response token, as aborted, so
+    the scores trainers read are those of valid rollouts, never a failed job's 0 or a fill
+    from outside the reward range; verl's GRPO still reads the reward (from the row's last
+    column), so the group statistics are unchanged. The response's tokens stay in the
+    service's trajectory (``rollout_job_id``)."""
+    routed = (None if sample.routed_experts is None
+              else sample.routed_experts[:len(sample.prompt_ids)])
+    return dataclasses.replace(sample, response_ids=[], response_mask=[], response_logprobs=[],
+                               routed_experts=routed)
 
 
 def pad_batch(samples: Sequence[VerlSample], *, prompt_length: int, response_length: int,

@@ -24,6 +24,7 @@ from rollout.trainer_adapters.dapo.policy import Policy, TrainItem
 from rollout.trainer_adapters.dapo.run_config import load_config
 from rollout.trainer_adapters.dapo.trainer import check_logprobs, shape_and_normalise
 from tests.fixtures.tiny_model import tiny_model_dir
+from tests.trainer_adapters.dapo.large_tensors import LargeTensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -280,3 +281,36 @@ def test_rollout_mean_update_is_the_hand_computed_step() -> None:
 def _threads() -> None:
     torch.set_num_threads(1)
 
+
+
+def test_the_optimizer_step_makes_no_whole_model_temporaries() -> None:
+    """AdamW's step updates each parameter and its moments in place: no op inside it creates
+    tensors adding up to more than the largest parameter (torch's default foreach form makes a
+    square root of every second moment at once), and it moves the weights as AdamW does."""
+    policy = Policy(tiny_model_dir(), device="cpu", lr=1e-2, seed=0)
+    reference = copy.deepcopy(policy.model)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    for model in (policy.model, reference):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    policy.optimizer.step()  # the first step creates the moments
+    plain.step()
+    for model in (policy.model, reference):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, -0.25)
+    largest = max(p.numel() * p.element_size() for p in policy.model.parameters())
+    watch = LargeTensors(floor=1)
+    with watch:
+        policy.optimizer.step()
+    plain.step()
+    assert watch.peak <= largest, f"the step held {watch.peak} bytes of temporaries at once"
+    for got, want in zip(policy.model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_gradients_are_freed_after_each_update() -> None:
+    """Between two updates (while the next rollouts run) no parameter holds a gradient."""
+    policy = sgd_policy(1e-3)
+    policy.update(items_of(SAMPLES), NO_CLIP, temperature=TEMPERATURE, micro_batch_size=2,
+                  grad_clip=1e9)
+    assert all(p.grad is None for p in policy.model.parameters())

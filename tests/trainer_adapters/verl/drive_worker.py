@@ -65,7 +65,25 @@ async def main(req: dict[str, Any]) -> dict[str, Any]:
                    if k not in ("raw_prompt", "extra_info")}
     return {"tensors": tensors, "non_tensors": non_tensors,
             "reward_extra_keys": list(out.meta_info.get("reward_extra_keys", [])),
-            "advantages": {str(norm): advantages(out, norm) for norm in (True, False)}}
+            "advantages": {str(norm): advantages(out, norm) for norm in (True, False)},
+            "data_metrics": data_metrics(out)}
+
+
+def data_metrics(out: Any) -> dict[str, float]:
+    """verl's own step metrics (``compute_data_metrics``, what its trainer logs) over the batch
+    with GRPO advantages, as the legacy trainer computes them."""
+    import copy
+
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    data = copy.deepcopy(out)
+    data.batch["token_level_scores"] = data.batch["rm_scores"]
+    data.batch["token_level_rewards"] = data.batch["rm_scores"]
+    data = compute_advantage(data, adv_estimator=AdvantageEstimator.GRPO)
+    return {k: float(v) for k, v in compute_data_metrics(data, use_critic=False).items()
+            if k.startswith(("critic/score", "critic/rewards", "response_length"))}
 
 
 def advantages(out: Any, norm_by_std: bool) -> list[float]:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rollout.trainer_adapters.group_fill import grpo_fills
+from rollout.trainer_adapters.group_fill import fill_for, grpo_fills
 from tests.trainer_adapters.venvs import ROOT, VERL_PY, require
 
 
@@ -173,3 +173,21 @@ def test_property_the_fill_is_exact_wherever_the_algebra_allows(
         assert got == pytest.approx([a * scale for a in alone], abs=1e-6)
     else:
         assert got == pytest.approx(alone, abs=1e-6)
+
+
+def test_fills_from_one_frozen_view_take_distinct_slots() -> None:
+    """Each job outside the frozen view's valid set holds one slot of the fills, by job id,
+    whether it had settled at the freeze or not; the untrainable ones' fills together with
+    the valid rewards keep the valid rows' mean and std when every slot is a fill."""
+    valid = {"a": 1.0, "c": 0.0}
+    roster = {"a", "b", "c", "d", "e"}
+    slots = grpo_fills([0.0, 1.0], 5)
+    got = [fill_for(j, valid, roster, 5) for j in ("b", "d", "e")]
+    assert got == slots
+    rows = [1.0, 0.0, *got]
+    assert statistics.mean(rows) == pytest.approx(0.5)
+    assert statistics.stdev(rows) == pytest.approx(statistics.stdev([1.0, 0.0]))
+    # A job the view does not list (submitted after the freeze) still takes a slot; one more
+    # than the group holds gets none.
+    assert fill_for("f", valid, {"a", "c"}, 5) == slots[0]
+    assert fill_for("z", valid, roster, 5) is None

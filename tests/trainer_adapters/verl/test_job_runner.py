@@ -12,6 +12,7 @@ import pytest
 
 from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError
+from rollout.trainer_adapters.group_fill import fill_for, grpo_fills
 from rollout.trainer_adapters.job_runner import JobRejectedError, JobRunner, shared_runner
 from rollout.v1 import job_pb2
 from tests.client.conftest import ServerHarness
@@ -83,5 +84,42 @@ async def test_caller_that_gives_up_cancels_its_job(harness: ServerHarness) -> N
                 return (await client.get_job("slow")).job.state == job_pb2.Job.STATE_CANCELLED
 
             await assert_eventually(cancelled)
+    finally:
+        await runner.close()
+
+
+async def test_a_groups_view_is_frozen_once_for_every_loop(harness: ServerHarness) -> None:
+    """The verl legacy loops of one group that has not settled within ``neutral_wait_s``: the
+    first untrainable loop's view is taken at its deadline, and a later loop of the group gets
+    that same view, although a valid sibling settled in between. Both fills then come from
+    one set and are distinct slots of it, so they complement each other; with a view per
+    loop the later one would count the new valid reward and the fills would not cancel."""
+    runner = JobRunner(harness.address)
+    group = {"group_id": "g", "size": 4}
+    tasks = {"a-ok": two_turn_tool_episode(base=100, reward=1.0),
+             "b-failed": {**two_turn_tool_episode(base=200), "fail": "eval"},
+             "c-late-ok": {**two_turn_tool_episode(base=300, reward=0.0), "sleep": 8},
+             "d-late-failed": {**two_turn_tool_episode(base=400), "fail": "eval", "sleep": 8}}
+    try:
+        runs = {name: asyncio.create_task(runner.run({**job(name, task), "group": group}))
+                for name, task in tasks.items()}
+        await runs["a-ok"]
+        await runs["b-failed"]
+        first = await runner.frozen_group("g", size=4, timeout_s=0.0)
+        if "c-late-ok" in first.valid:  # the machine was too slow for the test to discriminate
+            pytest.skip("the sleeping sibling settled before the first view")
+        assert first.valid == {"a-ok": 1.0} and first.untrainable == {"b-failed"}
+        assert first.roster == set(tasks)
+        late = await runs["c-late-ok"]
+        await runs["d-late-failed"]
+        assert late.succeeded
+        again = await runner.frozen_group("g", size=4, timeout_s=0.0)
+        assert again == first
+        # What a fresh view would say now: the late sibling is valid.
+        fresh = await runner.settled_group("g", exclude="", others=4, timeout_s=0.0)
+        assert fresh.valid == {"a-ok": 1.0, "c-late-ok": 0.0}
+        fills = [fill_for(j, again.valid, again.roster, 4) for j in ("b-failed", "d-late-failed")]
+        slots = grpo_fills([1.0], 4)  # the frozen view: one valid reward, three slots
+        assert fills == [slots[0], slots[2]]  # b, c (its slot, unused), d by job id
     finally:
         await runner.close()

@@ -122,25 +122,29 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
         # prompt message + 2 assistant turns + 1 tool observation
         assert nt["__num_turns__"][row] == 4
 
-    # The over-long trajectory is cut to RESPONSE_LEN, flagged, and did not crash the batch.
-    # Its third turn's model tokens were cut, and the reward may have come from them, so by
-    # default (overlong = "mask") none of it is trained on.
+    # The over-long trajectory is flagged and did not crash the batch. Its third turn's model
+    # tokens were cut, and the reward may have come from them, so by default (overlong =
+    # "mask") none of it is trained on: the row holds its prompt alone (no response token),
+    # which verl's score metrics leave out as aborted.
     exp = expected_flat(long)
     p = exp["prompt_len"][0]
-    assert t["responses"][1] == exp["ids"][p:p + RESPONSE_LEN]
     assert any(exp["mask"][p + RESPONSE_LEN:])
+    assert t["prompts"][1] == [pad] * (PROMPT_LEN - p) + exp["ids"][:p]
+    assert t["responses"][1] == [pad] * RESPONSE_LEN
+    assert t["attention_mask"][1] == [0] * (PROMPT_LEN - p) + [1] * p + [0] * RESPONSE_LEN
     assert t["response_mask"][1] == [0] * RESPONSE_LEN
-    assert t["rollout_log_probs"][1] == pytest.approx(exp["logprobs"][p:p + RESPONSE_LEN])
     # Its reward (0.5) would still count in g1's statistics: it takes the fill that keeps the
     # group's mean that of its one valid row as verl sees a group of one (0): -1.0.
     assert t["rm_scores"][1][-1] == pytest.approx(-1.0) and sum(t["rm_scores"][1]) == -1.0
     assert nt["truncated"][1] is True and nt["rollout_valid"][1] is False
     assert (nt["min_global_steps"][1], nt["max_global_steps"][1]) == (7, 7)
 
-    # A failed sample is masked out (not scored 0 and trained on): its tokens stay visible.
+    # A failed sample is masked out (not scored 0 and trained on): its prompt alone; its
+    # tokens stay in the service's trajectory, named by rollout_job_id.
     exp = expected_flat(failed)
     p = exp["prompt_len"][0]
-    assert t["responses"][2][:len(exp["ids"]) - p] == exp["ids"][p:]
+    assert t["prompts"][2] == [pad] * (PROMPT_LEN - p) + exp["ids"][:p]
+    assert t["responses"][2] == [pad] * RESPONSE_LEN
     assert t["response_mask"][2] == [0] * RESPONSE_LEN
     assert nt["rollout_valid"][2] is False and nt["rollout_state"][2] == "FAILED"
     assert sum(t["rm_scores"][2]) == 0.0
@@ -156,6 +160,12 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     assert res["advantages"]["True"] == pytest.approx([top, 0, 0, 0, 0, top], abs=1e-6)
     assert res["advantages"]["False"] == pytest.approx([1.0, 0, 0, 0, 0, 1.0], abs=1e-6)
     assert nt["rollout_valid"][4] is False
+    # verl's own step metrics see the valid rollouts' scores only ([1, 0, 1]), not the fills
+    # (-1.0, 0.0, -1.0 here, outside the reward range).
+    m = res["data_metrics"]
+    assert m["critic/score/mean"] == pytest.approx(2 / 3)
+    assert (m["critic/score/min"], m["critic/score/max"]) == (0.0, 1.0)
+    assert m["critic/rewards/mean"] == pytest.approx(2 / 3)
 
     # Fixed reward-info keys in every sample; components reported per sample.
     assert res["reward_extra_keys"] == ["reward", "rollout_valid", "truncated", "exact", "format"]
@@ -223,6 +233,10 @@ async def test_a_masked_succeeded_rollout_is_left_out_of_the_legacy_group_mean(
         "SUCCEEDED", "SUCCEEDED", "FAILED", "SUCCEEDED"]
     assert t["response_mask"][1] == [0] * RESPONSE_LEN and nt["truncated"][1] is True
     assert t["response_mask"][2] == [0] * RESPONSE_LEN
+    # verl's score metrics average the two valid rollouts, not the fills beside them.
+    m = res["data_metrics"]
+    assert m["critic/score/mean"] == pytest.approx(0.5)
+    assert (m["critic/score/min"], m["critic/score/max"]) == (0.0, 1.0)
     # Two fills keep the group's mean and std those of [1, 0]: 0.5 +- sqrt(1/2).
     assert sorted([sum(t["rm_scores"][1]), sum(t["rm_scores"][2])]) == pytest.approx(
         [0.5 - 0.5 ** 0.5, 0.5 + 0.5 ** 0.5], abs=1e-6)
