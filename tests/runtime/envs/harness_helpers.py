@@ -300,6 +300,21 @@ def _side_call_prompt(request: Any, turns: list[Any], segments: list[Any]) -> bo
     return False
 
 
+def read_recording(path: Path) -> list[dict[str, Any]]:
+    """A harness's recorded requests (one JSON object per line: ``{"path", "body", ...}``)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(name="gateway")
+async def replay_gateway(tmp_path: Path) -> AsyncIterator[Any]:
+    """A real gateway to replay recordings through (see :func:`replay_recorded`)."""
+    from rollout.server.gateway import Gateway
+
+    gw = await Gateway(tmp_path / "state").start()
+    yield gw
+    await gw.stop()
+
+
 async def replay_recorded(gateway: Any, requests: list[dict[str, Any]], answers: list[str],
                           side_calls: tuple[Any, ...], headers: dict[str, str]) -> Any:
     """Send a harness's recorded request bodies (``{"path", "body"}``, as sent) through the

@@ -15,7 +15,6 @@ a tool-use summary, under both names)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,12 @@ from rollout.server.gateway import Gateway
 from rollout.server.gateway import anthropic as anthropic_dialect
 from rollout.server.gateway.messages import RequestLimits
 from tests.runtime.doubles import smollm2_tokenizer
-from tests.runtime.envs.harness_helpers import chains_of, replay_recorded
+from tests.runtime.envs.harness_helpers import (
+    chains_of,
+    read_recording,
+    replay_gateway,  # noqa: F401 (the `gateway` fixture)
+    replay_recorded,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,14 +55,7 @@ HELPER_PROMPTS = (
 
 
 def recorded() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in RECORDED.read_text(encoding="utf-8").splitlines()]
-
-
-@pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    gw = await Gateway(tmp_path / "state").start()
-    yield gw
-    await gw.stop()
+    return read_recording(RECORDED)
 
 
 def test_the_recording_is_what_the_preset_makes_claude_code_send() -> None:

@@ -13,7 +13,6 @@ test_harness_opencode.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,12 @@ import pytest
 from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.server.gateway import Gateway
 from tests.runtime.doubles import smollm2_tokenizer
-from tests.runtime.envs.harness_helpers import chains_of, replay_recorded
+from tests.runtime.envs.harness_helpers import (
+    chains_of,
+    read_recording,
+    replay_gateway,  # noqa: F401 (the `gateway` fixture)
+    replay_recorded,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,14 +36,7 @@ DONE = "The fix is in place."
 
 
 def recorded() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in RECORDED.read_text(encoding="utf-8").splitlines()]
-
-
-@pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    gw = await Gateway(tmp_path / "state").start()
-    yield gw
-    await gw.stop()
+    return read_recording(RECORDED)
 
 
 def test_the_recording_is_the_title_request_under_the_main_models_name() -> None:
