@@ -26,5 +26,12 @@ if [ -n "$base" ] && git cat-file -e "$base:buf.yaml" 2>/dev/null; then
   echo "== buf breaking against $base"; buf breaking --against ".git#ref=$base"
 fi
 echo "== pytest"
-# The slowest tests are listed at the end, so a run that creeps towards CI's budget says where.
-python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Two worker processes (ROLLOUT_TEST_WORKERS; 0 runs everything in this process), each taking
+# whole files, so a file's module fixtures (a registry, a vLLM, a model) start once. Much of the
+# suite waits on subprocesses, so two workers finish in ~60% of one's time on two cores, and on a
+# busy machine they hold twice one process's share of the CPU. The slowest tests are listed at
+# the end, so a run that creeps towards CI's budget says where.
+workers=${ROLLOUT_TEST_WORKERS:-2}
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+python -m pytest -q -p no:cacheprovider --durations=25 "${parallel[@]}" "$@"

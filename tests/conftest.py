@@ -6,11 +6,14 @@ import asyncio
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 import pytest
@@ -57,6 +60,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if base:
         item.add_marker(pytest.mark.timeout(patience(float(base)), **kwargs), append=False)
     yield
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder directly below /tmp, for tests that bind Unix sockets at a path they
+    choose: ``sun_path`` holds 107 bytes, and ``tmp_path`` can be longer (a parallel worker's
+    adds ``popen-gwN/``)."""
+    d = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 _STACKS_TO: list[TextIO] = []

@@ -54,15 +54,15 @@ def test_a_failed_commit_says_its_writes_are_retried_not_lost(
     assert "lost" not in line and "written again" in line and "retry" in line
 
 
-async def test_stale_gateway_sockets_are_swept_at_start(tmp_path: Path) -> None:
-    root = tmp_path / "state" / "gateway"
+async def test_stale_gateway_sockets_are_swept_at_start(short_tmp: Path) -> None:
+    root = short_tmp / "state" / "gateway"
     root.mkdir(parents=True)
     left = root / "0123456789abcdef.sock"
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(left))
     s.close()  # what a SIGKILLed server leaves: the file, nobody listening
     assert left.exists()
-    gateway = await Gateway(tmp_path / "state").start()
+    gateway = await Gateway(short_tmp / "state").start()
     try:
         assert not left.exists()
     finally:

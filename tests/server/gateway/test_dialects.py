@@ -192,9 +192,9 @@ async def test_logprobs_and_usage_are_the_trajectorys(gateway: Gateway,
     assert len(capture.turns) == 2
 
 
-async def test_a_stopped_gateway_holds_nothing(tmp_path: Path, llm: PromptPolicy) -> None:
+async def test_a_stopped_gateway_holds_nothing(short_tmp: Path, llm: PromptPolicy) -> None:
     llm.gate = asyncio.Event()
-    gw = await Gateway(tmp_path / "state", tcp_port=0).start()
+    gw = await Gateway(short_tmp / "state", tcp_port=0).start()
     leases = [await gw.open(spec(f"job-{k}"), llm) for k in range(2)]
     clients = [openai_client(lease) for lease in leases]
     calls = [asyncio.ensure_future(c.chat.completions.create(
@@ -209,7 +209,7 @@ async def test_a_stopped_gateway_holds_nothing(tmp_path: Path, llm: PromptPolicy
     assert llm.cancelled == 2 and llm.in_flight == 0
     assert not gw._leases and gw._tcp is None
     assert not any(Path(lease.socket_path).exists() for lease in leases)
-    root = tmp_path / "state" / "gateway"
+    root = short_tmp / "state" / "gateway"
     assert not list(root.iterdir())
     pending = [t for t in before if not t.done() and t is not asyncio.current_task()
                and t not in calls]
