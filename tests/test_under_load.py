@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,29 @@ async def test_kernel_start_deadline_follows_the_scale(tmp_path: Path,
 async def test_a_kernel_that_exits_is_reported_at_once(tmp_path: Path) -> None:
     with pytest.raises(KernelError, match=r"exited \(status 3\) before answering"):
         await IPythonKernel.start(None, python=_exiting_python(tmp_path))
+
+
+async def test_kernels_that_exit_at_once_leave_no_thread_behind_or_dying(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's channel threads must not race the close: a heartbeat thread, started
+    beside a kernel that was already dying, once died of a ZeroMQ error printed to the
+    server's log (about one start in six)."""
+    died: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    dead = _exiting_python(tmp_path)
+    before: set[threading.Thread] = set()
+    for k in range(20):
+        with pytest.raises(KernelError, match="exited"):
+            await IPythonKernel.start(None, python=dead)
+        if k == 0:  # the process-wide spawner and the loop's executor exist from now on
+            before = set(threading.enumerate())
+    assert not died, [f"{a.thread}: {a.exc_value!r}" for a in died]
+
+    def only_lasting_threads() -> bool:
+        extra = set(threading.enumerate()) - before
+        assert all(t.name.startswith(("reap-kernel-", "asyncio_")) for t in extra), extra
+        return True
+    await assert_eventually(only_lasting_threads)
 
 
 def _exiting_python(tmp_path: Path) -> str:

@@ -193,7 +193,10 @@ class IPythonKernel:
         client = AsyncKernelClient()
         client_info: dict[str, Any] = {**info, "ip": host_ip}
         client.load_connection_info(client_info)  # type: ignore[arg-type]
-        client.start_channels()
+        # No heartbeat thread: whether the kernel lives is asked of its process (see
+        # _wait_ready), and that thread, when the kernel died at once, raced the close
+        # and died itself with a ZeroMQ error printed to the server's log.
+        client.start_channels(hb=False)
         self._client = client
         self._log = host_dir / f"k{n}.log"
         ready = asyncio.ensure_future(_wait_ready(client, timeout))
