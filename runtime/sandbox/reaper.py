@@ -9,7 +9,10 @@ the dir is detached and the dir removed: a server killed with SIGKILL cannot unm
 itself, and a mount left there keeps the state dir busy ("Device or resource busy") for good.
 A rootless server's image sandbox holds files of the image's users, owned by its subordinate
 uids: they are removed from inside a fresh user namespace of the same mapping.
-Last, memory cgroups that no live process holds (see ``hardening.sweep_memory_cgroups``) go.
+Last, memory cgroups that no live process holds (see ``hardening.sweep_memory_cgroups``) go,
+and so do the jobs' host temporary folders (:func:`owned_tempdir`, e.g. a Harbor job's
+verifier and tests folders) whose owner died: each holds an flock on its ``lock`` file as a
+sandbox does, so a folder of another live server on the same host is never touched.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +44,38 @@ class ReapReport:
     """Stale quota mounts detached (a SIGKILLed server cannot unmount its sandboxes')."""
     cgroups: int = 0
     """Memory cgroups removed that no live process used."""
+    temp_dirs: list[str] = field(default_factory=list)
+    """Host temporary folders (:func:`owned_tempdir`) of dead owners that were removed."""
 
 
-def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None) -> ReapReport:
+OWNED_TEMP_PREFIXES = ("rollout-harbor-",)
+"""Name prefixes of the temporary folders :func:`owned_tempdir` makes and the sweep removes."""
+_TEMP_LOCK = "lock"
+
+
+def owned_tempdir(prefix: str, parent: Path | str | None = None) -> tuple[Path, int]:
+    """A host temporary folder a job owns, returned with the fd of the flock it holds on
+    ``<folder>/lock`` until the owner closes it (or dies): the next start-up sweep of any
+    server on this host removes the folder only once nobody holds that lock, so a SIGKILLed
+    server's folders go and a live server's stay. ``prefix`` is one of
+    :data:`OWNED_TEMP_PREFIXES`."""
+    if prefix not in OWNED_TEMP_PREFIXES:
+        raise ValueError(f"{prefix!r} is not swept; add it to OWNED_TEMP_PREFIXES")
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    fd = procs.try_flock(root / _TEMP_LOCK)
+    if fd is None:  # a fresh 0700 folder of ours: nobody else can hold its lock
+        hostfs.rmtree(root)
+        raise OSError(f"could not lock the new temporary folder {root}")
+    return root, fd
+
+
+def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None,
+               temp_root: Path | str | None = None) -> ReapReport:
     """Clean every stale sandbox under ``root`` (``SandboxConfig.sandboxes_dir``): detach its
     mounts, kill what still runs under its uid, remove its directory; then remove the memory
     cgroups nobody uses. Blocking: call it before serving, or through ``asyncio.to_thread``.
-    ``uid_lock_dir`` defaults to ``SandboxConfig.uid_lock_dir``.
+    ``uid_lock_dir`` defaults to ``SandboxConfig.uid_lock_dir``; ``temp_root``, where the
+    dead owners' :func:`owned_tempdir` folders are looked for, to the system's temp folder.
 
     Only below ``root``, and never through a link: a ``root`` that is a symlink is refused
     (its target may be anything), entries that are symlinks are skipped, and removal never
@@ -76,11 +105,15 @@ def reap_stale(root: Path | str, uid_lock_dir: Path | str | None = None) -> Reap
             if owner and owner not in report.live:
                 report.mounts += hardening.unmount_below(point)
     report.cgroups = hardening.sweep_memory_cgroups(str(root.parent))
+    report.temp_dirs = reap_temp_dirs(temp_root)
     if report.removed or report.mounts or report.cgroups or report.killed_uids:
         log.info("swept what a stopped server left under %s: %d sandboxes, %d mounts, %d "
                  "memory cgroups, %d sandbox uids' processes (%d sandboxes still live)", root,
                  len(report.removed), report.mounts, report.cgroups, len(report.killed_uids),
                  len(report.live))
+    if report.temp_dirs:
+        log.info("removed %d temporary folders of stopped servers: %s", len(report.temp_dirs),
+                 ", ".join(report.temp_dirs))
     return report
 
 
@@ -112,11 +145,7 @@ def _reap_one(path: Path, entry: str, locks: Path, report: ReapReport) -> None:
                 subprocess.run([exe, "instance", "stop", instance], capture_output=True,
                                timeout=30, check=False)
         report.mounts += hardening.unmount_below(path)
-        hostfs.rmtree(path)
-        if os.path.lexists(path):
-            _remove_mapped(path)
-            hostfs.rmtree(path)
-        if os.path.lexists(path):
+        if not _remove(path):
             log.warning("could not remove the stale sandbox %s: files below it belong to "
                         "another user (a rootless server's subordinate uids need its range in "
                         "/etc/subuid and /etc/subgid to be removed)", path)
@@ -124,6 +153,47 @@ def _reap_one(path: Path, entry: str, locks: Path, report: ReapReport) -> None:
         report.removed.append(entry)
     finally:
         os.close(lock_fd)
+
+
+def reap_temp_dirs(parent: Path | str | None = None) -> list[str]:
+    """Remove the :func:`owned_tempdir` folders in ``parent`` (the system's temp folder by
+    default) whose lock nobody holds: their owner died. One without a lock file is skipped
+    (its owner may be between making it and locking it)."""
+    where = Path(parent or tempfile.gettempdir())
+    removed: list[str] = []
+    try:
+        entries = sorted(os.listdir(where))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = where / entry
+        if (not entry.startswith(OWNED_TEMP_PREFIXES) or path.is_symlink()
+                or not path.is_dir() or not os.path.lexists(path / _TEMP_LOCK)):
+            continue
+        fd = procs.try_flock(path / _TEMP_LOCK)
+        if fd is None:
+            continue
+        try:
+            if _remove(path):
+                removed.append(str(path))
+            else:
+                log.warning("could not remove the stale temporary folder %s: files below it "
+                            "belong to another user", path)
+        except Exception:
+            log.exception("could not remove the stale temporary folder %s", path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _remove(path: Path) -> bool:
+    """Remove ``path`` (never following a link), including what a rootless server's
+    sandbox left owned by its subordinate uids; True when it is gone."""
+    hostfs.rmtree(path)
+    if os.path.lexists(path):
+        _remove_mapped(path)
+        hostfs.rmtree(path)
+    return not os.path.lexists(path)
 
 
 def _remove_mapped(path: Path) -> None:

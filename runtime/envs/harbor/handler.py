@@ -44,7 +44,6 @@ import contextlib
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +66,7 @@ from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunO
 from rollout.runtime.sandbox import hostfs
 from rollout.runtime.sandbox.base import SandboxLimits
 from rollout.runtime.sandbox.images.user import UserRequest
+from rollout.runtime.sandbox.reaper import owned_tempdir
 from rollout.runtime.tools.submit import SubmitTool
 from rollout.runtime.types import Reward, TerminationReason
 
@@ -119,6 +119,7 @@ class HarborHandler(AgentHandler):
         ctx.state[TASK_KEY] = harbor
         dirs = await asyncio.to_thread(
             _job_dirs, harbor if task.get("agent", "model") == "oracle" else None)
+        ctx.resources.callback(os.close, int(dirs.pop("lock")))
         ctx.resources.callback(hostfs.rmtree, dirs["root"])
         ctx.state[DIRS_KEY] = {k: str(v) for k, v in dirs.items()}
         binds = [(str(dirs["verifier"]), VERIFIER_DIR, True), (str(dirs["tests"]), TESTS_DIR, True)]
@@ -273,12 +274,14 @@ async def _oracle(sandbox: Any, harbor: HarborTask, workdir: str,
                                         "oracle_log": run.output[-_LOG_TAIL:]})
 
 
-def _job_dirs(oracle: HarborTask | None) -> dict[str, Path]:
+def _job_dirs(oracle: HarborTask | None) -> dict[str, Any]:
     """Host folders bound into the job's sandbox: the verifier's output and the tests (empty
-    until EVAL), and for the oracle a copy of the task's ``solution/``."""
-    root = Path(tempfile.mkdtemp(prefix="rollout-harbor-"))
+    until EVAL), and for the oracle a copy of the task's ``solution/``. Their root holds a
+    lock (fd under ``"lock"``) for the job's life, so that a crashed server's are swept by the
+    next start-up (``reap_stale``) and a live one's are not."""
+    root, lock = owned_tempdir("rollout-harbor-")
     os.chmod(root, 0o711)
-    dirs = {"root": root}
+    dirs: dict[str, Any] = {"root": root, "lock": lock}
     for name in ("verifier", "tests"):
         (root / name).mkdir(mode=0o755)
         dirs[name] = root / name
