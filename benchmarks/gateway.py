@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -326,10 +327,13 @@ async def _main(args: argparse.Namespace, console: Console) -> None:
         gateway = await Gateway(Path(state)).start()
         try:
             await bench_overhead(gateway, pool, engine, 1, 2)  # warm-up: template, imports
+            if args.gc_freeze:  # as `rollout serve` does once it is up
+                gc.freeze()
             o = await bench_overhead(gateway, pool, engine, args.episodes, args.turns)
             t = await bench_tokens(gateway, pool, args.turns, args.compact_every)
             sub = await bench_sub_agents(gateway, pool, args.turns)
         finally:
+            gc.unfreeze()  # a caller in the same process (a test) gets its collector back whole
             await gateway.stop()
             await pool.close()
     n = len(o["direct"])
@@ -380,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout bench gateway",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=10)
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="freeze what warm-up made out of the collector's reach, as the "
+                        "server does after start (--no-gc-freeze: the baseline)")
     parser.add_argument("--turns", type=int, default=10, help="requests per episode")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="fixed generation time of each scripted turn (both paths)")

@@ -27,7 +27,8 @@ def test_trainer_tokens_counts_each_requests_whole_prompt() -> None:
 
 async def test_the_bench_prints_both_tables() -> None:
     out = io.StringIO()
-    args = bench.argparse.Namespace(episodes=1, turns=3, latency_ms=0.0, compact_every=2)
+    args = bench.argparse.Namespace(episodes=1, turns=3, latency_ms=0.0, compact_every=2,
+                                   gc_freeze=True)
     await bench._main(args, Console(file=out, width=200))
     text = out.getvalue()
     assert "backend pool directly (baseline)" in text
