@@ -265,12 +265,14 @@ async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
     host's view (no image) has the host's libraries and is not checked."""
     sandbox = sandbox_of(ctx)
     image = getattr(sandbox, "image", None)
-    program = harness.command[0].replace("{install}", INSTALL_MOUNT)
-    if image is None or not program.startswith("/") or "{" in program:
+    if image is None or not harness.command:
         return
+    # The whole command: the script finds its program past ``env``/``exec`` prefixes and
+    # looks a bare name up on the sandbox's PATH.
+    words = [w.replace("{install}", INSTALL_MOUNT) for w in harness.command]
     result = await sandbox.exec(
         [*getattr(sandbox, "python_launcher", ()), getattr(sandbox, "python", "python3"),
-         "-c", PROGRAM_CHECK_SOURCE.read_text(), program], timeout=60, max_output=8192)
+         "-c", PROGRAM_CHECK_SOURCE.read_text(), *words], timeout=60, max_output=8192)
     try:
         verdict = json.loads(result.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):

@@ -2,7 +2,9 @@
 only; run by the harness environment's INIT in an image sandbox, read as text, never
 imported).
 
-argv[1] is the program's path as the harness command names it. Prints one JSON object: ``{}``
+argv[1:] is the harness command. Its program is the first word after ``env`` (with its options
+and ``NAME=value`` words) or ``exec``; a bare name is looked up on this sandbox's ``PATH`` as
+the kernel's exec would. Prints one JSON object: ``{}``
 when the kernel can start it as far as a look at the file can tell, else ``{"missing": PATH,
 "needed_by": WHAT}``: the program itself, the dynamic loader its ELF header names
 (``PT_INTERP``: glibc's ``/lib64/ld-linux-x86-64.so.2`` for most Linux programs, which a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import sys
 from typing import BinaryIO
@@ -48,8 +51,36 @@ def elf_interpreter(f: BinaryIO, head: bytes) -> str:
     return ""
 
 
+ENV_OPTIONS_WITH_VALUE = {"-u", "--unset", "-C", "--chdir", "-S", "--split-string"}
+
+
+def program_of(words: list[str]) -> str:
+    """The program a command starts: past ``exec``, ``env`` and its options, and ``NAME=value``
+    words; a bare name resolved on ``PATH`` (returned as given when it is not found, so the
+    caller reports the command itself)."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in ("exec", "env", "/usr/bin/env", "/bin/env"):
+            i += 1
+        elif word in ENV_OPTIONS_WITH_VALUE:
+            i += 2
+        elif (word.startswith("-") and i > 0) or ("=" in word and not word.startswith("/")
+                                                    and word.split("=", 1)[0].isidentifier()):
+            i += 1
+        else:
+            break
+    program = words[i] if i < len(words) else ""
+    if program and "/" not in program:
+        return shutil.which(program) or program
+    return program
+
+
 def main() -> None:
-    program = sys.argv[1]
+    program = program_of(sys.argv[1:])
+    if not program or "{" in program:
+        print("{}")
+        return
     try:
         with open(program, "rb") as f:
             head = f.read(512)
