@@ -65,22 +65,31 @@ class SideCallRule:
     metadata: tuple[tuple[str, str], ...] = ()
     """``(key, pattern)`` pairs: the request's ``metadata`` object (OpenAI chat, Anthropic
     Messages) must hold each key with a string value matching its pattern in full."""
+    last_user: str = ""
+    """Searched for in the request's final message when that is a user message: a harness
+    helper that reuses the agent's own system prompt and history is told apart only by the
+    instruction it appends (anchor it, ``(?m)^...``, so a task that merely quotes it does not
+    match)."""
 
     def __post_init__(self) -> None:
-        if not (self.model or self.system or self.metadata):
-            raise ValueError("a side-call rule needs model, system or metadata: an empty "
-                             "rule would mark every request untrained")
-        for pattern in (self.model, self.system, *(p for _, p in self.metadata)):
+        if not (self.model or self.system or self.metadata or self.last_user):
+            raise ValueError("a side-call rule needs model, system, metadata or last_user: an "
+                             "empty rule would mark every request untrained")
+        for pattern in (self.model, self.system, self.last_user,
+                        *(p for _, p in self.metadata)):
             try:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"side-call pattern {pattern!r} is not a regular "
                                  f"expression: {exc}") from None
 
-    def matches(self, model: str, system: str, metadata: Mapping[str, str]) -> bool:
+    def matches(self, model: str, system: str, metadata: Mapping[str, str],
+                last_user: str = "") -> bool:
         if self.model and not re.fullmatch(self.model, model):
             return False
         if self.system and not re.search(self.system, system):
+            return False
+        if self.last_user and not re.search(self.last_user, last_user):
             return False
         for key, pattern in self.metadata:
             value = metadata.get(key)
@@ -106,8 +115,10 @@ class GatewayOptions:
         if not 1 <= self.max_concurrent <= 64:
             raise ValueError(f"max_concurrent must be in [1, 64], got {self.max_concurrent}")
 
-    def is_side_call(self, model: str, system: str, metadata: Mapping[str, str]) -> bool:
-        return any(rule.matches(model, system, metadata) for rule in self.side_calls)
+    def is_side_call(self, model: str, system: str, metadata: Mapping[str, str],
+                     last_user: str = "") -> bool:
+        return any(rule.matches(model, system, metadata, last_user)
+                   for rule in self.side_calls)
 
 
 @dataclass(frozen=True)

@@ -395,7 +395,7 @@ class JobConversation:
         the part of its ``content`` the listener was not given."""
         keys = [m.key() for m in request.messages]
         side = self.options.is_side_call(request.model, request.system_text(),
-                                         request.metadata)
+                                         request.metadata, request.last_user_text())
         ident: Ident = (request.tools_key(), side, tuple(keys))
         live: list[_LiveText] = []
         answer = await self._answer_for(request, ident, keys, listener, live)

@@ -127,6 +127,12 @@ class ChatRequest:
         """The request's system prompt: its system messages, joined by a blank line."""
         return "\n\n".join(m.content for m in self.messages if m.role == "system")
 
+    def last_user_text(self) -> str:
+        """The final message's text when it is a user message, else ``""`` (what a side-call
+        rule's ``last_user`` pattern is searched in)."""
+        last = self.messages[-1] if self.messages else None
+        return last.content if last is not None and last.role == "user" else ""
+
 
 def read_metadata(value: Any) -> dict[str, str]:
     """A request's ``metadata`` object; entries whose value is not a string are left out

@@ -193,26 +193,27 @@ def resolve_side_calls(name: str) -> tuple[SideCallRule, ...]:
 
 
 def _side_calls(name: str, value: Any) -> tuple[SideCallRule, ...]:
-    """``[[side_call]]`` tables: ``model`` / ``system`` patterns, ``metadata = {key =
-    pattern}``."""
+    """``[[side_call]]`` tables: ``model`` / ``system`` / ``last_user`` patterns, ``metadata =
+    {key = pattern}``."""
     where = f"harness {name!r}: 'side_call'"
     if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
-        raise invalid(f"{where} must be a list of tables ([[side_call]] with model, system "
-                      "or metadata)", "harness.side_call")
+        raise invalid(f"{where} must be a list of tables ([[side_call]] with model, system, "
+                      "last_user or metadata)", "harness.side_call")
     rules = []
     for i, rule in enumerate(value):
-        unknown = sorted(set(rule) - {"model", "system", "metadata"})
+        unknown = sorted(set(rule) - {"model", "system", "last_user", "metadata"})
         if unknown:
             raise invalid(f"{where} #{i + 1} has unknown fields {unknown}; known: model, "
-                          "system, metadata", "harness.side_call")
+                          "system, last_user, metadata", "harness.side_call")
         model, system = rule.get("model", ""), rule.get("system", "")
+        last_user = rule.get("last_user", "")
         metadata = rule.get("metadata", {})
-        if not isinstance(model, str) or not isinstance(system, str):
-            raise invalid(f"{where} #{i + 1}: 'model' and 'system' are regular expressions "
-                          "(strings)", "harness.side_call")
+        if not all(isinstance(v, str) for v in (model, system, last_user)):
+            raise invalid(f"{where} #{i + 1}: 'model', 'system' and 'last_user' are regular "
+                          "expressions (strings)", "harness.side_call")
         try:
             rules.append(SideCallRule(model, system, tuple(sorted(
-                _strings(metadata, "harness.side_call.metadata").items()))))
+                _strings(metadata, "harness.side_call.metadata").items())), last_user))
         except ValueError as e:
             raise invalid(f"{where} #{i + 1}: {e}", "harness.side_call") from None
     return tuple(rules)

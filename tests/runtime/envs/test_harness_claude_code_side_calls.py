@@ -109,3 +109,42 @@ def test_the_preset_tells_claude_codes_helper_prompts_from_its_agent_by_the_prom
         "{home}/.claude/rollout-system.md"]
     for body in (main, {**main, "system": [*header, {"type": "text", "text": preset_prompt}]}):
         assert not options.is_side_call("policy", system_of(body), {})
+
+
+# Claude Code 2.1.332's interactive helpers that reuse the main thread's system prompt and
+# history, appending their instruction as the final user message (as its executable holds them).
+RECAP = ("The user stepped away and is coming back. Recap in under 40 words, 1-2 plain "
+         "sentences, no markdown. Lead with the overall goal and current task.")
+SUGGESTION = ("[SUGGESTION MODE: Suggest what the user might naturally type next into Claude "
+              "Code.]")
+
+
+def with_final_user_text(entry: dict[str, Any], text: str) -> dict[str, Any]:
+    body = json.loads(json.dumps(entry["body"]))
+    body["messages"][-1] = {"role": "user", "content": [{"type": "text", "text": text}]}
+    return {**entry, "body": body}
+
+
+@pytest.mark.parametrize("helper", [RECAP, SUGGESTION], ids=["away-recap", "suggestion"])
+async def test_a_helper_that_reuses_the_main_prompt_is_an_untrained_chain_by_its_last_message(
+        gateway: Gateway, helper: str) -> None:
+    """The main thread's first request, then a helper request: the main history (same system
+    prompt, same model name) with the helper's instruction as the final user message. Only
+    that message tells them apart; the preset's ``last_user`` rules must."""
+    _, first, second = recorded()
+    capture = await replay_recorded(
+        gateway, [first, with_final_user_text(second, helper)], [FIRST_ANSWER, "A recap."],
+        harness_presets.resolve_side_calls("claude-code"), HEADERS)
+    assert chains_of(capture, smollm2_tokenizer()) == [
+        (False, [(FIRST_ANSWER, True)]), (True, [("A recap.", False)])]
+
+
+async def test_a_task_that_quotes_a_helpers_words_stays_the_agents_work(
+        gateway: Gateway) -> None:
+    _, first, second = recorded()
+    quoted = f"Print this sentence to a file: {RECAP}"
+    capture = await replay_recorded(
+        gateway, [first, with_final_user_text(second, quoted)], [FIRST_ANSWER, "Done."],
+        harness_presets.resolve_side_calls("claude-code"), HEADERS)
+    assert chains_of(capture, smollm2_tokenizer()) == [
+        (False, [(FIRST_ANSWER, True), ("Done.", True)])]

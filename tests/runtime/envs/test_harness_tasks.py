@@ -51,7 +51,7 @@ def refused(task: Any) -> InvalidArgument:
     (harness_task("math", MATH, {"command": ["x"], "limits": 5}), "task.harness.limits",
      "must be a table"),
     (harness_task("math", MATH, {"command": ["x"], "side_call": [{}]}),
-     "task.harness.side_call", "needs model, system or metadata"),
+     "task.harness.side_call", "needs model, system, metadata or last_user"),
     (harness_task("math", MATH, {"command": ["x"], "side_call": [{"model": "("}]}),
      "task.harness.side_call", "not a regular expression"),
     (harness_task("math", MATH, {"command": ["x"], "side_call": [{"modle": "x"}]}),

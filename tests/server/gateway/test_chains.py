@@ -351,7 +351,14 @@ def test_a_side_call_rule_checks_every_field_it_has() -> None:
     assert rule.matches("claude-3-5-haiku-2024", "", {"purpose": "title"})
     assert not rule.matches("claude-3-5-haiku-2024", "", {"purpose": "work"})
     assert not rule.matches("claude-sonnet-4-5", "", {"purpose": "title"})
-    with pytest.raises(ValueError, match="needs model, system or metadata"):
+    with pytest.raises(ValueError, match="needs model, system, metadata or last_user"):
         SideCallRule()
     with pytest.raises(ValueError, match="not a regular expression"):
         SideCallRule(system="(")
+    with pytest.raises(ValueError, match="not a regular expression"):
+        SideCallRule(last_user="[")
+    last = SideCallRule(model="policy", last_user=r"(?m)^Recap")
+    assert last.matches("policy", "", {}, "Recap in 40 words")
+    assert not last.matches("policy", "", {}, "Please say: Recap in 40 words")
+    assert not last.matches("other", "", {}, "Recap in 40 words")
+    assert not last.matches("policy", "", {}, "")
