@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -158,7 +159,9 @@ def _reap_one(path: Path, entry: str, locks: Path, report: ReapReport) -> None:
 def reap_temp_dirs(parent: Path | str | None = None) -> list[str]:
     """Remove the :func:`owned_tempdir` folders in ``parent`` (the system's temp folder by
     default) whose lock nobody holds: their owner died. One without a lock file is skipped
-    (its owner may be between making it and locking it)."""
+    (its owner may be between making it and locking it), and so is one this process's user
+    does not own: the temp folder is everyone's, and a look-alike another user made there is
+    theirs to keep."""
     where = Path(parent or tempfile.gettempdir())
     removed: list[str] = []
     try:
@@ -167,8 +170,14 @@ def reap_temp_dirs(parent: Path | str | None = None) -> list[str]:
         return removed
     for entry in entries:
         path = where / entry
-        if (not entry.startswith(OWNED_TEMP_PREFIXES) or path.is_symlink()
-                or not path.is_dir() or not os.path.lexists(path / _TEMP_LOCK)):
+        if not entry.startswith(OWNED_TEMP_PREFIXES):
+            continue
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+                or not os.path.lexists(path / _TEMP_LOCK)):
             continue
         fd = procs.try_flock(path / _TEMP_LOCK)
         if fd is None:

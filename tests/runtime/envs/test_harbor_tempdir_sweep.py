@@ -63,3 +63,17 @@ def test_dead_servers_harbor_folders_are_swept_and_live_ones_kept(tmp_path: Path
         live.wait(timeout=30)
     # Its owner gone, the live server's folder goes at the next sweep too.
     assert reap_stale(tmp_path / "sandboxes", temp_root=tmp_path).temp_dirs == [str(live_dir)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_look_alike_folder_of_another_user_is_left_alone(tmp_path: Path) -> None:
+    """The temp folder is everyone's: another user's ``rollout-harbor-*`` folder with an
+    unlocked ``lock`` file is theirs, not a dead server's."""
+    theirs = tmp_path / "rollout-harbor-theirs"
+    theirs.mkdir()
+    (theirs / "lock").write_text("")
+    (theirs / "keep.txt").write_text("mine")
+    for path in (theirs / "keep.txt", theirs / "lock", theirs):
+        os.lchown(path, 54321, 54321)
+    assert reap_stale(tmp_path / "sandboxes", temp_root=tmp_path).temp_dirs == []
+    assert (theirs / "keep.txt").read_text() == "mine"
