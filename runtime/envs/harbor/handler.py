@@ -117,9 +117,9 @@ class HarborHandler(AgentHandler):
                                    "imported (its digest differs): import it again",
                                    "INVALID_TASK")
         ctx.state[TASK_KEY] = harbor
-        dirs = await asyncio.to_thread(
+        dirs, lock = await asyncio.to_thread(
             _job_dirs, harbor if task.get("agent", "model") == "oracle" else None)
-        ctx.resources.callback(os.close, int(dirs.pop("lock")))
+        ctx.resources.callback(os.close, lock)
         ctx.resources.callback(hostfs.rmtree, dirs["root"])
         ctx.state[DIRS_KEY] = {k: str(v) for k, v in dirs.items()}
         binds = [(str(dirs["verifier"]), VERIFIER_DIR, True), (str(dirs["tests"]), TESTS_DIR, True)]
@@ -274,22 +274,27 @@ async def _oracle(sandbox: Any, harbor: HarborTask, workdir: str,
                                         "oracle_log": run.output[-_LOG_TAIL:]})
 
 
-def _job_dirs(oracle: HarborTask | None) -> dict[str, Any]:
+def _job_dirs(oracle: HarborTask | None) -> tuple[dict[str, Path], int]:
     """Host folders bound into the job's sandbox: the verifier's output and the tests (empty
-    until EVAL), and for the oracle a copy of the task's ``solution/``. Their root holds a
-    lock (fd under ``"lock"``) for the job's life, so that a crashed server's are swept by the
-    next start-up (``reap_stale``) and a live one's are not."""
+    until EVAL), and for the oracle a copy of the task's ``solution/``; with the fd of the lock
+    their root holds for the job's life, so that a crashed server's are swept by the next
+    start-up (``reap_stale``) and a live one's are not."""
     root, lock = owned_tempdir("rollout-harbor-")
-    os.chmod(root, 0o711)
-    dirs: dict[str, Any] = {"root": root, "lock": lock}
-    for name in ("verifier", "tests"):
-        (root / name).mkdir(mode=0o755)
-        dirs[name] = root / name
-    if oracle is not None and oracle.has_solution:
-        dirs["solution"] = root / "solution"
-        shutil.copytree(oracle.path / taskdir.SOLUTION, dirs["solution"], symlinks=True)
-        os.chmod(dirs["solution"], 0o755)
-    return dirs
+    try:
+        os.chmod(root, 0o711)
+        dirs = {"root": root}
+        for name in ("verifier", "tests"):
+            (root / name).mkdir(mode=0o755)
+            dirs[name] = root / name
+        if oracle is not None and oracle.has_solution:
+            dirs["solution"] = root / "solution"
+            shutil.copytree(oracle.path / taskdir.SOLUTION, dirs["solution"], symlinks=True)
+            os.chmod(dirs["solution"], 0o755)
+    except BaseException:
+        hostfs.rmtree(root)
+        os.close(lock)
+        raise
+    return dirs, lock
 
 
 def _empty(path: Path) -> None:

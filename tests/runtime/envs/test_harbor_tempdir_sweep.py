@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 _OWNER = textwrap.dedent("""
     import sys
     from rollout.runtime.envs.harbor.handler import _job_dirs
-    dirs = _job_dirs(None)
+    dirs, _lock = _job_dirs(None)
     (dirs["verifier"] / "reward.txt").write_text("1")
     print(dirs["root"], flush=True)
     sys.stdin.read()
