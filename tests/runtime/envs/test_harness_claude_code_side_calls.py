@@ -148,3 +148,23 @@ async def test_a_task_that_quotes_a_helpers_words_stays_the_agents_work(
         harness_presets.resolve_side_calls("claude-code"), HEADERS)
     assert chains_of(capture, smollm2_tokenizer()) == [
         (False, [(FIRST_ANSWER, True), ("Done.", True)])]
+
+
+def test_a_tool_result_that_echoes_a_helpers_words_is_not_a_side_call() -> None:
+    """The model cannot make its own work untrained by having a command print a helper's
+    instruction: a tool result is not the user's final message."""
+    options = GatewayOptions(side_calls=harness_presets.resolve_side_calls("claude-code"))
+    body = {"model": "policy", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Fix the bug."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "cat x"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": RECAP}]}]}
+    request = anthropic_dialect.parse(body, RequestLimits())
+    assert not options.is_side_call(request.model, request.system_text(), request.metadata,
+                                    request.last_user_text())
+    # The same words as the user's own final message are the helper's.
+    body["messages"][-1] = {"role": "user", "content": RECAP}
+    request = anthropic_dialect.parse(body, RequestLimits())
+    assert options.is_side_call(request.model, request.system_text(), request.metadata,
+                                request.last_user_text())
