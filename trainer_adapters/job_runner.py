@@ -28,6 +28,7 @@ from rollout.client.aio import RolloutClient
 from rollout.client.errors import RolloutError
 from rollout.client.session import Session
 from rollout.client.specs import SpecLike, job_spec
+from rollout.trainer_adapters.group_view import COMMIT_LAG_S, Member, SettledGroup, cut_group
 from rollout.v1 import job_pb2, trajectory_pb2
 
 SUCCEEDED = job_pb2.Job.State.STATE_SUCCEEDED
@@ -55,18 +56,6 @@ class JobOutcome:
     @property
     def state_name(self) -> str:
         return job_pb2.Job.State.Name(self.state).removeprefix("STATE_")  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class SettledGroup:
-    """A group's settled jobs as one caller sees them: the valid ones' rewards by job id, and
-    the ids of the others (failed, cancelled, or not trained by the caller)."""
-
-    valid: dict[str, float]
-    untrainable: frozenset[str]
-    roster: frozenset[str] = frozenset()
-    """Every job id the service listed for the group, settled or not (a job still running
-    when the view was taken is in the roster and in neither set)."""
 
 
 class JobRejectedError(ValueError):
@@ -135,18 +124,21 @@ class JobRunner:
 
     async def frozen_group(self, group_id: str, *, size: int, timeout_s: float,
                            poll_s: float = 0.5,
-                           trains: Callable[[JobOutcome], bool] | None = None) -> SettledGroup:
-        """``group_id``'s settled view, taken once and shared by every caller in this process:
-        the first call waits (up to ``timeout_s``) for all ``size`` jobs of the group to settle
-        (see :meth:`settled_group`, with no job excluded); every later call, however late, gets
-        that same view, even when more of the group's jobs have settled since. So all the
-        callers that derive something from the group (the verl legacy loop's fills) derive it
-        from one set. A view that failed (the service could not be read) is not kept."""
+                           trains: Callable[[JobOutcome], bool] | None = None,
+                           lag_s: float = COMMIT_LAG_S) -> SettledGroup:
+        """``group_id``'s frozen view: the siblings that settled by the group's cut (the moment
+        its earliest untrainable job settled, plus ``timeout_s``), each valid or untrainable by
+        ``trains``, as :func:`~rollout.trainer_adapters.group_view.cut_group` decides from the
+        service's timestamps. Every process that asks derives the same view whenever it asks,
+        so the loops of a group split across verl workers take their fills from one set. The
+        call returns once every sibling has settled, or once the cut is ``lag_s`` behind the
+        service's clock; the view is also kept, so later callers in this process do not read
+        the group again. A view that failed (the service could not be read) is not kept."""
         task = self._frozen.get(group_id)
         if task is None or (task.done() and (task.cancelled() or task.exception())):
             task = asyncio.create_task(
-                self.settled_group(group_id, exclude="", others=size, timeout_s=timeout_s,
-                                   poll_s=poll_s, trains=trains),
+                self._freeze(group_id, size=size, wait_s=timeout_s, poll_s=poll_s,
+                             trains=trains, lag_s=lag_s),
                 name=f"job-runner:freeze:{group_id}")
             self._frozen[group_id] = task
             while len(self._frozen) > FROZEN_GROUPS_KEPT:
@@ -157,6 +149,54 @@ class JobRunner:
         self._frozen.move_to_end(group_id)
         # A caller cancelled while waiting leaves the view to be taken for the others.
         return await asyncio.shield(task)
+
+    async def _freeze(self, group_id: str, *, size: int, wait_s: float, poll_s: float,
+                      trains: Callable[[JobOutcome], bool] | None, lag_s: float
+                      ) -> SettledGroup:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        members: dict[str, Member] = {}
+        offset: float | None = None  # service time >= loop.time() + offset
+        fallback: float | None = None
+        delay = poll_s
+        while True:
+            jobs = [j async for j in self.client.list_jobs(group_id=group_id)]
+            read_at = loop.time()
+            newest = max((max(_seconds(j.create_time), _seconds(j.update_time)) for j in jobs),
+                         default=None)
+            if newest is not None and (offset is None or newest - read_at > offset):
+                offset = newest - read_at
+            now = loop.time() + (offset if offset is not None else 0.0)
+            for job in jobs:
+                members[job.job_id] = await self._member(job, members.get(job.job_id), trains,
+                                                         now=now, lag_s=lag_s)
+            if fallback is None:
+                fallback = now
+            cut = cut_group(members.values(), size=size, wait_s=wait_s, now=now,
+                            fallback_anchor=fallback, lag_s=lag_s)
+            if cut.view is not None:
+                return cut.view
+            pause = delay
+            if cut.decide_at is not None:
+                pause = min(pause, max(cut.decide_at - now, 0.0) + 0.05)
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, 2.0)
+
+    async def _member(self, job: job_pb2.Job, known: Member | None,
+                      trains: Callable[[JobOutcome], bool] | None, *, now: float,
+                      lag_s: float) -> Member:
+        """``job`` as :func:`cut_group` reads it; a classification once made is kept (a
+        terminal job never changes)."""
+        if known is not None and known.valid is not None:
+            return known
+        created = _seconds(job.create_time)
+        if job.state not in TERMINAL:
+            return Member(job.job_id, created)
+        settled = _seconds(job.update_time)
+        counts = await self._counts(job, trains)
+        if counts is None and now >= settled + lag_s:
+            counts = False  # its trajectory is gone for every reader alike: not trainable
+        return Member(job.job_id, created, settled, counts, job.reward)
 
     async def settled_group(self, group_id: str, *, exclude: str, others: int,
                             timeout_s: float, poll_s: float = 0.5,
@@ -261,6 +301,10 @@ class JobRunner:
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(err)
+
+
+def _seconds(stamp: Any) -> float:
+    return float(stamp.ToNanoseconds()) / 1e9
 
 
 def _unavailable() -> Any:

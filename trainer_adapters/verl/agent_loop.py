@@ -138,8 +138,8 @@ class RolloutServiceAgentLoop(AgentLoopBase):
         (:func:`~rollout.trainer_adapters.verl.job_mapping.prompt_only`): verl's score and
         reward metrics then leave it out as aborted, so they average valid rollouts only while
         its reward still enters the advantages. Its fill is computed from the group's view that
-        :meth:`~rollout.trainer_adapters.job_runner.JobRunner.frozen_group` takes once for every
-        loop of the group in this process."""
+        :meth:`~rollout.trainer_adapters.job_runner.JobRunner.frozen_group` derives alike for
+        every loop of the group, in this worker process or another."""
         s = self.settings
         spec = job_for_sample(
             kwargs, sampling_params, environment=s.environment,

@@ -90,22 +90,26 @@ async def test_caller_that_gives_up_cancels_its_job(harness: ServerHarness) -> N
 
 async def test_a_groups_view_is_frozen_once_for_every_loop(harness: ServerHarness) -> None:
     """The verl legacy loops of one group that has not settled within ``neutral_wait_s``: the
-    first untrainable loop's view is taken at its deadline, and a later loop of the group gets
-    that same view, although a valid sibling settled in between. Both fills then come from
-    one set and are distinct slots of it, so they complement each other; with a view per
-    loop the later one would count the new valid reward and the fills would not cancel."""
-    runner = JobRunner(harness.address)
+    view holds the siblings that settled by the group's cut (its first untrainable job's
+    settling plus the wait), so a later loop of the group gets that same view, although a
+    valid sibling settled in between, and so does a loop in another process (another runner:
+    its own session, nothing shared but the service) that asks only after every sibling
+    settled. Both fills then come from one set and are distinct slots of it, so they
+    complement each other; with a view per loop, or per process, the later one would count
+    the new valid reward and the fills would not cancel."""
+    runner, elsewhere = JobRunner(harness.address), JobRunner(harness.address)
     group = {"group_id": "g", "size": 4}
     tasks = {"a-ok": two_turn_tool_episode(base=100, reward=1.0),
              "b-failed": {**two_turn_tool_episode(base=200), "fail": "eval"},
              "c-late-ok": {**two_turn_tool_episode(base=300, reward=0.0), "sleep": 8},
              "d-late-failed": {**two_turn_tool_episode(base=400), "fail": "eval", "sleep": 8}}
     try:
+        # a-ok settles before the anchor (b-failed, the first untrainable job).
+        await runner.run({**job("a-ok", tasks["a-ok"]), "group": group})
         runs = {name: asyncio.create_task(runner.run({**job(name, task), "group": group}))
-                for name, task in tasks.items()}
-        await runs["a-ok"]
+                for name, task in tasks.items() if name != "a-ok"}
         await runs["b-failed"]
-        first = await runner.frozen_group("g", size=4, timeout_s=0.0)
+        first = await runner.frozen_group("g", size=4, timeout_s=0.0, lag_s=0.5)
         if "c-late-ok" in first.valid:  # the machine was too slow for the test to discriminate
             pytest.skip("the sleeping sibling settled before the first view")
         assert first.valid == {"a-ok": 1.0} and first.untrainable == {"b-failed"}
@@ -113,13 +117,33 @@ async def test_a_groups_view_is_frozen_once_for_every_loop(harness: ServerHarnes
         late = await runs["c-late-ok"]
         await runs["d-late-failed"]
         assert late.succeeded
-        again = await runner.frozen_group("g", size=4, timeout_s=0.0)
-        assert again == first
-        # What a fresh view would say now: the late sibling is valid.
+        assert await runner.frozen_group("g", size=4, timeout_s=0.0, lag_s=0.5) == first
+        assert await elsewhere.frozen_group("g", size=4, timeout_s=0.0, lag_s=0.5) == first
+        # What a fresh view taken now would say: the late sibling is valid.
         fresh = await runner.settled_group("g", exclude="", others=4, timeout_s=0.0)
         assert fresh.valid == {"a-ok": 1.0, "c-late-ok": 0.0}
-        fills = [fill_for(j, again.valid, again.roster, 4) for j in ("b-failed", "d-late-failed")]
+        fills = [fill_for(j, first.valid, first.roster, 4) for j in ("b-failed", "d-late-failed")]
         slots = grpo_fills([1.0], 4)  # the frozen view: one valid reward, three slots
         assert fills == [slots[0], slots[2]]  # b, c (its slot, unused), d by job id
+    finally:
+        await runner.close()
+        await elsewhere.close()
+
+
+async def test_a_settled_group_is_viewed_whole_at_once(harness: ServerHarness) -> None:
+    """Once every sibling has settled the view is decided without waiting out the wait, and a
+    sibling that settled within the wait of the first untrainable one counts."""
+    runner = JobRunner(harness.address)
+    group = {"group_id": "whole", "size": 3}
+    tasks = {"a-failed": {**two_turn_tool_episode(base=100), "fail": "eval"},
+             "b-ok": two_turn_tool_episode(base=200, reward=1.0),
+             "c-ok": two_turn_tool_episode(base=300, reward=0.5)}
+    try:
+        await asyncio.gather(*[runner.run({**job(name, task), "group": group})
+                               for name, task in tasks.items()])
+        view = await asyncio.wait_for(
+            runner.frozen_group("whole", size=3, timeout_s=3600.0, lag_s=3600.0), 30)
+        assert view.valid == {"b-ok": 1.0, "c-ok": 0.5}
+        assert view.untrainable == {"a-failed"} and view.roster == set(tasks)
     finally:
         await runner.close()
