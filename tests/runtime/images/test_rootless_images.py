@@ -32,6 +32,7 @@ SUBIDS_CHILD = Path(__file__).with_name("subids_child.py")
 HARBOR_CHILD = Path(__file__).with_name("subids_harbor_child.py")
 CRASH_CHILD = Path(__file__).with_name("subids_crash_child.py")
 IPYTHON_CHILD = Path(__file__).with_name("subids_ipython_child.py")
+SERVE_CHILD = Path(__file__).with_name("subids_serve_child.py")
 REPO = Path(__file__).resolve().parents[3]
 FAR = 200000
 """An id beyond the test user's ranges."""
@@ -253,7 +254,7 @@ def own_python() -> Iterator[str]:
 
 def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (),
             args: tuple[str, ...] = (), returncode: int = 0,
-            python: str = "") -> dict[str, object]:
+            python: str = "", timeout: float = 240) -> dict[str, object]:
     """Run ``child TOP ARGS...`` as ``uid`` with no capabilities, this venv's packages (and
     the checkout, for ``tests.*``) on its path and ``env`` (NAME=value) added; check its exit
     status and return the first JSON line it prints."""
@@ -267,7 +268,7 @@ def _run_as(uid: int, gid: int, child: Path, top: Path, env: tuple[str, ...] = (
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
          "env", "-i", f"HOME={top}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env, python, "-c",
          boot],
-        capture_output=True, text=True, timeout=240, cwd=top)
+        capture_output=True, text=True, timeout=timeout, cwd=top)
     assert proc.returncode == returncode, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("{"))
     return json.loads(line)  # type: ignore[no-any-return]
@@ -501,3 +502,35 @@ def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
         assert list((tmp_path / "c" / "root").iterdir()) == []
     finally:
         lease.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
+        user_layout: Path, subids_user: SubIdsUser, own_python: str) -> None:
+    # The whole way a user runs Harbor tasks on a shared cluster, as an unprivileged user with
+    # a subordinate range: `rollout tasks import-harbor`, `rollout serve` (its own process),
+    # `rollout submit`. The model's job (the built-in agent loop), the oracle and the no-op
+    # are scored by the task's own verifier as the image's user; a harness (a command that
+    # asks the model gateway once through its relay, then does the task) runs in the task's
+    # image too, and its request becomes the job's turn. The server stops on SIGTERM and
+    # leaves no sandbox behind.
+    uid, gid = subids_user.uid, subids_user.gid
+    top = _layout_owned_by(user_layout, uid, gid, "subids-serve-")
+    try:
+        # The interpreter's copy links its own libpython (the original's path is under root's
+        # home, and the system's older libpython lacks symbols its ssl module needs).
+        libs = Path(own_python).parents[2] / "base" / "lib"
+        seen: dict[str, Any] = _run_as(
+            uid, gid, SERVE_CHILD, top, python=own_python, timeout=1100,
+            env=(f"LD_LIBRARY_PATH={libs}",),
+            args=(sysconfig.get_paths()["purelib"], str(REPO)))
+        assert seen["euid"] == uid
+        assert seen["submit"][0] == 0, seen["submit"]
+        assert seen["rewards"] == {"model": 1, "oracle": 1, "noop": 0, "harness": 1}, seen
+        assert seen["turns"]["model"] == 2 and seen["turns"]["harness"] == 1, seen["turns"]
+        assert seen["metadata"]["harness"]["final_text"] == "hello from the model", seen
+        assert seen["serve_exit"] == 0, seen["log_tail"]
+        assert seen["sandboxes_left"] == [], seen
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
