@@ -1001,16 +1001,20 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
               path.name, time.monotonic() - started)
 
 
-def remove_mapped(path: Path, ids: subids.SubIds) -> None:
-    """Remove what the image's users own in a torn-down sandbox's folders from inside a
+MAPPED_PARTS = ("root", "upper", "work", "workspace", "tmp", "ctl")
+"""The folders of a sandbox's directory that its image's users may own files in."""
+
+
+def remove_mapped(path: Path, ids: subids.SubIds, parts: Sequence[str] = MAPPED_PARTS) -> None:
+    """Remove what the image's users own in ``parts`` of ``path`` (a torn-down sandbox's
+    folders by default; a job's temporary folder names all of its entries) from inside a
     namespace of the same mapping (the server, outside it, may not). A fresh one: the
     sandbox's holder is gone with its launches (teardown stops it; a crashed server's died
     with it) and its overlay with it. Teardown and the reaper's sweep use it."""
     holder = None
     try:
         holder = _userns_overlay(path, path, f"{path.name}-cleanup", ids, mount=False)
-        _ns_owners(holder, {"remove": [
-            str(path / sub) for sub in ("root", "upper", "work", "workspace", "tmp", "ctl")]})
+        _ns_owners(holder, {"remove": [str(path / sub) for sub in parts]})
     except (SandboxError, OSError, subprocess.SubprocessError) as e:
         log.warning("sandbox %s: could not remove its mapped folders: %s", path.name, e)
     finally:

@@ -183,7 +183,7 @@ def reap_temp_dirs(parent: Path | str | None = None) -> list[str]:
         if fd is None:
             continue
         try:
-            if _remove(path):
+            if _remove(path, every_entry=True):
                 removed.append(str(path))
             else:
                 log.warning("could not remove the stale temporary folder %s: files below it "
@@ -195,28 +195,31 @@ def reap_temp_dirs(parent: Path | str | None = None) -> list[str]:
     return removed
 
 
-def _remove(path: Path) -> bool:
+def _remove(path: Path, *, every_entry: bool = False) -> bool:
     """Remove ``path`` (never following a link), including what a rootless server's
-    sandbox left owned by its subordinate uids; True when it is gone."""
+    sandbox left owned by its subordinate uids, in a sandbox's own folders or, with
+    ``every_entry``, anywhere in ``path`` (a job's temporary folder, where a Harbor agent or
+    verifier of the image's user writes); True when it is gone."""
     hostfs.rmtree(path)
     if os.path.lexists(path):
-        _remove_mapped(path)
+        _remove_mapped(path, every_entry)
         hostfs.rmtree(path)
     return not os.path.lexists(path)
 
 
-def _remove_mapped(path: Path) -> None:
+def _remove_mapped(path: Path, every_entry: bool) -> None:
     """What a rootless server's image sandbox left owned by its subordinate uids (the
     image's users' files: the server cannot remove them from outside), removed from inside a
     fresh user namespace of the same mapping, as teardown removes them."""
     if os.geteuid() == 0:
         return
-    from rollout.runtime.sandbox.bwrap import remove_mapped
+    from rollout.runtime.sandbox.bwrap import MAPPED_PARTS, remove_mapped
     from rollout.runtime.sandbox.images import subids
 
     ids = subids.server_subids()
     if ids is not None:
-        remove_mapped(path, ids)
+        parts = sorted(os.listdir(path)) if every_entry else MAPPED_PARTS
+        remove_mapped(path, ids, parts)
 
 
 def _meta(path: Path) -> dict[str, object]:

@@ -4,10 +4,13 @@
 Harbor task folder below ``TOP/tasks`` whose image is ``TOP/layout:named`` (User app). Jobs:
 the model's (the built-in agent loop, its turns replayed by the scripted backend), the oracle's,
 the no-op's, and a harness's (a command that asks the model gateway once over bash's
-``/dev/tcp`` and then does the task). Prints what it saw as one JSON line."""
+``/dev/tcp`` and then does the task). Then a crash: the server SIGKILLed while a harness
+job's agent has written into its Harbor folder, and restarted (see :func:`crash`). Prints what
+it saw as one JSON line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,40 +80,139 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
     script.write_text(json.dumps({"job_id": "model", "messages": MODEL_TURNS}) + "\n"
                       + json.dumps({"job_id": "harness",
                                     "messages": ["hello from the model"]}) + "\n")
-    backend = json.dumps([{"kind": "scripted", "file": str(script)}])
-    log = (top / "serve.log").open("wb")
-    server = subprocess.Popen(
-        [sys.executable, "-c", boot, "serve", "--port", "0", "--state-dir", str(top / "state"),
-         "--set", f"llm.backends={backend}",
-         "--set", f"server.task_path_roots={json.dumps([str(top / 'tasks')])}",
-         "--set", f"sandbox.image_cache={top / 'cache'}", "--set", "server.grace_s=1"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=top)
+    server = Server(top, script, boot)
     try:
-        deadline = time.monotonic() + 180
-        while not (found := re.search(r"listening on 127\.0\.0\.1:(\d+)",
-                                      (top / "serve.log").read_text(errors="replace"))):
-            assert server.poll() is None, (top / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        address = server.start()
         res = rollout("submit", str(top / "jobs.jsonl"), "--out", str(top / "out.jsonl"),
-                      "--address", f"127.0.0.1:{found.group(1)}", "--no-progress")
+                      "--address", address, "--no-progress")
         seen["submit"] = [res.returncode, res.stdout[-2000:], res.stderr[-2000:]]
         out = [json.loads(x) for x in (top / "out.jsonl").read_text().splitlines()]
         seen["rewards"] = {t["job_id"]: t.get("reward", 0) for t in out}
         seen["turns"] = {t["job_id"]: len(t.get("turns", [])) for t in out}
         seen["metadata"] = {t["job_id"]: t.get("metadata", {}) for t in out}
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            seen["serve_exit"] = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            seen["serve_exit"] = "hung"
-        log.close()
-    sandboxes = top / "state" / "sandboxes"
-    seen["sandboxes_left"] = sorted(os.listdir(sandboxes)) if sandboxes.is_dir() else []
-    seen["log_tail"] = (top / "serve.log").read_text(errors="replace")[-1500:]
+        seen["serve_exit"] = server.stop()
+    seen["sandboxes_left"] = _listing(top / "state" / "sandboxes")
+    seen["crash"] = crash(top, rollout, boot, jobs[0])
+    seen["log_tail"] = server.log_text()[-1500:]
     return seen
+
+
+def _listing(folder: Path, prefix: str = "") -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith(prefix)) if folder.is_dir() else []
+
+
+def _foreign_files(folder: Path) -> list[str]:
+    """Files below ``folder`` that belong to a uid other than this process's (the image's
+    user: a subordinate uid on the host)."""
+    found = []
+    for d, dirs, files in os.walk(folder):
+        for n in dirs + files:
+            with contextlib.suppress(OSError):
+                if os.lstat(os.path.join(d, n)).st_uid != os.geteuid():
+                    found.append(os.path.relpath(os.path.join(d, n), folder))
+    return sorted(found)
+
+
+def crash(top: Path, rollout: Any, boot: str, model_job: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILL the server while a harness job's agent, as the image's user, has written into
+    the job's Harbor folder (a subordinate uid's file on the host); the restarted server's
+    start-up sweep removes that folder and the dead sandbox; the job is recovered, and once
+    it is cancelled and the server stopped nothing of it is left."""
+    seen: dict[str, Any] = {}
+    tmp, sandboxes = top / "tmp", top / "state" / "sandboxes"
+    sleeper = {"command": ["bash", "-c", "echo x > /logs/verifier/agent-was-here && sleep 600"]}
+    job = {**model_job, "job_id": "crash", "environment": "harness",
+           "task": {"environment": "harbor", "task": model_job["task"], "harness": sleeper}}
+    (top / "crash.jsonl").write_text(json.dumps(job) + "\n")
+    script = top / "crash-script.jsonl"
+    script.write_text("")
+    server = Server(top, script, boot)
+    address = server.start()
+    submit = subprocess.Popen(
+        [sys.executable, "-c", boot, "submit", str(top / "crash.jsonl"), "--out",
+         str(top / "crash.out.jsonl"), "--address", address, "--no-progress",
+         "--on-interrupt", "keep"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=top)
+    try:
+        deadline = time.monotonic() + 300
+        while not _foreign_files(tmp):
+            assert time.monotonic() < deadline, ("the agent never wrote its file",
+                                                 server.log_text()[-3000:])
+            time.sleep(0.5)
+        seen["before"] = {"harbor": _listing(tmp, "rollout-harbor-"),
+                          "foreign": _foreign_files(tmp), "sandboxes": _listing(sandboxes)}
+        server.kill()
+    finally:
+        submit.kill()
+        submit.wait(60)
+    seen["after_kill"] = {"harbor": _listing(tmp, "rollout-harbor-"),
+                          "sandboxes": _listing(sandboxes)}
+    address = server.start()
+    seen["after_restart"] = {"harbor": _listing(tmp, "rollout-harbor-"),
+                             "sandboxes": _listing(sandboxes)}
+    res = rollout("jobs", "cancel", "crash", "--address", address)
+    seen["cancel"] = [res.returncode, res.stderr[-1000:]]
+    deadline = time.monotonic() + 120
+    while True:
+        res = rollout("jobs", "show", "crash", "--address", address)
+        if "CANCELLED" in res.stdout.upper() or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    seen["state"] = res.stdout[-1500:]
+    seen["log_sweep"] = [x for x in server.log_text().splitlines()
+                         if "swept" in x or "temporary" in x or "stale" in x]
+    seen["serve_exit"] = server.stop()
+    seen["left"] = {"harbor": _listing(tmp, "rollout-harbor-"), "sandboxes": _listing(sandboxes),
+                    "tmp_foreign": _foreign_files(tmp)}
+    return seen
+
+
+class Server:
+    """`rollout serve` as this user, on ``TOP/state``, with its temporary folders in
+    ``TOP/tmp`` (so that the sweep's view of them is this test's alone)."""
+
+    def __init__(self, top: Path, script: Path, boot: str) -> None:
+        self.top, self.log = top, top / "serve.log"
+        (top / "tmp").mkdir(exist_ok=True)
+        backend = json.dumps([{"kind": "scripted", "file": str(script)}])
+        self.argv = [
+            sys.executable, "-c", boot, "serve", "--port", "0", "--state-dir",
+            str(top / "state"), "--set", f"llm.backends={backend}",
+            "--set", f"server.task_path_roots={json.dumps([str(top / 'tasks')])}",
+            "--set", f"sandbox.image_cache={top / 'cache'}", "--set", "server.grace_s=1"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def start(self) -> str:
+        offset = len(self.log_text())
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.top,
+                                         env={**os.environ, "TMPDIR": str(self.top / "tmp")})
+        deadline = time.monotonic() + 180
+        while not (found := re.search(r"listening on 127\.0\.0\.1:(\d+)",
+                                      self.log_text()[offset:])):
+            assert self.proc.poll() is None, self.log_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        return f"127.0.0.1:{found.group(1)}"
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(60)
+
+    def stop(self) -> int | str:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "hung"
 
 
 if __name__ == "__main__":

@@ -532,5 +532,17 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
         assert seen["metadata"]["harness"]["final_text"] == "hello from the model", seen
         assert seen["serve_exit"] == 0, seen["log_tail"]
         assert seen["sandboxes_left"] == [], seen
+        # SIGKILLed while the agent (the image's user) had written into its Harbor folder:
+        # the folder holds a subordinate uid's file; the restarted server's sweep removes it
+        # and the dead sandbox, and the recovered job, once cancelled, leaves nothing.
+        crash = seen["crash"]
+        before, after = crash["before"], crash["after_restart"]
+        assert before["harbor"] and before["foreign"] and before["sandboxes"], crash
+        assert crash["after_kill"] == {k: before[k] for k in ("harbor", "sandboxes")}, crash
+        assert not set(before["harbor"]) & set(after["harbor"]), crash
+        assert not set(before["sandboxes"]) & set(after["sandboxes"]), crash
+        assert crash["cancel"][0] == 0 and "CANCELLED" in crash["state"].upper(), crash
+        assert crash["serve_exit"] == 0, crash
+        assert crash["left"] == {"harbor": [], "sandboxes": [], "tmp_foreign": []}, crash
     finally:
         shutil.rmtree(top, ignore_errors=True)
