@@ -166,7 +166,11 @@ class JobRunner:
                          default=None)
             if newest is not None and (offset is None or newest - read_at > offset):
                 offset = newest - read_at
-            now = loop.time() + (offset if offset is not None else 0.0)
+            if offset is None:  # the group is not listed yet: nothing tells the time
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            now = loop.time() + offset
             for job in jobs:
                 members[job.job_id] = await self._member(job, members.get(job.job_id), trains,
                                                          now=now, lag_s=lag_s)
