@@ -38,6 +38,11 @@ cat <&3 > "$HOME/reply.txt"
 grep -q 'hello from the model' "$HOME/reply.txt"
 echo hello > "$HOME/greeting.txt"
 """
+SOLVE_TOOL = ("#!/bin/sh\nmkdir -p /usr/local/bin && printf '#!/bin/sh\\necho hi\\n' "
+              "> /usr/local/bin/greet && chmod 755 /usr/local/bin/greet\n")
+TEST_TOOL = ("#!/bin/sh\nif [ \"$(PATH=/usr/local/bin:$PATH greet 2>/dev/null)\" = hi ]; "
+             "then echo '{\"reward\": 0.75, \"greets\": 1}' > /logs/verifier/reward.json; "
+             "else echo '{\"reward\": 0, \"greets\": 0}' > /logs/verifier/reward.json; fi\n")
 MODEL_TURNS = [
     '<tool_call>\n{"name": "bash", "arguments": {"command": "echo hello > $HOME/greeting.txt"}}'
     "\n</tool_call>",
@@ -53,15 +58,12 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
         return subprocess.run([sys.executable, "-c", boot, *args], capture_output=True,
                               text=True, timeout=timeout, cwd=top)
 
-    task = top / "tasks" / "greet"
-    for sub in ("solution", "tests"):
-        (task / sub).mkdir(parents=True)
-    (task / "instruction.md").write_text("Write hello to ~/greeting.txt.\n")
-    (task / "solution" / "solve.sh").write_text(SOLVE)
-    (task / "tests" / "test.sh").write_text(TEST)
-    (task / "task.toml").write_text(
-        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 120.0\n'
-        f'[environment]\ndocker_image = "oci:{top / "layout"}:named"\n')
+    _task(top / "tasks" / "greet", "Write hello to ~/greeting.txt.\n", SOLVE, TEST,
+          f"oci:{top / 'layout'}:named")
+    # A program the agent must install in a system path (the image's root may), and a reward
+    # that is not 0 or 1, with a named component.
+    _task(top / "tasks" / "tool", "Install a `greet` command that prints hi.\n", SOLVE_TOOL,
+          TEST_TOOL, f"oci:{top / 'layout'}:root")
     seen: dict[str, Any] = {"euid": os.geteuid()}
     jobs = []
     for agent in ("model", "oracle", "noop"):
@@ -69,8 +71,10 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
         res = rollout("tasks", "import-harbor", str(top / "tasks"), "--agent", agent,
                       "--out", str(out))
         assert res.returncode == 0, res.stderr
-        line = json.loads(out.read_text().splitlines()[0])
-        jobs.append({**line, "job_id": agent})
+        for line in map(json.loads, out.read_text().splitlines()):
+            name = line["task"]["name"]
+            if agent != "model" or name == "greet":
+                jobs.append({**line, "job_id": agent if name == "greet" else f"{agent}-{name}"})
     harness = {"command": ["bash", "-c", HARNESS]}
     jobs.append({**jobs[0], "job_id": "harness", "environment": "harness",
                  "task": {"environment": "harbor", "task": jobs[0]["task"],
@@ -88,6 +92,7 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
         seen["submit"] = [res.returncode, res.stdout[-2000:], res.stderr[-2000:]]
         out = [json.loads(x) for x in (top / "out.jsonl").read_text().splitlines()]
         seen["rewards"] = {t["job_id"]: t.get("reward", 0) for t in out}
+        seen["components"] = {t["job_id"]: t.get("reward_components", {}) for t in out}
         seen["turns"] = {t["job_id"]: len(t.get("turns", [])) for t in out}
         seen["metadata"] = {t["job_id"]: t.get("metadata", {}) for t in out}
     finally:
@@ -96,6 +101,17 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
     seen["crash"] = crash(top, rollout, boot, jobs[0])
     seen["log_tail"] = server.log_text()[-1500:]
     return seen
+
+
+def _task(folder: Path, instruction: str, solve: str, test: str, image: str) -> None:
+    for sub in ("solution", "tests"):
+        (folder / sub).mkdir(parents=True)
+    (folder / "instruction.md").write_text(instruction)
+    (folder / "solution" / "solve.sh").write_text(solve)
+    (folder / "tests" / "test.sh").write_text(test)
+    (folder / "task.toml").write_text(
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 120.0\n'
+        f'[environment]\ndocker_image = "{image}"\n')
 
 
 def _listing(folder: Path, prefix: str = "") -> list[str]:

@@ -511,10 +511,11 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
     # The whole way a user runs Harbor tasks on a shared cluster, as an unprivileged user with
     # a subordinate range: `rollout tasks import-harbor`, `rollout serve` (its own process),
     # `rollout submit`. The model's job (the built-in agent loop), the oracle and the no-op
-    # are scored by the task's own verifier as the image's user; a harness (a command that
-    # asks the model gateway once through its relay, then does the task) runs in the task's
-    # image too, and its request becomes the job's turn. The server stops on SIGTERM and
-    # leaves no sandbox behind.
+    # are scored by the task's own verifier as the image's user (a second task: a program the
+    # agent installs in /usr/local/bin, and a reward of 0.75 with a named component); a
+    # harness (a command that asks the model gateway once through its relay, then does the
+    # task) runs in the task's image too, and its request becomes the job's turn. The server
+    # stops on SIGTERM and leaves no sandbox behind.
     uid, gid = subids_user.uid, subids_user.gid
     top = _layout_owned_by(user_layout, uid, gid, "subids-serve-")
     try:
@@ -527,7 +528,11 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
             args=(sysconfig.get_paths()["purelib"], str(REPO)))
         assert seen["euid"] == uid
         assert seen["submit"][0] == 0, seen["submit"]
-        assert seen["rewards"] == {"model": 1, "oracle": 1, "noop": 0, "harness": 1}, seen
+        assert seen["rewards"] == {"model": 1, "oracle": 1, "noop": 0, "harness": 1,
+                                   "oracle-tool": 0.75, "noop-tool": 0}, seen
+        # A program installed in a system path; a reward that is not 0 or 1, with a component.
+        assert seen["components"]["oracle-tool"].get("greets") == 1, seen["components"]
+        assert seen["components"]["noop-tool"].get("greets") == 0, seen["components"]
         assert seen["turns"]["model"] == 2 and seen["turns"]["harness"] == 1, seen["turns"]
         assert seen["metadata"]["harness"]["final_text"] == "hello from the model", seen
         assert seen["serve_exit"] == 0, seen["log_tail"]
