@@ -38,7 +38,7 @@ else echo 0 > /logs/verifier/reward.txt; fi
 WROTE = "WROTE-2"  # what the gold step prints; its own text says $((1+1))
 
 
-def busybox_task(top: Path, layout: Path) -> dict[str, Any]:
+def busybox_task(top: Path, layout: Path, tag: str = "bb") -> dict[str, Any]:
     folder = top / "hello-busybox"
     for sub in ("solution", "tests"):
         (folder / sub).mkdir(parents=True)
@@ -47,7 +47,7 @@ def busybox_task(top: Path, layout: Path) -> dict[str, Any]:
     (folder / "tests" / "test.sh").write_text(TEST)
     (folder / "task.toml").write_text(
         'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
-        f'[environment]\ndocker_image = "oci:{layout}:bb"\n')
+        f'[environment]\ndocker_image = "oci:{layout}:{tag}"\n')
     return dict(harbor_import.job_line(taskdir.load(folder))["task"])
 
 
@@ -82,15 +82,19 @@ async def test_claude_code_runs_in_an_image_without_glibc(
     assert result.outcome.termination is TerminationReason.SUBMITTED
 
 
+@pytest.mark.parametrize("image", ["busybox", "musl"])
 async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
-        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
-        gateway_rig: GatewayRig) -> None:
+        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
+        request: pytest.FixtureRequest) -> None:
     """Through the pipeline's INIT stage: a FAILED job, the task's fault (``INVALID_TASK``),
-    whose message names the task, the harness, the image, the program and the loader."""
+    whose message names the task, the harness, the image, the program and the loader. The
+    same in a musl image (the ``musl_layout`` fixture: musl's loader and libc, no glibc)."""
     from rollout.server.pipeline.stages import Stage, run_stage
 
     installed("mini-swe-agent")
-    task = harness_task("harbor", busybox_task(tmp_path / "tasks", busybox_layout),
+    layout, tag = ((request.getfixturevalue("busybox_layout"), "bb") if image == "busybox"
+                   else (request.getfixturevalue("musl_layout"), "musl"))
+    task = harness_task("harbor", busybox_task(tmp_path / "tasks", layout, tag),
                         "mini-swe-agent")
     spec = JobSpec(job_id="glibc-less", environment="harness", task=task,
                    limits=Limits(max_turns=6, run_timeout_s=120))
@@ -107,5 +111,5 @@ async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
         "INVALID_TASK", "IMAGE_REJECTED"), error
     assert error.message.startswith("task 'hello-busybox' (harness): harness 'mini-swe-agent'"), \
         error.message
-    assert f"oci:{busybox_layout}:bb" in error.message, error.message
+    assert f"oci:{layout}:{tag}" in error.message, error.message
     assert f"/.rollout-harness/bin/python needs {GLIBC_LOADER}" in error.message, error.message
