@@ -1,5 +1,6 @@
 """Harness jobs in a task's own image without glibc: the fixtures' busybox image (one static
-busybox and its applet links, no loader, no libc, no bash), a Harbor task on it.
+busybox and its applet links, no loader, no libc, no bash) and musl image (the same plus musl's
+loader and libc, as Alpine has them), a Harbor task on each.
 
 Claude Code brings its own loader and C libraries under its install (scripts/harness_loader.py)
 and the image sandbox brings a static bash under ``/.rollout`` (its Bash tool's shell), so it
@@ -23,13 +24,13 @@ from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox.base import ImageSettings
 from rollout.runtime.tasksets import harbor_import
 from rollout.runtime.types import JobSpec, Limits, TerminationReason
+from tests.fixtures.images import GLIBC_LOADER, MUSL_LOADER
 from tests.runtime.envs.conftest import call
 from tests.runtime.envs.harbor_helpers import image_factory
 from tests.runtime.envs.harness_helpers import GatewayRig, harness_task, routed_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
 TEST = """#!/bin/sh
 mkdir -p /logs/verifier
 if [ "$(cat /tmp/hello.txt 2>/dev/null)" = "hello" ]; then echo 1 > /logs/verifier/reward.txt
@@ -56,6 +57,14 @@ def factory(tmp_path: Path) -> Any:
     return image_factory(tmp_path / "state", ImageSettings(cache_dir=str(tmp_path / "cache")))
 
 
+def image_layout(request: pytest.FixtureRequest, image: str) -> tuple[Path, str]:
+    """The fixtures' busybox image (static busybox alone) or musl image (busybox, musl's
+    loader and libc, a musl-linked ``hello-musl``): its layout and tag."""
+    if image == "busybox":
+        return request.getfixturevalue("busybox_layout"), "bb"
+    return request.getfixturevalue("musl_layout"), "musl"
+
+
 def installed(name: str) -> None:
     try:
         harness_presets.resolve(name)
@@ -63,14 +72,24 @@ def installed(name: str) -> None:
         pytest.skip(f"{name} is not installed: {e}")
 
 
+IN_THE_IMAGE = {
+    "busybox": f"test ! -e {GLIBC_LOADER} && test ! -e /usr",
+    # The musl image: its loader, no glibc's, and a program of the image linked against musl.
+    "musl": f"test -f {MUSL_LOADER} && test ! -e {GLIBC_LOADER} && hello-musl claude",
+}
+"""What the gold step checks of the root it runs in."""
+
+
+@pytest.mark.parametrize("image", IN_THE_IMAGE)
 async def test_claude_code_runs_in_an_image_without_glibc(
-        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
-        gateway_rig: GatewayRig) -> None:
+        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
+        request: pytest.FixtureRequest) -> None:
     installed("claude-code")
-    task = busybox_task(tmp_path / "tasks", busybox_layout)
-    # The gold step writes the answer only where there is no glibc loader: a reward of 1 says
+    layout, tag = image_layout(request, image)
+    task = busybox_task(tmp_path / "tasks", layout, tag)
+    # The gold step writes the answer only where the image is what it says: a reward of 1 says
     # Claude Code and its Bash tool ran in the image's own root.
-    gold = call("Bash", command=f"test ! -e {GLIBC_LOADER} && test ! -e /usr && "
+    gold = call("Bash", command=f"{IN_THE_IMAGE[image]} && "
                 "echo hello > /tmp/hello.txt && echo WROTE-$((1+1))", description="write it")
     result = await routed_rollout(
         HarnessHandler(), harness_task("harbor", task, "claude-code"),
@@ -92,8 +111,7 @@ async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
     from rollout.server.pipeline.stages import Stage, run_stage
 
     installed("mini-swe-agent")
-    layout, tag = ((request.getfixturevalue("busybox_layout"), "bb") if image == "busybox"
-                   else (request.getfixturevalue("musl_layout"), "musl"))
+    layout, tag = image_layout(request, image)
     task = harness_task("harbor", busybox_task(tmp_path / "tasks", layout, tag),
                         "mini-swe-agent")
     spec = JobSpec(job_id="glibc-less", environment="harness", task=task,
