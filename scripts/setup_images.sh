@@ -7,7 +7,9 @@
 #                     image's one binary), bash-static (the shell the image sandboxes fall back
 #                     to in images without bash), uidmap (newuidmap/newgidmap: a rootless
 #                     server maps its /etc/subuid range into image sandboxes so the image's
-#                     file owners hold; the tests make a user with a range).
+#                     file owners hold; the tests make a user with a range), musl-tools (musl's
+#                     loader and libc, and musl-gcc: the musl image fixture, an Alpine-like
+#                     root, links its program against musl) with libc6-dev (its glibc twin).
 #   base image        an OCI layout of Debian bookworm minbase + python3, made ONCE with
 #                     mmdebstrap and cached under the set-up cache, keyed by its recipe:
 #                     <cache>/image-base-<key>/ (layout: oci:<dir>/oci:base), and a link
@@ -28,12 +30,13 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 need=()
 for pair in skopeo:skopeo umoci:umoci buildah:buildah docker-registry:docker-registry \
             mmdebstrap:mmdebstrap busybox:busybox-static bash-static:bash-static \
-            newuidmap:uidmap; do
+            newuidmap:uidmap musl-gcc:musl-tools; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
 # busybox may come from the dynamic package; the tests want the static one.
 [ -e /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q 'statically' \
   || dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
+[ -e /usr/include/stdio.h ] || need+=(libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \

@@ -128,10 +128,15 @@ class ChatRequest:
         return "\n\n".join(m.content for m in self.messages if m.role == "system")
 
     def last_user_text(self) -> str:
-        """The final message's text when it is a user message, else ``""`` (what a side-call
-        rule's ``last_user`` pattern is searched in)."""
-        last = self.messages[-1] if self.messages else None
-        return last.content if last is not None and last.role == "user" else ""
+        """The final user message's text (what a side-call rule's ``last_user`` pattern is
+        searched in): the last message that is not a system message, when it is the user's,
+        else ``""`` (a tool result or an assistant message ends the request). System messages
+        after it are passed over: Claude Code sends context of its own (the list of agent
+        types) as a system message after a fork's instruction."""
+        for message in reversed(self.messages):
+            if message.role != "system":
+                return message.content if message.role == "user" else ""
+        return ""
 
 
 def read_metadata(value: Any) -> dict[str, str]:

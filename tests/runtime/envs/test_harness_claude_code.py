@@ -204,3 +204,54 @@ def test_claude_code_starts_in_a_root_that_holds_only_its_install() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Claude Code" in done.stdout
+
+
+
+PROGRESS_PROMPT = "Describe your most recent action in 3-5 words"
+"""How the progress label of a background sub-agent (the fork variant: the sub-agent's own
+system prompt and history plus this instruction) begins (2.1.332)."""
+PROGRESS = "Sleeping in the shell"
+
+
+def with_a_background_agent(prompt: str) -> str:
+    if PROGRESS_PROMPT in prompt:
+        return PROGRESS
+    if SUBTASK in first_user_message(prompt):  # the background sub-agent
+        if "SLEPT-2" in prompt:
+            return SUB_ANSWER
+        if "STEP-2" in prompt:
+            # Long enough for the label's timer (30 s after the agent starts) to fire. Claude
+            # Code refuses a plain long `sleep`.
+            return bash("timeout 45 tail -f /dev/null; echo SLEPT-$((1+1))")
+        return bash("echo STEP-$((1+1))")
+    if SUBTASK in prompt:  # the main thread once the agent is started (or has reported)
+        return DONE
+    return call("Agent", description="check the README", prompt=SUBTASK,
+                subagent_type="general-purpose", run_in_background=True)
+
+
+async def test_a_background_agents_progress_label_is_a_side_call(
+        tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
+    """Real Claude Code traffic: with CLAUDE_CODE_AGENT_PROGRESS_SUMMARIES (a task may set it;
+    the SDK's ``agentProgressSummaries`` option) a background sub-agent gets a progress label
+    every 30 s from a fork of it: its own system prompt, history and model name, plus one user
+    message asking for the label (and a system message of Claude Code's after it). Only that
+    message tells the fork apart; it must land as an untrained chain, while the main thread's
+    and the sub-agent's turns stay trained, each sampled token owned once."""
+    harness = {"preset": "claude-code", "env": {"CLAUDE_CODE_AGENT_PROGRESS_SUMMARIES": "1"}}
+    result = await claude(TASKS[0], with_a_background_agent, tok, sandbox_factory, gateway_rig,
+                          harness=harness, max_turns=12)
+    prompts = result.engine.prompts
+    labels = sum(PROGRESS_PROMPT in p for p in prompts)
+    assert labels >= 1, (result.log, [p[-300:] for p in prompts])
+    segments, turns = result.outcome.segments, result.outcome.turns
+    assert sum(s.side_call for s in segments) == labels, segments
+    starts = [s.first_turn for s in segments] + [len(turns)]
+    for segment, end in zip(segments, starts[1:], strict=True):
+        mine = turns[segment.first_turn:end]
+        assert all(t.trained is not segment.side_call for t in mine), (segment, mine)
+        said = "".join(str(tok.decode(t.output_ids)) for t in mine)
+        assert (PROGRESS in said) is segment.side_call, said
+    assert any(SUB_ANSWER in str(tok.decode(t.output_ids)) and t.trained for t in turns)
+    assert_each_token_owned_once(result)
+    assert result.outcome.metadata["harness_exit"] == "0"

@@ -1,5 +1,6 @@
 """Harness jobs in a task's own image without glibc: the fixtures' busybox image (one static
-busybox and its applet links, no loader, no libc, no bash), a Harbor task on it.
+busybox and its applet links, no loader, no libc, no bash) and musl image (the same plus musl's
+loader and libc, as Alpine has them), a Harbor task on each.
 
 Claude Code brings its own loader and C libraries under its install (scripts/harness_loader.py)
 and the image sandbox brings a static bash under ``/.rollout`` (its Bash tool's shell), so it
@@ -23,13 +24,13 @@ from rollout.runtime.handler import JobContext
 from rollout.runtime.sandbox.base import ImageSettings
 from rollout.runtime.tasksets import harbor_import
 from rollout.runtime.types import JobSpec, Limits, TerminationReason
+from tests.fixtures.images import GLIBC_LOADER, MUSL_LOADER
 from tests.runtime.envs.conftest import call
 from tests.runtime.envs.harbor_helpers import image_factory
 from tests.runtime.envs.harness_helpers import GatewayRig, harness_task, routed_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
 TEST = """#!/bin/sh
 mkdir -p /logs/verifier
 if [ "$(cat /tmp/hello.txt 2>/dev/null)" = "hello" ]; then echo 1 > /logs/verifier/reward.txt
@@ -38,7 +39,7 @@ else echo 0 > /logs/verifier/reward.txt; fi
 WROTE = "WROTE-2"  # what the gold step prints; its own text says $((1+1))
 
 
-def busybox_task(top: Path, layout: Path) -> dict[str, Any]:
+def busybox_task(top: Path, layout: Path, tag: str = "bb") -> dict[str, Any]:
     folder = top / "hello-busybox"
     for sub in ("solution", "tests"):
         (folder / sub).mkdir(parents=True)
@@ -47,13 +48,21 @@ def busybox_task(top: Path, layout: Path) -> dict[str, Any]:
     (folder / "tests" / "test.sh").write_text(TEST)
     (folder / "task.toml").write_text(
         'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
-        f'[environment]\ndocker_image = "oci:{layout}:bb"\n')
+        f'[environment]\ndocker_image = "oci:{layout}:{tag}"\n')
     return dict(harbor_import.job_line(taskdir.load(folder))["task"])
 
 
 @pytest.fixture
 def factory(tmp_path: Path) -> Any:
     return image_factory(tmp_path / "state", ImageSettings(cache_dir=str(tmp_path / "cache")))
+
+
+def image_layout(request: pytest.FixtureRequest, image: str) -> tuple[Path, str]:
+    """The fixtures' busybox image (static busybox alone) or musl image (busybox, musl's
+    loader and libc, a musl-linked ``hello-musl``): its layout and tag."""
+    if image == "busybox":
+        return request.getfixturevalue("busybox_layout"), "bb"
+    return request.getfixturevalue("musl_layout"), "musl"
 
 
 def installed(name: str) -> None:
@@ -63,14 +72,24 @@ def installed(name: str) -> None:
         pytest.skip(f"{name} is not installed: {e}")
 
 
+IN_THE_IMAGE = {
+    "busybox": f"test ! -e {GLIBC_LOADER} && test ! -e /usr",
+    # The musl image: its loader, no glibc's, and a program of the image linked against musl.
+    "musl": f"test -f {MUSL_LOADER} && test ! -e {GLIBC_LOADER} && hello-musl claude",
+}
+"""What the gold step checks of the root it runs in."""
+
+
+@pytest.mark.parametrize("image", IN_THE_IMAGE)
 async def test_claude_code_runs_in_an_image_without_glibc(
-        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
-        gateway_rig: GatewayRig) -> None:
+        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
+        request: pytest.FixtureRequest) -> None:
     installed("claude-code")
-    task = busybox_task(tmp_path / "tasks", busybox_layout)
-    # The gold step writes the answer only where there is no glibc loader: a reward of 1 says
+    layout, tag = image_layout(request, image)
+    task = busybox_task(tmp_path / "tasks", layout, tag)
+    # The gold step writes the answer only where the image is what it says: a reward of 1 says
     # Claude Code and its Bash tool ran in the image's own root.
-    gold = call("Bash", command=f"test ! -e {GLIBC_LOADER} && test ! -e /usr && "
+    gold = call("Bash", command=f"{IN_THE_IMAGE[image]} && "
                 "echo hello > /tmp/hello.txt && echo WROTE-$((1+1))", description="write it")
     result = await routed_rollout(
         HarnessHandler(), harness_task("harbor", task, "claude-code"),
@@ -82,15 +101,18 @@ async def test_claude_code_runs_in_an_image_without_glibc(
     assert result.outcome.termination is TerminationReason.SUBMITTED
 
 
+@pytest.mark.parametrize("image", ["busybox", "musl"])
 async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
-        tmp_path: Path, busybox_layout: Path, factory: Any, tok: Any,
-        gateway_rig: GatewayRig) -> None:
+        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
+        request: pytest.FixtureRequest) -> None:
     """Through the pipeline's INIT stage: a FAILED job, the task's fault (``INVALID_TASK``),
-    whose message names the task, the harness, the image, the program and the loader."""
+    whose message names the task, the harness, the image, the program and the loader. The
+    same in a musl image (the ``musl_layout`` fixture: musl's loader and libc, no glibc)."""
     from rollout.server.pipeline.stages import Stage, run_stage
 
     installed("mini-swe-agent")
-    task = harness_task("harbor", busybox_task(tmp_path / "tasks", busybox_layout),
+    layout, tag = image_layout(request, image)
+    task = harness_task("harbor", busybox_task(tmp_path / "tasks", layout, tag),
                         "mini-swe-agent")
     spec = JobSpec(job_id="glibc-less", environment="harness", task=task,
                    limits=Limits(max_turns=6, run_timeout_s=120))
@@ -107,5 +129,5 @@ async def test_a_harness_that_needs_the_images_glibc_is_refused_at_init(
         "INVALID_TASK", "IMAGE_REJECTED"), error
     assert error.message.startswith("task 'hello-busybox' (harness): harness 'mini-swe-agent'"), \
         error.message
-    assert f"oci:{busybox_layout}:bb" in error.message, error.message
+    assert f"oci:{layout}:{tag}" in error.message, error.message
     assert f"/.rollout-harness/bin/python needs {GLIBC_LOADER}" in error.message, error.message

@@ -362,3 +362,20 @@ def test_a_side_call_rule_checks_every_field_it_has() -> None:
     assert not last.matches("policy", "", {}, "Please say: Recap in 40 words")
     assert not last.matches("other", "", {}, "Recap in 40 words")
     assert not last.matches("policy", "", {}, "")
+
+
+def test_the_final_user_message_is_read_past_system_messages_but_not_past_a_tool_result(
+        ) -> None:
+    """What a ``last_user`` rule is searched in: Claude Code follows a fork's instruction with
+    a system message of its own (its agent types), which is passed over; a tool result or an
+    answer after the user's message means the request does not end with one."""
+    def last(*messages: Message) -> str:
+        return ChatRequest(messages=list(messages)).last_user_text()
+
+    task, note = Message("user", "Recap now."), Message("system", "Agent types: ...")
+    tool = Message("tool", "Recap now.", tool_call_id="t1")
+    assert last(Message("system", "Main."), task) == "Recap now."
+    assert last(Message("system", "Main."), task, note, note) == "Recap now."
+    assert last(task, tool) == last(task, tool, note) == ""
+    assert last(task, Message("assistant", "Done."), note) == ""
+    assert last(note) == last() == ""
