@@ -362,7 +362,6 @@ async def test_a_streamed_answer_leaves_the_gateway_before_vllm_ends_the_turn(
             GATEWAY_SAMPLING, max_tokens_per_turn=96))
         client = openai_client(lease)
         pieces: list[str] = []
-        chunks_before_first_text = -1
         try:
             async with await client.chat.completions.create(
                     model="smollm2", stream=True, messages=[
@@ -370,8 +369,7 @@ async def test_a_streamed_answer_leaves_the_gateway_before_vllm_ends_the_turn(
                     ) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.choices:
-                        if choice.delta.content and not released.is_set():
-                            chunks_before_first_text = len(rig.proxy.exchanges[0].replies)
+                        if choice.delta.content:
                             released.set()
                         pieces.append(choice.delta.content or "")
         finally:
@@ -379,11 +377,10 @@ async def test_a_streamed_answer_leaves_the_gateway_before_vllm_ends_the_turn(
             capture = await rig.gateway.close(lease)
     [sent] = rig.proxy.exchanges
     [turn] = capture.turns
+    # The harness had text while vLLM's last chunk was held (never by the hold's deadline),
+    # and vLLM streamed the turn in several chunks that went out as several deltas.
     assert rig.proxy.held_until_released == [True]
-    # vLLM streamed the turn in several chunks, and the harness's first text came while
-    # vLLM's chunks were still arriving (the turn's last one was still held).
     assert len([r for r in sent.replies if r["choices"][0].get("token_ids")]) > 2
-    assert 0 < chunks_before_first_text <= len(sent.replies)
     assert len([p for p in pieces if p]) > 1
     # Early text is still the turn's text: decoded from exactly vLLM's ids, as recorded.
     assert turn.output_ids == sent.output_ids
