@@ -33,9 +33,9 @@ from rollout.server.llm.vllm_launcher import (
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-KV_CACHE_BYTES = 1 << 30
+KV_CACHE_BYTES = 512 << 20
 """vLLM's KV cache (``--kv-cache-memory-bytes``): SmolLM2's 46 KiB per token in fp32 gives
-room for some 23,000 tokens, far more than these tests hold, while the launcher's
+room for some 11,000 tokens, far more than these tests hold, while the launcher's
 ``--gpu-memory-utilization`` share of the host would reserve several GiB on a shared machine."""
 VLLM_ARGS = (*CPU_ARGS, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
 STARTUP_TIMEOUT_S = 900.0

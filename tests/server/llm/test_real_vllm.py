@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,14 +269,14 @@ async def tool_conversation(client: Any, stream: bool) -> list[Answer]:
 
 
 def assert_trajectory_is_what_vllm_sampled(capture: Any, exchanges: list[Any], job_id: str,
-                                           tokenizer: Any, model: Any) -> None:
+                                           model: Any, requests: int = 3) -> None:
     """What a trainer relies on, against what vLLM received and answered."""
     from rollout.client.trajectory import flatten_segments
     from rollout.server.api.proto_convert import trajectory_to_proto
 
     turns = capture.turns
     assert [(s.first_turn, s.reason) for s in capture.segments] == [(0, SegmentReason.FIRST)]
-    assert capture.requests == len(turns) == len(exchanges) == 3
+    assert capture.requests == len(turns) == len(exchanges) == requests
     sequence: list[int] = []
     for k, (turn, sent) in enumerate(zip(turns, exchanges, strict=True)):
         # The tokens recorded are vLLM's own, unchanged: no re-tokenization anywhere.
@@ -287,11 +288,9 @@ def assert_trajectory_is_what_vllm_sampled(capture: Any, exchanges: list[Any], j
         sequence += turn.prompt_ids
         assert sent.prompt_ids == sequence, f"turn {k}: vLLM's prompt is not the chain"
         sequence += turn.output_ids + turn.observation_ids
-    first, second, third = exchanges
-    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == \
-        first.prompt_ids + first.output_ids
-    assert third.prompt_ids[:len(second.prompt_ids) + len(second.output_ids)] == \
-        second.prompt_ids + second.output_ids
+    for before, after in itertools.pairwise(exchanges):
+        assert after.prompt_ids[:len(before.prompt_ids) + len(before.output_ids)] == \
+            before.prompt_ids + before.output_ids
     # The trainer's view: one sequence, mask 1 exactly on the tokens vLLM sampled, carrying
     # vLLM's logprobs there and 0 elsewhere.
     traj = trajectory_to_proto(Trajectory(job_id=job_id, turns=turns, segments=capture.segments,
@@ -302,7 +301,7 @@ def assert_trajectory_is_what_vllm_sampled(capture: Any, exchanges: list[Any], j
     assert flat.token_ids == sequence and flat.loss_mask == expected_mask
     assert [lp for lp, m in zip(flat.logprobs, flat.loss_mask, strict=True) if m] == [
         lp for sent in exchanges for lp in sent.logprobs]
-    assert flat.prompt_length == len(first.prompt_ids)
+    assert flat.prompt_length == len(exchanges[0].prompt_ids)
     # vLLM's logprobs are the processed ones (T 0.7, top-p 0.9) of the reference forward over
     # exactly these tokens, within the kernels' noise (see the module docstring).
     for sent in exchanges:
@@ -329,7 +328,7 @@ async def test_a_harness_tool_conversation_through_the_gateway_keeps_vllms_token
             exchanges = list(rig.proxy.exchanges)
             rig.proxy.exchanges.clear()
             assert_trajectory_is_what_vllm_sampled(capture, exchanges, f"vllm-tools-{stream}",
-                                                   real_vllm.tokenizer, reference_model)
+                                                   reference_model)
             results[stream] = answers, capture
     (plain, plain_capture), (streamed, streamed_capture) = results[False], results[True]
     # A real tool conversation: the model called bash, the result went in as an observation
@@ -386,3 +385,54 @@ async def test_a_streamed_answer_leaves_the_gateway_before_vllm_ends_the_turn(
     assert turn.output_ids == sent.output_ids
     assert "".join(pieces) == real_vllm.tokenizer.decode(sent.output_ids,
                                                          skip_special_tokens=True).strip()
+
+
+ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command.",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+ANTHROPIC_TASK = [
+    {"role": "user", "content": TOOL_TASK[1]["content"]},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "call_0", "name": "bash",
+                                       "input": {"command": "ls /tmp | wc -l"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_0",
+                                  "content": "7"}]},
+    {"role": "assistant", "content": TOOL_TASK[4]["content"]},
+    {"role": "user", "content": TOOL_TASK[5]["content"]}]
+
+
+@pytest.mark.timeout(1800)
+async def test_a_claude_code_style_tool_conversation_over_vllm_keeps_vllms_tokens(
+        real_vllm: RealVllm, reference_model: Any, tmp_path: Path) -> None:
+    """The same task through Anthropic Messages, streamed as Claude Code streams: the model's
+    ``tool_use``, its ``tool_result``, one more request; vLLM's own tokens in one chain."""
+    from tests.server.gateway.conftest import anthropic_client
+
+    async with gateway_over(real_vllm, tmp_path / "state") as rig:
+        lease = await rig.open("vllm-anthropic")
+        client = anthropic_client(lease)
+        history: list[dict[str, Any]] = list(ANTHROPIC_TASK)
+        finals = []
+        try:
+            for _ in range(2):
+                async with client.messages.stream(
+                        model="smollm2", max_tokens=64, system=TOOL_TASK[0]["content"],
+                        messages=history, tools=ANTHROPIC_TOOLS) as stream:
+                    final = await stream.get_final_message()
+                finals.append(final)
+                history.append({"role": "assistant",
+                                "content": [b.model_dump(exclude_none=True)
+                                            for b in final.content]})
+                uses = [b for b in final.content if b.type == "tool_use"]
+                history.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": OBSERVATION}
+                    for b in uses] or FOLLOW_UP})
+        finally:
+            await client.close()
+            capture = await rig.gateway.close(lease)
+        exchanges = list(rig.proxy.exchanges)
+    assert_trajectory_is_what_vllm_sampled(capture, exchanges, "vllm-anthropic", reference_model,
+                                           requests=2)
+    first = finals[0]
+    assert first.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in first.content if b.type == "tool_use"] == [
+        ("bash", {"command": "sudo cp /etc/config.d /etc"})]
+    assert OBSERVATION in real_vllm.tokenizer.decode(capture.turns[0].observation_ids)
