@@ -5,6 +5,12 @@ What it shows: a two-turn tool episode whose turn-2 prompt is turn 1's prompt + 
 observation, token for token, and whose logprobs equal the reference forward (processed: T,
 top-k, top-p applied) over exactly those tokens, on both request shapes; a turn cut by its
 deadline keeps its streamed tokens; the other logprobs kind is refused with the flag to use.
+Then the model gateway over it, composed as the server composes it: a harness's tool
+conversation (OpenAI chat, streamed and not; Anthropic Messages, streamed) records exactly
+vLLM's own ids and logprobs in one chain, and a streamed answer leaves before vLLM's turn ends.
+
+One vLLM serves every test of this file (the module-scoped ``real_vllm`` fixture): starting it
+is most of the file's time, and xdist's ``--dist loadfile`` keeps the file in one worker.
 
 Tolerance 1e-4: vLLM's CPU kernels (its own attention and matmul paths, fp32) and the
 reference's transformers forward agree to ~2e-5 (measured here over 12 turns at T 0.7 / 1.0,
