@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from rollout.runtime.llm import GenerateRequest, GenerateResult
 from rollout.server.llm.engine import Engine, EngineError
 from rollout.server.llm.http_server import serve
 from rollout.server.llm.transformers_engine import TransformersEngine
 from tests.fixtures.tiny_model import tiny_model_dir
+from tests.server.llm.real_vllm import RealVllm, start_real_vllm, stop_real_vllm
 from tests.util import patience
 
 
@@ -32,6 +34,25 @@ async def engine(tiny_dir: Path) -> AsyncIterator[Any]:
     await eng.close()
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RealVllm]:
+    """One real vLLM server for the module's tests (see ``tests/server/llm/real_vllm.py``;
+    its tests carry ``REAL_VLLM_MARKS``), stopped by a deadline when the module ends."""
+    vllm = await start_real_vllm(tmp_path_factory.mktemp("vllm-log"))
+    try:
+        yield vllm
+    finally:
+        await stop_real_vllm(vllm)
+
+
+@pytest.fixture(scope="module")
+def reference_model(real_vllm: RealVllm) -> Any:
+    """SmolLM2 in transformers, fp32: the uncached reference forward for vLLM's logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(real_vllm.model_dir),
+                                                dtype=torch.float32).eval()
 
 
 class FakeEngine(Engine):
