@@ -44,8 +44,9 @@ jobs = st.builds(
     valid=st.booleans(),
     reward=st.sampled_from([0.0, 0.5, 1.0]),
 ).map(lambda j: j if j.settled is None else
-      Job(j.job_id, j.created, j.create_lag, j.created + j.settled, j.settle_lag, j.valid,
-          j.reward))
+      # A job starts only once its creation is committed, so it settles after that.
+      Job(j.job_id, j.created, j.create_lag, j.created + j.create_lag + j.settled,
+          j.settle_lag, j.valid, j.reward))
 
 
 def read_until_decided(group: list[Job], *, size: int, wait_s: float, start: float,
