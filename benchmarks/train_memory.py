@@ -130,7 +130,23 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
                       "loss": st.loss, "tokens": st.tokens})
     torch.save({k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                spec["params_path"])
-    return {"load_peak": load_peak, "after_load": after_load, "steps": steps}
+    return {"load_peak": load_peak, "after_load": after_load, "steps": steps,
+            "savings": savings_in_force(policy)}
+
+
+def savings_in_force(policy: Any) -> list[str]:
+    """The memory savings as the policy has them (not as asked): the table shows these, so a
+    switch that does not reach the policy shows as a wrong row."""
+    on = []
+    if policy.logit_chunk and policy._plain_head:
+        on.append(f"chunk {policy.logit_chunk}")
+    if policy.optimizer.defaults.get("fused"):
+        on.append("fused")
+    if policy.set_to_none:
+        on.append("set_to_none")
+    if policy.mmap_threshold:
+        on.append("mmap")
+    return on
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -146,6 +162,8 @@ class Row:
     """The parent's own samples of the child's RSS, GiB (a cross-check on VmHWM)."""
     params_diff: float | None = None
     params: Path | None = None
+    skipped: bool = False
+    """Not started: ``--budget-s`` had passed."""
 
     @property
     def peak(self) -> float:
@@ -247,20 +265,26 @@ def table(rows: list[Row], args: argparse.Namespace) -> Any:
 
     t = Table(title=f"DAPO update memory, {args.model}: {args.steps} steps per configuration, "
                     "each in its own process")
-    for col in ("configuration", "peak RSS GiB", "after load GiB", "step peaks GiB",
+    for col in ("configuration", "savings on", "peak RSS GiB", "after load GiB", "step peaks GiB",
                 "RSS growth/step MiB", "step s (load-dependent)", "loss (last)",
                 "max |param - ref|"):
-        t.add_column(col, justify="left" if col == "configuration" else "right")
+        t.add_column(col, justify="left" if col in ("configuration", "savings on") else "right",
+                     no_wrap=col in ("configuration", "savings on"))
     for r in rows:
+        if r.skipped:
+            t.add_row(r.name, "-", "-", "-", "-", "-", "-", "-",
+                      f"skipped: --budget-s {args.budget_s:g} passed")
+            continue
         if r.result is None:
-            t.add_row(r.name, f">= {r.sampled_peak:.2f}", "-", "-", "-", "-", "-",
+            t.add_row(r.name, "-", f">= {r.sampled_peak:.2f}", "-", "-", "-", "-", "-",
                       r.failure or "-")
             continue
         steps = r.result["steps"]
         ends = [r.result["after_load"]] + [s["end"] for s in steps]
         growth = [(b - a) * 1024 for a, b in itertools.pairwise(ends)]
         diff = "-" if r.params_diff is None else f"{r.params_diff:.1e}"
-        t.add_row(r.name, f"{r.peak:.2f}", f"{r.result['after_load']:.2f}",
+        t.add_row(r.name, ", ".join(r.result.get("savings", [])) or "none", f"{r.peak:.2f}",
+                  f"{r.result['after_load']:.2f}",
                   _fmt_steps([s["peak"] for s in steps], ".2f"), _fmt_steps(growth, "+.0f"),
                   _fmt_steps([s["seconds"] for s in steps], ".1f"),
                   f"{steps[-1]['loss']:.6f}", diff)
@@ -297,9 +321,16 @@ def bench(args: argparse.Namespace) -> int:
 
             model_dir = smollm2_dir()
         rows = []
+        started = time.monotonic()
         for key in keys:
             name, switches = CONFIGS[key]
             row = Row(key, name)
+            if args.budget_s and time.monotonic() - started > args.budget_s:
+                # On a loaded machine a configuration can take many minutes: the rows measured
+                # so far are still printed, the rest said to be skipped.
+                row.skipped = True
+                rows.append(row)
+                continue
             spec = {"model_dir": str(model_dir), "switches": switches, "shape": shape,
                     "steps": args.steps, "lr": args.lr, "threads": args.threads,
                     "micro_batch_size": args.micro_batch_size,
@@ -308,7 +339,12 @@ def bench(args: argparse.Namespace) -> int:
             console.print(f"  {name}: running (load {_load()})")
             run_config(row, spec, cap_gib=args.cap_gib, timeout_s=args.timeout,
                        workdir=workdir)
-            console.print(f"  {name}: " + (row.failure or f"peak {row.peak:.2f} GiB"))
+            done = row.failure or (
+                f"peak {row.peak:.2f} GiB; step peaks " + _fmt_steps(
+                    [s["peak"] for s in row.result["steps"]], ".2f") + " GiB; step s "
+                + _fmt_steps([s["seconds"] for s in row.result["steps"]], ".0f")
+                if row.result else "")
+            console.print(f"  {name}: {done}")
             rows.append(row)
         reference = next((r for r in rows if r.params is not None), None)
         for r in rows:
@@ -321,6 +357,10 @@ def bench(args: argparse.Namespace) -> int:
                   f"tokens between turns); parameters compared with {ref_name}; peak RSS = the "
                   f"child's VmHWM over loading and every step; step seconds depend on the load; "
                   f"load average now {_load()}")
+    skipped = [r.name for r in rows if r.skipped]
+    if skipped:
+        console.print(f"[yellow]not run (--budget-s {args.budget_s:g} passed): "
+                      f"{', '.join(skipped)}[/yellow]")
     bad = [f"{r.name}: {r.failure}" for r in rows if r.failure]
     limit = args.tolerance * args.lr
     bad += [f"{r.name}: parameters differ from {ref_name} by {r.params_diff:.2e} "
@@ -361,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kill a configuration's process when its RSS passes this")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="bound on each configuration's process, seconds")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no further configuration after this many seconds (their rows "
+                        "say skipped); 0: no limit")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="largest parameter difference from the baseline, in units of lr")
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)

@@ -91,6 +91,7 @@ class Policy:
 
         if mmap_threshold:
             map_large_allocations()  # freed activations go back to the system, not the heap
+        self.mmap_threshold = mmap_threshold
         self.set_to_none = set_to_none
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
