@@ -23,8 +23,9 @@ Configurations (``--configs``):
 The savings must not change the maths: every configuration's parameters after the steps are
 compared with the baseline's (largest absolute difference, beside the learning rate: one Adam
 step moves a parameter by about ``lr``, so a real difference in the update shows at that scale
-while float32 rounding of the two paths stays orders of magnitude below it). The exit status is
-1 when a configuration failed, was killed at the cap, or disagrees beyond ``--tolerance`` x lr.
+while float32 rounding of the two paths stays well below it, see ``--tolerance``). The exit
+status is 1 when a configuration failed, was killed at the cap, or disagrees beyond
+``--tolerance`` x lr.
 
 ``--model tiny``: a small random-initialised Llama (bias-free ``nn.Linear`` head, so the fused
 log-prob path runs) built in a temporary folder; ``--model smollm2``: the embedded
@@ -269,7 +270,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> Any:
                 "RSS growth/step MiB", "step s (load-dependent)", "loss (last)",
                 "max |param - ref|"):
         t.add_column(col, justify="left" if col in ("configuration", "savings on") else "right",
-                     no_wrap=col in ("configuration", "savings on"))
+                     no_wrap=True)
     for r in rows:
         if r.skipped:
             t.add_row(r.name, "-", "-", "-", "-", "-", "-", "-",
@@ -294,7 +295,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> Any:
 def bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(width=max(200, Console().width))
+    console = Console(width=max(240, Console().width))
     keys = [k.strip() for k in args.configs.split(",") if k.strip()]
     unknown = [k for k in keys if k not in CONFIGS]
     if unknown or not keys:
@@ -404,8 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="start no further configuration after this many seconds (their rows "
                         "say skipped); 0: no limit")
-    p.add_argument("--tolerance", type=float, default=0.01,
-                   help="largest parameter difference from the baseline, in units of lr")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="largest parameter difference from the baseline, in units of lr. "
+                        "Adam divides by sqrt(v) + eps, so where a gradient element is under "
+                        "eps (SmolLM2's tied embedding rows of tokens not in the batch) the "
+                        "rounding of another kernel or chunking is amplified by lr / eps, and "
+                        "it compounds over the steps")
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--result", metavar="PATH", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
