@@ -51,9 +51,18 @@ BENCHES = {
     "hostile": "well-behaved tenants beside a hostile one (gateway connection floods, ~8 MiB "
                "bodies, unread dashboard pages, cut clients, a SIGKILL): jobs/s and p99 "
                "gateway latency against a run without it, peak RSS and fds",
+    "train-memory": "the DAPO trainer's update: peak RSS per step, each memory saving off "
+                    "(baseline), one at a time and all on (shipped), each in its own process; "
+                    "parameters must agree",
 }
-"""What ``rollout bench NAME`` runs (``benchmarks/NAME.py``); written here because the help
-must work where the server extra is not installed."""
+"""What ``rollout bench NAME`` runs (``benchmarks/NAME.py``, a dash in NAME an underscore in
+the file's name); written here because the help must work where the server extra is not
+installed."""
+
+
+def bench_module(name: str) -> str:
+    """The module ``rollout bench NAME`` runs."""
+    return f"rollout.benchmarks.{name.replace('-', '_')}"
 
 SERVER_EXTRA = {
     # import name -> distribution in pyproject's `server` extra (tests keep the two in step)
@@ -332,7 +341,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd in _DELEGATED:
         return _delegate(_DELEGATED[cmd], args.rest)
     if cmd == "bench":
-        return _delegate(f"rollout.benchmarks.{args.name}", args.rest)
+        return _delegate(bench_module(args.name), args.rest)
     from rollout.entrypoints import job_commands
 
     check_flags(args)
@@ -400,7 +409,7 @@ def _delegated(argv: list[str]) -> tuple[str, list[str]] | None:
     if argv and argv[0] in _DELEGATED and argv[1:2] != ["-h"]:
         return _DELEGATED[argv[0]], argv[1:]
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
-        return f"rollout.benchmarks.{argv[1]}", argv[2:]
+        return bench_module(argv[1]), argv[2:]
     return None
 
 

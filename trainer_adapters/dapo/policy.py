@@ -65,15 +65,34 @@ class UpdateStats:
 
 
 class Policy:
-    """A causal LM under training, with AdamW, linear warm-up and gradient clipping."""
+    """A causal LM under training, with AdamW, linear warm-up and gradient clipping.
+
+    The memory savings each have a switch so that ``rollout bench train-memory`` can measure
+    the configuration without them (and each one's share) in the same run; the defaults are
+    what training uses, and none of them changes the maths:
+
+    - ``logit_chunk``: positions of full-vocabulary logits held at once (0: the whole
+      micro-batch's logits, the plain path);
+    - ``fused_adamw``: False keeps torch's default AdamW kernel;
+    - ``set_to_none``: False zeroes the gradients in place between updates instead of freeing
+      them (torch's ``zero_grad(set_to_none=False)``), so a model's worth of them stays
+      allocated through the rollouts;
+    - ``mmap_threshold``: False leaves glibc's allocator as it is (no
+      :func:`map_large_allocations`), so freed large tensors can stay in its heap.
+    """
 
     def __init__(self, model_dir: str | Path, *, device: str = "", lr: float = 1e-5,
                  warmup_steps: int = 0, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0,
-                 logit_chunk: int = 1024, gradient_checkpointing: bool = False) -> None:
+                 logit_chunk: int = 1024, gradient_checkpointing: bool = False,
+                 fused_adamw: bool = True, set_to_none: bool = True,
+                 mmap_threshold: bool = True) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        map_large_allocations()  # freed activations go back to the system, not the heap
+        if mmap_threshold:
+            map_large_allocations()  # freed activations go back to the system, not the heap
+        self.mmap_threshold = mmap_threshold
+        self.set_to_none = set_to_none
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -102,7 +121,8 @@ class Policy:
         # add a model's size to the step and stay in the C heap afterwards.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay,
-                                           **_adamw_kernel(self.model, self.device))
+                                           **_adamw_kernel(self.model, self.device,
+                                                           fused_adamw))
         self.base_lr = lr
         self.warmup_steps = warmup_steps
         self.updates = 0
@@ -204,7 +224,7 @@ class Policy:
                 [sum(i.sample.flat.loss_mask[1:]) for i in mini], loss_agg), strict=True))
             for group in self._param_groups():
                 group["lr"] = self.lr
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)
             for mb in self._micro_batches(mini, micro_batch_size):
                 t = self._tensors(mb, weights)
                 logp, entropy = self._logprobs(t, temperature)
@@ -249,7 +269,7 @@ class Policy:
             self.optimizer.step()
             # The gradients are dead weight until the next backward pass: free them now so the
             # rollouts between two updates do not carry a model's worth of them.
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)
             self.updates += 1
         denom = max(loss_tokens, 1)
         if correction is not None:
@@ -293,10 +313,14 @@ def _fit(row: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([row, row.new_zeros(width - row.shape[0])])
 
 
-def _adamw_kernel(model: torch.nn.Module, device: torch.device) -> dict[str, bool]:
+def _adamw_kernel(model: torch.nn.Module, device: torch.device,
+                  fused: bool = True) -> dict[str, bool]:
     """``fused=True`` where torch has the fused AdamW for these parameters (float32 or
     half-precision on CPU or CUDA), else the per-parameter loop (``foreach=False``): neither
-    allocates temporaries over the whole model at once."""
+    allocates temporaries over the whole model at once. ``fused`` False: no choice, torch's
+    default kernel (the baseline ``rollout bench train-memory`` compares against)."""
+    if not fused:
+        return {}
     float_params = all(p.dtype in (torch.float32, torch.float16, torch.bfloat16)
                        for p in model.parameters())
     if float_params and device.type in ("cpu", "cuda"):
