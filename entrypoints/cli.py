@@ -64,6 +64,7 @@ def bench_module(name: str) -> str:
     """The module ``rollout bench NAME`` runs."""
     return f"rollout.benchmarks.{name.replace('-', '_')}"
 
+
 SERVER_EXTRA = {
     # import name -> distribution in pyproject's `server` extra (tests keep the two in step)
     "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
