@@ -59,9 +59,11 @@ def job_line(harbor: HarborTask, *, agent: str = "model", job_id: str | None = N
 
 def limits_of(harbor: HarborTask) -> dict[str, str]:
     """The job limits a task's ``task.toml`` asks for, as a job line spells them (the
-    ``Limits`` message in JSON: durations as ``"420s"``)."""
-    init = harbor.build_timeout_s if not harbor.docker_image else 0.0
-    return {"initTimeout": f"{init + SETUP_MARGIN_S:g}s",
+    ``Limits`` message in JSON: durations as ``"420s"``). INIT gets the task's
+    ``build_timeout_sec`` whether the image is built or prebuilt: fetching a prebuilt image
+    (an SWE-bench one is gigabytes) is the environment's set-up too, and a job that finds it
+    missing from the cache does it in INIT."""
+    return {"initTimeout": f"{harbor.build_timeout_s + SETUP_MARGIN_S:g}s",
             "runTimeout": f"{harbor.agent_timeout_s + 5.0:g}s",
             "evalTimeout": f"{harbor.verifier_timeout_s + SETUP_MARGIN_S:g}s"}
 

@@ -134,9 +134,11 @@ def test_import_harbor_writes_job_lines_for_a_dataset(tmp_path: Path,
         300.0 + harbor_import.SETUP_MARGIN_S, 125.0, 60.0 + harbor_import.SETUP_MARGIN_S)
     assert hello["task"]["digest"] == taskdir.digest(FIXTURES / "hello-file")
     assert {line["job_id"] for line in lines} >= {"r1-hello-file-0", "r1-hello-file-1"}
-    # A prebuilt image needs no build time in INIT.
+    # A prebuilt image's fetch is set-up too: INIT gets the task's build timeout (its default
+    # here) for it, not the margin alone (a multi-gigabyte image does not come in 120 s).
     prebuilt = by_dir["prebuilt-json"]
-    assert prebuilt["limits"]["initTimeout"] == f"{harbor_import.SETUP_MARGIN_S:g}s"
+    assert prebuilt["limits"]["initTimeout"] == (
+        f"{taskdir.DEFAULT_TIMEOUT_S + harbor_import.SETUP_MARGIN_S:g}s")
     assert prebuilt["job_id"].startswith("r1-rollout-tests__prebuilt-json-")
 
 
