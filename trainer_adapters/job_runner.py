@@ -166,23 +166,19 @@ class JobRunner:
                          default=None)
             if newest is not None and (offset is None or newest - read_at > offset):
                 offset = newest - read_at
-            if offset is None:  # the group is not listed yet: nothing tells the time
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            now = loop.time() + offset
-            for job in jobs:
-                members[job.job_id] = await self._member(job, members.get(job.job_id), trains,
-                                                         now=now, lag_s=lag_s)
-            if fallback is None:
-                fallback = now
-            cut = cut_group(members.values(), size=size, wait_s=wait_s, now=now,
-                            fallback_anchor=fallback, lag_s=lag_s)
-            if cut.view is not None:
-                return cut.view
             pause = delay
-            if cut.decide_at is not None:
-                pause = min(pause, max(cut.decide_at - now, 0.0) + 0.05)
+            if offset is not None:  # else the group is not listed yet: nothing tells the time
+                now = loop.time() + offset
+                for job in jobs:
+                    members[job.job_id] = await self._member(
+                        job, members.get(job.job_id), trains, now=now, lag_s=lag_s)
+                fallback = now if fallback is None else fallback
+                cut = cut_group(members.values(), size=size, wait_s=wait_s, now=now,
+                                fallback_anchor=fallback, lag_s=lag_s)
+                if cut.view is not None:
+                    return cut.view
+                if cut.decide_at is not None:
+                    pause = min(pause, max(cut.decide_at - now, 0.0) + 0.05)
             await asyncio.sleep(pause)
             delay = min(delay * 2, 2.0)
 
