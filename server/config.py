@@ -169,8 +169,8 @@ class SandboxSection:
     """Deadline of one Dockerfile build."""
     image_build_network: str = "host"
     """The network of a Dockerfile build's ``RUN`` steps: ``host`` (the server's) or
-    ``allowlist`` (only the registries of registries.conf and ``image_build_hosts``; root
-    servers; docs/images.md)."""
+    ``allowlist`` (only the registries of registries.conf and ``image_build_hosts``; a
+    rootless server needs its subordinate ids for it; docs/images.md)."""
     image_build_hosts: list[str] = field(default_factory=list)
     """With ``image_build_network = "allowlist"``: the package registries builds may reach
     (``deb.debian.org``, ``pypi.org:443``, ``*.pythonhosted.org``)."""

@@ -134,7 +134,8 @@ class ImageSettings:
     build_network: Literal["host", "allowlist"] = "host"
     """The network of a Dockerfile's ``RUN`` steps: the host's (``host``, the default), or
     only the image registries of ``registries.conf`` and :attr:`build_hosts`
-    (``allowlist``, root servers: :mod:`rollout.runtime.sandbox.images.egress`)."""
+    (``allowlist``: :mod:`rollout.runtime.sandbox.images.egress`; a rootless server needs
+    its subordinate ids for it)."""
     build_hosts: tuple[str, ...] = ()
     """With ``build_network = "allowlist"``: the package registries a build may reach
     (``deb.debian.org``, ``pypi.org:443``, ``*.pythonhosted.org``)."""

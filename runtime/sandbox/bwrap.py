@@ -887,12 +887,7 @@ def _map_ids(proc: subprocess.Popen[bytes], ids: subids.SubIds) -> None:
     line = proc.stdout.readline() if ready else b""
     errors = []
     if line.strip() == b"mapme":
-        for tool, args in (("newuidmap", ids.uid_map(os.getuid())),
-                           ("newgidmap", ids.gid_map(os.getgid()))):
-            done = subprocess.run([tool, str(proc.pid), *args], capture_output=True,
-                                  timeout=HOLDER_READY_S)
-            if done.returncode != 0:
-                errors.append(f"{tool}: {done.stderr.decode(errors='replace').strip()[-300:]}")
+        errors += subids.write_maps(proc.pid, ids, HOLDER_READY_S)
     else:
         errors.append("the holder did not start")
     if errors:

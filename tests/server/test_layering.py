@@ -19,6 +19,7 @@ check the layers:
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,3 +224,15 @@ def test_the_walker_sees_an_in_sandbox_import() -> None:
     got = imports("from rollout.runtime.envs.in_sandbox import harness_launch\n",
                   "rollout.runtime.envs.harness.handler")
     assert _under(got[0][0], IN_SANDBOX)
+
+
+def test_the_rootless_build_helper_is_a_standard_library_script() -> None:
+    """``runtime/sandbox/images/netns_listen.py`` runs by path with ``python -I -S`` (no
+    site-packages) inside a build's namespaces, then becomes buildah: a third-party or package
+    import would break it, and nothing may import it into the server."""
+    helper = "rollout.runtime.sandbox.images.netns_listen"
+    assert helper in MODULES
+    bad = [n for n, _ in _imports_of(helper) if n.partition(".")[0] not in sys.stdlib_module_names]
+    assert not bad, f"the build helper imports beyond the standard library: {bad}"
+    bad = [m for m in MODULES for n, _ in _imports_of(m) if _under(n, helper)]
+    assert not bad, f"modules importing the build helper: {bad}"

@@ -19,7 +19,7 @@ Bounds, stated plainly (what ``buildah --isolation chroot`` allows, and no more)
   uses the user's ``registries.conf`` (mirrors, insecure registries) and auth file. With
   ``ImageSettings.build_network = "allowlist"`` a ``host`` build reaches only the registries
   and the listed hosts (:mod:`.egress`: its own network namespace, a proxy that refuses the
-  rest; root servers).
+  rest; a rootless server needs its subordinate ids for it, as for image users).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollout.runtime.sandbox.base import SandboxUnavailable
-from rollout.runtime.sandbox.images import egress
+from rollout.runtime.sandbox.images import egress, subids
 from rollout.runtime.sandbox.images.cache import CachedImage, ImageCache, Progress, _remove
 from rollout.runtime.sandbox.images.errors import ImageError
 
@@ -197,12 +197,14 @@ def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
                 "--network", spec.network, *spec.limits.ulimit_args(), *tls, *auth,
                 "-f", str(spec.dockerfile_path()), "-t", tag,
                 *(f"--build-arg={k}={v}" for k, v in spec.build_args), str(spec.context)]
-        confined = _egress(cache) if spec.network == "host" else None
-        if confined is None:
+        network = _egress(cache) if spec.network == "host" else None
+        confined = network[0] if network is not None else None
+        if network is None:
             code = _run_logged(argv, log_path, spec.timeout_s, run_env)
         else:
             try:
-                code = egress.run_confined(argv, confined, log_path, spec.timeout_s, run_env)
+                code = egress.run_confined(argv, network[0], log_path, spec.timeout_s,
+                                           run_env, network[1])
             except OSError as e:
                 raise SandboxUnavailable(f"the allow-listed build network of {spec.name} could "
                                          f"not be set up: {e}") from e
@@ -232,17 +234,25 @@ def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
         _remove(staging)
 
 
-def _egress(cache: ImageCache) -> egress.Egress | None:
-    """The allow-listing build network of ``cache``'s settings, or None (the host's)."""
+def _egress(cache: ImageCache) -> tuple[egress.Egress, subids.SubIds | None] | None:
+    """The allow-listing build network of ``cache``'s settings (with the subordinate ranges a
+    rootless server maps into the build's user namespace), or None (the host's)."""
     if cache.build_hosts is None:
         return None
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
+    if os.geteuid() == 0 and shutil.which("unshare") is None:
         raise SandboxUnavailable(
-            "sandbox.image_build_network = \"allowlist\" needs a root server with `unshare` "
-            "(the build runs in a network namespace of its own); set it to \"host\" or run "
-            "the server as root")
+            "sandbox.image_build_network = \"allowlist\" needs util-linux `unshare` (the "
+            "build runs in a network namespace of its own); install it or set it to \"host\"")
+    ids = None
+    if os.geteuid() != 0:
+        ids, why = subids.lookup(os.geteuid())
+        if ids is None:
+            raise SandboxUnavailable(
+                "sandbox.image_build_network = \"allowlist\" on a rootless server runs "
+                "buildah in a user namespace of the server's own, which needs its "
+                f"subordinate ids: {why}; or set it to \"host\"")
     allow, forwards = egress.registry_endpoints(cache.registry.conf_path())
-    return egress.Egress(egress.AllowList((*allow, *cache.build_hosts)), forwards)
+    return egress.Egress(egress.AllowList((*allow, *cache.build_hosts)), forwards), ids
 
 
 def _run_logged(argv: list[str], log_path: Path, timeout: float,

@@ -19,7 +19,13 @@ namespace for that moment, ``setns``), and serves them from the server's own net
 A step that ignores the proxy (its own sockets, a hard-coded resolver) has no route anywhere.
 The registries named in ``registries.conf`` (locations and mirrors) are allowed
 automatically, so ``FROM`` works; a ``FROM`` of another registry needs its hosts listed.
-Needs a root server (a network namespace of its own, and ``setns`` into it).
+A root server makes the namespace with ``unshare --net`` and enters it (``setns``) to listen. A
+rootless server cannot enter a namespace (``setns`` wants ``CAP_SYS_ADMIN`` in the caller's
+own user namespace), so :mod:`netns_listen` moves into a user, network and mount namespace
+of its own, the server maps that user namespace as rootless buildah maps its own (0 itself,
+1.. its subordinate ranges), the helper listens inside and passes the sockets out
+(``SCM_RIGHTS``), then becomes buildah; a rootless server without subordinate ids cannot
+confine its builds.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -41,11 +48,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rollout.runtime.sandbox.images import subids
+
 _CLONE_NEWNET = 0x40000000
 PROXY_PORT = 3128
 READY_S = 30.0
 HEAD_LIMIT = 64 << 10
 SETTING = "sandbox.image_build_hosts"
+HELPER = Path(__file__).with_name("netns_listen.py")
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 
@@ -140,6 +150,17 @@ class Egress:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
+    def ports(self) -> tuple[int, ...]:
+        """The loopback ports inside the build's namespace: the proxy's, then the forwards."""
+        return (self.port, *self.forwards)
+
+    def adopt(self, fds: Sequence[int]) -> None:
+        """Take the listening sockets made inside the namespace (in :meth:`ports` order)."""
+        for fd, upstream in zip(fds, (None, *self.forwards), strict=True):
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            self._socks.append((sock, upstream))
+
     def bind_in(self, pid: int) -> None:
         """Make the listening sockets inside the network namespace of ``pid``."""
         outcome: dict[str, BaseException] = {}
@@ -153,8 +174,8 @@ class Egress:
                     err = ctypes.get_errno()
                     raise OSError(err, f"setns into the build's network: {os.strerror(err)}")
                 try:
-                    for port, upstream in ((self.port, None),
-                                           *((p, p) for p in self.forwards)):
+                    for port, upstream in zip(self.ports(), (None, *self.forwards),
+                                              strict=True):
                         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                         sock.bind(("127.0.0.1", port))
@@ -293,9 +314,15 @@ async def _pipe(r1: asyncio.StreamReader, w1: asyncio.StreamWriter,
 
 
 def run_confined(argv: Sequence[str], egress: Egress, log_path: Path, timeout: float,
-                 env: Mapping[str, str]) -> int | None:
+                 env: Mapping[str, str], ids: subids.SubIds | None = None) -> int | None:
     """Run ``argv`` (buildah) with its output appended to ``log_path`` in a network namespace
-    whose only exits are ``egress``'s listeners; None when killed at the deadline."""
+    whose only exits are ``egress``'s listeners; None when killed at the deadline. A root
+    server (``ids`` None) makes the namespace with ``unshare --net`` and its listeners by
+    ``setns``; a rootless one (``ids``: its subordinate ranges) cannot enter a namespace, so
+    :mod:`netns_listen` makes them inside a user namespace of the server's own and hands them
+    out."""
+    if ids is not None:
+        return _run_rootless(argv, egress, log_path, timeout, env, ids)
     ip = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip")
                                      if os.path.exists(p)), "ip")
     # The namespace's loopback comes up, then the shell says so and waits until the
@@ -307,24 +334,99 @@ def run_confined(argv: Sequence[str], egress: Egress, log_path: Path, timeout: f
             ["unshare", "--net", "--", "sh", "-c", script, "sh", ip, str(log_path), *argv],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             env={**env, **proxy_env(egress.port)}, start_new_session=True)
-        assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        ok, _, _ = select.select([proc.stdout], [], [], READY_S)
+        if not ok or proc.stdout.readline().strip() != b"ready":
+            raise OSError(errno.EIO, "the build's network namespace did not come up "
+                                     f"(the build log ends: {_log_tail(log_path)})")
+        egress.bind_in(proc.pid)
+        egress.start()
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        return _wait(proc, timeout)
+    finally:
+        proc.stdout.close()
+        _stop(proc, egress)
+
+
+def _run_rootless(argv: Sequence[str], egress: Egress, log_path: Path, timeout: float,
+                  env: Mapping[str, str], ids: subids.SubIds) -> int | None:
+    """:func:`run_confined` for a server that is not root: :mod:`netns_listen` moves into a
+    user, network and mount namespace of its own, the server maps the user namespace (0
+    itself, 1.. its ranges, as rootless buildah maps its own), the helper sends the listeners
+    made inside, then
+    becomes buildah, told it already runs in its user namespace (so it does not make another,
+    with no network namespace, of its own)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(READY_S)
+    run_env = {**env, **proxy_env(egress.port), "_CONTAINERS_USERNS_CONFIGURED": "done",
+               "_CONTAINERS_ROOTLESS_UID": str(os.getuid()),
+               "_CONTAINERS_ROOTLESS_GID": str(os.getgid())}
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(HELPER), str(theirs.fileno()),
+                 *map(str, egress.ports()), "--", *argv],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                pass_fds=(theirs.fileno(),), start_new_session=True)
+    finally:
+        theirs.close()
+    try:
         try:
-            ok, _, _ = select.select([proc.stdout], [], [], READY_S)
-            if not ok or proc.stdout.readline().strip() != b"ready":
-                raise OSError(errno.EIO, "the build's network namespace did not come up "
-                                         "(see the build log)")
-            egress.bind_in(proc.pid)
+            _expect(ours, b"mapme")
+            errors = subids.write_maps(proc.pid, ids, READY_S)
+            if errors:
+                raise OSError(errno.EPERM, "could not map the build's user namespace: "
+                                           + "; ".join(errors))
+            ours.sendall(b"go\n")
+            want = len(egress.ports())
+            msg, fds, _, _ = socket.recv_fds(ours, 64, want)
+            if msg.strip() != b"fds" or len(fds) != want:
+                for fd in fds:
+                    os.close(fd)
+                raise OSError(errno.EIO, "no listeners came back")
+            egress.adopt(fds)
             egress.start()
-            proc.stdin.write(b"go\n")
-            proc.stdin.close()
-            try:
-                return proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return None
-        finally:
-            proc.stdout.close()
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            egress.close()
+            ours.sendall(b"run\n")
+        except (OSError, TimeoutError) as e:
+            raise OSError(errno.EIO, f"the build's network namespace did not come up ({e}; "
+                                     f"the build log ends: {_log_tail(log_path)})") from e
+        return _wait(proc, timeout)
+    finally:
+        ours.close()
+        _stop(proc, egress)
+
+
+def _expect(ctrl: socket.socket, word: bytes) -> None:
+    got = b""
+    while not got.endswith(b"\n"):
+        chunk = ctrl.recv(64)
+        if not chunk:
+            raise OSError(errno.EIO, f"the helper ended before {word.decode()!r}")
+        got += chunk
+    if got.strip() != word:
+        raise OSError(errno.EIO, f"the helper said {got[:80]!r}, not {word.decode()!r}")
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes], egress: Egress) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    egress.close()
+
+
+def _log_tail(log_path: Path, limit: int = 400) -> str:
+    try:
+        data = log_path.read_bytes()[-limit:]
+    except OSError:
+        return "(no log)"
+    return data.decode(errors="replace").strip() or "(empty)"

@@ -18,6 +18,7 @@ import logging
 import os
 import pwd
 import shutil
+import subprocess
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,20 @@ def _ranges(path: str, names: tuple[str, ...]) -> tuple[Range, ...]:
             if int(parts[2]) > 0:
                 out.append((int(parts[1]), int(parts[2])))
     return tuple(out)
+
+
+def write_maps(pid: int, ids: SubIds, timeout: float) -> list[str]:
+    """Map the new user namespace of process ``pid`` (this server's user's, not yet mapped):
+    0 onto the server's user, 1..count onto its ranges (the setuid ``newuidmap`` and
+    ``newgidmap``, which check the ranges are this user's); what went wrong, if anything."""
+    errors = []
+    for tool, args in (("newuidmap", ids.uid_map(os.getuid())),
+                       ("newgidmap", ids.gid_map(os.getgid()))):
+        done = subprocess.run([tool, str(pid), *args], capture_output=True, timeout=timeout,
+                              check=False)
+        if done.returncode != 0:
+            errors.append(f"{tool}: {done.stderr.decode(errors='replace').strip()[-300:]}")
+    return errors
 
 
 def lookup(uid: int) -> tuple[SubIds | None, str]:

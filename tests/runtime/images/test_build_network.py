@@ -10,7 +10,10 @@ import dataclasses
 import http.server
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +23,11 @@ import pytest
 from rollout.runtime.sandbox.images import BuildSpec, ImageError, build_image, cache_for
 from rollout.runtime.sandbox.images.egress import AllowList, check_entries, registry_endpoints
 from tests.fixtures.images import Registry, skip_unless_images
+from tests.runtime.images import test_rootless_images as rootless
+
+BUILD_CHILD = Path(__file__).with_name("subids_build_child.py")
+subids_user = rootless.subids_user
+"""The session's user with subordinate ids (a fixture of the rootless tests)."""
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -140,3 +148,39 @@ def test_allow_list_entries_and_the_registries_conf(tmp_path: Path) -> None:
                     '[[registry.mirror]]\nlocation = "127.0.0.1:5000"\n'
                     '[[registry.mirror]]\nlocation = "mirror.corp:5443/hub"\n')
     assert registry_endpoints(str(conf)) == (("docker.io", "mirror.corp:5443"), (5000,))
+
+
+def test_a_rootless_server_confines_its_builds_the_same_way(
+        image_registry: Registry, mirrors: tuple[str, int, int],
+        subids_user: rootless.SubIdsUser) -> None:
+    # A server that is not root cannot enter a network namespace: the listeners are made
+    # inside a user namespace of its own (its subordinate ranges mapped, as rootless buildah
+    # maps its own) and handed out; buildah runs there with them as its only exits.
+    skip_unless_images("buildah")
+    addr, allowed, other = mirrors
+    uid, gid = subids_user.uid, subids_user.gid
+    top = Path(tempfile.mkdtemp(prefix="rootless-build-", dir="/tmp"))
+    try:
+        _context(top / "a", addr, allowed, other)
+        _context(top / "b", addr, allowed, other,
+                 f"RUN python3 -c \"import urllib.request; "
+                 f"urllib.request.urlopen('http://{addr}:{other}/f')\"\n")
+        conf = top / "registries.conf"
+        shutil.copyfile(image_registry.registries_conf, conf)
+        for d, _, files in os.walk(top):
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.lchown(name, uid, gid)
+        os.chmod(top, 0o755)
+        seen = rootless._run_as(uid, gid, BUILD_CHILD, top, args=(str(conf), f"{addr}:{allowed}"),
+                       timeout=900)
+        assert seen["euid"] == uid, seen
+        probe = seen["probe"]
+        assert probe["allowed"] == f"served by {allowed}", probe  # type: ignore[index]
+        assert "403" in probe["other"], probe  # type: ignore[index]
+        assert probe["direct"].startswith("OSError"), probe  # type: ignore[index]
+        reason, message = seen["refused"]  # type: ignore[misc]
+        assert reason == "IMAGE_BUILD_FAILED", seen["refused"]
+        assert f"the build network refused {addr}:{other}" in message, message
+        assert seen["left"] == [], seen["left"]
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False, timeout=300)
