@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.sandbox.images import BuildSpec, ImageError, build_image, cache_for
+from rollout.runtime.sandbox.base import ImageSettings, SandboxUnavailable
+from rollout.runtime.sandbox.images import (
+    BuildSpec,
+    ImageError,
+    build,
+    build_image,
+    cache_for,
+    subids,
+)
 from rollout.runtime.sandbox.images.egress import AllowList, check_entries, registry_endpoints
 from tests.fixtures.images import Registry, skip_unless_images
 from tests.runtime.images import test_rootless_images as rootless
@@ -184,3 +192,16 @@ def test_a_rootless_server_confines_its_builds_the_same_way(
         assert seen["left"] == [], seen["left"]
     finally:
         subprocess.run(["rm", "-rf", str(top)], check=False, timeout=300)
+
+
+def test_a_rootless_server_without_subordinate_ids_says_what_to_add(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build.os, "geteuid", lambda: 4321)
+    monkeypatch.setattr(subids, "lookup", lambda uid: (None, f"user {uid} has no range in "
+                                                             "/etc/subuid"))
+    cache = cache_for(ImageSettings(cache_dir=str(tmp_path), build_network="allowlist",
+                                    build_hosts=("pypi.org",)))
+    with pytest.raises(SandboxUnavailable) as err:
+        build._egress(cache)
+    assert "user 4321 has no range in /etc/subuid" in str(err.value)
+    assert 'set it to "host"' in str(err.value)
