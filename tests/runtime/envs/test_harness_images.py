@@ -2,9 +2,10 @@
 busybox and its applet links, no loader, no libc, no bash) and musl image (the same plus musl's
 loader and libc, as Alpine has them), a Harbor task on each.
 
-Claude Code brings its own loader and C libraries under its install (scripts/harness_loader.py)
-and the image sandbox brings a static bash under ``/.rollout`` (its Bash tool's shell), so it
-runs there as anywhere: the task's gold step through its Bash tool earns 1. A harness whose
+Claude Code, OpenCode and aider bring their own loader and C libraries under their install
+(scripts/harness_loader.py) and the image sandbox brings a static bash under ``/.rollout`` (the
+shell tools' shell), so they run there as anywhere: the task's gold step through Claude Code's
+or OpenCode's shell tool, or aider's edit, earns 1. A harness whose
 program is linked against the image's glibc (mini-swe-agent's venv interpreter) cannot start
 there: INIT refuses it, naming the task, the image and the missing loader, as the task's fault
 (an ``ImageError``, so a FAILED job with ``INVALID_TASK``), instead of an exit 127 at RUN that
@@ -80,25 +81,65 @@ IN_THE_IMAGE = {
 """What the gold step checks of the root it runs in."""
 
 
+SHELL_TOOL = {"claude-code": "Bash", "opencode": "bash"}
+"""Each harness's shell tool, which runs the gold step."""
+
+
+def is_side_call(harness: str, prompt: str) -> bool:
+    """OpenCode's session-title request, beside its main thread."""
+    return harness == "opencode" and "You are a title generator" in prompt
+
+
 @pytest.mark.parametrize("image", IN_THE_IMAGE)
-async def test_claude_code_runs_in_an_image_without_glibc(
-        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
-        request: pytest.FixtureRequest) -> None:
-    installed("claude-code")
+@pytest.mark.parametrize("harness", SHELL_TOOL)
+async def test_a_harness_with_its_own_runtime_runs_in_an_image_without_glibc(
+        tmp_path: Path, harness: str, image: str, factory: Any, tok: Any,
+        gateway_rig: GatewayRig, request: pytest.FixtureRequest) -> None:
+    installed(harness)
     layout, tag = image_layout(request, image)
     task = busybox_task(tmp_path / "tasks", layout, tag)
     # The gold step writes the answer only where the image is what it says: a reward of 1 says
-    # Claude Code and its Bash tool ran in the image's own root.
-    gold = call("Bash", command=f"{IN_THE_IMAGE[image]} && "
+    # the harness and its shell tool ran in the image's own root.
+    gold = call(SHELL_TOOL[harness], command=f"{IN_THE_IMAGE[image]} && "
                 "echo hello > /tmp/hello.txt && echo WROTE-$((1+1))", description="write it")
+
+    def choose(prompt: str) -> str:
+        if is_side_call(harness, prompt):
+            return "Write hello"
+        return "Done." if WROTE in prompt else gold
+
     result = await routed_rollout(
-        HarnessHandler(), harness_task("harbor", task, "claude-code"),
-        lambda p: "Done." if WROTE in p else gold, tokenizer=tok, sandbox_factory=factory,
-        gateway=gateway_rig.gateway, limits=Limits(max_turns=6, run_timeout_s=120))
+        HarnessHandler(), harness_task("harbor", task, harness), choose, tokenizer=tok,
+        sandbox_factory=factory, gateway=gateway_rig.gateway,
+        limits=Limits(max_turns=6, run_timeout_s=120))
     assert result.reward.value == 1.0, (result.reward.info, result.log)
-    assert result.capture.requests == 2, result.log
-    assert WROTE in result.engine.prompts[1]
+    main = [p for p in result.engine.prompts if not is_side_call(harness, p)]
+    assert len(main) == 2 and WROTE in main[1], result.log
     assert result.outcome.termination is TerminationReason.SUBMITTED
+
+
+AIDER_EDIT = ("Here it is.\n\n```diff\n--- /dev/null\n+++ /tmp/hello.txt\n@@ -0,0 +1 @@\n"
+              "+hello\n```\n")
+"""aider's udiff edit that creates the answer (aider runs no commands of the model's)."""
+
+
+@pytest.mark.parametrize("image", IN_THE_IMAGE)
+async def test_aider_edits_in_an_image_without_glibc(
+        tmp_path: Path, image: str, factory: Any, tok: Any, gateway_rig: GatewayRig,
+        request: pytest.FixtureRequest) -> None:
+    """aider (its own interpreter and C runtime) starts in the image's root and applies the
+    reply's edit there, where the task's verifier finds it."""
+    installed("aider")
+    layout, tag = image_layout(request, image)
+    task = busybox_task(tmp_path / "tasks", layout, tag)
+    result = await routed_rollout(
+        HarnessHandler(), harness_task("harbor", task, "aider"), lambda p: AIDER_EDIT,
+        tokenizer=tok, sandbox_factory=factory, gateway=gateway_rig.gateway,
+        limits=Limits(max_turns=4, run_timeout_s=120))
+    assert result.reward.value == 1.0, (result.reward.info, result.log)
+    assert result.capture.requests == 1, result.log
+    assert "Applied edit to /tmp/hello.txt" in result.outcome.metadata["harness_log"]
+    assert result.outcome.metadata["harness_exit"] == "0"
 
 
 @pytest.mark.parametrize("image", ["busybox", "musl"])
