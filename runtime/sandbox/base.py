@@ -593,6 +593,14 @@ async def settle_abandoned(timeout: float = 30.0) -> int:  # noqa: ASYNC109
     return len(pending)
 
 
+def python_argv(sandbox: Any) -> list[str]:
+    """The argv prefix that runs the server's interpreter inside ``sandbox``: in an image root
+    the host's loader and the interpreter where the root has it (its own path, or
+    ``/.rollout/python``), elsewhere the interpreter itself."""
+    return [*getattr(sandbox, "python_launcher", ()),
+            getattr(sandbox, "python_inside", "") or getattr(sandbox, "python", "python3")]
+
+
 def check_binds(binds: Sequence[tuple[str, str, bool]], workspace: str,
                 control: str) -> tuple[tuple[str, str, bool], ...]:
     """Per-sandbox (host dir, sandbox path, writable) mounts, checked: never over the

@@ -179,6 +179,9 @@ class BwrapSandbox(Sandbox):
         self.python_launcher: tuple[str, ...] = ()
         """What the IPython kernel's interpreter is started through (the host loader in an
         image root, see :mod:`rollout.runtime.sandbox.images.inject`)."""
+        self.python_inside = ""
+        """Where that interpreter is inside, when not at :attr:`python` (an image root that
+        cannot have it at its own path: ``/.rollout/python``); see :func:`python_argv`."""
         self.kernel_socket_umask = 0 if self._ids is not None and not image_user.is_root else None
         """The umask the IPython kernel binds its sockets with (then its usual one): on a
         rootless server with a subordinate range the kernel's user is not the server's, which
@@ -407,6 +410,11 @@ class BwrapSandbox(Sandbox):
         if ok:
             args += py_args
             self.python_launcher = tuple(inject.loader_argv())
+        elif (moved := inject.relocated_python(self.python, str(self.config.state_dir))):
+            # Below a system tree, or where the image has the path: at /.rollout/python.
+            args += [*py_args, *moved.binds]
+            self.python_launcher = tuple(inject.loader_argv(moved.library_path))
+            self.python_inside = moved.python
         if image.image.config.working_dir:
             self.default_cwd = image.image.config.working_dir
         return args

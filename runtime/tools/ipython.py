@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout.runtime.sandbox import procs
+from rollout.runtime.sandbox.base import python_argv
 from rollout.runtime.timeouts import scaled
 from rollout.runtime.tools.base import DEFAULT_SIGNALS, ToolResult
 
@@ -163,13 +164,12 @@ class IPythonKernel:
         conn_host.write_text(json.dumps({**info, "ip": inside_ip}))
         # An image sandbox runs the server's interpreter through the host's loader (the
         # image's libc may be another, or absent); an interpreter given explicitly runs as is.
-        launcher = (list(getattr(self.sandbox, "python_launcher", ()))
-                    if self.sandbox is not None and self.python == getattr(
-                        self.sandbox, "python", None) else [])
+        python = (python_argv(self.sandbox) if self.sandbox is not None and self.python ==
+                  getattr(self.sandbox, "python", None) else [self.python])
         umask = getattr(self.sandbox, "kernel_socket_umask", None)
         start = (["-m", "ipykernel_launcher"] if umask is None else
                  ["-c", _BIND_WITH_UMASK.format(umask=umask)])
-        argv = [*launcher, self.python, *start, "-f", f"{inside_dir}/k{n}.json",
+        argv = [*python, *start, "-f", f"{inside_dir}/k{n}.json",
                 "--HistoryManager.enabled=False", "--IPKernelApp.log_level=ERROR"]
         if self.sandbox is not None:
             full, env = self.sandbox.command_argv(argv), self.sandbox.spawn_env()

@@ -58,7 +58,7 @@ from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.presets import HarnessSpec
 from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from rollout.runtime.sandbox.base import SandboxLimits, limits_of, runtime_of
+from rollout.runtime.sandbox.base import SandboxLimits, limits_of, python_argv, runtime_of
 from rollout.runtime.sandbox.images.errors import ImageError
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
 
@@ -199,8 +199,7 @@ class HarnessHandler(AgentHandler):
             ctx.progress("harness", {"harness": harness.name, "port": harness.port})
             # In an image root the server's interpreter runs through the host's loader.
             result = await sandbox.exec(
-                [*getattr(sandbox, "python_launcher", ()), getattr(sandbox, "python", "python3"),
-                 "-c", LAUNCH_SOURCE.read_text()],
+                [*python_argv(sandbox), "-c", LAUNCH_SOURCE.read_text()],
                 stdin=json.dumps(launch).encode(), cwd=workspace,
                 timeout=max(1.0, deadline - time.monotonic()), max_output=256 << 10,
                 file_binds=[(lease.socket_path, GATEWAY_SOCKET)])
@@ -271,8 +270,8 @@ async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
     # looks a bare name up on the sandbox's PATH.
     words = [w.replace("{install}", INSTALL_MOUNT) for w in harness.command]
     result = await sandbox.exec(
-        [*getattr(sandbox, "python_launcher", ()), getattr(sandbox, "python", "python3"),
-         "-c", PROGRAM_CHECK_SOURCE.read_text(), *words], timeout=60, max_output=8192)
+        [*python_argv(sandbox), "-c", PROGRAM_CHECK_SOURCE.read_text(), *words], timeout=60,
+        max_output=8192)
     try:
         verdict = json.loads(result.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):

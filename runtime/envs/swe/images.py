@@ -51,6 +51,7 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.handler import HandlerError, JobContext, PolicyFault
+from rollout.runtime.sandbox.base import python_argv
 from rollout.runtime.types import Reward, TerminationReason
 
 TESTBED = "/testbed"
@@ -227,8 +228,7 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
         raise HandlerError(f"preparing the grading tree in {task['spec']['image']} failed: "
                            f"{prepared.output[-600:]}", "HANDLER_ERROR")
     runner = swe_runners.runner_of(task)
-    python = [*getattr(grader, "python_launcher", ()), grader.python] if getattr(
-        grader, "python_launcher", ()) else ["python3"]
+    python = python_argv(grader) if getattr(grader, "python_launcher", ()) else ["python3"]
     built = await grader.exec(
         [*python, tree, f"{private}/repo.bundle", "bundle", task["base_commit"], test_patch,
          *swe.protected_paths(task, runner, f2p + p2p)],

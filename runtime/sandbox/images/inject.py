@@ -13,21 +13,27 @@ ever putting the host's ``/usr`` over the image's:
   bash tool and ``exec("...")`` work in images without bash and the image's bash wins in the
   others.
 - the server's interpreter (its venv and base installation) at its own host path, for the
-  IPython kernel, run through the host loader: the ``python`` tool works in every image, and
-  its code sees the image's files. Only where that path does not exist in the image; never
-  below a system tree.
+  IPython kernel and the in-sandbox scripts, run through the host loader: the ``python`` tool
+  works in every image, and its code sees the image's files. Only where that path does not
+  exist in the image and is not below a system tree; otherwise (a venv of the system's
+  ``/usr/bin/python3``, an interpreter in ``/opt`` of an image that has ``/opt/...``) the
+  interpreter is bound at ``/.rollout/python`` instead (:func:`relocated_python`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 HELPER_DIR = "/.rollout"
 LIB_IN = f"{HELPER_DIR}/lib"
 BIN_IN = f"{HELPER_DIR}/bin"
+PY_IN = f"{HELPER_DIR}/python"
 _LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1",
             "/lib64/ld64.so.2", "/lib/ld64.so.1", "/lib/ld-linux-riscv64-lp64d.so.1",
             "/lib/ld-linux.so.2")
@@ -47,10 +53,10 @@ def host_loader() -> tuple[str, str]:
                             + ", ".join(_LOADERS) + ")")
 
 
-def loader_argv() -> list[str]:
+def loader_argv(library_path: str = LIB_IN) -> list[str]:
     """The prefix that runs a host program inside an image root."""
     _, name = host_loader()
-    return [f"{LIB_IN}/{name}", "--library-path", LIB_IN]
+    return [f"{LIB_IN}/{name}", "--library-path", library_path]
 
 
 def static_bash() -> str | None:
@@ -100,6 +106,88 @@ def python_binds(prefixes: tuple[str, ...], rootfs: Path) -> tuple[list[str], bo
                 args += ["--perms", "0755", "--dir", d]
         args += ["--ro-bind", prefix, prefix]
     return args, ok
+
+
+@dataclass(frozen=True)
+class Relocated:
+    """The server's interpreter bound below ``/.rollout/python``: its bwrap arguments, the
+    interpreter's path inside, and the library path its loader needs."""
+
+    binds: tuple[str, ...]
+    python: str
+    library_path: str
+
+
+def relocated_python(python: str, state_dir: str) -> Relocated | None:
+    """The interpreter ``python`` (a venv's, or a base installation) at a path no image has:
+    the base's binary and standard library at ``/.rollout/python/base/{bin,lib}`` (found there
+    by CPython's own landmark search, ``lib/pythonX.Y/os.py`` beside ``bin/``), its shared
+    ``libpythonX.Y`` if it has one, and for a venv ``/.rollout/python/venv`` with the venv's
+    ``site-packages`` and a ``pyvenv.cfg`` whose ``home`` names the relocated base. None where
+    the layout is not CPython's (then the image's own ``python3`` stands in, as before)."""
+    exe = os.path.abspath(python)
+    real = os.path.realpath(exe)
+    name = os.path.basename(real)
+    if not re.fullmatch(r"python\d+\.\d+", name):
+        return None
+    base = os.path.dirname(os.path.dirname(real))
+    stdlib = os.path.join(base, "lib", name)
+    if not os.path.isfile(os.path.join(stdlib, "os.py")):
+        return None
+    home = f"{PY_IN}/base"
+    args = ["--perms", "0755", "--dir", PY_IN, "--perms", "0755", "--dir", home,
+            "--perms", "0755", "--dir", f"{home}/bin", "--perms", "0755", "--dir", f"{home}/lib",
+            "--ro-bind", real, f"{home}/bin/{name}", "--ro-bind", stdlib, f"{home}/lib/{name}"]
+    library_path = LIB_IN
+    shared = sorted(n for n in _listdir(os.path.join(base, "lib"))
+                    if n.startswith(f"lib{name}") and ".so" in n)
+    for lib in shared:
+        args += ["--ro-bind", os.path.join(base, "lib", lib), f"{home}/lib/{lib}"]
+    if shared:
+        library_path = f"{LIB_IN}:{home}/lib"
+    venv = os.path.dirname(os.path.dirname(exe))
+    cfg = os.path.join(venv, "pyvenv.cfg")
+    site = os.path.join(venv, "lib", name, "site-packages")
+    if not (os.path.isfile(cfg) and os.path.isdir(site)):
+        return Relocated(tuple(args), f"{home}/bin/{name}", library_path)
+    inside = f"{PY_IN}/venv"
+    args += ["--perms", "0755", "--dir", inside, "--perms", "0755", "--dir", f"{inside}/bin",
+             "--perms", "0755", "--dir", f"{inside}/lib", "--perms", "0755",
+             "--dir", f"{inside}/lib/{name}",
+             "--ro-bind", _venv_cfg(state_dir, cfg, f"{home}/bin"), f"{inside}/pyvenv.cfg",
+             "--ro-bind", real, f"{inside}/bin/{name}",
+             "--ro-bind", site, f"{inside}/lib/{name}/site-packages"]
+    return Relocated(tuple(args), f"{inside}/bin/{name}", library_path)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+@functools.lru_cache(maxsize=8)
+def _venv_cfg(state_dir: str, cfg: str, home: str) -> str:
+    """A copy of the venv's ``pyvenv.cfg`` whose ``home`` is ``home``, written once per process
+    below ``state_dir`` (a restart picks up a changed venv)."""
+    with open(cfg, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines()
+                 if ln.partition("=")[0].strip() not in ("home", "executable", "command")]
+    os.makedirs(state_dir, exist_ok=True)
+    for old in os.listdir(state_dir):  # a dead server's
+        pid = old.removeprefix("sandbox-pyvenv.").partition(".")[0]
+        if old.startswith("sandbox-pyvenv.") and pid.isdigit() and not os.path.exists(
+                f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(state_dir, old))
+    out = os.path.join(state_dir, f"sandbox-pyvenv.{os.getpid()}.{abs(hash((cfg, home))):x}")
+    tmp = f"{out}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join([f"home = {home}", *lines]) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out)
+    return out
 
 
 def through_link(rootfs: Path, path: str) -> bool:

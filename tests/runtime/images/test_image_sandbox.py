@@ -4,15 +4,23 @@ tools in any image (real bubblewrap, real registry, real skopeo/umoci)."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
-from rollout.runtime.sandbox.base import ImageSettings
+from rollout.runtime.sandbox.base import ImageSettings, python_argv
 from rollout.runtime.sandbox.images import ImageError, cache_for
 from rollout.runtime.tools.editor import EditorTool
 from tests.fixtures.images import Registry
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _config(tmp_path: Path, settings: ImageSettings, **kw: object) -> SandboxConfig:
@@ -94,3 +102,50 @@ async def test_a_bad_image_fails_sandbox_creation_with_its_reason(
     assert e.value.reason == "INVALID_IMAGE_REF"
     sandboxes = tmp_path / "state" / "sandboxes"
     assert not sandboxes.exists() or os.listdir(sandboxes) == []
+
+
+@pytest.fixture
+def system_venv() -> Iterator[str]:
+    """What ``python3 -m venv .venv`` makes on Debian: a venv of the system's
+    ``/usr/bin/pythonX.Y`` (its base below ``/usr``, which an image sandbox never binds over
+    the image's own), outside the system trees, whose one ``.pth`` adds this venv's packages
+    (IPython and the kernel); its python's path."""
+    exe = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    build = REPO / "build"
+    if not os.path.isfile(exe):
+        pytest.skip(f"{exe} is missing: the test needs a system Python of this venv's version")
+    if any(str(build) == t or str(build).startswith(t + "/") for t in ("/usr", "/opt", "/tmp",
+                                                                        "/var")):
+        pytest.skip("the test's venv must lie outside /usr, /opt, /tmp and /var")
+    build.mkdir(exist_ok=True)
+    top = Path(tempfile.mkdtemp(prefix="system-venv-", dir=build))
+    try:
+        subprocess.run([exe, "-m", "venv", "--without-pip", str(top / "venv")], check=True,
+                       capture_output=True, timeout=120)
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        site = sysconfig.get_paths()["purelib"]
+        (top / "venv" / "lib" / version / "site-packages" / "host-venv.pth").write_text(
+            f"import site; site.addsitedir({site!r})\n")
+        yield str(top / "venv" / "bin" / "python3")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+async def test_a_server_on_a_venv_of_the_system_python_has_the_python_tool_in_images(
+        tmp_path: Path, image_settings: ImageSettings, image_registry: Registry,
+        system_venv: str) -> None:
+    # Its base lies below /usr, the image's own: the interpreter is bound at /.rollout/python
+    # instead, where the kernel and the in-sandbox scripts run it through the host's loader.
+    cfg = _config(tmp_path, image_settings, python=system_venv)
+    async with await create_sandbox(cfg, image="docker://busybox:latest") as sb:
+        r = await sb.exec([*python_argv(sb), "-c", "import json, ssl, sys; "
+                           "print(sys.prefix, sys.base_prefix, sys.version_info[:2])"])
+        assert r.ok, r.output
+        assert r.stdout.split()[:2] == ["/.rollout/python/venv", "/.rollout/python/base"]
+        kernel = await sb.ipython()
+        cell = await kernel.execute("import os, sys; print(sys.executable, "
+                                    "sorted(os.listdir('/bin'))[:3])")
+        assert cell.status == "ok", cell.output
+        assert "/.rollout/python/venv/bin/python" in cell.output and "busybox" in cell.output
+        r = await sb.exec(["sh", "-c", "ls /usr 2>&1"])
+        assert "No such file" in r.output  # the host's /usr is still not there
