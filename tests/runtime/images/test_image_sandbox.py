@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from rollout.runtime.sandbox.base import ImageSettings, python_argv
 from rollout.runtime.sandbox.images import ImageError, cache_for
 from rollout.runtime.tools.editor import EditorTool
 from tests.fixtures.images import Registry
+from tests.fixtures.venvs import venv_with_our_packages
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -120,13 +119,7 @@ def system_venv() -> Iterator[str]:
     build.mkdir(exist_ok=True)
     top = Path(tempfile.mkdtemp(prefix="system-venv-", dir=build))
     try:
-        subprocess.run([exe, "-m", "venv", "--without-pip", str(top / "venv")], check=True,
-                       capture_output=True, timeout=120)
-        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        site = sysconfig.get_paths()["purelib"]
-        (top / "venv" / "lib" / version / "site-packages" / "host-venv.pth").write_text(
-            f"import site; site.addsitedir({site!r})\n")
-        yield str(top / "venv" / "bin" / "python3")
+        yield venv_with_our_packages(exe, top / "venv")
     finally:
         shutil.rmtree(top, ignore_errors=True)
 

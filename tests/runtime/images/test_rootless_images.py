@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from rollout.runtime.sandbox.base import ImageSettings
+from tests.fixtures.venvs import venv_with_our_packages
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -242,12 +243,7 @@ def own_python() -> Iterator[str]:
             if src.name != "site-packages":
                 subprocess.run(["cp", "-al", str(src), str(stdlib)], check=True, timeout=120)
         (stdlib / "site-packages").mkdir()
-        subprocess.run([str(top / "base" / "bin" / version), "-m", "venv", "--without-pip",
-                        str(top / "venv")], check=True, capture_output=True, timeout=120)
-        site = sysconfig.get_paths()["purelib"]
-        (top / "venv" / "lib" / version / "site-packages" / "host-venv.pth").write_text(
-            f"import site; site.addsitedir({site!r})\n")
-        yield str(top / "venv" / "bin" / "python3")
+        yield venv_with_our_packages(str(top / "base" / "bin" / version), top / "venv")
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
