@@ -221,8 +221,10 @@ class HttpEngine(Engine):
         try:
             while not task.done():
                 waiter = asyncio.ensure_future(woken.wait())
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                try:
+                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # a cancelled consumer must not leave the waiter pending
+                    waiter.cancel()
                 woken.clear()
                 n = min(len(turn.ids), len(turn.logprobs))
                 if turn.top:

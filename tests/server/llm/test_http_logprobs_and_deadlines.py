@@ -290,3 +290,30 @@ async def test_generate_stream_gives_pieces_before_the_turn_ends(served: Served,
         assert pieces[-1].finish_reason == whole.finish_reason
     finally:
         await client.close()
+
+
+async def test_a_stream_whose_consumer_is_cancelled_leaves_nothing_pending(
+        served: Served) -> None:
+    """A harness that goes away cancels the task reading the stream while it waits for the
+    next piece: the turn's request ends at the server and no waiter of the stream is left
+    pending (asyncio's "Task was destroyed but it is pending" at the loop's end)."""
+    client = HttpEngine(served.url, "tiny", protocol="generate")
+
+    async def consume() -> None:
+        async with contextlib.aclosing(client.generate_stream(GenerateRequest(
+                [1, 60, 61, 62], NUCLEUS, 400, "gone", seed=5))) as stream:
+            async for _ in stream:
+                pass
+
+    try:
+        reader = asyncio.ensure_future(consume())
+        await assert_eventually(lambda: served.engine.load > 0)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await assert_eventually(lambda: served.engine.load == 0)
+        waiting = [t for t in asyncio.all_tasks()
+                   if not t.done() and "Event.wait" in repr(t.get_coro())]
+        assert waiting == []
+    finally:
+        await client.close()
