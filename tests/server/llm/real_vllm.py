@@ -164,6 +164,9 @@ class RecordingProxy:
         self.held_until_released: list[bool] = []
         """Per held finish chunk: True when the event released it, False when the deadline
         did."""
+        self.in_flight = 0
+        self.peak = 0
+        """The most generation requests vLLM had from the proxy at one time."""
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -194,6 +197,17 @@ class RecordingProxy:
         if request.method == "POST" and request.path in GENERATION_PATHS:
             exchange = Exchange(request.path, json.loads(data))
             self.exchanges.append(exchange)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            return await self._pass(request, data, headers, exchange)
+        finally:
+            if exchange is not None:
+                self.in_flight -= 1
+
+    async def _pass(self, request: web.Request, data: bytes, headers: dict[str, str],
+                    exchange: Exchange | None) -> web.StreamResponse:
+        assert self._http is not None
         async with self._http.request(request.method, self.upstream + request.path_qs,
                                       data=data, headers=headers) as upstream:
             if upstream.content_type != "text/event-stream":

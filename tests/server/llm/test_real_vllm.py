@@ -6,8 +6,10 @@ observation, token for token, and whose logprobs equal the reference forward (pr
 top-k, top-p applied) over exactly those tokens, on both request shapes; a turn cut by its
 deadline keeps its streamed tokens; the other logprobs kind is refused with the flag to use.
 Then the model gateway over it, composed as the server composes it: a harness's tool
-conversation (OpenAI chat, streamed and not; Anthropic Messages, streamed) records exactly
-vLLM's own ids and logprobs in one chain, and a streamed answer leaves before vLLM's turn ends.
+conversation (OpenAI chat, streamed and not; Anthropic Messages, streamed; the Responses API,
+streamed and not) records exactly vLLM's own ids and logprobs in one chain, a streamed answer
+leaves before vLLM's turn ends, and a harness that goes away mid-stream makes vLLM abort the
+generation and leaves no turn.
 
 One vLLM serves every test of this file (the module-scoped ``real_vllm`` fixture): starting it
 is most of the file's time, and xdist's ``--dist loadfile`` keeps the file in one worker.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from rollout.runtime.llm import GenerateRequest, GenerateResult
@@ -50,6 +53,7 @@ from tests.server.llm.reference import (
     raw_logprobs,
     reference_logprobs,
 )
+from tests.util import assert_eventually, patience
 
 pytestmark = REAL_VLLM_MARKS
 
@@ -442,3 +446,181 @@ async def test_a_claude_code_style_tool_conversation_over_vllm_keeps_vllms_token
     assert [(b.name, b.input) for b in first.content if b.type == "tool_use"] == [
         ("bash", {"command": "sudo cp /etc/config.d /etc"})]
     assert OBSERVATION in real_vllm.tokenizer.decode(capture.turns[0].observation_ids)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "bash", "description": "Run a shell command.",
+                    "parameters": TOOLS[0]["function"]["parameters"], "strict": False}]
+RESPONSES_TASK: list[dict[str, Any]] = [
+    {"role": "user", "content": TOOL_TASK[1]["content"]},
+    {"type": "function_call", "call_id": "call_0", "name": "bash", "arguments": CALL},
+    {"type": "function_call_output", "call_id": "call_0", "output": "7"},
+    {"role": "assistant", "content": TOOL_TASK[4]["content"]},
+    {"role": "user", "content": TOOL_TASK[5]["content"]}]
+
+
+async def responses_conversation(client: Any, stream: bool) -> list[Any]:
+    """Two requests as Codex CLI makes them (the Responses API, ``store`` off, everything
+    resent): the task; then the model's output items and each call's output."""
+    history = list(RESPONSES_TASK)
+    kwargs: dict[str, Any] = {"model": "smollm2", "instructions": TOOL_TASK[0]["content"],
+                              "tools": RESPONSES_TOOLS, "store": False}
+    answers = []
+    for _ in range(2):
+        if stream:
+            async with client.responses.stream(input=history, **kwargs) as events:
+                async for _event in events:
+                    pass
+                answer = await events.get_final_response()
+        else:
+            answer = await client.responses.create(input=history, **kwargs)
+        answers.append(answer)
+        history += [item.model_dump(exclude_none=True) for item in answer.output]
+        history += [{"type": "function_call_output", "call_id": item.call_id,
+                     "output": OBSERVATION}
+                    for item in answer.output if item.type == "function_call"] or [
+                        {"role": "user", "content": FOLLOW_UP}]
+    return answers
+
+
+@pytest.mark.timeout(1800)
+async def test_a_codex_style_responses_conversation_over_vllm_keeps_vllms_tokens(
+        real_vllm: RealVllm, reference_model: Any, tmp_path: Path) -> None:
+    """The same task through the Responses API (Codex CLI's dialect), streamed and not: the
+    model's ``function_call`` item, its output, one more request; vLLM's own tokens in one
+    chain, and the two jobs' answers the same (request k is sampled with seed + k)."""
+    from tests.server.gateway.conftest import openai_client
+
+    async with gateway_over(real_vllm, tmp_path / "state") as rig:
+        results = {}
+        for stream in (False, True):
+            lease = await rig.open(f"vllm-responses-{stream}")
+            client = openai_client(lease)
+            try:
+                answers = await responses_conversation(client, stream)
+            finally:
+                await client.close()
+                capture = await rig.gateway.close(lease)
+            exchanges = list(rig.proxy.exchanges)
+            rig.proxy.exchanges.clear()
+            assert_trajectory_is_what_vllm_sampled(capture, exchanges,
+                                                   f"vllm-responses-{stream}", reference_model,
+                                                   requests=2)
+            results[stream] = answers, capture
+    (plain, plain_capture), (streamed, streamed_capture) = results[False], results[True]
+    calls = [(i.name, i.arguments) for i in plain[0].output if i.type == "function_call"]
+    assert calls and calls[0][0] == "bash", plain[0].output
+    assert OBSERVATION in real_vllm.tokenizer.decode(plain_capture.turns[0].observation_ids)
+
+    def shape(answers: list[Any]) -> list[Any]:
+        return [(a.output_text, [(i.name, i.arguments) for i in a.output
+                                 if i.type == "function_call"]) for a in answers]
+
+    assert shape(streamed) == shape(plain)
+    assert [t.output_ids for t in streamed_capture.turns] == [
+        t.output_ids for t in plain_capture.turns]
+
+
+async def vllm_gauges(real_vllm: RealVllm) -> dict[str, float]:
+    """vLLM's requests running now and tokens generated so far (its Prometheus metrics)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{real_vllm.url}/metrics") as reply:
+        text = await reply.text()
+    seen = {"vllm:num_requests_running": 0.0, "vllm:generation_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in seen:
+            seen[name] += float(line.rsplit(" ", 1)[1])
+    return seen
+
+
+@pytest.mark.timeout(1800)
+async def test_a_harness_that_goes_away_mid_stream_aborts_vllms_generation(
+        real_vllm: RealVllm, tmp_path: Path) -> None:
+    """The harness reads the first text of a long streamed answer and closes its connection
+    (a client timeout, a killed sub-agent): the gateway cancels the generation and vLLM stops
+    generating it long before the turn's 1,500 tokens (``ignore_eos``: nothing else ends it),
+    and the abandoned request leaves no turn for the trainer."""
+    from tests.server.gateway.conftest import openai_client
+
+    limit = 1500
+    async with gateway_over(real_vllm, tmp_path / "state") as rig:
+        rig.pool.get("vllm-cpu").engine.ignore_eos = True  # a turn that runs to its limit
+        before = await vllm_gauges(real_vllm)
+        assert before["vllm:num_requests_running"] == 0
+        lease = await rig.open("vllm-gone", dataclasses.replace(
+            GATEWAY_SAMPLING, max_tokens_per_turn=limit))
+        client = openai_client(lease)
+        try:
+            async with await client.chat.completions.create(
+                    model="smollm2", stream=True, messages=[
+                        {"role": "user", "content": "Tell me a long story about a cat."}],
+                    ) as chunks:
+                async for chunk in chunks:
+                    if any(c.delta.content for c in chunk.choices):
+                        break  # the harness goes away: the stream's connection closes
+        finally:
+            await client.close()
+        await assert_eventually(lambda: len(rig.proxy.exchanges) == 1)
+        deadline = asyncio.get_running_loop().time() + patience(600)
+        while (now := await vllm_gauges(real_vllm))["vllm:num_requests_running"] > 0:
+            assert asyncio.get_running_loop().time() < deadline, "vLLM still generates it"
+            await asyncio.sleep(0.5)
+        capture = await rig.gateway.close(lease)
+    generated = now["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 0 < generated < limit, generated
+    [sent] = rig.proxy.exchanges
+    assert sent.finish_reason is None and len(sent.output_ids) < limit
+    assert capture.turns == [] and capture.segments == []
+
+
+SUB_AGENT_TASK = [
+    {"role": "system", "content": "You are a sub-agent. Answer in one short sentence."},
+    {"role": "user", "content": "Which directory holds the system's configuration files?"}]
+
+
+@pytest.mark.timeout(1800)
+async def test_two_conversations_of_one_job_at_once_over_vllm_are_two_chains(
+        real_vllm: RealVllm, reference_model: Any, tmp_path: Path) -> None:
+    """A main agent and a sub-agent of one job, each with its own history, calling at the
+    same time: vLLM holds both generations at once (the gateway does not queue a job's
+    calls), and each conversation becomes a chain of its own whose prompts are its own
+    history and whose tokens and logprobs are exactly what vLLM sampled for it."""
+    from tests.server.gateway.conftest import openai_client
+
+    async def converse(client: Any, history: list[dict[str, Any]]) -> None:
+        history = list(history)
+        for _ in range(2):
+            answer = await ask(client, history, stream=False)
+            history.append(echo(answer))
+            history += [{"role": "tool", "tool_call_id": i, "content": OBSERVATION}
+                        for i, _, _ in answer.calls] or [{"role": "user",
+                                                          "content": FOLLOW_UP}]
+
+    async with gateway_over(real_vllm, tmp_path / "state") as rig:
+        lease = await rig.open("vllm-two-chains")
+        clients = [openai_client(lease), openai_client(lease)]
+        try:
+            await asyncio.gather(converse(clients[0], TOOL_TASK),
+                                 converse(clients[1], SUB_AGENT_TASK))
+        finally:
+            for client in clients:
+                await client.close()
+            capture = await rig.gateway.close(lease)
+        exchanges = list(rig.proxy.exchanges)
+    assert rig.proxy.peak == 2
+    assert sorted(s.reason.value for s in capture.segments) == sorted(
+        [SegmentReason.FIRST.value, SegmentReason.NEW_CONVERSATION.value])
+    assert capture.requests == len(capture.turns) == len(exchanges) == 4
+    by_prompt = {tuple(e.prompt_ids): e for e in exchanges}
+    starts = [s.first_turn for s in capture.segments] + [len(capture.turns)]
+    for first, end in itertools.pairwise(starts):
+        sequence: list[int] = []
+        assert end - first == 2, starts
+        for turn in capture.turns[first:end]:
+            sequence += turn.prompt_ids
+            sent = by_prompt[tuple(sequence)]  # vLLM's prompt was this chain so far
+            assert turn.output_ids == sent.output_ids and sent.output_ids
+            assert turn.output_logprobs == sent.logprobs
+            sequence += turn.output_ids + turn.observation_ids
+            result = GenerateResult(sent.output_ids, sent.logprobs, "stop", 0, "vllm-cpu")
+            assert_logprobs_match_reference(reference_model, sent.prompt_ids, result,
+                                            GATEWAY_SAMPLING, tol=1e-4)
