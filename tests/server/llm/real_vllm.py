@@ -129,7 +129,11 @@ class Exchange:
 
     @property
     def logprobs(self) -> list[float]:
-        """The sampled tokens' logprobs as vLLM wrote them (``/inference/v1/generate``)."""
+        """The sampled tokens' logprobs as vLLM wrote them (``/inference/v1/generate``'s
+        ``content`` entries, or ``/v1/completions``' ``token_logprobs``)."""
+        if self.path == "/v1/completions":
+            return [float(v) for c in self._choices()
+                    for v in (c.get("logprobs") or {}).get("token_logprobs") or []]
         return [float(e["logprob"]) for c in self._choices()
                 for e in (c.get("logprobs") or {}).get("content") or []]
 

@@ -6,10 +6,11 @@ observation, token for token, and whose logprobs equal the reference forward (pr
 top-k, top-p applied) over exactly those tokens, on both request shapes; a turn cut by its
 deadline keeps its streamed tokens; the other logprobs kind is refused with the flag to use.
 Then the model gateway over it, composed as the server composes it: a harness's tool
-conversation (OpenAI chat, streamed and not; Anthropic Messages, streamed; the Responses API,
-streamed and not) records exactly vLLM's own ids and logprobs in one chain, a streamed answer
-leaves before vLLM's turn ends, and a harness that goes away mid-stream makes vLLM abort the
-generation and leaves no turn.
+conversation (OpenAI chat, streamed and not, over both of vLLM's routes; Anthropic Messages,
+streamed; the Responses API, streamed and not) records exactly vLLM's own ids and logprobs in
+one chain, two conversations of one job at once generate at once and make two chains, a
+streamed answer leaves before vLLM's turn ends, and a harness that goes away mid-stream makes
+vLLM stop the generation and leaves no turn.
 
 One vLLM serves every test of this file (the module-scoped ``real_vllm`` fixture): starting it
 is most of the file's time, and xdist's ``--dist loadfile`` keeps the file in one worker.
@@ -624,3 +625,29 @@ async def test_two_conversations_of_one_job_at_once_over_vllm_are_two_chains(
             result = GenerateResult(sent.output_ids, sent.logprobs, "stop", 0, "vllm-cpu")
             assert_logprobs_match_reference(reference_model, sent.prompt_ids, result,
                                             GATEWAY_SAMPLING, tol=1e-4)
+
+
+@pytest.mark.timeout(1800)
+async def test_a_tool_conversation_over_vllms_completions_route_keeps_vllms_tokens(
+        real_vllm: RealVllm, reference_model: Any, tmp_path: Path) -> None:
+    """The same three-request conversation with the backend on vLLM's OpenAI ``/v1/completions``
+    route (token-id prompts, ``return_token_ids``; a vLLM without the tokens-in generate
+    route), streamed and not: vLLM's own ids and logprobs, one chain, as on the other route."""
+    from tests.server.gateway.conftest import openai_client
+
+    async with gateway_over(real_vllm, tmp_path / "state") as rig:
+        rig.pool.get("vllm-cpu").engine.protocol = "completions"
+        for stream in (False, True):
+            lease = await rig.open(f"vllm-completions-{stream}")
+            client = openai_client(lease)
+            try:
+                await tool_conversation(client, stream)
+            finally:
+                await client.close()
+                capture = await rig.gateway.close(lease)
+            exchanges = list(rig.proxy.exchanges)
+            rig.proxy.exchanges.clear()
+            assert {e.path for e in exchanges} == {"/v1/completions"}
+            assert_trajectory_is_what_vllm_sampled(capture, exchanges,
+                                                   f"vllm-completions-{stream}",
+                                                   reference_model)
