@@ -11,7 +11,9 @@ or with ``--base`` the cached Debian base image that ``scripts/setup_images.sh``
 * **concurrent first use**: N sandboxes on one image not yet in a fresh cache, started at
   once: one fetch serves them all.
 
-Goal: a warm image sandbox within 1.5x of the plain one (p50).
+Goal: a warm image sandbox within 1.5x of the plain one (p50). The title says which path was
+measured: a root server, or a rootless one (run the bench as that user) with or without its
+subordinate ids mapped.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from rich.table import Table
 
 from rollout.runtime.sandbox import SandboxConfig, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
-from rollout.runtime.sandbox.images import cache_for, prepare_image
+from rollout.runtime.sandbox.images import cache_for, prepare_image, subids
 
 GOAL_RATIO = 1.5
 APPLETS = ("sh", "true", "cat", "echo", "ls")
@@ -64,6 +66,17 @@ def base_reference() -> str:
     if not (layout / "index.json").is_file():
         raise SystemExit(f"no cached base image under {cache} (bash scripts/setup_images.sh)")
     return f"oci:{layout}:base"
+
+
+def server_mode() -> str:
+    """Which path an image sandbox takes here: a root server mounts one overlay on the host;
+    a rootless one mounts it in a user namespace of its own, mapping its subordinate ids
+    (``newuidmap``) when it has a range, else only its own uid."""
+    if os.geteuid() == 0:
+        return "root server"
+    ids = subids.server_subids()
+    return (f"rootless server, {ids.count} subordinate ids mapped" if ids is not None
+            else "rootless server, its own uid only")
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -141,7 +154,8 @@ async def run(args: argparse.Namespace, console: Console) -> int:
 
     ratio = statistics.median(warm) / statistics.median(plain)
     table = Table(title=f"rollout bench images ({'Debian base' if args.base else 'busybox'} "
-                        f"image; ms; measured in this run; load {os.getloadavg()[0]:.1f})")
+                        f"image; {server_mode()}; ms; measured in this run; load "
+                        f"{os.getloadavg()[0]:.1f})")
     for col in ("measurement", "n", "p50", "p95"):
         table.add_column(col, justify="left" if col == "measurement" else "right")
     table.add_row("cold: fetch + check + unpack into an empty cache", str(len(cold)),

@@ -22,5 +22,19 @@ def test_bench_images_prints_cold_warm_baseline_and_concurrent(
                 "concurrent first use: 3 sandboxes"):
         assert row in out, out
     assert "warm image / plain p50:" in out
+    assert images.server_mode() in " ".join(out.split())
     # One fetch served the concurrent first uses: one image in that cache, not three.
     assert "first use: 1 (one fetch" in " ".join(out.split())
+
+
+def test_the_bench_names_the_path_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout.runtime.sandbox.images import subids
+
+    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
+    assert images.server_mode() == "root server"
+    monkeypatch.setattr(images.os, "geteuid", lambda: 1234)
+    monkeypatch.setattr(subids, "server_subids", lambda: subids.SubIds(((100000, 65536),),
+                                                                      ((100000, 65536),)))
+    assert images.server_mode() == "rootless server, 65536 subordinate ids mapped"
+    monkeypatch.setattr(subids, "server_subids", lambda: None)
+    assert images.server_mode() == "rootless server, its own uid only"
