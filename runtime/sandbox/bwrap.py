@@ -543,10 +543,13 @@ class BwrapSandbox(Sandbox):
                      image, user, holder, frozenset(pinned), ids)
             register_live(sb)
         except BaseException:
+            removed = False
             if holder is not None:
+                if ids is not None and holder.poll() is None:
+                    removed = _ns_remove(holder, path)
                 procs.stop_process(holder)
                 _close_pipes(holder)
-            if ids is not None:
+            if ids is not None and not removed:
                 remove_mapped(path, ids)
             if lease:
                 lease.release()
@@ -815,17 +818,24 @@ class BwrapSandbox(Sandbox):
         group, self._memory_group = self._memory_group, None
         ids, self._ids = self._ids, None
         handed, self._handed = sorted(self._handed), set()
-        if ids is not None and handed:
-            try:  # while the holder's namespace still maps the image's uids
-                _ns_owners(self._holder, {"trees": [(p, 0, 0) for p in handed]})
-            except Exception as e:  # teardown goes on
-                log.warning("sandbox %s: could not give back %s: %s", self.id, handed, e)
+        removed = False
+        if ids is not None and self._holder is not None and self._holder.poll() is None:
+            # In the holder's namespace, which still maps the image's uids (every launch that
+            # entered it is killed above): give back what was handed over, then detach the
+            # overlay and remove what the image's users own there (a fresh namespace, the
+            # reaper's way, costs three more processes and the maps).
+            if handed:
+                try:
+                    _ns_owners(self._holder, {"trees": [(p, 0, 0) for p in handed]})
+                except Exception as e:  # teardown goes on
+                    log.warning("sandbox %s: could not give back %s: %s", self.id, handed, e)
+            removed = _ns_remove(self._holder, self.path)
         holder, self._holder = self._holder, None
         if holder is not None:  # after every launch that entered its namespaces (killed above)
             procs.stop_process(holder)
             _close_pipes(holder)
         try:
-            if ids is not None:  # the image's users' files: only removable inside
+            if ids is not None and not removed:  # the image's users' files: only inside
                 remove_mapped(self.path, ids)
             self._release_host_side(self.path, group)
         finally:
@@ -993,7 +1003,8 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
         # is the user's and nobody else on the host may enter it.
         chown.append((str(path / "ctl"), 0, user.gid))
     started = time.monotonic()
-    failed = _ns_owners(holder, job)
+    # Nothing to change (the image's root as the user, every file root's): no process at all.
+    failed = _ns_owners(holder, job) if any(job.values()) else 0
     if not user.is_root:
         os.chmod(path / "ctl", 0o770)
     if failed:
@@ -1006,6 +1017,31 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
 
 MAPPED_PARTS = ("root", "upper", "work", "workspace", "tmp", "ctl")
 """The folders of a sandbox's directory that its image's users may own files in."""
+
+
+def _ns_remove(holder: subprocess.Popen[bytes], path: Path) -> bool:
+    """Remove the :data:`MAPPED_PARTS` of the sandbox at ``path`` inside the holder's
+    namespaces with one ``rm`` (no interpreter to start: this was most of a rootless
+    teardown); whether they are gone. Where the holder's mount namespace has the overlay on
+    ``root`` (its ``mountinfo`` says), ``root`` is left to the host's removal once the holder
+    has ended and the mount with it: ``rm`` would walk the whole merged image."""
+    root = str(path / "root")
+    escaped = (root.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+               .replace("\n", "\\012"))
+    try:
+        with open(f"/proc/{holder.pid}/mountinfo", encoding="utf-8",
+                  errors="surrogateescape") as f:
+            mounted = any(line.split()[4:5] == [escaped] for line in f)
+        parts = [sub for sub in MAPPED_PARTS if not (mounted and sub == "root")]
+        subprocess.run(
+            ["nsenter", "-t", str(holder.pid), "--user", "--mount", "--preserve-credentials",
+             "--", "rm", "-rf", "--", *(str(path / sub) for sub in parts)],
+            capture_output=True, timeout=COPY_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("sandbox %s: could not remove its mapped folders in its namespace: %s",
+                    path.name, e)
+        return False
+    return not any(os.path.lexists(path / sub) for sub in parts)
 
 
 def remove_mapped(path: Path, ids: subids.SubIds, parts: Sequence[str] = MAPPED_PARTS) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox import SandboxConfig, bwrap, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings, SandboxError
 from rollout.runtime.sandbox.images import subids
 
@@ -26,6 +26,17 @@ PROBE = ("id -u; stat -c '%u:%g' /app/owned.txt /rootfile /etc/passwd; "
 
 async def main(top: Path) -> dict[str, object]:
     seen: dict[str, object] = {"euid": os.geteuid(), "subids": str(subids.server_subids())}
+    # A teardown removes the users' files in the sandbox's own namespace: a fresh one (the
+    # crash sweep's way, and the fallback) is never needed while the holder lives.
+    fresh: list[str] = []
+    remove_mapped = bwrap.remove_mapped
+
+    def counted(path: Path, *args: Any, **kwargs: Any) -> None:
+        fresh.append(path.name)
+        remove_mapped(path, *args, **kwargs)
+
+    bwrap.remove_mapped = counted  # type: ignore[assignment]
+    seen["fresh_namespace_removals"] = fresh
     ref = f"oci:{top}/layout:owned"
     for mode in ("auto", "copy"):
         cfg = SandboxConfig(state_dir=top / "state", images=ImageSettings(

@@ -322,6 +322,7 @@ def test_a_rootless_server_with_subordinate_ids_keeps_the_images_owners(
         assert seen["cache_rootfile"] == "r\n" and seen["cache_owned"] == "v1\n"
         assert seen["cache_uids"] == [uid]
         assert seen["sandboxes_left"] == []
+        assert seen["fresh_namespace_removals"] == []
         # Nothing of the sandboxes is left on the host, owned by a subordinate id or not.
         left = [os.path.join(d, n) for d, dirs, files in os.walk(top / "state")
                 for n in dirs + files
