@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.util import patience
+
 SOLVE = "#!/bin/sh\necho hello > \"$HOME/greeting.txt\"\n"
 TEST = ("#!/bin/sh\nif [ \"$(cat /home/app/greeting.txt 2>/dev/null)\" = hello ]; "
         "then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
@@ -56,7 +58,7 @@ def main(top: Path, site: str, repo: str) -> dict[str, Any]:
 
     def rollout(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", boot, *args], capture_output=True,
-                              text=True, timeout=timeout, cwd=top)
+                              text=True, timeout=patience(timeout), cwd=top)
 
     _task(top / "tasks" / "greet", "Write hello to ~/greeting.txt.\n", SOLVE, TEST,
           f"oci:{top / 'layout'}:named")
@@ -208,11 +210,16 @@ class Server:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=self.top,
                                          env={**os.environ, "TMPDIR": str(self.top / "tmp")})
-        deadline = time.monotonic() + 180
+        # Stretched by the machine's load: at load 13 on 2 cores the start (imports, the
+        # start-up sweep) took longer than a fixed 180 s (a loaded test run, 2026-11-29).
+        limit = patience(180)
+        deadline = time.monotonic() + limit
         while not (found := re.search(r"listening on 127\.0\.0\.1:(\d+)",
                                       self.log_text()[offset:])):
             assert self.proc.poll() is None, self.log_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not start"
+            assert time.monotonic() < deadline, (
+                f"the server did not start within {limit:.0f} s (load "
+                f"{os.getloadavg()[0]:.1f}); its log ends:\n{self.log_text()[-3000:]}")
             time.sleep(0.2)
         return f"127.0.0.1:{found.group(1)}"
 

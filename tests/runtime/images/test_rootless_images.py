@@ -24,6 +24,7 @@ import pytest
 
 from rollout.runtime.sandbox.base import ImageSettings
 from tests.fixtures.venvs import venv_with_our_packages
+from tests.util import patience
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -520,7 +521,7 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
         # home, and the system's older libpython lacks symbols its ssl module needs).
         libs = Path(own_python).parents[2] / "base" / "lib"
         seen: dict[str, Any] = _run_as(
-            uid, gid, SERVE_CHILD, top, python=own_python, timeout=1100,
+            uid, gid, SERVE_CHILD, top, python=own_python, timeout=patience(1100),
             env=(f"LD_LIBRARY_PATH={libs}",),
             args=(sysconfig.get_paths()["purelib"], str(REPO)))
         assert seen["euid"] == uid
