@@ -321,26 +321,39 @@ def assert_trajectory_is_what_vllm_sampled(capture: Any, exchanges: list[Any], j
                                         tol=1e-4)
 
 
+async def both_ways(rig: GatewayRig, name: str, converse: Any, reference_model: Any,
+                   requests: int = 3, paths: list[str] | None = None,
+                   ) -> dict[bool, tuple[Any, Any]]:
+    """Jobs ``NAME-False`` (not streamed) and ``NAME-True`` (streamed), each a conversation
+    ``converse(client, stream)`` through the gateway checked against what vLLM sampled:
+    ``{stream: (its answers, its capture)}``; ``paths`` gets the vLLM routes they used."""
+    from tests.server.gateway.conftest import openai_client
+
+    results = {}
+    for stream in (False, True):
+        job = f"{name}-{stream}"
+        lease = await rig.open(job)
+        client = openai_client(lease)
+        try:
+            answers = await converse(client, stream)
+        finally:
+            await client.close()
+            capture = await rig.gateway.close(lease)
+        exchanges = list(rig.proxy.exchanges)
+        rig.proxy.exchanges.clear()
+        if paths is not None:
+            paths += [e.path for e in exchanges]
+        assert_trajectory_is_what_vllm_sampled(capture, exchanges, job, reference_model,
+                                               requests=requests)
+        results[stream] = answers, capture
+    return results
+
+
 @pytest.mark.timeout(1800)
 async def test_a_harness_tool_conversation_through_the_gateway_keeps_vllms_tokens(
         real_vllm: RealVllm, reference_model: Any, tmp_path: Path) -> None:
-    from tests.server.gateway.conftest import openai_client
-
     async with gateway_over(real_vllm, tmp_path / "state") as rig:
-        results = {}
-        for stream in (False, True):
-            lease = await rig.open(f"vllm-tools-{stream}")
-            client = openai_client(lease)
-            try:
-                answers = await tool_conversation(client, stream)
-            finally:
-                await client.close()
-                capture = await rig.gateway.close(lease)
-            exchanges = list(rig.proxy.exchanges)
-            rig.proxy.exchanges.clear()
-            assert_trajectory_is_what_vllm_sampled(capture, exchanges, f"vllm-tools-{stream}",
-                                                   reference_model)
-            results[stream] = answers, capture
+        results = await both_ways(rig, "vllm-tools", tool_conversation, reference_model)
     (plain, plain_capture), (streamed, streamed_capture) = results[False], results[True]
     # A real tool conversation: the model called bash, the result went in as an observation
     # after vLLM's own output ids, and the harness wrote to the model twice more.
@@ -489,24 +502,9 @@ async def test_a_codex_style_responses_conversation_over_vllm_keeps_vllms_tokens
     """The same task through the Responses API (Codex CLI's dialect), streamed and not: the
     model's ``function_call`` item, its output, one more request; vLLM's own tokens in one
     chain, and the two jobs' answers the same (request k is sampled with seed + k)."""
-    from tests.server.gateway.conftest import openai_client
-
     async with gateway_over(real_vllm, tmp_path / "state") as rig:
-        results = {}
-        for stream in (False, True):
-            lease = await rig.open(f"vllm-responses-{stream}")
-            client = openai_client(lease)
-            try:
-                answers = await responses_conversation(client, stream)
-            finally:
-                await client.close()
-                capture = await rig.gateway.close(lease)
-            exchanges = list(rig.proxy.exchanges)
-            rig.proxy.exchanges.clear()
-            assert_trajectory_is_what_vllm_sampled(capture, exchanges,
-                                                   f"vllm-responses-{stream}", reference_model,
-                                                   requests=2)
-            results[stream] = answers, capture
+        results = await both_ways(rig, "vllm-responses", responses_conversation,
+                                  reference_model, requests=2)
     (plain, plain_capture), (streamed, streamed_capture) = results[False], results[True]
     calls = [(i.name, i.arguments) for i in plain[0].output if i.type == "function_call"]
     assert calls and calls[0][0] == "bash", plain[0].output
@@ -633,21 +631,9 @@ async def test_a_tool_conversation_over_vllms_completions_route_keeps_vllms_toke
     """The same three-request conversation with the backend on vLLM's OpenAI ``/v1/completions``
     route (token-id prompts, ``return_token_ids``; a vLLM without the tokens-in generate
     route), streamed and not: vLLM's own ids and logprobs, one chain, as on the other route."""
-    from tests.server.gateway.conftest import openai_client
-
     async with gateway_over(real_vllm, tmp_path / "state") as rig:
         rig.pool.get("vllm-cpu").engine.protocol = "completions"
-        for stream in (False, True):
-            lease = await rig.open(f"vllm-completions-{stream}")
-            client = openai_client(lease)
-            try:
-                await tool_conversation(client, stream)
-            finally:
-                await client.close()
-                capture = await rig.gateway.close(lease)
-            exchanges = list(rig.proxy.exchanges)
-            rig.proxy.exchanges.clear()
-            assert {e.path for e in exchanges} == {"/v1/completions"}
-            assert_trajectory_is_what_vllm_sampled(capture, exchanges,
-                                                   f"vllm-completions-{stream}",
-                                                   reference_model)
+        paths: list[str] = []
+        await both_ways(rig, "vllm-completions", tool_conversation, reference_model,
+                        paths=paths)
+    assert paths == ["/v1/completions"] * 6
