@@ -355,9 +355,8 @@ def _run_rootless(argv: Sequence[str], egress: Egress, log_path: Path, timeout: 
     """:func:`run_confined` for a server that is not root: :mod:`netns_listen` moves into a
     user, network and mount namespace of its own, the server maps the user namespace (0
     itself, 1.. its ranges, as rootless buildah maps its own), the helper sends the listeners
-    made inside, then
-    becomes buildah, told it already runs in its user namespace (so it does not make another,
-    with no network namespace, of its own)."""
+    made inside, then becomes buildah, told it already runs in its user namespace (so it does
+    not make another, with no network namespace, of its own)."""
     ours, theirs = socket.socketpair()
     ours.settimeout(READY_S)
     run_env = {**env, **proxy_env(egress.port), "_CONTAINERS_USERNS_CONFIGURED": "done",

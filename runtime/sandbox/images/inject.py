@@ -118,13 +118,16 @@ class Relocated:
     library_path: str
 
 
+@functools.lru_cache(maxsize=8)
 def relocated_python(python: str, state_dir: str) -> Relocated | None:
     """The interpreter ``python`` (a venv's, or a base installation) at a path no image has:
     the base's binary and standard library at ``/.rollout/python/base/{bin,lib}`` (found there
     by CPython's own landmark search, ``lib/pythonX.Y/os.py`` beside ``bin/``), its shared
     ``libpythonX.Y`` if it has one, and for a venv ``/.rollout/python/venv`` with the venv's
     ``site-packages`` and a ``pyvenv.cfg`` whose ``home`` names the relocated base. None where
-    the layout is not CPython's (then the image's own ``python3`` stands in, as before)."""
+    the layout is not CPython's (then the image's own ``python3`` stands in, as before).
+    Worked out once per process and interpreter, as :func:`view.python_prefixes` is: every
+    image sandbox's creation asks (a restart picks up a changed venv)."""
     exe = os.path.abspath(python)
     real = os.path.realpath(exe)
     name = os.path.basename(real)
@@ -167,10 +170,9 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-@functools.lru_cache(maxsize=8)
 def _venv_cfg(state_dir: str, cfg: str, home: str) -> str:
-    """A copy of the venv's ``pyvenv.cfg`` whose ``home`` is ``home``, written once per process
-    below ``state_dir`` (a restart picks up a changed venv)."""
+    """A copy of the venv's ``pyvenv.cfg`` whose ``home`` is ``home``, below ``state_dir``
+    (written once per process: :func:`relocated_python` is cached)."""
     with open(cfg, encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines()
                  if ln.partition("=")[0].strip() not in ("home", "executable", "command")]
