@@ -1,7 +1,7 @@
 """TEST-ONLY: run by test_build_network.py as a user with a range in /etc/subuid and
 /etc/subgid (no root, no capabilities): Dockerfile builds of a rootless server with the
-allow-listed build network (``TOP/a``: the probe; ``TOP/b``: a step that needs a host off the
-list); prints what it saw as one JSON line."""
+allow-listed build network (``TOP/b``: the probe, then a step that needs a host off the list);
+prints what it saw as one JSON line."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ def main(top: Path, conf: str, allowed: str) -> dict[str, object]:
     settings = ImageSettings(cache_dir=str(top / "cache"), registries_conf=conf,
                              build_network="allowlist", build_hosts=(allowed,))
     seen: dict[str, object] = {"euid": os.geteuid()}
-    image = build_image(cache_for(settings), BuildSpec(top / "a", label="confined",
-                                                       timeout_s=400))
-    seen["probe"] = json.loads((image.rootfs / "probe.json").read_text())
     try:
         build_image(cache_for(settings), BuildSpec(top / "b", label="needs-other",
                                                    timeout_s=400))
