@@ -29,9 +29,10 @@ echo "== pytest"
 # Two worker processes (ROLLOUT_TEST_WORKERS; 0 runs everything in this process), each taking
 # whole files, so a file's module fixtures (a registry, a vLLM, a model) start once. Much of the
 # suite waits on subprocesses, so two workers finish in ~60% of one's time on two cores, and on a
-# busy machine they hold twice one process's share of the CPU. The slowest tests are listed at
-# the end, so a run that creeps towards CI's budget says where.
+# busy machine they hold twice one process's share of the CPU. Files with a test marked `slow` go
+# first (tests/conftest.py; xdist's own reorder is off), so no long file is left for the end. The
+# slowest tests are listed at the end, so a run that creeps towards CI's budget says where.
 workers=${ROLLOUT_TEST_WORKERS:-2}
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 python -m pytest -q -p no:cacheprovider --durations=25 "${parallel[@]}" "$@"

@@ -88,6 +88,16 @@ def pytest_configure(config: pytest.Config) -> None:
         faulthandler.register(signal.SIGUSR1, file=_STACKS_TO[0], all_threads=True)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files holding a ``slow`` test run first. The runner gives each of its two workers whole
+    files from the front of this order (``scripts/test.sh`` turns off xdist's own order, which
+    puts the files with the most tests first, so a file of one or two long tests could start
+    last, one worker idle beside it); short files fill in at the end, so both finish together.
+    Items of one file stay together and in their order (their module fixtures start once)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files keep their order
+
+
 # How long a test's event loop waits, once the test is over, for the worker threads its
 # ``asyncio.to_thread`` calls started (stretched by ``patience``).
 WORKER_GRACE_S = 30.0

@@ -11,6 +11,7 @@ from rollout.benchmarks import hostile
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.slow
 def test_the_smallest_mixed_soak_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     code = hostile.main(["--jobs", "3", "--calls", "2", "--hostile", "1", "--flood", "1000",
                          "--pages", "12"])

@@ -24,6 +24,7 @@ def _cells(out: str, name: str) -> list[str]:
     return [c.strip() for c in line.split("│")[1:-1]]
 
 
+@pytest.mark.slow
 def test_every_configuration_gets_a_row_with_its_memory_and_the_same_parameters(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert train_memory.main([*TINY, "--steps", "2"]) == 0

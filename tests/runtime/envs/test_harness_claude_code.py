@@ -230,6 +230,7 @@ def with_a_background_agent(prompt: str) -> str:
                 subagent_type="general-purpose", run_in_background=True)
 
 
+@pytest.mark.slow
 async def test_a_background_agents_progress_label_is_a_side_call(
         tok: Any, sandbox_factory: Any, gateway_rig: GatewayRig) -> None:
     """Real Claude Code traffic: with CLAUDE_CODE_AGENT_PROGRESS_SUMMARIES (a task may set it;

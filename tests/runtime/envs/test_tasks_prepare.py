@@ -118,6 +118,7 @@ def test_prepare_refuses_a_path_a_url_and_an_option(
     assert not marker.exists() and not log.exists()
 
 
+@pytest.mark.slow
 def test_prepare_takes_a_requirement_specifier(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Control: a plain specifier (in the shipped wheelhouse) prepares the environment."""

@@ -117,6 +117,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     poisoned_sdist(tmp_path / "wheelhouse")
 
 
+@pytest.mark.slow
 def test_a_poisoned_build_is_refused_and_other_environments_stay_byte_identical(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, rows, err = prepare(tmp_path, task_file(tmp_path, "before", UNITCONV["spec"][
@@ -139,6 +140,7 @@ def test_a_poisoned_build_is_refused_and_other_environments_stay_byte_identical(
     assert tree_hash(before) == hashes
 
 
+@pytest.mark.slow
 def test_control_a_build_whose_every_wheel_is_taken_poisons_the_next_environment(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

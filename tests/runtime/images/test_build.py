@@ -36,6 +36,7 @@ def _context(root: Path, dockerfile: str, **files: str) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_dockerfile_builds_once_into_the_cache_and_again_when_edited(
         image_registry: Registry, image_settings: ImageSettings, tmp_path: Path) -> None:
     ctx = _context(tmp_path / "ctx", "FROM python:3.11-slim\nCOPY data.txt /app/data.txt\n"

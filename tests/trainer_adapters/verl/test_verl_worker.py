@@ -177,6 +177,7 @@ async def test_generate_sequences_against_live_server(tmp_path: Path) -> None:
     assert all(jid.startswith("verl/g2/") for jid in nt["rollout_job_id"][2:4])
 
 
+@pytest.mark.slow
 async def test_a_failed_rollout_leaves_the_legacy_group_mean(tmp_path: Path) -> None:
     """A group of four, rewards [1, failed, 0, 1], through verl's own worker and its own GRPO
     advantage: the failed row takes the valid rows' mean (2/3), so verl's uid group mean is
