@@ -31,8 +31,12 @@ echo "== pytest"
 # suite waits on subprocesses, so two workers finish in ~60% of one's time on two cores, and on a
 # busy machine they hold twice one process's share of the CPU. Files with a test marked `slow` go
 # first (tests/conftest.py; xdist's own reorder is off), so no long file is left for the end. The
-# slowest tests are listed at the end, so a run that creeps towards CI's budget says where.
+# slowest tests are listed at the end, so a run that creeps towards CI's budget says where, and
+# every test's time is in build/test-report.xml (JUnit XML, which CI systems read; `python
+# scripts/test_times.py` sums it per file, to find what to mark slow or trim).
 workers=${ROLLOUT_TEST_WORKERS:-2}
 parallel=()
 [ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
-python -m pytest -q -p no:cacheprovider --durations=25 "${parallel[@]}" "$@"
+mkdir -p build
+python -m pytest -q -p no:cacheprovider --durations=25 --junit-xml=build/test-report.xml \
+  "${parallel[@]}" "$@"
