@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -146,29 +147,48 @@ def _pytest_argv(tmp_path: Path, *args: str) -> list[str]:
             f"--basetemp={tmp_path / 'child-basetemp'}", *args]
 
 
-def _run_child(argv: list[str], timeout: float,
-               scale: str | None = None) -> tuple[int | None, str]:
+def _run_child(argv: list[str], timeout: float, scale: str | None = None,
+               done_when: str | None = None) -> tuple[int | None, str]:
     """Run a child pytest; its exit status (``None`` if it overran ``timeout``) and the tail of
     its output. One that overruns is asked for its threads' stacks (``tests/conftest.py``
-    registers SIGUSR1 for that) before it is killed, so a hang says where it is."""
+    registers SIGUSR1 for that) before it is killed, so a hang says where it is.
+    ``done_when``: output that ends the child's work; from the moment it appears the child has
+    only a few seconds more to exit (a child that hangs in its exit is given up on then, not
+    after the whole ``timeout``)."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     if scale is not None:
         env[ENV_VAR] = scale
+    chunks: list[bytes] = []
+    seen = threading.Event()
     with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           env=env) as child:
-        try:
-            out, _ = child.communicate(timeout=timeout)
-            code: int | None = child.returncode
-        except subprocess.TimeoutExpired:
+        assert child.stdout is not None
+        out = child.stdout
+
+        def read() -> None:
+            while chunk := out.read1(65536):
+                chunks.append(chunk)
+                if done_when is not None and done_when.encode() in b"".join(chunks[-2:]):
+                    seen.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        code: int | None = None
+        while (code := child.poll()) is None and time.monotonic() < deadline:
+            if seen.wait(0.1):
+                deadline = min(deadline, time.monotonic() + patience(3))
+                seen.clear()
+        if code is None:
             child.send_signal(signal.SIGUSR1)
             try:
-                out, _ = child.communicate(timeout=10)
+                child.wait(10)
             except subprocess.TimeoutExpired:
-                child.kill()
-                out, _ = child.communicate()
+                pass
             child.kill()
-            code = None
-    return code, out.decode(errors="replace")[-12000:]
+            child.wait()
+        reader.join(10)
+    return code, b"".join(chunks).decode(errors="replace")[-12000:]
 
 
 def test_hang_guards_grow_with_the_load() -> None:
@@ -212,7 +232,7 @@ def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed(tmp_path: Pat
     """The exit watchdog is pushed past the deadline here: the parent's SIGUSR1 is what
     brings the stacks out."""
     code, out = _run_child(_pytest_argv(tmp_path, "-q", "tests/exit_hang_probe.py"),
-                           timeout=patience(20), scale="100")
+                           timeout=patience(60), scale="100", done_when=" passed")
     assert code is None, out
     assert "1 passed" in out and "in block_forever" in out and "Timeout (" not in out, out
 
