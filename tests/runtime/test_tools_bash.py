@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -271,3 +272,29 @@ async def test_stop_process_gives_up_waiting_and_leaves_the_reaping_to_a_daemon(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(real.pid, signal.SIGKILL)
         real.wait()
+
+
+def test_wait_exit_wakes_as_the_process_ends_not_at_a_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Popen.wait(timeout)`` polls, sleeping 0.5, 1, 2 ... up to 50 ms between looks, so a
+    process that took 20 ms to end was reaped after some 31 (a rootless image sandbox's holder
+    at every teardown). ``procs.wait_exit`` sleeps in ``poll(2)`` on a pidfd instead: it never
+    calls the polling loop's sleep."""
+    naps: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(subprocess.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
+    proc = subprocess.Popen(["sleep", "0.2"])
+    assert procs.wait_exit(proc, 30) == 0
+    assert naps == [], naps
+    assert procs.wait_exit(proc, 30) == 0  # reaped already: its status again
+    slow = subprocess.Popen(["sleep", "300"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            procs.wait_exit(slow, 0.05)
+    finally:
+        slow.kill()
+        assert procs.wait_exit(slow, 30) == -signal.SIGKILL
+    # The control: Popen's own timed wait does nap.
+    proc = subprocess.Popen(["sleep", "0.2"])
+    proc.wait(timeout=30)
+    assert naps, "Popen.wait(timeout) no longer polls: wait_exit may have no reason to be"
