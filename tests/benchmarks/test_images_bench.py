@@ -18,10 +18,12 @@ def test_bench_images_prints_cold_warm_baseline_and_concurrent(
                                      strict=False)
     assert images.asyncio.run(images.run(args, Console(width=200))) == 0
     out = capsys.readouterr().out
-    for row in ("cold: fetch + check + unpack", "warm: image sandbox", "baseline: plain bwrap",
-                "concurrent first use: 3 sandboxes"):
+    for row in ("cold: fetch + check + unpack", "concurrent first use: 3 sandboxes",
+                *(f"{side} sandbox {what}" for side in ("warm: image", "baseline: plain bwrap")
+                  for what in ("start (create + first command)", "destroy",
+                               "start + destroy"))):
         assert row in out, out
-    assert "warm image / plain p50:" in out
+    assert "warm image / plain start p50:" in out and "start + destroy:" in out
     assert images.server_mode() in " ".join(out.split())
     # One fetch served the concurrent first uses: one image in that cache, not three.
     assert "first use: 1 (one fetch" in " ".join(out.split())
