@@ -30,9 +30,24 @@ async def main(top: Path) -> dict[str, object]:
         r = await sb.exec("cat /etc/written")
         seen["after_stop"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
         image = sb.image.image  # type: ignore[attr-defined]
-        seen["upper_written"] = (sb.path / "upper" / "etc" / "written").read_text()  # type: ignore[attr-defined]
+        # The upper layer is a tmpfs (the sandbox's disk quota) in the holder's namespace:
+        # the host sees an empty mount point, the holder's root the layer.
+        holder, path = sb._holder, sb.path  # type: ignore[attr-defined]
+        seen["upper_on_host"] = os.listdir(path / "upper")
+        seen["upper_written"] = Path(f"/proc/{holder.pid}/root{path}/upper/data/etc/"
+                                     "written").read_text()
+        with open(f"/proc/{holder.pid}/mountinfo", encoding="utf-8") as f:
+            seen["upper_fs"] = [line.split(" - ")[1].split()[0] for line in f
+                                if line.split()[4] == str(path / "upper")]
         seen["cache_written"] = (image.rootfs / "etc" / "written").exists()
         seen["cache_passwd"] = (image.rootfs / "etc" / "passwd").exists()
+    # The quota: 4 MiB for writes into the image's root; 8 MiB do not fit.
+    small = SandboxConfig(state_dir=top / "state", disk_bytes=4 << 20,
+                          images=ImageSettings(cache_dir=str(top / "cache")))
+    async with await create_sandbox(small, image=f"oci:{top}/layout:root") as sb:
+        r = await sb.exec("head -c 8388608 /dev/zero > /big; echo $?; wc -c < /big; rm /big; "
+                          "head -c 1048576 /dev/zero > /small && echo fits")
+        seen["quota"] = [r.stdout.split(), r.stderr[-300:]]
     async with await create_sandbox(cfg, image=f"oci:{top}/layout:named") as sb:
         r = await sb.exec(["sh", "-c", "id -u; id -g; echo $HOME; echo x > $HOME/f && echo ok"])
         seen["named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]

@@ -64,8 +64,13 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["bash"][0] == "hi"  # the long-lived bash launch sees the other's write
         assert seen["second_launch"] == ["hi", "gone"]
         assert seen["after_stop"][:2] == [0, ["hi"]], seen["after_stop"]
-        # Into the upper layer, never the cache.
+        # Into the upper layer (a tmpfs in the holder's namespace), never the cache.
         assert seen["upper_written"] == "hi\n"
+        assert seen["upper_fs"] == ["tmpfs"] and seen["upper_on_host"] == [], seen
+        # Its size is the sandbox's disk quota: a write past it fails where the quota ends
+        # (overlayfs reports it as an I/O error), and fits once that file is gone.
+        said, _ = seen["quota"]
+        assert said[0] != "0" and int(said[1]) <= 4 << 20 and said[2:] == ["fits"], seen["quota"]
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
         # The image's User maps onto the server's user too.
         assert seen["named"][:2] == [0, ["1000", "1001", "/home/app", "ok"]], seen["named"]
@@ -549,3 +554,52 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
         assert crash["left"] == {"harbor": [], "sandboxes": [], "tmp_foreign": []}, crash
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
+        tmp_path: Path, busybox_layout: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A kernel whose tmpfs keeps no user.* attributes (before 6.6) cannot hold an upper layer
+    # of an overlay mounted in a user namespace; played by a stand-in holder, as above.
+    from rollout.runtime.sandbox import bwrap
+    from rollout.runtime.sandbox.images import lease_image
+
+    tries: list[tuple[str, int]] = []
+
+    def holder(rootfs: Path, path: Path, sid: str, ids: object = None, *,
+               layer_bytes: int = 0) -> str:
+        tries.append((sid, layer_bytes))
+        if layer_bytes:
+            raise bwrap._LayerRefused("mount: wrong fs type")
+        return f"holder of {sid}"
+
+    monkeypatch.setattr(bwrap, "_userns_overlay", holder)
+    monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
+    monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: True)
+    lease = lease_image(f"oci:{busybox_layout}:bb",
+                        ImageSettings(cache_dir=str(tmp_path / "cache")))
+    try:
+        for sid in ("a", "b"):
+            (tmp_path / sid / "root").mkdir(parents=True)
+            with caplog.at_level("INFO", logger=bwrap.__name__):
+                got = bwrap._rootless_root("auto", lease, tmp_path / sid, sid, None, 1 << 30)
+            assert got == f"holder of {sid}"
+            assert (tmp_path / sid / "work").is_dir()  # the disk layer's work directory
+        assert tries == [("a", 1 << 30), ("a", 0), ("b", 0)]
+        warnings = [r for r in caplog.records if "tmpfs upper layer was refused" in r.message]
+        assert len(warnings) == 1 and "without a quota" in warnings[0].message
+        # Where tmpfs keeps no user attributes, no tmpfs layer is even tried.
+        monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
+        monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: False)
+        (tmp_path / "c" / "root").mkdir(parents=True)
+        bwrap._rootless_root("auto", lease, tmp_path / "c", "c", None, 1 << 30)
+        assert tries[-1] == ("c", 0)
+    finally:
+        lease.release()
+
+
+def test_this_kernels_tmpfs_keeps_user_attributes_as_probed() -> None:
+    from rollout.runtime.sandbox import bwrap
+
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    assert bwrap._tmpfs_takes_user_xattrs() == (release >= (6, 6))
