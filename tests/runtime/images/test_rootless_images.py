@@ -470,14 +470,26 @@ def test_without_a_subordinate_range_the_server_says_so_once(
         subids.server_subids.cache_clear()
 
 
+@pytest.fixture
+def busybox_lease(tmp_path: Path, busybox_layout: Path) -> Iterator[Any]:
+    """A lease on the busybox image in a cache of the test's own."""
+    from rollout.runtime.sandbox.images import lease_image
+
+    lease = lease_image(f"oci:{busybox_layout}:bb",
+                        ImageSettings(cache_dir=str(tmp_path / "cache")))
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
 def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
-        tmp_path: Path, busybox_layout: Path, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, busybox_lease: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     # A kernel older than 5.11 (or an upper layer on a filesystem it rejects) refuses the
     # holder's mount; this kernel accepts it, so the refusal is played by a stand-in holder.
     # The first sandbox finds it and copies, says so once, and the next ones copy at once.
     from rollout.runtime.sandbox import bwrap
-    from rollout.runtime.sandbox.images import lease_image
 
     tries: list[str] = []
 
@@ -487,24 +499,19 @@ def test_a_refused_overlay_is_found_once_then_every_sandbox_copies(
 
     monkeypatch.setattr(bwrap, "_userns_overlay", refused)
     monkeypatch.setattr(bwrap, "_OVERLAY_REFUSED", {})
-    lease = lease_image(f"oci:{busybox_layout}:bb",
-                        ImageSettings(cache_dir=str(tmp_path / "cache")))
-    try:
-        for sid in ("a", "b"):
-            (tmp_path / sid / "root").mkdir(parents=True)
-            with caplog.at_level("INFO", logger=bwrap.__name__):
-                assert bwrap._rootless_root("auto", lease, tmp_path / sid, sid) is None
-            assert (tmp_path / sid / "root" / "bin" / "busybox").is_file()
-        assert tries == ["a"]
-        warnings = [r for r in caplog.records if "refused a rootless overlay" in r.message]
-        assert len(warnings) == 1 and "private copy" in warnings[0].message
-        # "overlay" never falls back: the refusal is the sandbox's error.
-        (tmp_path / "c" / "root").mkdir(parents=True)
-        with pytest.raises(bwrap._OverlayRefused):
-            bwrap._rootless_root("overlay", lease, tmp_path / "c", "c")
-        assert list((tmp_path / "c" / "root").iterdir()) == []
-    finally:
-        lease.release()
+    for sid in ("a", "b"):
+        (tmp_path / sid / "root").mkdir(parents=True)
+        with caplog.at_level("INFO", logger=bwrap.__name__):
+            assert bwrap._rootless_root("auto", busybox_lease, tmp_path / sid, sid) is None
+        assert (tmp_path / sid / "root" / "bin" / "busybox").is_file()
+    assert tries == ["a"]
+    warnings = [r for r in caplog.records if "refused a rootless overlay" in r.message]
+    assert len(warnings) == 1 and "private copy" in warnings[0].message
+    # "overlay" never falls back: the refusal is the sandbox's error.
+    (tmp_path / "c" / "root").mkdir(parents=True)
+    with pytest.raises(bwrap._OverlayRefused):
+        bwrap._rootless_root("overlay", busybox_lease, tmp_path / "c", "c")
+    assert list((tmp_path / "c" / "root").iterdir()) == []
 
 
 @pytest.mark.slow
@@ -557,12 +564,11 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
 
 
 def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
-        tmp_path: Path, busybox_layout: Path, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, busybox_lease: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     # A kernel whose tmpfs keeps no user.* attributes (before 6.6) cannot hold an upper layer
     # of an overlay mounted in a user namespace; played by a stand-in holder, as above.
     from rollout.runtime.sandbox import bwrap
-    from rollout.runtime.sandbox.images import lease_image
 
     tries: list[tuple[str, int]] = []
 
@@ -576,26 +582,21 @@ def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
     monkeypatch.setattr(bwrap, "_userns_overlay", holder)
     monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
     monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: True)
-    lease = lease_image(f"oci:{busybox_layout}:bb",
-                        ImageSettings(cache_dir=str(tmp_path / "cache")))
-    try:
-        for sid in ("a", "b"):
-            (tmp_path / sid / "root").mkdir(parents=True)
-            with caplog.at_level("INFO", logger=bwrap.__name__):
-                got = bwrap._rootless_root("auto", lease, tmp_path / sid, sid, None, 1 << 30)
-            assert got == f"holder of {sid}"
-            assert (tmp_path / sid / "work").is_dir()  # the disk layer's work directory
-        assert tries == [("a", 1 << 30), ("a", 0), ("b", 0)]
-        warnings = [r for r in caplog.records if "tmpfs upper layer was refused" in r.message]
-        assert len(warnings) == 1 and "without a quota" in warnings[0].message
-        # Where tmpfs keeps no user attributes, no tmpfs layer is even tried.
-        monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
-        monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: False)
-        (tmp_path / "c" / "root").mkdir(parents=True)
-        bwrap._rootless_root("auto", lease, tmp_path / "c", "c", None, 1 << 30)
-        assert tries[-1] == ("c", 0)
-    finally:
-        lease.release()
+    for sid in ("a", "b"):
+        (tmp_path / sid / "root").mkdir(parents=True)
+        with caplog.at_level("INFO", logger=bwrap.__name__):
+            got = bwrap._rootless_root("auto", busybox_lease, tmp_path / sid, sid, None, 1 << 30)
+        assert got == f"holder of {sid}"
+        assert (tmp_path / sid / "work").is_dir()  # the disk layer's work directory
+    assert tries == [("a", 1 << 30), ("a", 0), ("b", 0)]
+    warnings = [r for r in caplog.records if "tmpfs upper layer was refused" in r.message]
+    assert len(warnings) == 1 and "without a quota" in warnings[0].message
+    # Where tmpfs keeps no user attributes, no tmpfs layer is even tried.
+    monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
+    monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: False)
+    (tmp_path / "c" / "root").mkdir(parents=True)
+    bwrap._rootless_root("auto", busybox_lease, tmp_path / "c", "c", None, 1 << 30)
+    assert tries[-1] == ("c", 0)
 
 
 def test_this_kernels_tmpfs_keeps_user_attributes_as_probed() -> None:
