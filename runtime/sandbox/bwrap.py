@@ -1119,10 +1119,10 @@ def _proc_mount_type(point: str) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _tmpfs_takes_user_xattrs() -> bool:
     """Whether a tmpfs can be the upper layer of an overlay mounted in a user namespace: such
-    an overlay marks whiteouts and opaque directories with ``user.*`` extended attributes,
-    which tmpfs keeps from Linux 6.6 (before, the mount succeeds and a directory deleted and
-    made again would show the image's old contents). Probed on ``/dev/shm`` when it is a
-    tmpfs, else read from the kernel's version."""
+    an overlay marks opaque directories and redirects with ``user.*`` extended attributes of
+    its upper layer, which tmpfs keeps only from Linux 6.6 (before, the overlay could not mark
+    a directory of the image that a job deleted and made again). Probed on ``/dev/shm`` when
+    it is a tmpfs, else read from the kernel's version."""
     if _proc_mount_type("/dev/shm") == "tmpfs":
         probe = f"/dev/shm/.rollout-xattr-{os.getpid()}-{threading.get_ident()}"
         try:
