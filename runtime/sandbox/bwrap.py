@@ -36,8 +36,11 @@ the sandboxed command: an unprivileged uid, no capabilities, nothing it can rega
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import collections
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -52,7 +55,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rollout.runtime.sandbox import hardening, hostfs, images, procs, view
 from rollout.runtime.sandbox.base import (
@@ -523,9 +526,9 @@ class BwrapSandbox(Sandbox):
                         images.resolve_user(image.image.rootfs, image.image.config.user,
                                             image=image.image.ref))
                 sb_env = _image_env(sb_env, image.image.config, env, user)
-                # (a rootless server's upper layer may be a tmpfs on ``upper``: its work
-                # directory is then made there, and ``work`` only for one on the disk)
-                for sub in ("upper", "work", "root") if lease is not None else ("upper", "root"):
+                # (a rootless server's upper layer may be a tmpfs of its holder's:
+                # ``_rootless_root`` makes ``upper`` and ``work`` for one on the disk)
+                for sub in ("upper", "work", "root") if lease is not None else ("root",):
                     (path / sub).mkdir(mode=0o755)
                 if lease is not None:  # one overlay for all launches of the sandbox
                     owned = (() if user.is_root else
@@ -868,40 +871,208 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str, ids: subids.SubIds | Non
     every launch enters it (``nsenter``) before bwrap, so all launches share one mount and see
     each other's writes at once (separate mounts of one upper layer do not). bubblewrap 0.8
     (Debian 12) has no ``--overlay`` of its own. The holder waits on a pipe only the server
-    holds: it ends when the sandbox closes it or the server dies; it carries the sandbox's
-    launch tag, so teardown's sweep (and the reaper's) finds it too.
+    holds: it ends when the sandbox closes it or the server dies.
 
     With ``ids`` the namespace maps the server's subordinate ranges too (``newuidmap`` and
     ``newgidmap`` write its maps once the holder says it is in it: util-linux 2.38's
-    ``unshare --map-users`` cannot add them to the root mapping); ``mount=False``: no
-    overlay (the private copy of :func:`_rootless_root`), the namespace alone.
+    ``unshare --map-users`` cannot add them to the root mapping). Holders are made and mapped
+    ahead of need (:data:`_HOLDERS`): a sandbox's creation only asks one for its mounts.
+    ``mount=False``: no overlay (the private copy of :func:`_rootless_root`), a namespace of
+    its own made now, tagged with the sandbox's launch tag.
 
-    ``layer_bytes`` > 0: the upper layer (``upper/data``, its work directory ``upper/work``)
-    lives on a tmpfs of that size mounted on ``upper`` in the holder's namespace, as a root
-    server's sandbox directory is a tmpfs: the job's writes to its root get the disk quota a
-    rootless server cannot otherwise give, and the whole layer goes with the holder (removing
-    the upper layer's entries from the disk cost ~4 ms each at load 9; :func:`_ns_remove`).
-    The host sees only an empty ``upper``. Refused: exit :data:`LAYER_REFUSED`."""
-    upper, work = ((path / "upper" / "data", path / "upper" / "work") if layer_bytes > 0
+    ``layer_bytes`` > 0: the upper layer (``data``, its work directory ``work``) lives on a
+    tmpfs of that size that the holder mounted on :data:`LAYER_DIR` in its own namespace when
+    it was made, as a root server's sandbox directory is a tmpfs: the job's writes to its root
+    get the disk quota a rootless server cannot otherwise give, and the whole layer goes with
+    the holder (removing the upper layer's entries from the disk cost ~4 ms each at load 9).
+    The host sees only an empty folder. Refused: exit :data:`LAYER_REFUSED`."""
+    if not mount:
+        return _namespace_holder(path, sid, ids)
+    layer = path.parent.parent / LAYER_DIR if layer_bytes > 0 else None
+    upper, work = ((layer / "data", layer / "work") if layer is not None
                    else (path / "upper", path / "work"))
     dirs = [str(rootfs), str(upper), str(work), str(path / "root")]
-    if any("," in d or ":" in d for d in dirs):
-        raise SandboxError(f"a rootless image sandbox needs paths without ',' and ':' (the "
-                           f"overlay's option syntax): {dirs}", "INVALID_SANDBOX_OPTIONS")
-    script = ('mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
-              f'|| exit {LAYER_REFUSED if layer_bytes > 0 else MOUNT_REFUSED}; '
-              if mount else '') + 'echo ready; read -r _'
-    if mount and layer_bytes > 0:
-        script = ('mount -t tmpfs -o "size=$7,mode=0755" tmpfs "$8" && mkdir "$2" "$3" '
-                  f'|| exit {LAYER_REFUSED}; ') + script
-    if ids is not None:
-        script = "echo mapme; read -r _; " + script
-    layer = [str(int(layer_bytes)), str(path / "upper")] if mount and layer_bytes > 0 else []
+    if any("," in d or ":" in d or "\n" in d for d in dirs):
+        raise SandboxError(f"a rootless image sandbox needs paths without ',', ':' and line "
+                           f"breaks (the overlay's option syntax): {dirs}",
+                           "INVALID_SANDBOX_OPTIONS")
+    if layer is not None:
+        layer.mkdir(mode=0o700, exist_ok=True)
+    proc = _HOLDERS.take(_HolderKind(ids, str(layer) if layer else "", max(0, layer_bytes)))
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        proc.stdin.write("".join(f"{line}\n" for line in dirs).encode())
+        proc.stdin.flush()
+    except OSError:
+        pass  # it died: said below
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        _holder_failed(proc)
+    return proc
+
+
+def _holder_failed(proc: subprocess.Popen[bytes]) -> NoReturn:
+    """Stop a holder that did not say it was ready and raise what its exit status means."""
+    procs.stop_process(proc)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+    code = proc.returncode
+    _close_pipes(proc)
+    kind = {MOUNT_REFUSED: _OverlayRefused, LAYER_REFUSED: _LayerRefused}.get(
+        code, SandboxUnavailable) if code is not None else SandboxUnavailable
+    raise kind("a rootless server could not mount the image's overlay in a user namespace "
+               f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
+
+
+LAYER_DIR = "image-layer"
+"""The state directory's folder on which each rootless holder mounts its own tmpfs upper layer,
+in its own mount namespace (on the host it stays an empty folder). Not in ``sandboxes/``,
+whose entries the start-up sweep removes: removing a folder that is a mount point in other
+namespaces detaches those mounts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _HolderKind:
+    """What a holder is made for: its mapping, and its tmpfs upper layer (mount point and
+    size; ``""`` and 0: the upper layer on the disk, in the sandbox's folder)."""
+
+    ids: subids.SubIds | None
+    layer: str
+    layer_bytes: int
+
+
+_HOLDER_SCRIPT = (
+    'if [ "$2" != 0 ]; then mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$1" && '
+    f'mkdir "$1/data" "$1/work" || exit {LAYER_REFUSED}; fi; '
+    "echo mapped; "
+    "read -r lower && read -r upper && read -r work && read -r root || exit 0; "
+    'mount -t overlay overlay -o "lowerdir=$lower,upperdir=$upper,workdir=$work" "$root" '
+    f'|| {{ [ "$2" != 0 ] && exit {LAYER_REFUSED}; exit {MOUNT_REFUSED}; }}; '
+    "echo ready; read -r _")
+"""A holder: mapped, and with its tmpfs upper layer (``$1``, ``$2`` bytes; 0: none) mounted,
+it waits for its overlay's lower, upper, work and target directories on stdin, one per line;
+an end of input (its server gone before a sandbox took it) ends it."""
+HOLDER_NAME = "rollout-image-holder"
+"""``$0`` of every holder's shell, so ``ps`` says what it is."""
+
+
+def _spawn_holder(kind: _HolderKind) -> subprocess.Popen[bytes]:
+    """A holder in a new user and mount namespace, mapped, its tmpfs layer mounted, waiting
+    for its overlay's directories."""
+    ids = kind.ids
+    script = ("echo mapme; read -r _; " if ids is not None else "") + _HOLDER_SCRIPT
     proc = subprocess.Popen(
         ["unshare", "--user", *(["--map-root-user"] if ids is None else []), "--mount", "--",
-         "sh", "-c", script, "sh", *dirs, LAUNCH_VAR, f"{sid}.0", *layer],
+         "sh", "-c", script, HOLDER_NAME, kind.layer or "-", str(kind.layer_bytes)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    if ids is not None:
+        _map_ids(proc, ids)
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"mapped":
+        _holder_failed(proc)
+    return proc
+
+
+class _HolderPool:
+    """Holders made before a sandbox asks, mapped and with their tmpfs layer mounted
+    (``unshare``, ``newuidmap``, ``newgidmap``, ``mount``, ``mkdir``: most of a rootless
+    image sandbox's creation, ~17 ms at load 9); a creation only has the overlay mounted.
+
+    - **Each holder serves one sandbox**: :meth:`take` hands it out once; it ends with that
+      sandbox (its teardown stops it), never back in the pool.
+    - **Bounded**: at most :attr:`size` ready holders per kind (mapping, layer), made by one
+      background thread per kind after a take (a short delay first, so the refill does not
+      compete with the first command of the job that took one); none until the first take.
+    - **Nothing left behind**: a ready holder waits on a pipe only this process holds, so it
+      ends when the process ends, however it ends; :meth:`close` (at exit) ends them at once.
+      A process forked from this one never uses its parent's holders."""
+
+    size = 2
+    refill_delay_s = 0.05
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready: dict[_HolderKind, collections.deque[subprocess.Popen[bytes]]] = {}
+        self._filling: set[_HolderKind] = set()
+        self._pid = os.getpid()
+        self._closed = False
+
+    def take(self, kind: _HolderKind) -> subprocess.Popen[bytes]:
+        """A ready holder of this kind (or one made now), and a refill started."""
+        proc = None
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: its parent's holders are not its
+                self._ready, self._filling, self._pid = {}, set(), os.getpid()
+            ready = self._ready.setdefault(kind, collections.deque())
+            while ready and proc is None:
+                candidate = ready.popleft()
+                if candidate.poll() is None:
+                    proc = candidate
+                else:
+                    _close_pipes(candidate)
+            refill = not self._closed and kind not in self._filling
+            if refill:
+                self._filling.add(kind)
+        if refill:
+            threading.Thread(target=self._fill, args=(kind,), daemon=True,
+                             name="image-holder-pool").start()
+        return proc if proc is not None else _spawn_holder(kind)
+
+    def ready(self) -> list[int]:
+        """The pids of every ready holder (what :meth:`take` hands out next, by kind)."""
+        with self._lock:
+            return [p.pid for ready in self._ready.values() for p in ready]
+
+    def _fill(self, kind: _HolderKind) -> None:
+        time.sleep(self.refill_delay_s)
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or len(self._ready.get(kind, ())) >= self.size:
+                        return
+                try:
+                    proc = _spawn_holder(kind)
+                except Exception as e:  # a creation then makes its own, and says why
+                    log.warning("image sandboxes: could not make a holder ahead: %s", e)
+                    return
+                with self._lock:
+                    if not self._closed:
+                        self._ready.setdefault(kind, collections.deque()).append(proc)
+                        continue
+                procs.stop_process(proc)
+                _close_pipes(proc)
+                return
+        finally:
+            with self._lock:
+                self._filling.discard(kind)
+
+    def close(self) -> None:
+        """End every ready holder; no more are made."""
+        with self._lock:
+            self._closed = True
+            held = [p for ready in self._ready.values() for p in ready]
+            self._ready = {}
+        for proc in held:
+            procs.stop_process(proc)
+            _close_pipes(proc)
+
+
+_HOLDERS = _HolderPool()
+atexit.register(_HOLDERS.close)
+
+
+def _namespace_holder(path: Path, sid: str, ids: subids.SubIds | None) -> subprocess.Popen[bytes]:
+    """A user and mount namespace alone (a copied root's, or the crash sweep's), made now and
+    tagged with the sandbox's launch tag, so teardown's sweep and the reaper's find it."""
+    script = ("echo mapme; read -r _; " if ids is not None else "") + "echo ready; read -r _"
+    proc = subprocess.Popen(
+        ["unshare", "--user", *(["--map-root-user"] if ids is None else []), "--mount", "--",
+         "sh", "-c", script, "sh", str(path), LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
     if ids is not None:
         _map_ids(proc, ids)
@@ -910,12 +1081,9 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str, ids: subids.SubIds | Non
     if line.strip() != b"ready":
         procs.stop_process(proc)
         err = proc.stderr.read().decode(errors="replace").strip()[-500:]
-        code = proc.returncode
         _close_pipes(proc)
-        kind = {MOUNT_REFUSED: _OverlayRefused, LAYER_REFUSED: _LayerRefused}.get(
-            code, SandboxUnavailable) if code is not None else SandboxUnavailable
-        raise kind("a rootless server could not mount the image's overlay in a user namespace "
-                   f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
+        raise SandboxUnavailable("a rootless server could not make a user namespace for an "
+                                 f"image sandbox: {err or 'no answer'}")
     return proc
 
 
@@ -1171,7 +1339,8 @@ def _rootless_root(mode: str, image: ImageLease, path: Path, sid: str,
                         log.warning("image sandboxes: a tmpfs upper layer was refused (%s); "
                                     "their upper layers stay on the disk, without a quota",
                                     e)
-            (path / "work").mkdir(mode=0o755, exist_ok=True)
+            for sub in ("upper", "work"):
+                (path / sub).mkdir(mode=0o755, exist_ok=True)
             return _userns_overlay(rootfs, path, sid, ids)
         except _OverlayRefused as e:
             if mode == "overlay":

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from rollout.runtime.sandbox import SandboxConfig, create_sandbox
+from rollout.runtime.sandbox import SandboxConfig, bwrap, create_sandbox
 from rollout.runtime.sandbox.base import ImageSettings
 
 
@@ -31,16 +31,31 @@ async def main(top: Path) -> dict[str, object]:
         seen["after_stop"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
         image = sb.image.image  # type: ignore[attr-defined]
         # The upper layer is a tmpfs (the sandbox's disk quota) in the holder's namespace:
-        # the host sees an empty mount point, the holder's root the layer.
-        holder, path = sb._holder, sb.path  # type: ignore[attr-defined]
-        seen["upper_on_host"] = os.listdir(path / "upper")
-        seen["upper_written"] = Path(f"/proc/{holder.pid}/root{path}/upper/data/etc/"
+        # the host sees an empty folder, the holder's root the layer.
+        holder, layer = sb._holder, top / "state" / bwrap.LAYER_DIR  # type: ignore[attr-defined]
+        seen["upper_on_host"] = os.listdir(layer)
+        seen["upper_written"] = Path(f"/proc/{holder.pid}/root{layer}/data/etc/"
                                      "written").read_text()
         with open(f"/proc/{holder.pid}/mountinfo", encoding="utf-8") as f:
             seen["upper_fs"] = [line.split(" - ")[1].split()[0] for line in f
-                                if line.split()[4] == str(path / "upper")]
+                                if line.split()[4] == str(layer)]
         seen["cache_written"] = (image.rootfs / "etc" / "written").exists()
         seen["cache_passwd"] = (image.rootfs / "etc" / "passwd").exists()
+    # Holders are made ahead: the next sandbox takes one of those, and a holder serves one
+    # sandbox only (it ends with it and never comes back).
+    for _ in range(600):
+        pooled = bwrap._HOLDERS.ready()
+        if len(pooled) == bwrap._HolderPool.size:
+            break
+        await asyncio.sleep(0.1)
+    taken = []
+    for _ in range(3):
+        async with await create_sandbox(cfg, image=f"oci:{top}/layout:root") as sb:
+            taken.append(sb._holder.pid)  # type: ignore[attr-defined]
+            r = await sb.exec("cat /etc/passwd >/dev/null && echo fine")
+            assert r.stdout.strip() == "fine", r
+        assert not os.path.exists(f"/proc/{taken[-1]}") or _zombie(taken[-1]), taken
+    seen["pool"] = {"ready_before": pooled, "taken": taken}
     # The quota: 4 MiB for writes into the image's root; 8 MiB do not fit.
     small = SandboxConfig(state_dir=top / "state", disk_bytes=4 << 20,
                           images=ImageSettings(cache_dir=str(top / "cache")))
@@ -77,7 +92,19 @@ async def main(top: Path) -> dict[str, object]:
         r = await sb.exec(["sh", "-c", "id -u; echo $HOME; echo x > $HOME/f && echo ok"])
         seen["copy_named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
     seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
+    ready = bwrap._HOLDERS.ready()
+    bwrap._HOLDERS.close()
+    seen["pool_closed"] = [pid for pid in ready
+                           if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
     return seen
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

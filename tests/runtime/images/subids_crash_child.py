@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rollout.runtime.sandbox import SandboxConfig, create_sandbox, reap_stale
+from rollout.runtime.sandbox import SandboxConfig, bwrap, create_sandbox, reap_stale
 from rollout.runtime.sandbox.base import ImageSettings
 
 
@@ -22,7 +22,15 @@ async def crash(top: Path) -> None:
     sb = await create_sandbox(cfg, image=f"oci:{top}/layout:owned")
     r = await sb.exec("mkdir -p /workspace/d /app/d && echo x > /workspace/d/f && "
                       "echo y > /app/d/f && chmod 500 /workspace/d && echo ok")
-    print(json.dumps({"sid": sb.id, "written": r.stdout.strip()}), flush=True)
+    # The holders made ahead for the next sandboxes, and this sandbox's own: none may
+    # outlive this process.
+    for _ in range(600):
+        pooled = bwrap._HOLDERS.ready()
+        if len(pooled) == bwrap._HolderPool.size:
+            break
+        await asyncio.sleep(0.1)
+    print(json.dumps({"sid": sb.id, "written": r.stdout.strip(),
+                      "holders": [*pooled, sb._holder.pid]}), flush=True)  # type: ignore[attr-defined]
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -82,6 +83,13 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["copy_cache_written"] is False and seen["copy_cache_passwd"] is True
         assert seen["copy_named"][:2] == [0, ["1000", "/home/app", "ok"]], seen["copy_named"]
         assert seen["sandboxes_left"] == []
+        # The holders made ahead: each later sandbox took one that was ready before it asked
+        # (the first two from the full pool), each a different one, none handed out twice.
+        pool = seen["pool"]
+        assert len(pool["ready_before"]) == 2, pool
+        assert pool["taken"][:2] == pool["ready_before"], pool
+        assert len(set(pool["taken"])) == 3, pool
+        assert seen["pool_closed"] == [], "close ends the ready holders"
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
@@ -348,6 +356,18 @@ def test_the_sweep_removes_a_crashed_rootless_servers_sandbox_of_subordinate_fil
     try:
         crashed = _run_as(uid, gid, CRASH_CHILD, top, args=("crash",), returncode=-9)
         assert crashed["written"] == "ok", crashed
+        # Its holders (the sandbox's, and the two made ahead) end with it: each waits on a
+        # pipe only the server held.
+        holders = crashed["holders"]
+        assert len(holders) == 3, crashed
+
+        def ended() -> bool:
+            return not any(os.path.exists(f"/proc/{pid}") for pid in holders)
+        deadline = time.monotonic() + patience(30)
+        while not ended() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ended(), [open(f"/proc/{p}/cmdline", "rb").read() for p in holders
+                         if os.path.exists(f"/proc/{p}")]
         left = top / "state" / "sandboxes" / str(crashed["sid"])
         foreign = {os.lstat(os.path.join(d, n)).st_uid for d, dirs, files in os.walk(left)
                    for n in dirs + files} - {uid}
