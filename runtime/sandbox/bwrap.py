@@ -984,30 +984,39 @@ class _HolderPool:
 
     - **Each holder serves one sandbox**: :meth:`take` hands it out once; it ends with that
       sandbox (its teardown stops it), never back in the pool.
-    - **Bounded**: at most :attr:`size` ready holders per kind (mapping, layer), made by one
-      background thread per kind after a take (a short delay first, so the refill does not
-      compete with the first command of the job that took one); none until the first take.
+    - **Bounded**: at most :attr:`size` ready holders per kind (mapping, layer) and
+      :attr:`kinds` kinds (the least recently taken one's holders end for a new one), made by
+      one background thread per kind after a take (a short delay first, so the refill does
+      not compete with the first command of the job that took one); none until the first
+      take.
     - **Nothing left behind**: a ready holder waits on a pipe only this process holds, so it
       ends when the process ends, however it ends; :meth:`close` (at exit) ends them at once.
       A process forked from this one never uses its parent's holders."""
 
     size = 2
+    kinds = 4
     refill_delay_s = 0.05
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ready: dict[_HolderKind, collections.deque[subprocess.Popen[bytes]]] = {}
         self._filling: set[_HolderKind] = set()
-        self._pid = os.getpid()
         self._closed = False
+
+    def after_fork(self) -> None:
+        """In a forked child: its parent's holders (and a lock a parent thread may have held
+        at the fork) are not its own."""
+        self._lock = threading.Lock()
+        self._ready, self._filling = {}, set()
 
     def take(self, kind: _HolderKind) -> subprocess.Popen[bytes]:
         """A ready holder of this kind (or one made now), and a refill started."""
         proc = None
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: its parent's holders are not its
-                self._ready, self._filling, self._pid = {}, set(), os.getpid()
-            ready = self._ready.setdefault(kind, collections.deque())
+            ready = self._ready.pop(kind, None) or collections.deque()
+            self._ready[kind] = ready  # the most recently taken kind last
+            stale = list(self._ready)[:-self.kinds]
+            ended = [p for k in stale for p in self._ready.pop(k)]
             while ready and proc is None:
                 candidate = ready.popleft()
                 if candidate.poll() is None:
@@ -1017,6 +1026,9 @@ class _HolderPool:
             refill = not self._closed and kind not in self._filling
             if refill:
                 self._filling.add(kind)
+        for other in ended:
+            procs.stop_process(other)
+            _close_pipes(other)
         if refill:
             threading.Thread(target=self._fill, args=(kind,), daemon=True,
                              name="image-holder-pool").start()
@@ -1032,7 +1044,8 @@ class _HolderPool:
         try:
             while True:
                 with self._lock:
-                    if self._closed or len(self._ready.get(kind, ())) >= self.size:
+                    if (self._closed or kind not in self._ready
+                            or len(self._ready[kind]) >= self.size):
                         return
                 try:
                     proc = _spawn_holder(kind)
@@ -1040,8 +1053,8 @@ class _HolderPool:
                     log.warning("image sandboxes: could not make a holder ahead: %s", e)
                     return
                 with self._lock:
-                    if not self._closed:
-                        self._ready.setdefault(kind, collections.deque()).append(proc)
+                    if not self._closed and kind in self._ready:  # (not evicted meanwhile)
+                        self._ready[kind].append(proc)
                         continue
                 procs.stop_process(proc)
                 _close_pipes(proc)
@@ -1063,6 +1076,7 @@ class _HolderPool:
 
 _HOLDERS = _HolderPool()
 atexit.register(_HOLDERS.close)
+os.register_at_fork(after_in_child=_HOLDERS.after_fork)
 
 
 def _namespace_holder(path: Path, sid: str, ids: subids.SubIds | None) -> subprocess.Popen[bytes]:

@@ -624,3 +624,51 @@ def test_this_kernels_tmpfs_keeps_user_attributes_as_probed() -> None:
 
     release = tuple(int(x) for x in os.uname().release.split(".")[:2])
     assert bwrap._tmpfs_takes_user_xattrs() == (release >= (6, 6))
+
+
+def test_the_holder_pool_is_bounded_per_kind_and_in_kinds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Holders stood in for by processes that wait on their stdin as a holder does.
+    from rollout.runtime.sandbox import bwrap
+
+    made: list[subprocess.Popen[bytes]] = []
+
+    def spawn(kind: object) -> subprocess.Popen[bytes]:
+        made.append(subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE))
+        return made[-1]
+
+    monkeypatch.setattr(bwrap, "_spawn_holder", spawn)
+    pool = bwrap._HolderPool()
+    pool.kinds, pool.refill_delay_s = 2, 0.0
+    kinds = [bwrap._HolderKind(None, f"/layer-{n}", 1 << 20) for n in range(3)]
+
+    def settled(count: int) -> list[int]:
+        deadline = time.monotonic() + patience(30)
+        while len(pool.ready()) != count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return pool.ready()
+
+    try:
+        first = pool.take(kinds[0])  # none ready: made now; two made ahead
+        before = settled(2)
+        assert len(before) == 2 and first.pid not in before
+        again = pool.take(kinds[0])
+        assert again.pid == before[0]  # the oldest ready one
+        assert len(settled(2)) == 2  # refilled to the bound, not past it
+        second = pool.take(kinds[1])
+        assert len(settled(4)) == 4  # two kinds, two each
+        a_ready = [p for p in made if p.pid in pool.ready()][:2]
+        third = pool.take(kinds[2])  # a third kind: the least recently taken kind's end
+        settled(4)
+        assert all(p.poll() is not None for p in a_ready), "kind 0's ready holders ended"
+        taken = {first.pid, again.pid, second.pid, third.pid}
+        assert not taken & set(pool.ready()), "a taken holder never comes back"
+        pool.close()
+        assert pool.ready() == [] and all(p.poll() is not None for p in made
+                                          if p.pid not in taken)
+    finally:
+        pool.close()
+        for p in made:
+            p.kill()
+            p.wait()
