@@ -898,7 +898,8 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str, ids: subids.SubIds | Non
                            "INVALID_SANDBOX_OPTIONS")
     if layer is not None:
         layer.mkdir(mode=0o700, exist_ok=True)
-    proc = _HOLDERS.take(_HolderKind(ids, str(layer) if layer else "", max(0, layer_bytes)))
+    proc = _HOLDERS.take(_HolderKind(ids, str(layer), layer_bytes) if layer is not None
+                         else _HolderKind(ids, "", 0))
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     try:
         proc.stdin.write("".join(f"{line}\n" for line in dirs).encode())
@@ -912,8 +913,13 @@ def _userns_overlay(rootfs: Path, path: Path, sid: str, ids: subids.SubIds | Non
     return proc
 
 
-def _holder_failed(proc: subprocess.Popen[bytes]) -> NoReturn:
-    """Stop a holder that did not say it was ready and raise what its exit status means."""
+OVERLAY_FAILED = ("mount the image's overlay in a user namespace (needs Linux 5.11+ with "
+                  "unprivileged user namespaces)")
+
+
+def _holder_failed(proc: subprocess.Popen[bytes], what: str = OVERLAY_FAILED) -> NoReturn:
+    """Stop a holder that did not say it was ready and raise what its exit status means (a
+    refused mount, or else that it could not ``what``)."""
     procs.stop_process(proc)
     assert proc.stderr is not None
     err = proc.stderr.read().decode(errors="replace").strip()[-500:]
@@ -921,8 +927,7 @@ def _holder_failed(proc: subprocess.Popen[bytes]) -> NoReturn:
     _close_pipes(proc)
     kind = {MOUNT_REFUSED: _OverlayRefused, LAYER_REFUSED: _LayerRefused}.get(
         code, SandboxUnavailable) if code is not None else SandboxUnavailable
-    raise kind("a rootless server could not mount the image's overlay in a user namespace "
-               f"(needs Linux 5.11+ with unprivileged user namespaces): {err or 'no answer'}")
+    raise kind(f"a rootless server could not {what}: {err or 'no answer'}")
 
 
 LAYER_DIR = "image-layer"
@@ -960,11 +965,18 @@ HOLDER_NAME = "rollout-image-holder"
 def _spawn_holder(kind: _HolderKind) -> subprocess.Popen[bytes]:
     """A holder in a new user and mount namespace, mapped, its tmpfs layer mounted, waiting
     for its overlay's directories."""
-    ids = kind.ids
-    script = ("echo mapme; read -r _; " if ids is not None else "") + _HOLDER_SCRIPT
+    return _start_holder(kind.ids, _HOLDER_SCRIPT, b"mapped",
+                         (HOLDER_NAME, kind.layer or "-", str(kind.layer_bytes)))
+
+
+def _start_holder(ids: subids.SubIds | None, script: str, says: bytes, args: Sequence[str],
+                  what: str = OVERLAY_FAILED) -> subprocess.Popen[bytes]:
+    """``script`` (``args`` its ``$0``, ``$1``...) in a new user and mount namespace, mapped
+    to ``ids`` (or to the server's user alone), once it has said ``says`` (else: could not
+    ``what``)."""
     proc = subprocess.Popen(
         ["unshare", "--user", *(["--map-root-user"] if ids is None else []), "--mount", "--",
-         "sh", "-c", script, HOLDER_NAME, kind.layer or "-", str(kind.layer_bytes)],
+         "sh", "-c", ("echo mapme; read -r _; " if ids is not None else "") + script, *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
@@ -972,8 +984,8 @@ def _spawn_holder(kind: _HolderKind) -> subprocess.Popen[bytes]:
         _map_ids(proc, ids)
     ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
     line = proc.stdout.readline() if ready else b""
-    if line.strip() != b"mapped":
-        _holder_failed(proc)
+    if line.strip() != says:
+        _holder_failed(proc, what)
     return proc
 
 
@@ -1082,23 +1094,9 @@ os.register_at_fork(after_in_child=_HOLDERS.after_fork)
 def _namespace_holder(path: Path, sid: str, ids: subids.SubIds | None) -> subprocess.Popen[bytes]:
     """A user and mount namespace alone (a copied root's, or the crash sweep's), made now and
     tagged with the sandbox's launch tag, so teardown's sweep and the reaper's find it."""
-    script = ("echo mapme; read -r _; " if ids is not None else "") + "echo ready; read -r _"
-    proc = subprocess.Popen(
-        ["unshare", "--user", *(["--map-root-user"] if ids is None else []), "--mount", "--",
-         "sh", "-c", script, "sh", str(path), LAUNCH_VAR, f"{sid}.0"], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    if ids is not None:
-        _map_ids(proc, ids)
-    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_READY_S)
-    line = proc.stdout.readline() if ready else b""
-    if line.strip() != b"ready":
-        procs.stop_process(proc)
-        err = proc.stderr.read().decode(errors="replace").strip()[-500:]
-        _close_pipes(proc)
-        raise SandboxUnavailable("a rootless server could not make a user namespace for an "
-                                 f"image sandbox: {err or 'no answer'}")
-    return proc
+    return _start_holder(ids, "echo ready; read -r _", b"ready",
+                         ("sh", str(path), LAUNCH_VAR, f"{sid}.0"),
+                         "make a user namespace for an image sandbox")
 
 
 def _map_ids(proc: subprocess.Popen[bytes], ids: subids.SubIds) -> None:
@@ -1226,19 +1224,17 @@ MAPPED_PARTS = ("root", "upper", "work", "workspace", "tmp", "ctl")
 def _ns_remove(holder: subprocess.Popen[bytes], path: Path) -> bool:
     """Remove the :data:`MAPPED_PARTS` of the sandbox at ``path`` inside the holder's
     namespaces with one ``rm`` (no interpreter to start: this was most of a rootless
-    teardown); whether they are gone. A part that is a mount point in the holder's mount
-    namespace (its ``mountinfo`` says: the overlay on ``root``, a tmpfs upper layer on
-    ``upper``) is left to the host's removal once the holder has ended and the mount with it:
-    ``rm`` would walk the whole merged image, or empty a tmpfs that goes anyway."""
-    def escaped(p: str) -> str:
-        return (p.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
-                .replace("\n", "\\012"))
-
+    teardown); whether they are gone. Where the holder's mount namespace has the overlay on
+    ``root`` (its ``mountinfo`` says), ``root`` is left to the host's removal once the holder
+    has ended and the mount with it: ``rm`` would walk the whole merged image."""
+    root = str(path / "root")
+    escaped = (root.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+               .replace("\n", "\\012"))
     try:
         with open(f"/proc/{holder.pid}/mountinfo", encoding="utf-8",
                   errors="surrogateescape") as f:
-            points = {fields[4] for fields in (line.split() for line in f) if len(fields) > 4}
-        parts = [sub for sub in MAPPED_PARTS if escaped(str(path / sub)) not in points]
+            mounted = any(line.split()[4:5] == [escaped] for line in f)
+        parts = [sub for sub in MAPPED_PARTS if not (mounted and sub == "root")]
         subprocess.run(
             ["nsenter", "-t", str(holder.pid), "--user", "--mount", "--preserve-credentials",
              "--", "rm", "-rf", "--", *(str(path / sub) for sub in parts)],

@@ -392,9 +392,10 @@ def stop_process(proc: Any, *, grace_s: float = 0.0, kill_wait_s: float = 5.0,
 
 def wait_exit(proc: Any, timeout: float) -> int:
     """``proc.wait(timeout)``, woken by the kernel as the process ends (a pidfd) instead of
-    by ``Popen.wait``'s polling, whose sleeps double up to 50 ms: a rootless image sandbox's
-    holder, which takes some 20 ms to end (its namespaces go with it), was reaped after about
-    60 ms at every teardown. Raises ``subprocess.TimeoutExpired`` as ``wait`` does."""
+    by ``Popen.wait``'s polling, whose sleeps double up to 50 ms: a process that took 20 ms to
+    end was reaped after ~31 ms (every sandbox teardown stops some: a rootless image
+    sandbox's holder, a parked launch, a tool). Raises ``subprocess.TimeoutExpired`` as
+    ``wait`` does."""
     if isinstance(proc, subprocess.Popen) and proc.returncode is None:
         try:
             fd = os.pidfd_open(proc.pid)
