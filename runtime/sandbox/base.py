@@ -217,7 +217,9 @@ class SandboxConfig:
     memory_bytes: int = 0
     """Both runtimes: memory cap of all sandboxes together (one memory cgroup; tmpfs pages
     their processes write count too). 0 = half of the machine's physical memory; -1 = no cap
-    (under Apptainer also no ``--memory``/``--pids-limit`` per instance)."""
+    (under Apptainer also no ``--memory``/``--pids-limit`` per instance). Without a writable
+    memory controller (a rootless server, usually) it still bounds the sum of the live image
+    sandboxes' tmpfs upper layers' sizes (``bwrap._LayerBudget``)."""
     seccomp: bool = True
     """bwrap: load the seccomp filter of ``runtime.sandbox.hardening`` (needs pyseccomp)."""
 

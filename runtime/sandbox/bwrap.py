@@ -494,6 +494,7 @@ class BwrapSandbox(Sandbox):
         lock_fd = -1
         holder: subprocess.Popen[bytes] | None = None
         ids: subids.SubIds | None = None
+        layer_group: str | None = None
         try:
             if config.disk_bytes > 0 and _quota_possible():
                 hardening.mount_quota(path, config.disk_bytes)
@@ -541,8 +542,9 @@ class BwrapSandbox(Sandbox):
                         _give_owned(path / "root", owned, lease.uid)
                 else:
                     ids = _mapping_for(user, image)
+                    layer_cap, layer_group = _layer_cap(config)
                     holder = _rootless_root(config.images.rootless_root, image, path, sid, ids,
-                                            max(0, config.disk_bytes))
+                                            max(0, config.disk_bytes), layer_cap)
                     if ids is not None:
                         _map_owners(holder, image, path, user, ids)
             sb_env.update(env)
@@ -555,6 +557,7 @@ class BwrapSandbox(Sandbox):
                 if ids is not None and holder.poll() is None:
                     removed = _ns_remove(holder, path)
                 procs.stop_process(holder)
+                _LAYERS.release(holder.pid)
                 _close_pipes(holder)
             if ids is not None and not removed:
                 remove_mapped(path, ids)
@@ -564,6 +567,9 @@ class BwrapSandbox(Sandbox):
                 os.close(lock_fd)
             hostfs.rmtree(path)
             raise
+        finally:
+            if layer_group is not None:  # the sandbox holds its own reference once made
+                hardening.release_memory_cgroup(layer_group)
         return sb
 
     # -- processes ---------------------------------------------------------------------------
@@ -840,6 +846,7 @@ class BwrapSandbox(Sandbox):
         holder, self._holder = self._holder, None
         if holder is not None:  # after every launch that entered its namespaces (killed above)
             procs.stop_process(holder)
+            _LAYERS.release(holder.pid)
             _close_pipes(holder)
         try:
             if ids is not None and not removed:  # the image's users' files: only inside
@@ -1284,6 +1291,90 @@ _LAYER_REFUSED: list[str] = []
 upper layer on the disk at once."""
 
 
+class _LayerBudget:
+    """The sizes of the tmpfs upper layers that this process's live rootless image sandboxes
+    hold, kept under a cap where no memory cgroup bounds them (:func:`_layer_cap`).
+
+    A size is reserved before its tmpfs is asked for and released when its holder ends: a job
+    may fill its whole layer, so what is bounded is what jobs could hold, not what they hold
+    now (an empty tmpfs costs nothing: the holders made ahead are not counted). A sandbox that
+    would pass the cap keeps its upper layer on the disk, as every rootless sandbox did before
+    tmpfs layers (no quota there), with one warning until the sum is back under the cap."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}
+        """holder pid -> the bytes of its layer."""
+        self._pending = 0
+        """Reserved for holders being asked for now."""
+        self._over = False
+
+    def reserve(self, size: int, cap: int) -> bool:
+        """Reserve ``size`` bytes if the layers' sum stays within ``cap``; False (and one
+        warning until a reservation succeeds again) if it would not."""
+        with self._lock:
+            held = sum(self._held.values()) + self._pending
+            live = len(self._held)
+            ok = held + size <= cap
+            warn = not ok and not self._over
+            self._over = not ok
+            if ok:
+                self._pending += size
+        if warn:
+            log.warning("image sandboxes: their tmpfs upper layers would hold more than %.1f "
+                        "GiB of memory (%d live, %.1f GiB; no memory cgroup caps them, so "
+                        "sandbox.memory_bytes, or half the machine's memory, bounds their "
+                        "sizes' sum): this one and the next keep their upper layer on the "
+                        "disk, without a quota, until some end", cap / 2**30, live,
+                        held / 2**30)
+        return ok
+
+    def unreserve(self, size: int) -> None:
+        with self._lock:
+            self._pending -= size
+
+    def hold(self, pid: int, size: int) -> None:
+        """The holder ``pid`` has a layer of ``size`` bytes (until :meth:`release`)."""
+        with self._lock:
+            self._held[pid] = size
+
+    def release(self, pid: int) -> None:
+        """The holder ``pid`` ended (any holder: one without a counted layer is no-op)."""
+        with self._lock:
+            self._held.pop(pid, None)
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(self._held.values()) + self._pending
+
+    def after_fork(self) -> None:
+        """In a forked child: none of its parent's sandboxes are its own."""
+        self._lock = threading.Lock()
+        self._held, self._pending, self._over = {}, 0, False
+
+
+_LAYERS = _LayerBudget()
+os.register_at_fork(after_in_child=_LAYERS.after_fork)
+
+
+def _layer_cap(config: SandboxConfig) -> tuple[int, str | None]:
+    """(what the tmpfs upper layers of a rootless server's live image sandboxes may add up to,
+    0 for no bound of ours; the state dir whose memory cgroup reference the caller releases
+    once the sandbox holds its own, or None).
+
+    A tmpfs's pages are charged to the memory cgroup of the process that writes them, so
+    where the sandboxes' shared memory cgroup exists, the layers count against its cap
+    already. A rootless server often has no writable memory controller, and then nothing
+    else would keep N sandboxes from holding N x ``disk_bytes`` of memory: the bound is then
+    the cap that cgroup would have had. ``memory_bytes = -1`` (no cap asked for): none."""
+    if config.memory_bytes < 0:
+        return 0, None
+    cap = config.memory_bytes or hardening.physical_memory_bytes() // 2
+    state = os.path.abspath(config.state_dir)
+    capped = hardening.acquire_memory_cgroup(state, cap) is not None
+    return (0 if capped else cap), state
+
+
 def _proc_mount_type(point: str) -> str | None:
     try:
         with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
@@ -1325,22 +1416,27 @@ def _tmpfs_takes_user_xattrs() -> bool:
 
 
 def _rootless_root(mode: str, image: ImageLease, path: Path, sid: str,
-                   ids: subids.SubIds | None = None,
-                   layer_bytes: int = 0) -> subprocess.Popen[bytes] | None:
+                   ids: subids.SubIds | None = None, layer_bytes: int = 0,
+                   layer_cap: int = 0) -> subprocess.Popen[bytes] | None:
     """Make a rootless image sandbox's writable root at ``path/root``: the overlay's holder
     (returned), or, where the kernel refuses a rootless overlay (before Linux 5.11, or an
     upper layer on a filesystem it rejects) or ``mode`` is ``copy``, a private copy of the
     cached root (None: no holder). ``auto`` tries the overlay until it is refused once on
     these filesystems, then copies; ``overlay`` never copies. ``layer_bytes`` > 0 (the
     sandbox's disk quota): the overlay's upper layer on a tmpfs of that size where the kernel
-    allows it (:func:`_userns_overlay`), else on the disk."""
+    allows it (:func:`_userns_overlay`) and, with ``layer_cap`` > 0, the live layers' sizes
+    stay within it (:class:`_LayerBudget`), else on the disk."""
     rootfs = image.image.rootfs
     key = (os.stat(rootfs).st_dev, os.stat(path).st_dev)
     if mode != "copy" and not (mode == "auto" and key in _OVERLAY_REFUSED):
         try:
-            if layer_bytes > 0 and not _LAYER_REFUSED and _tmpfs_takes_user_xattrs():
+            if (layer_bytes > 0 and not _LAYER_REFUSED and _tmpfs_takes_user_xattrs()
+                    and (layer_cap <= 0 or _LAYERS.reserve(layer_bytes, layer_cap))):
                 try:
-                    return _userns_overlay(rootfs, path, sid, ids, layer_bytes=layer_bytes)
+                    holder = _userns_overlay(rootfs, path, sid, ids, layer_bytes=layer_bytes)
+                    if layer_cap > 0:
+                        _LAYERS.hold(holder.pid, layer_bytes)
+                    return holder
                 except _LayerRefused as e:
                     with _OVERLAY_LOCK:
                         first = not _LAYER_REFUSED
@@ -1349,6 +1445,9 @@ def _rootless_root(mode: str, image: ImageLease, path: Path, sid: str,
                         log.warning("image sandboxes: a tmpfs upper layer was refused (%s); "
                                     "their upper layers stay on the disk, without a quota",
                                     e)
+                finally:
+                    if layer_cap > 0:  # held now, or never
+                        _LAYERS.unreserve(layer_bytes)
             for sub in ("upper", "work"):
                 (path / sub).mkdir(mode=0o755, exist_ok=True)
             return _userns_overlay(rootfs, path, sid, ids)

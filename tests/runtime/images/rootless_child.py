@@ -63,6 +63,19 @@ async def main(top: Path) -> dict[str, object]:
         r = await sb.exec("head -c 8388608 /dev/zero > /big; echo $?; wc -c < /big; rm /big; "
                           "head -c 1048576 /dev/zero > /small && echo fits")
         seen["quota"] = [r.stdout.split(), r.stderr[-300:]]
+    # No memory cgroup caps an unprivileged user's sandboxes: the live tmpfs layers' sizes
+    # stay within memory_bytes (6 MiB: one 4 MiB layer); the next sandbox keeps its upper
+    # layer on the disk, and once the first ends a new one gets a tmpfs again.
+    tight = SandboxConfig(state_dir=top / "state", disk_bytes=4 << 20, memory_bytes=6 << 20,
+                          images=ImageSettings(cache_dir=str(top / "cache")))
+    async with (await create_sandbox(tight, image=f"oci:{top}/layout:root") as a,
+                await create_sandbox(tight, image=f"oci:{top}/layout:root") as b):
+        layers = [_upper_fs(sb, top) for sb in (a, b)]
+        r = await b.exec("echo disk > /etc/b && cat /etc/b")
+        seen["budget"] = [layers, r.stdout.split(),
+                          (b.path / "upper" / "etc" / "b").exists()]  # type: ignore[attr-defined]
+    async with await create_sandbox(tight, image=f"oci:{top}/layout:root") as sb:
+        seen["budget_after"] = _upper_fs(sb, top)
     async with await create_sandbox(cfg, image=f"oci:{top}/layout:named") as sb:
         r = await sb.exec(["sh", "-c", "id -u; id -g; echo $HOME; echo x > $HOME/f && echo ok"])
         seen["named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
@@ -97,6 +110,18 @@ async def main(top: Path) -> dict[str, object]:
     seen["pool_closed"] = [pid for pid in ready
                            if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
     return seen
+
+
+def _upper_fs(sb: object, top: Path) -> str:
+    """Where a sandbox's upper layer is: ``tmpfs`` (mounted in its holder's namespace) or
+    ``disk`` (the sandbox's own folder)."""
+    layer = top / "state" / bwrap.LAYER_DIR
+    with open(f"/proc/{sb._holder.pid}/mountinfo", encoding="utf-8") as f:  # type: ignore[attr-defined]
+        types = [line.split(" - ")[1].split()[0] for line in f
+                 if line.split()[4] == str(layer)]
+    if types == ["tmpfs"]:
+        return "tmpfs"
+    return "disk" if not types and (sb.path / "upper").is_dir() else f"? {types}"  # type: ignore[attr-defined]
 
 
 def _zombie(pid: int) -> bool:

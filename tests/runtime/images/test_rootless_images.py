@@ -17,6 +17,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -73,6 +74,11 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         said, _ = seen["quota"]
         assert said[0] != "0" and int(said[1]) <= 4 << 20 and said[2:] == ["fits"], seen["quota"]
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
+        # No memory cgroup caps this user's sandboxes: two live layers of 4 MiB would pass
+        # the 6 MiB memory cap, so the second sandbox's upper layer is on the disk (and
+        # works); after the first ends, a tmpfs again.
+        assert seen["budget"] == [["tmpfs", "disk"], ["disk"], True], seen["budget"]
+        assert seen["budget_after"] == "tmpfs", seen["budget_after"]
         # The image's User maps onto the server's user too.
         assert seen["named"][:2] == [0, ["1000", "1001", "/home/app", "ok"]], seen["named"]
         assert seen["as_root"][:2] == [0, ["0", "/tmp/home"]], seen["as_root"]
@@ -617,6 +623,79 @@ def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
     (tmp_path / "c" / "root").mkdir(parents=True)
     bwrap._rootless_root("auto", busybox_lease, tmp_path / "c", "c", None, 1 << 30)
     assert tries[-1] == ("c", 0)
+
+
+def test_without_a_memory_cgroup_the_live_tmpfs_layers_stay_within_the_memory_cap(
+        tmp_path: Path, busybox_lease: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A job may fill its whole tmpfs layer and, with no memory cgroup, nothing charges those
+    # pages anywhere: the sizes of the live layers stay within the cap; the sandbox past it
+    # keeps its upper layer on the disk, and one made after a layer ended gets a tmpfs again.
+    # Holders played by a stand-in, as above.
+    from rollout.runtime.sandbox import bwrap
+
+    tries: list[tuple[str, int]] = []
+
+    def holder(rootfs: Path, path: Path, sid: str, ids: object = None, *,
+               layer_bytes: int = 0) -> Any:
+        tries.append((sid, layer_bytes))
+        if sid == "refused" and layer_bytes:
+            raise bwrap._LayerRefused("mount: wrong fs type")
+        return types.SimpleNamespace(pid=4_000_000 + len(tries))
+
+    budget = bwrap._LayerBudget()
+    monkeypatch.setattr(bwrap, "_userns_overlay", holder)
+    monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
+    monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: True)
+    monkeypatch.setattr(bwrap, "_LAYERS", budget)
+    mib = 1 << 20
+
+    def make(sid: str, cap: int = 9 * mib) -> Any:
+        (tmp_path / sid / "root").mkdir(parents=True)
+        return bwrap._rootless_root("auto", busybox_lease, tmp_path / sid, sid, None, 4 * mib,
+                                    cap)
+
+    with caplog.at_level("INFO", logger=bwrap.__name__):
+        a, b, _, _ = make("a"), make("b"), make("c"), make("d")
+    assert tries == [("a", 4 * mib), ("b", 4 * mib), ("c", 0), ("d", 0)]
+    assert (tmp_path / "c" / "upper").is_dir() and not (tmp_path / "a" / "upper").exists()
+    warned = [r for r in caplog.records if "would hold more than" in r.message]
+    assert len(warned) == 1 and "on the disk" in warned[0].message, warned
+    assert budget.held() == 8 * mib
+    budget.release(a.pid)  # its sandbox's teardown stopped its holder
+    make("e")
+    assert tries[-1] == ("e", 4 * mib) and budget.held() == 8 * mib
+    # A refused layer gives its reservation back; no cap of ours (a memory cgroup caps the
+    # layers, or none was asked for) reserves nothing.
+    budget.release(b.pid)
+    make("refused")
+    assert tries[-2:] == [("refused", 4 * mib), ("refused", 0)] and budget.held() == 4 * mib
+    monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
+    make("f", cap=0)
+    assert tries[-1] == ("f", 4 * mib) and budget.held() == 4 * mib
+
+
+def test_the_layer_cap_is_the_memory_cap_only_where_no_memory_cgroup_applies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout.runtime.sandbox import SandboxConfig, bwrap, hardening
+
+    group: list[Path | None] = [None]
+    calls: list[tuple[str, str, int]] = []
+
+    def acquire(state: str, cap: int) -> Path | None:
+        calls.append(("acquire", state, cap))
+        return group[0]
+
+    monkeypatch.setattr(hardening, "acquire_memory_cgroup", acquire)
+    monkeypatch.setattr(hardening, "physical_memory_bytes", lambda: 64 << 30)
+    state = str(tmp_path)
+    assert bwrap._layer_cap(SandboxConfig(state_dir=tmp_path)) == (32 << 30, state)
+    assert bwrap._layer_cap(SandboxConfig(state_dir=tmp_path, memory_bytes=5 << 30)) == (
+        5 << 30, state)
+    group[0] = tmp_path / "cgroup.procs"  # the sandboxes' memory cgroup caps the layers
+    assert bwrap._layer_cap(SandboxConfig(state_dir=tmp_path)) == (0, state)
+    assert bwrap._layer_cap(SandboxConfig(state_dir=tmp_path, memory_bytes=-1)) == (0, None)
+    assert len(calls) == 3  # no cap asked for: no cgroup either
 
 
 def test_this_kernels_tmpfs_keeps_user_attributes_as_probed() -> None:
