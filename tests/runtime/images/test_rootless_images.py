@@ -698,6 +698,42 @@ def test_the_layer_cap_is_the_memory_cap_only_where_no_memory_cgroup_applies(
     assert len(calls) == 3  # no cap asked for: no cgroup either
 
 
+_FORK_CHILD = """
+import os, subprocess, sys, time
+from rollout.runtime.sandbox import bwrap
+
+made = []
+def spawn(kind):
+    made.append(subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    return made[-1]
+bwrap._spawn_holder = spawn
+taken = bwrap._HOLDERS.take(bwrap._HolderKind(None, "/layer-fork", 1 << 20))
+deadline = time.monotonic() + float(sys.argv[1])
+while len(bwrap._HOLDERS.ready()) < bwrap._HolderPool.size and time.monotonic() < deadline:
+    time.sleep(0.01)
+ready = bwrap._HOLDERS.ready()
+assert bwrap._LAYERS.reserve(1 << 20, 1 << 30)
+bwrap._LAYERS.hold(taken.pid, 1 << 20)
+bwrap._LAYERS.unreserve(1 << 20)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if bwrap._HOLDERS.ready() == [] and bwrap._LAYERS.held() == 0 else 3)
+_, status = os.waitpid(pid, 0)
+print(len(ready), os.waitstatus_to_exitcode(status), bwrap._HOLDERS.ready() == ready,
+      bwrap._LAYERS.held())
+"""
+
+
+def test_a_forked_child_has_none_of_its_parents_holders_or_layers() -> None:
+    # A process forked from the server (a multiprocessing worker, a grader's fork) must never
+    # hand out its parent's ready holders (each serves one sandbox) nor count its parent's
+    # tmpfs layers: in it the pool and the budget start empty (os.register_at_fork), and its
+    # parent's stay as they were. In a fresh interpreter, holders stood in for as above.
+    out = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(patience(30))],
+                         capture_output=True, text=True, timeout=patience(120))
+    assert out.stdout.split() == ["2", "0", "True", str(1 << 20)], (out.stdout, out.stderr)
+
+
 def test_this_kernels_tmpfs_keeps_user_attributes_as_probed() -> None:
     from rollout.runtime.sandbox import bwrap
 
