@@ -589,30 +589,50 @@ def test_rollout_serve_as_a_rootless_user_runs_harbor_and_harness_jobs(
         shutil.rmtree(top, ignore_errors=True)
 
 
-def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
-        tmp_path: Path, busybox_lease: Any, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    # A kernel whose tmpfs keeps no user.* attributes (before 6.6) cannot hold an upper layer
-    # of an overlay mounted in a user namespace; played by a stand-in holder, as above.
+class StandInHolders(NamedTuple):
+    tries: list[tuple[str, int]]
+    """(sandbox id, tmpfs layer bytes; 0: the disk's) of each holder asked for."""
+    refuse: set[str]
+    """Sandbox ids whose tmpfs layer the stand-in refuses (as a kernel before 6.6 does)."""
+
+
+@pytest.fixture
+def stand_in_holders(monkeypatch: pytest.MonkeyPatch) -> StandInHolders:
+    """Holders played by a stand-in (the real ones run as an unprivileged user above): it
+    records what was asked for and refuses a tmpfs layer where told; tmpfs probed as usable,
+    no layer refused yet, and a budget of layers of this test's own."""
     from rollout.runtime.sandbox import bwrap
 
-    tries: list[tuple[str, int]] = []
+    seen = StandInHolders([], set())
 
     def holder(rootfs: Path, path: Path, sid: str, ids: object = None, *,
-               layer_bytes: int = 0) -> str:
-        tries.append((sid, layer_bytes))
-        if layer_bytes:
+               layer_bytes: int = 0) -> Any:
+        seen.tries.append((sid, layer_bytes))
+        if layer_bytes and (sid in seen.refuse or "*" in seen.refuse):
             raise bwrap._LayerRefused("mount: wrong fs type")
-        return f"holder of {sid}"
+        return types.SimpleNamespace(pid=4_000_000 + len(seen.tries), sid=sid)
 
     monkeypatch.setattr(bwrap, "_userns_overlay", holder)
     monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
     monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: True)
+    monkeypatch.setattr(bwrap, "_LAYERS", bwrap._LayerBudget())
+    return seen
+
+
+def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
+        tmp_path: Path, busybox_lease: Any, stand_in_holders: StandInHolders,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A kernel whose tmpfs keeps no user.* attributes (before 6.6) cannot hold an upper layer
+    # of an overlay mounted in a user namespace.
+    from rollout.runtime.sandbox import bwrap
+
+    tries = stand_in_holders.tries
+    stand_in_holders.refuse.add("*")
     for sid in ("a", "b"):
         (tmp_path / sid / "root").mkdir(parents=True)
         with caplog.at_level("INFO", logger=bwrap.__name__):
             got = bwrap._rootless_root("auto", busybox_lease, tmp_path / sid, sid, None, 1 << 30)
-        assert got == f"holder of {sid}"
+        assert got.sid == sid
         assert (tmp_path / sid / "work").is_dir()  # the disk layer's work directory
     assert tries == [("a", 1 << 30), ("a", 0), ("b", 0)]
     warnings = [r for r in caplog.records if "tmpfs upper layer was refused" in r.message]
@@ -626,29 +646,15 @@ def test_a_refused_tmpfs_layer_is_found_once_then_upper_layers_stay_on_the_disk(
 
 
 def test_without_a_memory_cgroup_the_live_tmpfs_layers_stay_within_the_memory_cap(
-        tmp_path: Path, busybox_lease: Any, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, busybox_lease: Any, stand_in_holders: StandInHolders,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # A job may fill its whole tmpfs layer and, with no memory cgroup, nothing charges those
     # pages anywhere: the sizes of the live layers stay within the cap; the sandbox past it
     # keeps its upper layer on the disk, and one made after a layer ended gets a tmpfs again.
-    # Holders played by a stand-in, as above.
     from rollout.runtime.sandbox import bwrap
 
-    tries: list[tuple[str, int]] = []
-
-    def holder(rootfs: Path, path: Path, sid: str, ids: object = None, *,
-               layer_bytes: int = 0) -> Any:
-        tries.append((sid, layer_bytes))
-        if sid == "refused" and layer_bytes:
-            raise bwrap._LayerRefused("mount: wrong fs type")
-        return types.SimpleNamespace(pid=4_000_000 + len(tries))
-
-    budget = bwrap._LayerBudget()
-    monkeypatch.setattr(bwrap, "_userns_overlay", holder)
-    monkeypatch.setattr(bwrap, "_LAYER_REFUSED", [])
-    monkeypatch.setattr(bwrap, "_tmpfs_takes_user_xattrs", lambda: True)
-    monkeypatch.setattr(bwrap, "_LAYERS", budget)
-    mib = 1 << 20
+    tries, budget, mib = stand_in_holders.tries, bwrap._LAYERS, 1 << 20
+    stand_in_holders.refuse.add("refused")
 
     def make(sid: str, cap: int = 9 * mib) -> Any:
         (tmp_path / sid / "root").mkdir(parents=True)
