@@ -231,9 +231,14 @@ class BwrapSandbox(Sandbox):
               "--hostname", "sandbox", "--die-with-parent"]
         if network == "none":
             ns.append("--unshare-net")
+        # /dev/shm is the sandbox's own folder, as /tmp is, shared by its launches (POSIX
+        # semaphores and shared memory: multiprocessing's locks, a test runner's workers);
+        # the rest of bwrap's /dev tmpfs is made read-only: on a rootless server the sandbox
+        # owns it, and a tmpfs without a size let a job hold the machine's memory in it.
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
-                  "--bind", str(path / "ctl"), CTL_IN_SANDBOX]
+                  "--bind", str(path / "ctl"), CTL_IN_SANDBOX,
+                  "--bind", str(path / SHM_DIR), "/dev/shm", "--remount-ro", "/dev"]
         if rootfs is None and image is None:
             # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
             # inside although the sandbox gets a /tmp of its own.
@@ -507,11 +512,12 @@ class BwrapSandbox(Sandbox):
                 "uid": lease.uid if lease else None, "server_pid": os.getpid(),
                 "created": time.time()}))
             owner = (lease.uid, lease.uid) if lease else None
-            for sub in ("workspace", "tmp", "tmp/home", "ctl"):
+            for sub in ("workspace", "tmp", "tmp/home", "ctl", SHM_DIR):
                 (path / sub).mkdir(mode=0o755)
                 if owner:
                     os.chown(path / sub, *owner)
             os.chmod(path / "tmp", 0o1777)
+            os.chmod(path / SHM_DIR, 0o1777)
             for rel, data in files.items():
                 hostfs.write_beneath(path / "workspace", rel,
                                      data.encode() if isinstance(data, str) else data,
@@ -955,14 +961,15 @@ class _HolderKind:
 
 
 _HOLDER_SCRIPT = (
-    'if [ "$2" != 0 ]; then mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$1" && '
+    'if [ "$2" != 0 ]; then mount -t tmpfs -o "size=$2,nr_inodes=$3,mode=0755" tmpfs "$1" && '
     f'mkdir "$1/data" "$1/work" || exit {LAYER_REFUSED}; fi; '
     "echo mapped; "
     "read -r lower && read -r upper && read -r work && read -r root || exit 0; "
     'mount -t overlay overlay -o "lowerdir=$lower,upperdir=$upper,workdir=$work" "$root" '
     f'|| {{ [ "$2" != 0 ] && exit {LAYER_REFUSED}; exit {MOUNT_REFUSED}; }}; '
     "echo ready; read -r _")
-"""A holder: mapped, and with its tmpfs upper layer (``$1``, ``$2`` bytes; 0: none) mounted,
+"""A holder: mapped, and with its tmpfs upper layer (``$1``, ``$2`` bytes and ``$3`` inodes;
+0 bytes: none) mounted,
 it waits for its overlay's lower, upper, work and target directories on stdin, one per line;
 an end of input (its server gone before a sandbox took it) ends it."""
 HOLDER_NAME = "rollout-image-holder"
@@ -973,7 +980,8 @@ def _spawn_holder(kind: _HolderKind) -> subprocess.Popen[bytes]:
     """A holder in a new user and mount namespace, mapped, its tmpfs layer mounted, waiting
     for its overlay's directories."""
     return _start_holder(kind.ids, _HOLDER_SCRIPT, b"mapped",
-                         (HOLDER_NAME, kind.layer or "-", str(kind.layer_bytes)))
+                         (HOLDER_NAME, kind.layer or "-", str(kind.layer_bytes),
+                          str(hardening.tmpfs_inodes(kind.layer_bytes))))
 
 
 def _start_holder(ids: subids.SubIds | None, script: str, says: bytes, args: Sequence[str],
@@ -1224,7 +1232,9 @@ def _map_owners(holder: subprocess.Popen[bytes] | None, image: ImageLease, path:
               path.name, time.monotonic() - started)
 
 
-MAPPED_PARTS = ("root", "upper", "work", "workspace", "tmp", "ctl")
+SHM_DIR = "shm"
+"""The sandbox's folder that its launches see as ``/dev/shm`` (within its disk quota)."""
+MAPPED_PARTS = ("root", "upper", "work", "workspace", "tmp", "ctl", SHM_DIR)
 """The folders of a sandbox's directory that its image's users may own files in."""
 
 

@@ -69,6 +69,33 @@ async def test_disk_fill_gets_enospc_and_the_state_dir_stays_untouched() -> None
 
 
 @root_only
+async def test_files_are_bounded_in_number_too_and_dev_shm_shares_the_quota() -> None:
+    # Each file of a tmpfs pins ~1 KiB of kernel memory that its size does not count: the
+    # quota also bounds the number of files (tmpfs_inodes: 4,096 for 8 MiB, where the
+    # kernel's default is half the machine's pages). /dev/shm is the sandbox's own folder
+    # inside the same quota, never an unbounded tmpfs of bwrap's.
+    with temp_config("qi") as base:
+        cfg = dataclasses.replace(base, disk_bytes=8 << 20)
+        cfg.state_dir.mkdir(parents=True)
+        async with await create_sandbox(cfg) as sb:
+            res = await sb.exec("for i in $(seq 6000); do : > /tmp/f$i || { echo stopped $i; "
+                                "break; }; done", timeout=120)
+            said = res.stdout.split()
+            assert said[:1] == ["stopped"] and int(said[1]) <= hardening.tmpfs_inodes(8 << 20), (
+                res.stdout, res.stderr[-300:])
+            assert "No space left on device" in res.stderr
+            await sb.exec("rm -f /tmp/f*")
+            res = await sb.exec("dd if=/dev/zero of=/dev/shm/fill bs=1M count=32", timeout=30)
+            assert res.exit_code != 0 and "No space left on device" in res.stderr, res
+            assert (sb.path / "shm" / "fill").stat().st_size <= 8 << 20  # type: ignore[attr-defined]
+
+
+def test_the_inode_bound_follows_the_size() -> None:
+    assert hardening.tmpfs_inodes(2 << 30) == (2 << 30) // hardening.BYTES_PER_INODE
+    assert hardening.tmpfs_inodes(1 << 20) == hardening.MIN_INODES
+
+
+@root_only
 def test_rmtree_detaches_a_quota_mount(tmp_path: Path) -> None:
     target = tmp_path / "sb"
     target.mkdir()

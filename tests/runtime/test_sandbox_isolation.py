@@ -45,6 +45,22 @@ async def test_writes_outside_workspace_fail(cfg: SandboxConfig) -> None:
         assert ok.stdout == "ok\n"
 
 
+async def test_dev_is_read_only_and_dev_shm_is_the_sandboxes_own(cfg: SandboxConfig) -> None:
+    # POSIX semaphores and shared memory work as the sandbox's user (multiprocessing's locks,
+    # a test runner's workers) in a /dev/shm that every launch of the sandbox shares and the
+    # host sees in the sandbox's folder; nothing else of /dev takes a write.
+    async with await create_sandbox(cfg) as sb:
+        bash = await sb.bash()
+        out = (await bash.run("echo from-bash > /dev/shm/a && echo written")).output
+        assert "written" in out, out
+        res = await sb.exec("cat /dev/shm/a; python3 -c 'import multiprocessing as m; "
+                            "m.Lock(); m.Queue().put(1); print(\"locks\")'; : > /dev/x || "
+                            "echo dev-refused; echo null > /dev/null && echo null-ok")
+        assert res.stdout.split() == ["from-bash", "locks", "dev-refused", "null-ok"], res
+        assert "Read-only file system" in res.stderr, res.stderr
+        assert (sb.path / "shm" / "a").read_text() == "from-bash\n"  # type: ignore[attr-defined]
+
+
 async def test_state_dir_and_other_workspaces_are_invisible(cfg: SandboxConfig) -> None:
     state = os.path.abspath(cfg.state_dir)
     async with await create_sandbox(cfg, workspace_files={"mine.txt": "A"}) as a, \

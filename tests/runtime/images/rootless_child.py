@@ -24,6 +24,12 @@ async def main(top: Path) -> dict[str, object]:
         seen["bash"] = (await bash.run("cat /etc/written; echo $BASH_VERSION")).output.split()
         r = await sb.exec("cat /etc/written; rm /etc/passwd; test -e /etc/passwd || echo gone")
         seen["second_launch"] = r.stdout.split()
+        # /dev takes no write (bwrap's /dev is the server's user's tmpfs, without a size);
+        # /dev/shm is the sandbox's folder, shared by its launches.
+        r = await sb.exec("echo a > /dev/shm/a; : > /dev/x || echo dev-refused")
+        r2 = await bash.run("cat /dev/shm/a")
+        seen["dev"] = [r.stdout.split(), r2.output.split(),
+                       (sb.path / "shm" / "a").exists()]  # type: ignore[attr-defined]
         # A grader's or verifier's launch after every process of the agent was killed still
         # enters the sandbox's overlay (its holder lives until teardown).
         await sb.stop_processes()
@@ -63,6 +69,10 @@ async def main(top: Path) -> dict[str, object]:
         r = await sb.exec("head -c 8388608 /dev/zero > /big; echo $?; wc -c < /big; rm /big; "
                           "head -c 1048576 /dev/zero > /small && echo fits")
         seen["quota"] = [r.stdout.split(), r.stderr[-300:]]
+        # ... and its files in number (tmpfs_inodes: 4,096 for 4 MiB).
+        r = await sb.exec("i=0; while [ $i -lt 6000 ]; do : > /f$i 2>/dev/null || break; "
+                          "i=$((i+1)); done; echo $i")
+        seen["inodes"] = [r.stdout.strip(), r.stderr[-300:]]
     # No memory cgroup caps an unprivileged user's sandboxes: the live tmpfs layers' sizes
     # stay within memory_bytes (6 MiB: one 4 MiB layer); the next sandbox keeps its upper
     # layer on the disk, and once the first ends a new one gets a tmpfs again.
@@ -104,6 +114,9 @@ async def main(top: Path) -> dict[str, object]:
     async with await create_sandbox(copy_cfg, image=f"oci:{top}/layout:named") as sb:
         r = await sb.exec(["sh", "-c", "id -u; echo $HOME; echo x > $HOME/f && echo ok"])
         seen["copy_named"] = [r.exit_code, r.stdout.split(), r.stderr[-300:]]
+    async with await create_sandbox(cfg) as sb:  # a plain sandbox of a rootless server
+        r = await sb.exec("echo p > /dev/shm/p; cat /dev/shm/p; : > /dev/x || echo dev-refused")
+        seen["plain_dev"] = [r.stdout.split(), r.stderr[-200:]]
     seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
     ready = bwrap._HOLDERS.ready()
     bwrap._HOLDERS.close()

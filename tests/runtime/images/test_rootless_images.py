@@ -73,7 +73,10 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         # (overlayfs reports it as an I/O error), and fits once that file is gone.
         said, _ = seen["quota"]
         assert said[0] != "0" and int(said[1]) <= 4 << 20 and said[2:] == ["fits"], seen["quota"]
+        assert 1000 < int(seen["inodes"][0]) <= 4096, seen["inodes"]  # and its files' number
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
+        assert seen["dev"] == [["dev-refused"], ["a"], True], seen["dev"]
+        assert seen["plain_dev"][0] == ["p", "dev-refused"], seen["plain_dev"]
         # No memory cgroup caps this user's sandboxes: two live layers of 4 MiB would pass
         # the 6 MiB memory cap, so the second sandbox's upper layer is on the disk (and
         # works); after the first ends, a tmpfs again.
