@@ -126,6 +126,29 @@ def _hardening(config: SandboxConfig) -> tuple[Path | None, Path | None]:
     return cgroup, seccomp
 
 
+def _seal(args: Sequence[str], root: bool) -> list[str]:
+    """What ends a launch's mounts (after its own binds, which need mount points made): the
+    root tmpfs (``root``: not an image's) and every tmpfs the view covers a path with made
+    read-only. A mask is empty and stays so: on a rootless server its tmpfs is the sandbox
+    user's, without a size, and would hold whatever a job wrote into it in memory."""
+    dests: list[tuple[int, str]] = []
+    for i, arg in enumerate(args):
+        if arg in _TWO_PATH_MOUNTS and i + 2 < len(args):
+            dests.append((i, args[i + 2]))
+        elif arg in _ONE_PATH_MOUNTS and i + 1 < len(args):
+            dests.append((i, args[i + 1]))
+    # A mask that a later mount covers (the state dir below a /tmp the sandbox replaces) is
+    # gone from the launch's tree: nothing to seal there.
+    masks = [path for i, path in dests if args[i] == "--tmpfs" and path != "/" and not any(
+        j > i and (path == d or path.startswith(d.rstrip("/") + "/")) for j, d in dests)]
+    return [a for path in (["/"] if root else []) + masks for a in ("--remount-ro", path)]
+
+
+_TWO_PATH_MOUNTS = frozenset({"--bind", "--ro-bind", "--dev-bind", "--bind-try",
+                              "--ro-bind-try", "--dev-bind-try"})
+_ONE_PATH_MOUNTS = frozenset({"--tmpfs", "--dir", "--proc", "--dev", "--mqueue"})
+
+
 def default_env(python: str) -> dict[str, str]:
     """What a sandboxed process sees; nothing of the server's own environment leaks in."""
     bindir = os.path.dirname(python)
@@ -262,7 +285,7 @@ class BwrapSandbox(Sandbox):
         self._seccomp = seccomp is not None
         self._ns, self._binds, self._mounts = ns, list(binds), mounts
         self._wrapper = hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script())
-        self._seal = ["--remount-ro", "/"] if image is None else []
+        self._seal = _seal(self._binds + mounts, image is None)
         self._chains: dict[images.ImageUser, tuple[list[str], list[str], list[str]]] = {}
         self._prefix = self._chain(image_user)[0]  # the default chain, built up front
 

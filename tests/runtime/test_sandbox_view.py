@@ -127,3 +127,16 @@ async def test_visible_paths_are_added_without_what_is_never_visible(host: Host,
     seen = await _visible(config, [str(root / "toolchain" / "tool"), str(host.task_file),
                                    str(host.other_job)])
     assert seen == [str(root / "toolchain" / "tool"), str(host.task_file)]
+
+
+def test_a_launch_seals_the_root_and_every_mask_still_in_its_tree() -> None:
+    # On a rootless server a mask's tmpfs is the sandbox user's, without a size: each is made
+    # read-only after the launch's own binds; one a later mount covers is not in the tree.
+    from rollout.runtime.sandbox.bwrap import _seal
+
+    args = ["--tmpfs", "/", "--ro-bind", "/usr", "/usr", "--tmpfs", "/root", "--tmpfs",
+            "/tmp/state", "--ro-bind", "/srv/venv", "/root/venv", "--bind", "/sb/tmp", "/tmp",
+            "--dev", "/dev"]
+    assert _seal(args, True) == ["--remount-ro", "/", "--remount-ro", "/root"]
+    assert _seal(args, False) == ["--remount-ro", "/root"]
+    assert _seal(["--bind", "/img", "/"], False) == []

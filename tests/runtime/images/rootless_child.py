@@ -117,6 +117,14 @@ async def main(top: Path) -> dict[str, object]:
     async with await create_sandbox(cfg) as sb:  # a plain sandbox of a rootless server
         r = await sb.exec("echo p > /dev/shm/p; cat /dev/shm/p; : > /dev/x || echo dev-refused")
         seen["plain_dev"] = [r.stdout.split(), r.stderr[-200:]]
+    # The host's view: its masks are tmpfs mounts the server's user owns, without a size;
+    # a job writes into none of them.
+    host_cfg = SandboxConfig(state_dir=top / "state", host_view="host",
+                             images=ImageSettings(cache_dir=str(top / "cache")))
+    async with await create_sandbox(host_cfg) as sb:
+        r = await sb.exec("for m in $(awk '$3 == \"tmpfs\" {print $2}' /proc/self/mounts); do "
+                          "(: > $m/.w) 2>/dev/null && echo writable $m; done; echo checked")
+        seen["host_view_tmpfs"] = [r.stdout.split(), r.stderr[-200:]]
     seen["sandboxes_left"] = os.listdir(cfg.sandboxes_dir)
     ready = bwrap._HOLDERS.ready()
     bwrap._HOLDERS.close()

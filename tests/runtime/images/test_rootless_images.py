@@ -77,6 +77,9 @@ def test_a_rootless_server_runs_image_sandboxes_copy_on_write(user_layout: Path)
         assert seen["cache_written"] is False and seen["cache_passwd"] is True
         assert seen["dev"] == [["dev-refused"], ["a"], True], seen["dev"]
         assert seen["plain_dev"][0] == ["p", "dev-refused"], seen["plain_dev"]
+        said = seen["host_view_tmpfs"][0]
+        assert said[-1] == "checked" and set(said[:-1]) <= {
+            "writable", "/workspace", "/.sandbox", "/dev/shm", "/tmp"}, said
         # No memory cgroup caps this user's sandboxes: two live layers of 4 MiB would pass
         # the 6 MiB memory cap, so the second sandbox's upper layer is on the disk (and
         # works); after the first ends, a tmpfs again.
