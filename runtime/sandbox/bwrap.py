@@ -126,11 +126,12 @@ def _hardening(config: SandboxConfig) -> tuple[Path | None, Path | None]:
     return cgroup, seccomp
 
 
-def _seal(args: Sequence[str], root: bool) -> list[str]:
+def _seal(args: Sequence[str], root: bool, *, masks: bool = True) -> list[str]:
     """What ends a launch's mounts (after its own binds, which need mount points made): the
-    root tmpfs (``root``: not an image's) and every tmpfs the view covers a path with made
-    read-only. A mask is empty and stays so: on a rootless server its tmpfs is the sandbox
-    user's, without a size, and would hold whatever a job wrote into it in memory."""
+    root tmpfs (``root``: not an image's) and, with ``masks``, every tmpfs the view covers a
+    path with made read-only. A mask is empty and stays so: on a rootless server its tmpfs is
+    the sandbox user's, without a size, and would hold whatever a job wrote into it in
+    memory."""
     dests: list[tuple[int, str]] = []
     for i, arg in enumerate(args):
         if arg in _TWO_PATH_MOUNTS and i + 2 < len(args):
@@ -139,9 +140,10 @@ def _seal(args: Sequence[str], root: bool) -> list[str]:
             dests.append((i, args[i + 1]))
     # A mask that a later mount covers (the state dir below a /tmp the sandbox replaces) is
     # gone from the launch's tree: nothing to seal there.
-    masks = [path for i, path in dests if args[i] == "--tmpfs" and path != "/" and not any(
-        j > i and (path == d or path.startswith(d.rstrip("/") + "/")) for j, d in dests)]
-    return [a for path in (["/"] if root else []) + masks for a in ("--remount-ro", path)]
+    covered = [path for i, path in dests if masks and args[i] == "--tmpfs" and path != "/"
+               and not any(j > i and (path == d or path.startswith(d.rstrip("/") + "/"))
+                           for j, d in dests)]
+    return [a for path in (["/"] if root else []) + covered for a in ("--remount-ro", path)]
 
 
 _TWO_PATH_MOUNTS = frozenset({"--bind", "--ro-bind", "--dev-bind", "--bind-try",
@@ -255,13 +257,18 @@ class BwrapSandbox(Sandbox):
         if network == "none":
             ns.append("--unshare-net")
         # /dev/shm is the sandbox's own folder, as /tmp is, shared by its launches (POSIX
-        # semaphores and shared memory: multiprocessing's locks, a test runner's workers);
-        # the rest of bwrap's /dev tmpfs is made read-only: on a rootless server the sandbox
-        # owns it, and a tmpfs without a size let a job hold the machine's memory in it.
+        # semaphores and shared memory: multiprocessing's locks, a test runner's workers).
+        # Where the sandbox's user could write bwrap's other tmpfs mounts (sizeless: memory
+        # outside any quota), /dev and every mask are made read-only: on a rootless server it
+        # owns them, and an image's root has the capabilities to. A root server's plain
+        # sandbox runs as a uid that cannot, and its launches skip the remounts (each reads
+        # the whole mount table, which grows with the live sandboxes).
+        sealed = lease is None or image is not None
         mounts = ["--bind", str(path / "tmp"), "/tmp",
                   "--bind", str(self.workspace), self.workspace_in_sandbox,
                   "--bind", str(path / "ctl"), CTL_IN_SANDBOX,
-                  "--bind", str(path / SHM_DIR), "/dev/shm", "--remount-ro", "/dev"]
+                  "--bind", str(path / SHM_DIR), "/dev/shm",
+                  *(["--remount-ro", "/dev"] if sealed else [])]
         if rootfs is None and image is None:
             # The server's Python (a venv in a checkout under /tmp, say) must stay reachable
             # inside although the sandbox gets a /tmp of its own.
@@ -285,7 +292,7 @@ class BwrapSandbox(Sandbox):
         self._seccomp = seccomp is not None
         self._ns, self._binds, self._mounts = ns, list(binds), mounts
         self._wrapper = hardening.launch_wrapper(cgroup, seccomp, limits.ulimit_script())
-        self._seal = _seal(self._binds + mounts, image is None)
+        self._seal = _seal(self._binds + mounts, image is None, masks=sealed)
         self._chains: dict[images.ImageUser, tuple[list[str], list[str], list[str]]] = {}
         self._prefix = self._chain(image_user)[0]  # the default chain, built up front
 

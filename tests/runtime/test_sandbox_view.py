@@ -140,3 +140,5 @@ def test_a_launch_seals_the_root_and_every_mask_still_in_its_tree() -> None:
     assert _seal(args, True) == ["--remount-ro", "/", "--remount-ro", "/root"]
     assert _seal(args, False) == ["--remount-ro", "/root"]
     assert _seal(["--bind", "/img", "/"], False) == []
+    # A root server's plain sandbox runs as a uid that cannot write root's masks: no remount.
+    assert _seal(args, True, masks=False) == ["--remount-ro", "/"]

@@ -50,6 +50,12 @@ async def test_jobs_on_one_image_write_copy_on_write_and_never_into_the_cache(
         assert r.ok and r.stdout.split()[-1] == "more"
         if os.geteuid() == 0:
             assert r.stdout.split()[0] != "0"
+        # The image's root may change any of the image's files, but not bwrap's /dev (a
+        # tmpfs without a size); /dev/shm is the job's own, and multiprocessing's locks work.
+        r = await a.exec("python3 -c 'import multiprocessing as m; m.Lock(); print(\"locks\")';"
+                         " : > /dev/x || echo dev-refused")
+        assert r.stdout.split() == ["locks", "dev-refused"], r.output
+        assert "Read-only file system" in r.stderr, r.stderr
     for sb in (a, b):
         assert not sb.path.exists()  # type: ignore[attr-defined]
     assert cache_for(image_settings).entries()[0].in_use is False
