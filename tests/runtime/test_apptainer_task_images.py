@@ -14,6 +14,7 @@ image once.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
 import shutil
@@ -77,6 +78,16 @@ class Fake:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Fake]:
+    # The stand-in runs sandbox commands on the host, so every grader's private files share
+    # the host's /tmp/.rollout-eval: one test at a time on the machine, whichever suite (two
+    # suites at once, three clones' at load 15, took each other's checkout source, and one's
+    # clean-up below removed it under the other).
+    with open(Path(tempfile.gettempdir()) / "rollout-fake-singularity.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _fake(monkeypatch)
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Fake]:
     d = Path(tempfile.mkdtemp(prefix="rti", dir="/tmp"))
     (d / "bin").mkdir()
     wrapper = d / "bin" / "singularity"
