@@ -27,6 +27,7 @@ from rollout.v1 import job_pb2
 from rollout.v1 import rollout_service_pb2 as pb
 from rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from tests.runtime.envs.conftest import call
+from tests.util import patience
 
 ROLLOUT = [sys.executable, "-m", "rollout.entrypoints.cli"]
 DONE = call("submit", answer="done")
@@ -64,15 +65,23 @@ class Serve:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Start the server and wait for its address; a server that does not come up is
+        stopped before the failure is raised (it would outlive the test otherwise: callers
+        stop it in a ``finally`` that starts after this returns)."""
         offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
-        while not (found := re.search(rb"listening on 127\.0\.0\.1:(\d+)",
-                                      self.log.read_bytes()[offset:])):
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+        # A hang guard, stretched with the load: three suites on two cores took 100 s.
+        deadline = time.monotonic() + patience(90)
+        try:
+            while not (found := re.search(rb"listening on 127\.0\.0\.1:(\d+)",
+                                          self.log.read_bytes()[offset:])):
+                assert self.proc.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
         self.port = int(found.group(1))
         assert self.port > 0
 
@@ -183,3 +192,17 @@ def test_sigkill_mid_run_loses_nothing(serve_factory: Any) -> None:
         attempts = [stub.GetJob(pb.GetJobRequest(job_id=s.job_id)).job.attempts for s in specs]
     assert max(attempts) >= 2, "jobs interrupted by the kill ran again"
     assert os.path.isdir(server.state)
+
+
+def test_a_server_that_does_not_come_up_is_stopped(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The helper's own guard: a server slower than the (load-stretched) deadline fails the
+    # test and is stopped, never left running beside the rest of the suite.
+    import tests.test_e2e_serve as here
+
+    monkeypatch.setattr(here, "patience", lambda seconds: 0.5)
+    server = Serve(tmp_path, tmp_path / "script.jsonl")
+    server.args = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with pytest.raises(AssertionError, match="server did not start"):
+        server.start()
+    assert server.proc is None

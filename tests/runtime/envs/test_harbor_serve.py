@@ -66,7 +66,8 @@ def test_oracle_noop_and_model_through_rollout_serve(tmp_path: Path,
     assert rewards == {"harbor-1": 1, "harbor-2": 1, "harbor-3": 1,    # oracle
                        "harbor-4": 0, "harbor-5": 0, "harbor-6": 0,    # no-op
                        "harbor-7": pytest.approx(0.6667), "harbor-8": 1}, {
-        job: t.get("reward_info") or t.get("metadata") for job, t in trajs.items()}
+        job: t.get("error") or t.get("reward_info") or t.get("metadata")
+        for job, t in trajs.items()}  # a failed job's error says why (stage, code, message)
     partial = trajs["harbor-7"]
     components: Any = partial.get("reward_components")
     assert components == {"reward": pytest.approx(0.6667), "sum": 1, "max": 0, "count": 1}
