@@ -592,8 +592,8 @@ class BwrapSandbox(Sandbox):
             if holder is not None:
                 if ids is not None and holder.poll() is None:
                     removed = _ns_remove(holder, path)
+                _LAYERS.release(holder.pid)  # before the pid can be reaped and reused
                 procs.stop_process(holder)
-                _LAYERS.release(holder.pid)
                 _close_pipes(holder)
             if ids is not None and not removed:
                 remove_mapped(path, ids)
@@ -881,8 +881,8 @@ class BwrapSandbox(Sandbox):
             removed = _ns_remove(self._holder, self.path)
         holder, self._holder = self._holder, None
         if holder is not None:  # after every launch that entered its namespaces (killed above)
+            _LAYERS.release(holder.pid)  # before the pid can be reaped and reused
             procs.stop_process(holder)
-            _LAYERS.release(holder.pid)
             _close_pipes(holder)
         try:
             if ids is not None and not removed:  # the image's users' files: only inside
