@@ -29,7 +29,7 @@ def test_fixture_tasks_load_with_their_settings() -> None:
     hello = taskdir.load(FIXTURES / "hello-file")
     assert hello.name == "hello-file" and hello.instruction.startswith("Create a file")
     assert (hello.agent_timeout_s, hello.verifier_timeout_s, hello.build_timeout_s) == (
-        120.0, 60.0, 300.0)
+        120.0, 60.0, 1800.0)
     assert hello.has_dockerfile and not hello.docker_image and not hello.allow_internet
     assert hello.has_solution and hello.storage_mb == 1024
     prebuilt = taskdir.load(FIXTURES / "prebuilt-json")
@@ -127,11 +127,11 @@ def test_import_harbor_writes_job_lines_for_a_dataset(tmp_path: Path,
     assert sorted(by_dir) == names
     hello = by_dir["hello-file"]
     assert hello["environment"] == "harbor"
-    assert hello["limits"] == {"initTimeout": "420s", "runTimeout": "125s",
+    assert hello["limits"] == {"initTimeout": "1920s", "runTimeout": "125s",
                                "evalTimeout": "180s"}
     limits = harbor_import.limits_value(hello)
     assert (limits.init_timeout_s, limits.run_timeout_s, limits.eval_timeout_s) == (
-        300.0 + harbor_import.SETUP_MARGIN_S, 125.0, 60.0 + harbor_import.SETUP_MARGIN_S)
+        1800.0 + harbor_import.SETUP_MARGIN_S, 125.0, 60.0 + harbor_import.SETUP_MARGIN_S)
     assert hello["task"]["digest"] == taskdir.digest(FIXTURES / "hello-file")
     assert {line["job_id"] for line in lines} >= {"r1-hello-file-0", "r1-hello-file-1"}
     # A prebuilt image's fetch is set-up too: INIT gets the task's build timeout (its default
