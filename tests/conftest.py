@@ -177,7 +177,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     Anything else that blocks the exit (a non-daemon thread, an ``atexit`` handler, a
     finaliser) is caught by a watchdog: past ``EXIT_GRACE_S`` it prints every thread's stack
     and ends the process with a failing status, so a hang at exit is a reported failure, never
-    a lost CI run."""
+    a lost CI run.
+
+    Not in an xdist worker: one whose files are done ends its session here and then waits,
+    for as long as the other worker's files take, until the master ends it; the master kills
+    a worker that does not exit within 10 s of that, and the master's own exit is guarded."""
     sys.stdout.flush()
     sys.stderr.flush()
     stuck = _worker_stacks()
@@ -185,6 +189,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stderr.write(f"worker threads still blocked at exit:\n{stuck}\n")
         sys.stderr.flush()
         os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)
+    if hasattr(config, "workerinput"):
+        return
     # faulthandler's own C timer, not a Python thread: it needs no interpreter lock, so it
     # also fires in the last phase of the exit, where Python threads no longer run. It prints
     # "Timeout (h:mm:ss)!" and every thread's stack, then exits with status 1.

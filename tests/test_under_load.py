@@ -237,6 +237,20 @@ def test_a_stuck_child_is_asked_for_its_stacks_before_it_is_killed(tmp_path: Pat
     assert "1 passed" in out and "in block_forever" in out and "Timeout (" not in out, out
 
 
+def test_a_worker_done_early_waits_for_the_others(tmp_path: Path) -> None:
+    """Under xdist a worker with no more files ends its session and then waits, legitimately,
+    until the master ends it after the last worker's last test: that wait is no hang at exit.
+    The exit watchdog used to be armed there, so at load 20 a worker done four minutes early
+    was killed ("node down: Not properly terminated"), the run got a failure no test made,
+    and xdist's master then waited for good."""
+    code, out = _run_child(_pytest_argv(tmp_path, "-q", "-n", "2", "--dist", "loadfile",
+                                        "tests/early_worker_probe_quick.py",
+                                        "tests/early_worker_probe_slow.py"),
+                           timeout=patience(90), scale="0.05")
+    assert code == 0, out
+    assert "2 passed" in out and "Timeout (" not in out and "node down" not in out, out
+
+
 def test_a_child_suite_leaves_other_sessions_folders_alone(tmp_path: Path) -> None:
     """The child suites above end without deleting earlier sessions' folders (see
     ``_pytest_argv``): with pytest's default, this child would delete ``pytest-0`` and
