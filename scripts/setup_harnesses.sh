@@ -39,7 +39,7 @@ CACHE=${ROLLOUT_SETUP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
 BASE_PY=$(.venv/bin/python -c 'import sys; print(getattr(sys, "_base_executable", sys.executable))')
 
 MINI_SWE_AGENT_VERSION=2.4.6
-CODEX_VERSION=0.169.0
+CODEX_VERSION=0.171.0
 CLAUDE_CODE_VERSION=2.1.332
 OPENCODE_VERSION=1.18.33
 AIDER_VERSION=0.86.2
