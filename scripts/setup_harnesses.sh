@@ -118,40 +118,46 @@ install_aider() {  # $1: target directory
   own_runtime "$1" "python/bin/$py:-c 'import ssl, sqlite3, ctypes, aider.main'"
 }
 
-# build NAME INSTALL_FUNCTION
+# build NAME INSTALL_FUNCTION VERSION: keyed by the install function, the base interpreter and
+# that harness's own version (another harness's version bump rebuilds nothing else), plus the
+# runtime or loader recipe where the install uses one. Built under a lock per harness, so set-ups
+# running at once on one machine (a shared runner, two clones) build it once, never into one
+# directory together.
 build() {
-  local name=$1 install=$2 want dir
-  want="$({ declare -f "$install"; echo "$BASE_PY $MINI_SWE_AGENT_VERSION $CODEX_VERSION"; } \
-    | sha256sum | cut -c1-16)"
+  local name=$1 install=$2 version=$3 want dir
+  want="$({ declare -f "$install"; echo "$BASE_PY $version"; } | sha256sum | cut -c1-16)"
   if declare -f "$install" | grep -q own_runtime; then  # the runtime's recipe is part of it
     want="$({ echo "$want"; declare -f own_runtime patchelf_bin; cat scripts/harness_runtime.py
-              echo "$CLAUDE_CODE_VERSION $OPENCODE_VERSION $AIDER_VERSION $MOUNT"
+              echo "$MOUNT"
             } | sha256sum | cut -c1-16)"
   fi
   if declare -f "$install" | grep -q own_loader; then
     want="$({ echo "$want"; declare -f own_loader; cat scripts/harness_runtime.py scripts/harness_loader.py
-              echo "$CLAUDE_CODE_VERSION $MOUNT"
+              echo "$MOUNT"
             } | sha256sum | cut -c1-16)"
   fi
   dir=$CACHE/harness-$name-$want
-  if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
-    local t0=$SECONDS
-    mkdir -p "$CACHE"
-    rm -rf "$dir"
-    "$install" "$dir"
-    chmod -R a+rX "$dir"
-    echo "$want" > "$dir/.setup-stamp"
-    echo "setup_harnesses: $dir built in $((SECONDS - t0)) s"
-  fi
-  ln -sfn "$(basename "$dir")" "$CACHE/current-harness-$name"
+  mkdir -p "$CACHE"
+  (
+    flock 9
+    if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
+      t0=$SECONDS
+      rm -rf "$dir"
+      "$install" "$dir"
+      chmod -R a+rX "$dir"
+      echo "$want" > "$dir/.setup-stamp"
+      echo "setup_harnesses: $dir built in $((SECONDS - t0)) s"
+    fi
+    ln -sfn "$(basename "$dir")" "$CACHE/current-harness-$name"
+  ) 9> "$CACHE/.harness-$name.lock"
 }
 
-build mini-swe-agent install_mini_swe_agent
-build aider install_aider
+build mini-swe-agent install_mini_swe_agent "$MINI_SWE_AGENT_VERSION"
+build aider install_aider "$AIDER_VERSION"
 if command -v npm >/dev/null 2>&1; then
-  build codex install_codex
-  build claude-code install_claude_code
-  build opencode install_opencode
+  build codex install_codex "$CODEX_VERSION"
+  build claude-code install_claude_code "$CLAUDE_CODE_VERSION"
+  build opencode install_opencode "$OPENCODE_VERSION"
 else
   echo "setup_harnesses: no npm on PATH, so no Codex CLI, Claude Code or OpenCode (their presets and tests are unavailable)"
 fi
