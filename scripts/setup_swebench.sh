@@ -3,7 +3,9 @@
 # instances (runtime/envs/swe/images.py: their eval script, test commands and log parsers by
 # repository), in a venv of its own under the set-up cache:
 #
-#   swebench-<key>/          swebench==SWEBENCH_VERSION with its dependencies
+#   swebench-<key>/          swebench==SWEBENCH_VERSION with its dependencies, and in its
+#                            swebench5/ folder swebench==SWEBENCH5_VERSION (no dependencies of
+#                            its own: it imports with the same ones)
 #   current-swebench         a link to it, which the server finds (or $ROLLOUT_SWEBENCH_PYTHON)
 #
 # Why its own venv: the package's top-level import pulls in docker, datasets, modal and ghapi,
@@ -21,6 +23,10 @@ fi
 CACHE=${ROLLOUT_SETUP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-service}
 BASE_PY=$(.venv/bin/python -c 'import sys; print(getattr(sys, "_base_executable", sys.executable))')
 SWEBENCH_VERSION=4.1.0
+# SWE-bench 5 moved each instance's eval script, log parser and eval type into the data set
+# (the per-repository tables of 4.x are gone): instances in that format are graded with it,
+# instances without those fields with 4.x's tables.
+SWEBENCH5_VERSION=5.0.2
 
 install_swebench() {  # $1: target directory
   "$BASE_PY" -m venv "$1"
@@ -29,9 +35,14 @@ install_swebench() {  # $1: target directory
     2> >(grep -v "^WARNING: Location" >&2)
   "$1/bin/python" -c "from swebench.harness.test_spec.test_spec import make_test_spec; \
 from swebench.harness.grading import get_logs_eval" >/dev/null
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$1/swebench5" \
+    "swebench==$SWEBENCH5_VERSION" 2> >(grep -v "^WARNING: Location" >&2)
+  PYTHONPATH="$1/swebench5" "$1/bin/python" -c "from swebench.harness.utils import make_test_spec; \
+from swebench.harness.grading import get_logs_eval; from swebench.harness.log_parsers import \
+PARSER_REGISTRY" >/dev/null
 }
 
-want="$({ declare -f install_swebench; echo "$BASE_PY $SWEBENCH_VERSION"; } | sha256sum | cut -c1-16)"
+want="$({ declare -f install_swebench; echo "$BASE_PY $SWEBENCH_VERSION $SWEBENCH5_VERSION"; } | sha256sum | cut -c1-16)"
 dir=$CACHE/swebench-$want
 if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
   t0=$SECONDS

@@ -1,8 +1,9 @@
 """SWE-bench-style image instances: the repository at ``/testbed`` of the instance's own image,
 set up and graded there with the image's interpreter and the official harness's test spec.
 
-A ``swe`` task is one when its ``spec`` names an image and it has no ``repo_source`` (the
-image carries the repository, as SWE-bench, SWE-Gym, SWE-smith and SWE-rebench images do)::
+A ``swe`` task is one when its ``spec`` names an image (or, as SWE-bench 5's data sets spell it,
+the instance has a top-level ``image``) and it has no ``repo_source`` (the image carries the
+repository, as SWE-bench, SWE-Gym, SWE-smith and SWE-rebench images do)::
 
     {"instance_id": "psf__requests-2317", "repo": "psf/requests", "version": "2.4",
      "base_commit": "091991be...", "problem_statement": "...", "test_patch": "diff --git ...",
@@ -15,18 +16,21 @@ removes what could show the fix: every ref but ``main``, the reflogs, and (when 
 reflog reached past the base) the objects only they reached. The agent works in ``/testbed``
 with bash, the editor and submit; RUN's end kills every process it started.
 
-EVAL asks the official ``swebench`` package (its own venv, scripts/setup_swebench.sh; see
-:mod:`.swebench_helper`) for the instance's eval script: the environment activation, the test
-files reset to the base commit, the test patch applied, the repository's test command with the
-instance's test directives. The agent's change is taken as ``git diff`` of ``/testbed`` (what
-the harness grades: a patch) and graded where the agent cannot reach: a fresh sandbox on the
-same image, the patch applied over the pristine ``/testbed``, then the ``swe`` grader's
-integrity layer (:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`: a fresh ``.git`` at
-the base, the files the test runner loads by configuration and the test files put back, added
-bytecode removed, the change screened for code that reaches into the test machinery), then the
-harness's eval script as it is. The log is read by the harness's parser for the repository and
-judged by its FAIL_TO_PASS / PASS_TO_PASS report: reward 1 iff ``RESOLVED_FULL`` and the screen
-found nothing.
+INIT asks the official ``swebench`` package (its own venv, scripts/setup_swebench.sh; see
+:mod:`.swebench_helper`) for the instance's eval script, so an instance the harness cannot grade
+fails before the agent runs: the environment activation, the test files reset to the base
+commit, the test patch applied, the repository's test command with the instance's test
+directives (from 4.x's per-repository tables), or the instance's own ``eval_script``,
+``log_parser`` and ``eval_type`` (SWE-bench 5's format, graded with swebench 5: any repository
+in any of the harness's languages). The agent's change is taken as ``git diff`` of
+``/testbed`` (what the harness grades: a patch) and graded where the agent cannot reach: a
+fresh sandbox on the same image, the patch applied over the pristine ``/testbed``, then the
+``swe`` grader's integrity layer (:mod:`rollout.runtime.envs.in_sandbox.swe_grade_tree`: a
+fresh ``.git`` at the base, the files the test runner loads by configuration and the test
+files put back, added bytecode removed, the change screened for code that reaches into the
+test machinery), then the harness's eval script as it is. The log is read by the harness's
+parser and judged by its FAIL_TO_PASS / PASS_TO_PASS report: reward 1 iff ``RESOLVED_FULL``
+and the screen found nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ TESTBED = "/testbed"
 SWEBENCH_PYTHON_VAR = "ROLLOUT_SWEBENCH_PYTHON"
 HELPER = Path(__file__).with_name("swebench_helper.py")
 IMAGE_KEY = "swe.image"
+EVAL_SPEC_KEY = "swe.eval_spec"
+EVAL_TYPES = ("pass_and_fail", "fail_only")
+"""SWE-bench 5's ``eval_type`` values (``swebench.harness.constants.EvalType``)."""
+START_MARKER = ">>>>> Start Test Output"
 MAX_PATCH = 16 << 20
 END_MARKER = ">>>>> End Test Output"
 """The harness's end-of-test-output marker (``swebench.harness.constants.END_TEST_OUTPUT``)."""
@@ -122,10 +130,26 @@ rm -rf .git
 
 
 def is_image_instance(task: Mapping[str, Any]) -> bool:
-    """A task whose image carries its repository at ``/testbed`` (no ``repo_source``)."""
+    """A task whose image carries its repository at ``/testbed`` (no ``repo_source``): named
+    by ``spec.image``, or by a top-level ``image`` where there is no ``spec``."""
+    if "repo_source" in task:
+        return False
     spec = task.get("spec")
-    return (isinstance(spec, Mapping) and bool(spec.get("image"))
-            and "repo_source" not in task)
+    if spec is None:
+        return isinstance(task.get("image"), str) and bool(task["image"].strip())
+    return isinstance(spec, Mapping) and bool(spec.get("image"))
+
+
+def image_of(task: Mapping[str, Any]) -> str:
+    """The instance's image reference: ``spec.image`` as given, or the top-level ``image`` of
+    SWE-bench 5's data sets, a registry reference without its transport
+    (``swebench/sweb.eval.x86_64.<id>:latest`` is ``docker://`` that)."""
+    spec = task.get("spec")
+    if isinstance(spec, Mapping):
+        return str(spec["image"])
+    ref = str(task["image"]).strip()
+    spelled = ref.startswith(("docker://", "oci:", "oci-archive:", "docker-archive:"))
+    return ref if spelled else f"docker://{ref}"
 
 
 def validate(task: Mapping[str, Any]) -> None:
@@ -148,24 +172,54 @@ def validate(task: Mapping[str, Any]) -> None:
     if not named_tests(task, "FAIL_TO_PASS"):
         raise invalid("swe task needs at least one FAIL_TO_PASS test", "FAIL_TO_PASS")
     named_tests(task, "PASS_TO_PASS")
-    spec = task["spec"]
-    unknown = sorted(set(spec) - {"image"})
-    if unknown:
-        raise invalid(f"a swe image instance's 'spec' takes only 'image' (the image carries "
-                      f"the environment, the SWE-bench harness the test command); got "
-                      f"{unknown}", "spec")
+    spec = task.get("spec")
+    where = "spec.image" if spec is not None else "image"
+    if spec is not None:
+        unknown = sorted(set(spec) - {"image"})
+        if unknown:
+            raise invalid(f"a swe image instance's 'spec' takes only 'image' (the image carries "
+                          f"the environment, the SWE-bench harness the test command); got "
+                          f"{unknown}", "spec")
     try:
-        parse_image_ref(str(spec["image"]))
+        parse_image_ref(image_of(task))
     except ImageError as e:
-        raise invalid(f"swe task field 'spec.image': {e}", "spec.image") from None
+        raise invalid(f"swe task field {where!r}: {e}", where) from None
+    _validate_own_eval_script(task)
     if "patch" in task and not isinstance(task["patch"], str):
         raise invalid("swe task field 'patch' must be a string", "patch")
+
+
+def _validate_own_eval_script(task: Mapping[str, Any]) -> None:
+    """SWE-bench 5's per-instance fields, checked as far as the server can without the
+    harness (the parser's name is checked against its registry at INIT)."""
+    fields = [name for name in ("eval_script", "log_parser", "eval_type") if name in task]
+    if not fields:
+        return
+    script, parser = task.get("eval_script"), task.get("log_parser")
+    if not isinstance(script, str) or not script.strip():
+        raise invalid("swe task field 'eval_script' must be the instance's eval script (SWE-bench "
+                      "5's format: it comes with 'log_parser' and 'eval_type')", "eval_script")
+    if START_MARKER not in script or END_MARKER not in script:
+        raise invalid(f"swe task field 'eval_script' must print the harness's markers "
+                      f"{START_MARKER!r} and {END_MARKER!r} around the test command (the log "
+                      f"parser reads what is between them)", "eval_script")
+    if not isinstance(parser, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", parser):
+        raise invalid("swe task field 'log_parser' must name one of the SWE-bench harness's "
+                      "log parsers (such as 'parse_log_pytest'); an instance with its own "
+                      "'eval_script' needs one", "log_parser")
+    eval_type = task.get("eval_type", EVAL_TYPES[0])
+    if eval_type not in EVAL_TYPES:
+        raise invalid(f"swe task field 'eval_type' must be one of {list(EVAL_TYPES)}, got "
+                      f"{eval_type!r}", "eval_type")
 
 
 async def init(ctx: JobContext) -> None:
     task = ctx.spec.task
     validate(task)
-    image = str(task["spec"]["image"])
+    image = image_of(task)
+    # Before any sandbox: an instance the harness cannot grade fails here, not after its RUN.
+    ctx.state[EVAL_SPEC_KEY] = await ask_swebench("eval-script",
+                                                  {"instance": instance_fields(task)})
     ctx.state[IMAGE_KEY] = image
     sandbox = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
     ctx.state[SANDBOX_KEY] = sandbox
@@ -184,7 +238,7 @@ async def evaluate(ctx: JobContext) -> Reward:
     from rollout.runtime.envs.swe import handler as swe
 
     task = ctx.spec.task
-    image = ctx.state.get(IMAGE_KEY) or str(task["spec"]["image"])
+    image = ctx.state.get(IMAGE_KEY) or image_of(task)
     f2p, p2p = swe.named_tests(task, "FAIL_TO_PASS"), swe.named_tests(task, "PASS_TO_PASS")
     agent = sandbox_of(ctx)
     await end_agent(ctx)
@@ -197,7 +251,8 @@ async def evaluate(ctx: JobContext) -> Reward:
     if not diff.ok:
         return Reward(0.0, zero, {"error": f"git could not read the change to {TESTBED}",
                                   "log": diff.output[-_LOG_TAIL:]})
-    spec = await ask_swebench("eval-script", {"instance": instance_fields(task)})
+    spec = ctx.state.get(EVAL_SPEC_KEY) or await ask_swebench(
+        "eval-script", {"instance": instance_fields(task)})
     grader = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
     try:
         return await _grade(ctx, grader, diff.stdout, spec, f2p, p2p)
@@ -225,7 +280,7 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
         return Reward(0.0, zero, {"error": "the agent's change does not apply to the image's "
                                            "repository", "log": prepared.output[-_LOG_TAIL:]})
     if not prepared.ok:
-        raise HandlerError(f"preparing the grading tree in {task['spec']['image']} failed: "
+        raise HandlerError(f"preparing the grading tree in {image_of(task)} failed: "
                            f"{prepared.output[-600:]}", "HANDLER_ERROR")
     runner = swe_runners.runner_of(task)
     python = python_argv(grader) if getattr(grader, "python_launcher", ()) else ["python3"]
@@ -241,13 +296,17 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
     tree_report = json.loads(built.stdout.strip().splitlines()[-1] or "{}")
     info: dict[str, str] = {"restored": ",".join(tree_report.get("restored", []))[:1000],
                             "grader": "swebench", "parser": str(spec.get("parser", "")),
-                            "test_cmd": str(spec.get("test_cmd", ""))}
-    # The harness's eval script applies the test patch itself: take it back off first.
-    undone = await grader.exec(["git", "apply", "-R", "--whitespace=nowarn", test_patch],
-                               timeout=60.0, cwd=TESTBED, env=_GIT_ENV)
-    if not undone.ok:
-        raise HandlerError(f"could not take the test patch back off: {undone.output[-400:]}",
-                           "HANDLER_ERROR")
+                            "test_cmd": str(spec.get("test_cmd", "")),
+                            "harness": str(spec.get("harness", ""))}
+    if spec.get("eval_type"):
+        info["eval_type"] = str(spec["eval_type"])
+    if applies_test_patch(spec["eval_script"], task["test_patch"]):
+        # The harness's eval script applies the test patch itself: take it back off first.
+        undone = await grader.exec(["git", "apply", "-R", "--whitespace=nowarn", test_patch],
+                                   timeout=60.0, cwd=TESTBED, env=_GIT_ENV)
+        if not undone.ok:
+            raise HandlerError(f"could not take the test patch back off: "
+                               f"{undone.output[-400:]}", "HANDLER_ERROR")
     timeout = min(float(task.get("test_timeout_s", 1800.0)), ctx.spec.limits.eval_timeout_s)
     run = await grader.exec(["bash", "-c", 'exec bash "$1" 2>&1', "eval", eval_script],
                             timeout=timeout, cwd=TESTBED, max_output=8 << 20)
@@ -283,14 +342,21 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
                   info)
 
 
+def applies_test_patch(script: str, test_patch: str) -> bool:
+    """Whether the eval script applies the test patch itself (the harness's scripts carry it
+    in a here-document); one that does not expects it in the tree already."""
+    body = test_patch.strip()
+    return bool(body) and body in script
+
+
 def with_exit_status(script: str, nonce: str) -> str:
     """The harness's eval script with the test command's exit status recorded: kept right
-    after the command (the end marker, a ``:``, would reset it) and printed after the marker
-    under a name the code under test never saw, so a log whose every test passed can be
-    checked against a runner that failed."""
+    after the command (the end marker, a ``:`` in the harness's own scripts, would reset it)
+    and printed after the marker under a name the code under test never saw, so a log whose
+    every test passed can be checked against a runner that failed."""
     lines = script.split("\n")
     for i, line in enumerate(lines):
-        if line == f": '{END_MARKER}'" and i > 0:
+        if END_MARKER in line and i > 0:
             return "\n".join([*lines[:i], "rollout_exit=$?", line,
                                f'echo "ROLLOUT_EXIT_{nonce}=$rollout_exit"', *lines[i + 1:]])
     return script
@@ -305,9 +371,12 @@ def exit_status_agrees(status_map: Mapping[str, str], exit_status: str) -> bool:
 
 
 def instance_fields(task: Mapping[str, Any]) -> dict[str, Any]:
-    """What the harness's test spec reads of an instance."""
-    return {k: task[k] for k in ("instance_id", "repo", "version", "base_commit", "test_patch",
-                                 "FAIL_TO_PASS", "PASS_TO_PASS") if k in task}
+    """What the harness's test spec reads of an instance (SWE-bench 5's own eval script,
+    parser and eval type where the instance has them)."""
+    fields = {k: task[k] for k in ("instance_id", "repo", "version", "base_commit", "test_patch",
+                                   "FAIL_TO_PASS", "PASS_TO_PASS", "eval_script", "log_parser",
+                                   "eval_type") if k in task}
+    return {**fields, "image": image_of(task)}
 
 
 def swebench_python() -> Path:

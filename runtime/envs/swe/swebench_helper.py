@@ -14,6 +14,18 @@ between the output markers). ``grade`` reads a run's log with the harness's pars
 repository (``get_logs_eval``: the part between the markers) and judges it with the harness's
 FAIL_TO_PASS / PASS_TO_PASS report (``get_eval_tests_report``, ``get_resolution_status``).
 
+Two formats of instance, two versions of the harness in one venv:
+
+- **4.x** (``swebench`` itself in the venv): the instance names its ``repo`` and ``version``,
+  and the harness's per-repository tables give the test command, the eval script and the
+  parser; a repository or version missing from them cannot be graded.
+- **5.x** (``swebench5/`` in the venv, put first on ``sys.path`` for these instances only):
+  SWE-bench 5 data sets carry each instance's ``eval_script``, ``log_parser`` (a name in the
+  harness's parser registry) and ``eval_type``, so any repository in any of the harness's
+  languages is graded as the data set says. The eval script is returned without 5.x's own
+  exit-status line: the server records the test command's status under a nonce the code under
+  test never sees (a fixed marker it could print itself).
+
 The server reads this file as text and starts it with the venv's interpreter; it imports
 nothing of the service, and the service never imports it (the harness's top-level import pulls
 in docker, datasets and modal, which the server's venv does not carry).
@@ -21,10 +33,39 @@ in docker, datasets and modal, which the server's venv does not carry).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 import tempfile
 from typing import Any
+
+SWEBENCH5_DIR = "swebench5"
+"""Where scripts/setup_swebench.sh installs swebench 5 inside the venv (beside 4.x)."""
+
+
+def carries_eval_script(instance: dict[str, Any]) -> bool:
+    """An instance in SWE-bench 5's format: its own eval script and log parser."""
+    return isinstance(instance.get("eval_script"), str) and bool(instance.get("log_parser"))
+
+
+def _load_harness(five: bool) -> None:
+    """Make ``import swebench`` give the version this instance's format needs, or say why not
+    (a ``LookupError``: the instance cannot be graded with what is installed)."""
+    if five:
+        extra = os.path.join(sys.prefix, SWEBENCH5_DIR)
+        if os.path.isdir(extra):
+            sys.path.insert(0, extra)
+    has_tables = importlib.util.find_spec("swebench.harness.test_spec") is not None
+    if five and has_tables:
+        raise LookupError("the instance carries its own eval_script and log_parser (SWE-bench "
+                          "5's format), which needs swebench 5: re-run `bash "
+                          "scripts/setup_swebench.sh` (it installs both), or point "
+                          "$ROLLOUT_SWEBENCH_PYTHON at a venv with swebench>=5")
+    if not five and not has_tables:
+        raise LookupError("this swebench (5 or later) has no per-repository specs: the "
+                          "instance must carry eval_script, log_parser and eval_type, as "
+                          "SWE-bench 5's data sets do")
 
 
 def _test_spec(instance: dict[str, Any]) -> Any:
@@ -54,18 +95,63 @@ def _test_spec(instance: dict[str, Any]) -> Any:
                     namespace=None), specs
 
 
+def _test_spec5(instance: dict[str, Any]) -> Any:
+    from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT, EvalType
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+    from swebench.harness.utils import make_test_spec
+
+    parser = str(instance["log_parser"])
+    if parser not in PARSER_REGISTRY:
+        raise LookupError(f"the SWE-bench harness has no log parser {parser!r} (it has "
+                          f"{', '.join(sorted(PARSER_REGISTRY))})")
+    eval_type = str(instance.get("eval_type") or EvalType.PASS_AND_FAIL.value)
+    if eval_type not in {t.value for t in EvalType}:
+        raise LookupError(f"eval_type {eval_type!r} is not one of the harness's "
+                          f"{sorted(t.value for t in EvalType)}")
+    script = str(instance["eval_script"])
+    if START_TEST_OUTPUT not in script or END_TEST_OUTPUT not in script:
+        raise LookupError(f"the instance's eval_script must print the harness's markers "
+                          f"{START_TEST_OUTPUT!r} and {END_TEST_OUTPUT!r} around the tests")
+    return make_test_spec({**instance, "version": str(instance.get("version", "")),
+                           "image": str(instance.get("image", "")), "log_parser": parser,
+                           "eval_type": eval_type})
+
+
+def _eval_script5(instance: dict[str, Any]) -> dict[str, Any]:
+    from swebench.harness.utils import parse_eval_script
+
+    spec = _test_spec5(instance)
+    script = "\n".join(["#!/bin/bash", "set -uxo pipefail",
+                         *parse_eval_script(str(instance["eval_script"]))]) + "\n"
+    return {"eval_script": script, "test_cmd": "", "parser": spec.log_parser,
+            "eval_type": spec.eval_type, "harness": _version()}
+
+
+def _version() -> str:
+    import swebench
+
+    return str(getattr(swebench, "__version__", ""))
+
+
 def eval_script(instance: dict[str, Any]) -> dict[str, Any]:
+    five = carries_eval_script(instance)
+    _load_harness(five)
+    if five:
+        return _eval_script5(instance)
     from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
 
     spec, specs = _test_spec(instance)
     test_cmd = specs["test_cmd"]
     return {"eval_script": spec.eval_script,
             "test_cmd": test_cmd if isinstance(test_cmd, str) else " ".join(test_cmd),
-            "parser": getattr(MAP_REPO_TO_PARSER[spec.repo], "__name__", "")}
+            "parser": getattr(MAP_REPO_TO_PARSER[spec.repo], "__name__", ""),
+            "eval_type": "", "harness": _version()}
 
 
 def grade(instance: dict[str, Any], log: str) -> dict[str, Any]:
-    from swebench.harness.constants import FAIL_ONLY_REPOS, EvalType
+    five = carries_eval_script(instance)
+    _load_harness(five)
+    from swebench.harness.constants import EvalType
     from swebench.harness.grading import (
         compute_fail_to_pass,
         compute_pass_to_pass,
@@ -74,7 +160,7 @@ def grade(instance: dict[str, Any], log: str) -> dict[str, Any]:
         get_resolution_status,
     )
 
-    spec, _ = _test_spec(instance)
+    spec = _test_spec5(instance) if five else _test_spec(instance)[0]
     with tempfile.NamedTemporaryFile("w", suffix=".log") as f:
         f.write(log)
         f.flush()
@@ -82,8 +168,13 @@ def grade(instance: dict[str, Any], log: str) -> dict[str, Any]:
     if not found:
         return {"found": False, "status_map": {}, "report": {}, "resolution": "RESOLVED_NO",
                 "fail_to_pass": 0.0, "pass_to_pass": 0.0}
-    eval_type = (EvalType.FAIL_ONLY if spec.repo in FAIL_ONLY_REPOS
-                 else EvalType.PASS_AND_FAIL)
+    if five:
+        eval_type = EvalType(spec.eval_type)
+    else:
+        from swebench.harness.constants import FAIL_ONLY_REPOS
+
+        eval_type = (EvalType.FAIL_ONLY if spec.repo in FAIL_ONLY_REPOS
+                     else EvalType.PASS_AND_FAIL)
     report = get_eval_tests_report(status_map, {"instance_id": spec.instance_id,
                                                 "FAIL_TO_PASS": spec.FAIL_TO_PASS,
                                                 "PASS_TO_PASS": spec.PASS_TO_PASS},

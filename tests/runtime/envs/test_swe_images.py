@@ -1,7 +1,9 @@
 """A SWE-bench-layout image instance: an image made in the test from the set-up's base image
 (Debian + python3) with the repository at /testbed, git, pytest and the conda activation the
 harness's eval script sources; graded through the official swebench package's test spec and
-log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0."""
+log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0. The same
+image as an instance in SWE-bench 5's format (its own eval script, log parser and eval type,
+a repository no 4.x table knows), graded with swebench 5."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from rollout.runtime.envs.swe import images as swe_images
 from rollout.runtime.envs.swe.handler import SweHandler
+from rollout.runtime.handler import HandlerError
 from rollout.runtime.sandbox.base import ImageSettings
 from rollout.runtime.types import InvalidArgument
 from tests.fixtures.images import Registry, base_layout
@@ -195,4 +198,77 @@ def test_image_instances_are_validated() -> None:
                           ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS")):
         with pytest.raises(InvalidArgument) as err:
             SweHandler().validate_task({**task, **change})
+        assert err.value.field == field, change
+
+
+def eval_script5(commit: str, *, with_test_patch: bool = True) -> str:
+    """An eval script as SWE-bench 5's data sets carry one (the shape of the harness's own):
+    activation, the test file reset to the base, the test patch in a here-document, the test
+    command between the markers, the reset again. ``with_test_patch=False``: one that expects
+    the test patch in the tree already (no reset, no here-document)."""
+    reset = f"git checkout {commit} tests/test_calc.py\n" if with_test_patch else ""
+    apply = (f"{reset}git apply -v - <<'EOF_114329324912'\n{TEST_PATCH}\nEOF_114329324912\n"
+             if with_test_patch else "")
+    return ("#!/bin/bash\nset -uxo pipefail\nsource /opt/miniconda3/bin/activate\n"
+            f"conda activate testbed\ncd /testbed\n{apply}: '>>>>> Start Test Output'\n"
+            f"pytest -rA tests/test_calc.py\n: '>>>>> End Test Output'\n{reset}")
+
+
+def instance5(image: str, commit: str, **change: Any) -> dict[str, Any]:
+    """SWE-bench 5's format: a top-level ``image`` and the instance's own eval script, parser
+    and eval type; a repository the 4.x tables do not have."""
+    task = {**instance(image, commit), "instance_id": "acme__calc-7", "repo": "acme/calc",
+            "version": "0.1", "image": image, "eval_script": eval_script5(commit),
+            "log_parser": "parse_log_pytest", "eval_type": "pass_and_fail", **change}
+    del task["spec"]
+    return task
+
+
+async def test_an_instance_with_its_own_eval_script_is_graded_by_swebench_5(
+        rollout: Rollout, swebench_image: tuple[str, str]) -> None:
+    image, commit = swebench_image
+    task = instance5(image, commit)
+    assert swe_images.is_image_instance(task)
+    gold = await rollout(SweHandler(), task, [
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{GOLD}EOF\n"), DONE])
+    assert gold.reward.value == 1.0, gold.reward.info
+    assert gold.reward.info["harness"].startswith("5.")
+    assert gold.reward.info["parser"] == "parse_log_pytest"
+    assert gold.reward.info["eval_type"] == "pass_and_fail"
+    assert gold.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 1.0}
+
+    noop = await rollout(SweHandler(), task, [DONE])
+    assert noop.reward.value == 0.0, noop.reward.info
+    assert noop.reward.info["failing"] == "tests/test_calc.py::test_add"
+
+    # A script that expects the test patch in the tree already (no here-document of it).
+    bare = instance5(image, commit, eval_script=eval_script5(commit, with_test_patch=False))
+    gold = await rollout(SweHandler(), bare, [
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{GOLD}EOF\n"), DONE])
+    assert gold.reward.value == 1.0, gold.reward.info
+
+    # Neither harness can grade these, and INIT says so before the agent runs.
+    past_init: list[Any] = []
+    for change, said in (({"log_parser": "parse_log_nothing"}, "no log parser"),
+                         ({"eval_script": None, "log_parser": None, "eval_type": None},
+                          "no specs for the repository 'acme/calc'")):
+        task = {k: v for k, v in instance5(image, commit, **change).items() if v is not None}
+        with pytest.raises(HandlerError, match=said) as err:
+            await rollout(SweHandler(), task, [DONE], inspect=past_init.append)
+        assert err.value.reason == "INVALID_TASK" and not past_init
+
+
+def test_swebench_5_fields_are_validated() -> None:
+    task = instance5("swebench/sweb.eval.x86_64.acme_1776_calc-7:latest", "abc1234")
+    SweHandler().validate_task(task)
+    assert swe_images.image_of(task) == "docker://swebench/sweb.eval.x86_64.acme_1776_calc-7:latest"
+    for change, field in (({"eval_script": ""}, "task.eval_script"),
+                          ({"eval_script": "pytest"}, "task.eval_script"),
+                          ({"log_parser": "x; rm -rf /"}, "task.log_parser"),
+                          ({"log_parser": None}, "task.log_parser"),
+                          ({"eval_type": "some"}, "task.eval_type"),
+                          ({"image": "docker://"}, "task.image")):
+        with pytest.raises(InvalidArgument) as err:
+            SweHandler().validate_task({k: v for k, v in {**task, **change}.items()
+                                        if v is not None})
         assert err.value.field == field, change
