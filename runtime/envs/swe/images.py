@@ -66,6 +66,9 @@ EVAL_SPEC_KEY = "swe.eval_spec"
 EVAL_TYPES = ("pass_and_fail", "fail_only")
 """SWE-bench 5's ``eval_type`` values (``swebench.harness.constants.EvalType``)."""
 START_MARKER = ">>>>> Start Test Output"
+HARNESS_SPEC_KEYS = ("test_cmd", "log_parser", "eval_commands", "install")
+"""What ``spec`` may give beside ``image``: the SWE-bench harness's table entry for a
+repository its tables lack (:mod:`.swebench_helper`)."""
 MAX_PATCH = 16 << 20
 END_MARKER = ">>>>> End Test Output"
 """The harness's end-of-test-output marker (``swebench.harness.constants.END_TEST_OUTPUT``)."""
@@ -175,11 +178,13 @@ def validate(task: Mapping[str, Any]) -> None:
     spec = task.get("spec")
     where = "spec.image" if spec is not None else "image"
     if spec is not None:
-        unknown = sorted(set(spec) - {"image"})
+        unknown = sorted(set(spec) - {"image", *HARNESS_SPEC_KEYS})
         if unknown:
-            raise invalid(f"a swe image instance's 'spec' takes only 'image' (the image carries "
-                          f"the environment, the SWE-bench harness the test command); got "
-                          f"{unknown}", "spec")
+            raise invalid(f"a swe image instance's 'spec' takes only 'image' and the SWE-bench "
+                          f"harness's entry for a repository its tables lack "
+                          f"({', '.join(HARNESS_SPEC_KEYS)}): the image carries the "
+                          f"environment; got {unknown}", "spec")
+        _validate_harness_spec(task, spec)
     try:
         parse_image_ref(image_of(task))
     except ImageError as e:
@@ -187,6 +192,32 @@ def validate(task: Mapping[str, Any]) -> None:
     _validate_own_eval_script(task)
     if "patch" in task and not isinstance(task["patch"], str):
         raise invalid("swe task field 'patch' must be a string", "patch")
+
+
+def _validate_harness_spec(task: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
+    """``spec.test_cmd`` and friends: a repository the harness's tables lack, given its
+    entry (a test command and a parser, as SWE-Gym's forks of the harness add them)."""
+    if not set(spec) & set(HARNESS_SPEC_KEYS):
+        return
+    if "eval_script" in task:
+        raise invalid("a swe image instance gives either its own 'eval_script' (SWE-bench 5's "
+                      "format) or the harness's entry in 'spec' (test_cmd, log_parser), not "
+                      "both", "spec")
+    cmd = spec.get("test_cmd")
+    if not (isinstance(cmd, str) and cmd.strip()) and not (
+            isinstance(cmd, list) and cmd and all(isinstance(c, str) and c for c in cmd)):
+        raise invalid("swe task field 'spec.test_cmd' must be the repository's test command "
+                      "(the harness appends the test files of the test patch)", "spec.test_cmd")
+    parser = spec.get("log_parser")
+    if not isinstance(parser, str) or not re.fullmatch(r"parse_log_[A-Za-z0-9_]+", parser):
+        raise invalid("swe task field 'spec.log_parser' must name one of the SWE-bench "
+                      "harness's log parsers (such as 'parse_log_pytest')", "spec.log_parser")
+    extra = spec.get("eval_commands", [])
+    if not isinstance(extra, list) or not all(isinstance(c, str) for c in extra):
+        raise invalid("swe task field 'spec.eval_commands' must be a list of shell commands",
+                      "spec.eval_commands")
+    if not isinstance(spec.get("install", ""), str):
+        raise invalid("swe task field 'spec.install' must be a shell command", "spec.install")
 
 
 def _validate_own_eval_script(task: Mapping[str, Any]) -> None:
@@ -376,6 +407,9 @@ def instance_fields(task: Mapping[str, Any]) -> dict[str, Any]:
     fields = {k: task[k] for k in ("instance_id", "repo", "version", "base_commit", "test_patch",
                                    "FAIL_TO_PASS", "PASS_TO_PASS", "eval_script", "log_parser",
                                    "eval_type") if k in task}
+    spec = task.get("spec")
+    if isinstance(spec, Mapping) and set(spec) & set(HARNESS_SPEC_KEYS):
+        fields["harness_spec"] = {k: spec[k] for k in HARNESS_SPEC_KEYS if k in spec}
     return {**fields, "image": image_of(task)}
 
 

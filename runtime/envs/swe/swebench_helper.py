@@ -19,6 +19,10 @@ Two formats of instance, two versions of the harness in one venv:
 - **4.x** (``swebench`` itself in the venv): the instance names its ``repo`` and ``version``,
   and the harness's per-repository tables give the test command, the eval script and the
   parser; a repository or version missing from them cannot be graded.
+  An instance of a repository the tables lack (SWE-Gym's, say) may bring the table entry
+  itself as ``harness_spec`` (``test_cmd``, ``log_parser``, optionally ``eval_commands`` and
+  ``install``): it is entered into the tables for this one process and the harness makes the
+  eval script and reads the log exactly as for its own repositories (Python test runners).
 - **5.x** (``swebench5/`` in the venv, put first on ``sys.path`` for these instances only):
   SWE-bench 5 data sets carry each instance's ``eval_script``, ``log_parser`` (a name in the
   harness's parser registry) and ``eval_type``, so any repository in any of the harness's
@@ -68,11 +72,40 @@ def _load_harness(five: bool) -> None:
                           "SWE-bench 5's data sets do")
 
 
+def _parser_named(name: str) -> Any:
+    """A 4.x log parser by its function name (4.x files them by repository only)."""
+    import importlib
+
+    for module in ("python", "javascript", "go", "java", "rust", "php", "ruby", "c"):
+        found = getattr(importlib.import_module(f"swebench.harness.log_parsers.{module}"),
+                        name, None)
+        if name.startswith("parse_log_") and callable(found):
+            return found
+    raise LookupError(f"the SWE-bench harness has no log parser {name!r}")
+
+
+def _enter_spec(instance: dict[str, Any]) -> None:
+    """The instance's own table entry (``harness_spec``), entered into the harness's tables
+    for this process: the test command (and extra eval commands, an install step) under its
+    repository and version, a Python repository, and the parser it names."""
+    from swebench.harness.constants import MAP_REPO_TO_EXT, MAP_REPO_VERSION_TO_SPECS
+    from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
+
+    given = instance["harness_spec"]
+    repo, version = instance["repo"], str(instance["version"])
+    entry = {k: given[k] for k in ("test_cmd", "eval_commands", "install") if k in given}
+    MAP_REPO_VERSION_TO_SPECS.setdefault(repo, {})[version] = entry
+    MAP_REPO_TO_EXT[repo] = "py"
+    MAP_REPO_TO_PARSER[repo] = _parser_named(str(given["log_parser"]))
+
+
 def _test_spec(instance: dict[str, Any]) -> Any:
     from swebench.harness.constants import MAP_REPO_TO_EXT, MAP_REPO_VERSION_TO_SPECS
     from swebench.harness.test_spec.create_scripts import make_eval_script_list
     from swebench.harness.test_spec.test_spec import TestSpec
 
+    if instance.get("harness_spec"):
+        _enter_spec(instance)
     repo, version = instance["repo"], str(instance["version"])
     if repo not in MAP_REPO_VERSION_TO_SPECS:
         raise LookupError(f"the SWE-bench harness has no specs for the repository {repo!r}")

@@ -3,7 +3,8 @@
 harness's eval script sources; graded through the official swebench package's test spec and
 log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0. The same
 image as an instance in SWE-bench 5's format (its own eval script, log parser and eval type,
-a repository no 4.x table knows), graded with swebench 5."""
+a repository no 4.x table knows), graded with swebench 5; and as an instance that brings the
+4.x table entry its repository lacks (a test command and a parser, as SWE-Gym's are run)."""
 
 from __future__ import annotations
 
@@ -192,8 +193,16 @@ async def test_a_forged_result_line_earns_0(rollout: Rollout,
 def test_image_instances_are_validated() -> None:
     task = instance("docker://swebench/sweb.eval.x86_64.psf_1776_requests-9001:latest", "abc1234")
     SweHandler().validate_task(task)
+    table = {"image": "docker://x/y:1", "test_cmd": "pytest -rA",
+             "log_parser": "parse_log_pytest"}
+    SweHandler().validate_task({**task, "spec": table})
     for change, field in (({"spec": {"image": "swebench/sweb"}}, "task.spec.image"),
-                          ({"spec": {"image": "docker://x/y:1", "install": "x"}}, "task.spec"),
+                          ({"spec": {"image": "docker://x/y:1", "python": "3.11"}}, "task.spec"),
+                          ({"spec": {**table, "test_cmd": ""}}, "task.spec.test_cmd"),
+                          ({"spec": {**table, "log_parser": "x"}}, "task.spec.log_parser"),
+                          ({"spec": {"image": "docker://x/y:1", "install": "x"}},
+                           "task.spec.test_cmd"),
+                          ({"spec": {**table, "eval_commands": "x"}}, "task.spec.eval_commands"),
                           ({"version": ""}, "task.version"), ({"repo": "requests"}, "task.repo"),
                           ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS")):
         with pytest.raises(InvalidArgument) as err:
@@ -258,6 +267,24 @@ async def test_an_instance_with_its_own_eval_script_is_graded_by_swebench_5(
         assert err.value.reason == "INVALID_TASK" and not past_init
 
 
+async def test_an_instance_with_the_harness_entry_its_repository_lacks(
+        rollout: Rollout, swebench_image: tuple[str, str]) -> None:
+    image, commit = swebench_image
+    task = {**instance(image, commit), "instance_id": "acme__calc-8", "repo": "acme/calc",
+            "version": "0.1", "spec": {"image": image, "test_cmd": "pytest -rA",
+                                       "log_parser": "parse_log_pytest"}}
+    gold = await rollout(SweHandler(), task, [
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{GOLD}EOF\n"), DONE])
+    assert gold.reward.value == 1.0, gold.reward.info
+    # The harness made the script: its test command with the test patch's file appended.
+    assert gold.reward.info["test_cmd"] == "pytest -rA"
+    assert "pytest -rA tests/test_calc.py" in gold.reward.info["log"]
+    assert gold.reward.info["parser"] == "parse_log_pytest"
+    noop = await rollout(SweHandler(), task, [DONE])
+    assert noop.reward.value == 0.0, noop.reward.info
+    assert noop.reward.components == {"fail_to_pass": 0.0, "pass_to_pass": 1.0}
+
+
 def test_swebench_5_fields_are_validated() -> None:
     task = instance5("swebench/sweb.eval.x86_64.acme_1776_calc-7:latest", "abc1234")
     SweHandler().validate_task(task)
@@ -267,7 +294,9 @@ def test_swebench_5_fields_are_validated() -> None:
                           ({"log_parser": "x; rm -rf /"}, "task.log_parser"),
                           ({"log_parser": None}, "task.log_parser"),
                           ({"eval_type": "some"}, "task.eval_type"),
-                          ({"image": "docker://"}, "task.image")):
+                          ({"image": "docker://"}, "task.image"),
+                          ({"spec": {"image": "docker://x/y:1", "test_cmd": "pytest",
+                                     "log_parser": "parse_log_pytest"}}, "task.spec")):
         with pytest.raises(InvalidArgument) as err:
             SweHandler().validate_task({k: v for k, v in {**task, **change}.items()
                                         if v is not None})
