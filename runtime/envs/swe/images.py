@@ -204,8 +204,7 @@ def _validate_harness_spec(task: Mapping[str, Any], spec: Mapping[str, Any]) -> 
                       "format) or the harness's entry in 'spec' (test_cmd, log_parser), not "
                       "both", "spec")
     cmd = spec.get("test_cmd")
-    if not (isinstance(cmd, str) and cmd.strip()) and not (
-            isinstance(cmd, list) and cmd and all(isinstance(c, str) and c for c in cmd)):
+    if not (isinstance(cmd, str) and cmd.strip()):
         raise invalid("swe task field 'spec.test_cmd' must be the repository's test command "
                       "(the harness appends the test files of the test patch)", "spec.test_cmd")
     parser = spec.get("log_parser")
