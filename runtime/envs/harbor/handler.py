@@ -248,12 +248,10 @@ def image_source(harbor: HarborTask) -> Any:
     ``docker_image`` (a registry reference; the server's registries.conf mirrors apply), else
     ``environment/`` built daemonless, cached by its content, under the task's build
     timeout. The sandbox runtime fetches or builds it when the cache lacks it."""
-    if harbor.docker_image:
-        ref = harbor.docker_image
-        spelled = ref.startswith(("docker://", "oci:", "oci-archive:", "docker-archive:"))
-        return ref if spelled else f"docker://{ref}"
-    from rollout.runtime.sandbox.images import BuildSpec
+    from rollout.runtime.sandbox.images import BuildSpec, with_transport
 
+    if harbor.docker_image:
+        return with_transport(harbor.docker_image)
     return BuildSpec(context=harbor.path / taskdir.ENVIRONMENT, dockerfile="Dockerfile",
                      timeout_s=harbor.build_timeout_s, label=harbor.name)
 

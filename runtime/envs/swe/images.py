@@ -150,9 +150,9 @@ def image_of(task: Mapping[str, Any]) -> str:
     spec = task.get("spec")
     if isinstance(spec, Mapping):
         return str(spec["image"])
-    ref = str(task["image"]).strip()
-    spelled = ref.startswith(("docker://", "oci:", "oci-archive:", "docker-archive:"))
-    return ref if spelled else f"docker://{ref}"
+    from rollout.runtime.sandbox.images import with_transport
+
+    return with_transport(str(task["image"]))
 
 
 def validate(task: Mapping[str, Any]) -> None:

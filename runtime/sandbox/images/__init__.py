@@ -62,7 +62,12 @@ from rollout.runtime.sandbox.images.cache import (
 from rollout.runtime.sandbox.images.config import ImageConfig, host_architecture
 from rollout.runtime.sandbox.images.errors import REASONS, ImageError
 from rollout.runtime.sandbox.images.layers import LayerPolicy, LayerVerdict, check_layers
-from rollout.runtime.sandbox.images.ref import ImageRef, is_image_ref, parse_image_ref
+from rollout.runtime.sandbox.images.ref import (
+    ImageRef,
+    is_image_ref,
+    parse_image_ref,
+    with_transport,
+)
 from rollout.runtime.sandbox.images.user import ImageUser, UserRequest, resolve_user
 
 ImageSource = str | ImageRef | BuildSpec
@@ -73,7 +78,8 @@ __all__ = ["REASONS", "BuildLimits", "BuildSpec", "CacheEntry", "CachedImage", "
            "ImageSource", "ImageUser", "LayerPolicy", "LayerVerdict", "Progress",
            "RegistryOptions", "UserRequest", "build_image", "cache_for", "check_layers",
            "context_key", "host_architecture", "is_image_ref", "lease_image", "lookup_build",
-           "lookup_image", "parse_image_ref", "prepare_image", "resolve_user", "source_label"]
+           "lookup_image", "parse_image_ref", "prepare_image", "resolve_user", "source_label",
+           "with_transport"]
 
 _CACHES: dict[tuple[ImageSettings, Path], ImageCache] = {}
 _CACHES_LOCK = threading.Lock()

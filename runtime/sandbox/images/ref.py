@@ -104,6 +104,13 @@ def is_image_ref(text: str) -> bool:
         text.startswith(t + ":") for t in TRANSPORTS if t != "docker"))
 
 
+def with_transport(text: str) -> str:
+    """``text`` as a reference: as given when it names a transport, else a registry reference
+    (``docker://``), as data sets and Docker spell images (``python:3.11-slim``)."""
+    text = text.strip()
+    return text if is_image_ref(text) else f"docker://{text}"
+
+
 def _invalid(text: str, why: str) -> ImageError:
     return ImageError(
         f"image reference {text!r} is invalid: {why}. Use docker://NAME[:TAG] (a registry), "

@@ -18,6 +18,7 @@ from rollout.runtime.sandbox.images import (
     cache_for,
     parse_image_ref,
     prepare_image,
+    with_transport,
 )
 from tests.fixtures.images import Registry
 
@@ -38,6 +39,11 @@ def test_references_parse_into_values_and_bad_ones_say_what_is_valid() -> None:
             parse_image_ref(bad)
         assert e.value.reason == "INVALID_IMAGE_REF" and why in str(e.value)
         assert "docker://NAME[:TAG]" in str(e.value)
+    # As data sets and Dockerfiles spell an image: a registry reference unless it names a
+    # transport (a bad one stays as it is, for the parser to refuse).
+    assert with_transport(" python:3.11-slim ") == "docker://python:3.11-slim"
+    for spelled in ("docker://a/b:1", "oci:/l:t", "oci-archive:/x.tar", "oci:relative"):
+        assert with_transport(spelled) == spelled
 
 
 def test_a_registry_image_is_fetched_once_and_its_config_kept(
