@@ -5,7 +5,9 @@
 #
 #   swebench-<key>/          swebench==SWEBENCH_VERSION with its dependencies, and in its
 #                            swebench5/ folder swebench==SWEBENCH5_VERSION (no dependencies of
-#                            its own: it imports with the same ones)
+#                            its own: it imports with the same ones), and in its swesmith/
+#                            folder swesmith==SWESMITH_VERSION (SWE-smith's repository profiles:
+#                            test commands and log parsers; likewise without dependencies)
 #   current-swebench         a link to it, which the server finds (or $ROLLOUT_SWEBENCH_PYTHON)
 #
 # Why its own venv: the package's top-level import pulls in docker, datasets, modal and ghapi,
@@ -27,6 +29,7 @@ SWEBENCH_VERSION=4.1.0
 # (the per-repository tables of 4.x are gone): instances in that format are graded with it,
 # instances without those fields with 4.x's tables.
 SWEBENCH5_VERSION=5.0.2
+SWESMITH_VERSION=0.0.9
 
 install_swebench() {  # $1: target directory
   "$BASE_PY" -m venv "$1"
@@ -40,9 +43,13 @@ from swebench.harness.grading import get_logs_eval" >/dev/null
   PYTHONPATH="$1/swebench5" "$1/bin/python" -c "from swebench.harness.utils import make_test_spec; \
 from swebench.harness.grading import get_logs_eval; from swebench.harness.log_parsers import \
 PARSER_REGISTRY" >/dev/null
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$1/swesmith" \
+    "swesmith==$SWESMITH_VERSION" 2> >(grep -v "^WARNING: Location" >&2)
+  (cd / && PYTHONPATH="$1/swesmith" "$1/bin/python" -c "from swesmith.profiles import registry; \
+from swesmith.harness.grading import get_eval_tests_report, read_test_output" >/dev/null)
 }
 
-want="$({ declare -f install_swebench; echo "$BASE_PY $SWEBENCH_VERSION $SWEBENCH5_VERSION"; } | sha256sum | cut -c1-16)"
+want="$({ declare -f install_swebench; echo "$BASE_PY $SWEBENCH_VERSION $SWEBENCH5_VERSION $SWESMITH_VERSION"; } | sha256sum | cut -c1-16)"
 dir=$CACHE/swebench-$want
 if [ "$(cat "$dir/.setup-stamp" 2>/dev/null)" != "$want" ]; then
   t0=$SECONDS

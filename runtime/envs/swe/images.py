@@ -135,6 +135,10 @@ rm -rf .git
 def is_image_instance(task: Mapping[str, Any]) -> bool:
     """A task whose image carries its repository at ``/testbed`` (no ``repo_source``): named
     by ``spec.image``, or by a top-level ``image`` where there is no ``spec``."""
+    from rollout.runtime.envs.swe import smith
+
+    if smith.is_smith_instance(task):
+        return True
     if "repo_source" in task:
         return False
     spec = task.get("spec")
@@ -156,9 +160,13 @@ def image_of(task: Mapping[str, Any]) -> str:
 
 
 def validate(task: Mapping[str, Any]) -> None:
+    from rollout.runtime.envs.swe import smith
     from rollout.runtime.envs.swe.handler import named_tests
     from rollout.runtime.sandbox.images import ImageError, parse_image_ref
 
+    if smith.is_smith_instance(task):
+        smith.validate(task)
+        return
     check_task_object(task, "swe")
     for name in ("instance_id", "problem_statement", "test_patch", "repo"):
         require_str(task, name, env="swe")
@@ -244,8 +252,19 @@ def _validate_own_eval_script(task: Mapping[str, Any]) -> None:
 
 
 async def init(ctx: JobContext) -> None:
+    from rollout.runtime.envs.swe import smith
+
     task = ctx.spec.task
     validate(task)
+    if smith.is_smith_instance(task):
+        ctx.state[EVAL_SPEC_KEY] = await ask_swebench("smith-spec",
+                                                      {"instance": smith.fields(task)})
+        image = ctx.state[IMAGE_KEY] = smith.image(task)
+        sandbox = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
+        ctx.state[SANDBOX_KEY] = sandbox
+        ctx.state[smith.BASE_KEY] = await smith.make_base(sandbox, task)
+        ctx.progress("environment", {"image": image, "repository": TESTBED})
+        return
     image = image_of(task)
     # Before any sandbox: an instance the harness cannot grade fails here, not after its RUN.
     ctx.state[EVAL_SPEC_KEY] = await ask_swebench("eval-script",
@@ -266,9 +285,11 @@ async def init(ctx: JobContext) -> None:
 
 async def evaluate(ctx: JobContext) -> Reward:
     from rollout.runtime.envs.swe import handler as swe
+    from rollout.runtime.envs.swe import smith
 
-    task = ctx.spec.task
-    image = ctx.state.get(IMAGE_KEY) or image_of(task)
+    bug = smith.is_smith_instance(ctx.spec.task)
+    task = smith.graded_task(ctx) if bug else ctx.spec.task
+    image = ctx.state.get(IMAGE_KEY) or (smith.image(task) if bug else image_of(task))
     f2p, p2p = swe.named_tests(task, "FAIL_TO_PASS"), swe.named_tests(task, "PASS_TO_PASS")
     agent = sandbox_of(ctx)
     await end_agent(ctx)
@@ -282,21 +303,30 @@ async def evaluate(ctx: JobContext) -> Reward:
         return Reward(0.0, zero, {"error": f"git could not read the change to {TESTBED}",
                                   "log": diff.output[-_LOG_TAIL:]})
     spec = ctx.state.get(EVAL_SPEC_KEY) or await ask_swebench(
-        "eval-script", {"instance": instance_fields(task)})
+        "smith-spec" if bug else "eval-script",
+        {"instance": smith.fields(task) if bug else instance_fields(task)})
     grader = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
     try:
-        return await _grade(ctx, grader, diff.stdout, spec, f2p, p2p)
+        return await _grade(ctx, grader, diff.stdout, spec, f2p, p2p, task)
     finally:
         await grader.destroy()
 
 
 async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, Any],
-                 f2p: list[str], p2p: list[str]) -> Reward:
+                 f2p: list[str], p2p: list[str], task: Mapping[str, Any]) -> Reward:
+    """``task``: the instance as graded (a SWE-smith one's made base as ``base_commit``)."""
     from rollout.runtime.envs.swe import handler as swe
     from rollout.runtime.envs.swe import runners as swe_runners
+    from rollout.runtime.envs.swe import smith
 
-    task = ctx.spec.task
+    bug = smith.is_smith_instance(ctx.spec.task)
     zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
+    if bug:  # the same starting point as the agent's, from the pristine image
+        made = await smith.make_base(grader, task, patch_file=await write_private(
+            grader, "bug.patch", task["patch"].encode("utf-8", "surrogateescape")))
+        if made != task["base_commit"]:
+            raise HandlerError(f"the grader's starting point of {task['instance_id']} ({made}) "
+                               f"is not the agent's ({task['base_commit']})", "HANDLER_ERROR")
     await write_private(grader, "agent.patch", patch.encode("utf-8", "surrogateescape"))
     test_patch = await write_private(grader, "test.patch", task["test_patch"])
     tree = await write_private(grader, "swe_grade_tree.py", swe.GRADE_TREE_SOURCE.read_bytes())
@@ -310,7 +340,7 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
         return Reward(0.0, zero, {"error": "the agent's change does not apply to the image's "
                                            "repository", "log": prepared.output[-_LOG_TAIL:]})
     if not prepared.ok:
-        raise HandlerError(f"preparing the grading tree in {image_of(task)} failed: "
+        raise HandlerError(f"preparing the grading tree in {ctx.state.get(IMAGE_KEY)} failed: "
                            f"{prepared.output[-600:]}", "HANDLER_ERROR")
     runner = swe_runners.runner_of(task)
     python = python_argv(grader) if getattr(grader, "python_launcher", ()) else ["python3"]
@@ -325,7 +355,8 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
         return Reward(0.0, zero, {"error": why, "log": built.output[-_LOG_TAIL:]})
     tree_report = json.loads(built.stdout.strip().splitlines()[-1] or "{}")
     info: dict[str, str] = {"restored": ",".join(tree_report.get("restored", []))[:1000],
-                            "grader": "swebench", "parser": str(spec.get("parser", "")),
+                            "grader": "swesmith" if bug else "swebench",
+                            "parser": str(spec.get("parser", "")),
                             "test_cmd": str(spec.get("test_cmd", "")),
                             "harness": str(spec.get("harness", ""))}
     if spec.get("eval_type"):
@@ -347,8 +378,8 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
     if run.timed_out:
         info["error"] = f"the eval script timed out after {timeout:g} s"
         return Reward(0.0, zero, info)
-    verdict = await ask_swebench("grade", {"instance": instance_fields(task),
-                                           "log": run.output})
+    verdict = await ask_swebench("smith-grade" if bug else "grade", {
+        "instance": smith.fields(task) if bug else instance_fields(task), "log": run.output})
     components = {"fail_to_pass": float(verdict.get("fail_to_pass", 0.0)),
                   "pass_to_pass": float(verdict.get("pass_to_pass", 0.0))}
     info["resolution"] = str(verdict.get("resolution", ""))

@@ -30,6 +30,14 @@ Two formats of instance, two versions of the harness in one venv:
   exit-status line: the server records the test command's status under a nonce the code under
   test never sees (a fixed marker it could print itself).
 
+SWE-smith instances (:mod:`.smith`) are graded by SWE-smith's profile of their repository
+(``swesmith/`` in the venv: the ``swesmith`` package, which imports with 4.x's dependencies):
+
+    python swebench_helper.py smith-spec    < {"instance": {...}}
+        -> {"eval_script": "...", "test_cmd": "...", "parser": "Moto694ce1f4.log_parser"}
+    python swebench_helper.py smith-grade   < {"instance": {...}, "log": "..."}
+        -> as ``grade``
+
 The server reads this file as text and starts it with the venv's interpreter; it imports
 nothing of the service, and the service never imports it (the harness's top-level import pulls
 in docker, datasets and modal, which the server's venv does not carry).
@@ -46,6 +54,8 @@ from typing import Any
 
 SWEBENCH5_DIR = "swebench5"
 """Where scripts/setup_swebench.sh installs swebench 5 inside the venv (beside 4.x)."""
+SWESMITH_DIR = "swesmith"
+"""Where it installs the ``swesmith`` package (SWE-smith's repository profiles)."""
 
 
 def carries_eval_script(instance: dict[str, Any]) -> bool:
@@ -218,6 +228,68 @@ def grade(instance: dict[str, Any], log: str) -> dict[str, Any]:
             "pass_to_pass": compute_pass_to_pass(report)}
 
 
+def _profile(instance: dict[str, Any]) -> Any:
+    extra = os.path.join(sys.prefix, SWESMITH_DIR)
+    if os.path.isdir(extra):
+        sys.path.append(extra)  # after 4.x's swebench, which swesmith imports
+    if importlib.util.find_spec("swesmith") is None:
+        raise LookupError("SWE-smith instances need the swesmith package: re-run `bash "
+                          "scripts/setup_swebench.sh` (it installs it beside the harness)")
+    from swesmith.profiles import registry
+
+    try:
+        return registry.get_from_inst(instance)
+    except KeyError:
+        raise LookupError(f"SWE-smith has no profile for the repository "
+                          f"{instance.get('repo')!r}") from None
+
+
+def smith_spec(instance: dict[str, Any]) -> dict[str, Any]:
+    """The eval script SWE-smith's harness runs for the instance: its profile's test command
+    (over the files of the named tests where the profile tests only those) between the
+    markers, in /testbed, traced."""
+    profile = _profile(instance)
+    from swesmith.constants import TEST_OUTPUT_END, TEST_OUTPUT_START
+
+    test_cmd, _ = profile.get_test_cmd(instance)
+    script = "\n".join(["#!/bin/bash", "set -uxo pipefail", "cd /testbed",
+                         f": '{TEST_OUTPUT_START}'", test_cmd, f": '{TEST_OUTPUT_END}'"]) + "\n"
+    import swesmith
+
+    return {"eval_script": script, "test_cmd": test_cmd,
+            "parser": f"{type(profile).__name__}.log_parser",
+            "harness": f"swesmith {getattr(swesmith, '__version__', '')}".strip()}
+
+
+def smith_grade(instance: dict[str, Any], log: str) -> dict[str, Any]:
+    """The log read with the profile's parser (the part SWE-smith reads: between the traced
+    markers) and judged by SWE-smith's FAIL_TO_PASS / PASS_TO_PASS report."""
+    profile = _profile(instance)
+    from swebench.harness.grading import (
+        compute_fail_to_pass,
+        compute_pass_to_pass,
+        get_resolution_status,
+    )
+    from swesmith.harness.grading import get_eval_tests_report, read_test_output
+
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as f:
+        f.write(log)
+        f.flush()
+        content, found = read_test_output(f.name)
+    status_map = profile.log_parser(content) if found and content is not None else {}
+    if not found or not status_map:
+        return {"found": False, "status_map": {}, "report": {}, "resolution": "RESOLVED_NO",
+                "fail_to_pass": 0.0, "pass_to_pass": 0.0}
+    listed = {k: json.loads(v) if isinstance(v, str) else v for k, v in instance.items()
+              if k in ("FAIL_TO_PASS", "PASS_TO_PASS")}
+    report = get_eval_tests_report(status_map, {"FAIL_TO_PASS": listed.get("FAIL_TO_PASS", []),
+                                                "PASS_TO_PASS": listed.get("PASS_TO_PASS", [])})
+    return {"found": True, "status_map": status_map, "report": report,
+            "resolution": get_resolution_status(report),
+            "fail_to_pass": compute_fail_to_pass(report),
+            "pass_to_pass": compute_pass_to_pass(report)}
+
+
 def main(argv: list[str]) -> int:
     request = json.loads(sys.stdin.read())
     try:
@@ -225,8 +297,13 @@ def main(argv: list[str]) -> int:
             result = eval_script(request["instance"])
         elif argv[1:] == ["grade"]:
             result = grade(request["instance"], request["log"])
+        elif argv[1:] == ["smith-spec"]:
+            result = smith_spec(request["instance"])
+        elif argv[1:] == ["smith-grade"]:
+            result = smith_grade(request["instance"], request["log"])
         else:
-            sys.stderr.write("usage: swebench_helper.py eval-script|grade < request.json\n")
+            sys.stderr.write("usage: swebench_helper.py eval-script|grade|smith-spec|smith-grade "
+                             "< request.json\n")
             return 2
     except (LookupError, ValueError) as e:
         result = {"error": str(e)}

@@ -4,7 +4,9 @@ harness's eval script sources; graded through the official swebench package's te
 log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0. The same
 image as an instance in SWE-bench 5's format (its own eval script, log parser and eval type,
 a repository no 4.x table knows), graded with swebench 5; and as an instance that brings the
-4.x table entry its repository lacks (a test command and a parser, as SWE-Gym's are run)."""
+4.x table entry its repository lacks (a test command and a parser, as SWE-Gym's are run); and
+as a SWE-smith instance (a bug patch over the image's clean repository, graded by SWE-smith's
+profile of the repository)."""
 
 from __future__ import annotations
 
@@ -300,4 +302,80 @@ def test_swebench_5_fields_are_validated() -> None:
         with pytest.raises(InvalidArgument) as err:
             SweHandler().validate_task({k: v for k, v in {**task, **change}.items()
                                         if v is not None})
+        assert err.value.field == field, change
+
+
+BUG = diff("""\
+diff --git a/calc.py b/calc.py
+--- a/calc.py
++++ b/calc.py
+@@ -3,4 +3,4 @@ def add(a, b):
+~
+~
+ def sub(a, b):
+-    return a - b
++    return a + b
+""")
+FIX = diff("""\
+diff --git a/calc.py b/calc.py
+--- a/calc.py
++++ b/calc.py
+@@ -3,4 +3,4 @@ def add(a, b):
+~
+~
+ def sub(a, b):
+-    return a + b
++    return a - b
+""")
+
+
+def smith_instance(image: str) -> dict[str, Any]:
+    """A SWE-smith row (no base_commit, no test_patch; ``patch`` makes the bug) of a
+    repository SWE-smith has a Python profile of, on the test's image."""
+    return {"instance_id": "getmoto__moto.694ce1f4.func_pm_op_swap__calc1",
+            "repo": "swesmith/getmoto__moto.694ce1f4", "image_name": image, "patch": BUG,
+            "problem_statement": "sub() adds its arguments.",
+            "FAIL_TO_PASS": ["tests/test_calc.py::test_sub"], "PASS_TO_PASS": []}
+
+
+async def test_a_swe_smith_instance_gets_its_bug_and_swe_smiths_grading(
+        rollout: Rollout, swebench_image: tuple[str, str]) -> None:
+    task = smith_instance(swebench_image[0])
+    assert swe_images.is_image_instance(task)
+    # The bug is in the tree and nowhere in the history: one commit, no other ref.
+    look = "cd /testbed && git rev-list --all | wc -l && git for-each-ref | wc -l && git status -s"
+    fixed = await rollout(SweHandler(), task, [
+        call("bash", command=look),
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{FIX}EOF\n"), DONE])
+    assert "<|im_start|>tool\n1\n1\n<|im_end|>" in fixed.prompt_text()
+    assert fixed.reward.value == 1.0, fixed.reward.info
+    assert fixed.reward.info["grader"] == "swesmith"
+    assert fixed.reward.info["parser"] == "Moto694ce1f4.log_parser"
+    assert fixed.reward.info["test_cmd"].endswith("--verbose tests/test_calc.py")
+    assert fixed.reward.components == {"fail_to_pass": 1.0, "pass_to_pass": 1.0}
+
+    noop = await rollout(SweHandler(), task, [DONE])
+    assert noop.reward.value == 0.0
+    assert noop.reward.info["failing"] == "tests/test_calc.py::test_sub"
+
+    # The test rewritten to pass is put back before the tests run.
+    cheat = "cd /testbed && printf 'def test_sub():\\n    pass\\n' > tests/test_calc.py"
+    wrong = await rollout(SweHandler(), task, [call("bash", command=cheat), DONE])
+    assert wrong.reward.value == 0.0 and "tests/test_calc.py" in wrong.reward.info["restored"]
+
+    # A bug that does not apply to the image is the task's fault, found at INIT.
+    with pytest.raises(HandlerError, match="does not apply") as err:
+        await rollout(SweHandler(), {**task, "patch": BUG.replace("a - b", "a * b")}, [DONE])
+    assert err.value.reason == "INVALID_TASK"
+
+
+def test_swe_smith_rows_are_validated() -> None:
+    task = smith_instance("jyangballin/swesmith.x86_64.getmoto_1776_moto.694ce1f4")
+    SweHandler().validate_task(task)
+    for change, field in (({"patch": "not a diff"}, "task.patch"),
+                          ({"image_name": "UPPER/x"}, "task.image_name"),
+                          ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS"),
+                          ({"problem_statement": ""}, "task.problem_statement")):
+        with pytest.raises(InvalidArgument) as err:
+            SweHandler().validate_task({**task, **change})
         assert err.value.field == field, change
