@@ -414,11 +414,14 @@ def with_exit_status(script: str, nonce: str) -> str:
     """The harness's eval script with the test command's exit status recorded: kept right
     after the command (the end marker, a ``:`` in the harness's own scripts, would reset it)
     and printed after the marker under a name the code under test never saw, so a log whose
-    every test passed can be checked against a runner that failed."""
+    every test passed can be checked against a runner that failed. A script that records the
+    status itself (``VAR=$?`` right before the marker, as swebench 5 writes) gets the capture
+    before that line: after it, ``$?`` is the assignment's 0."""
     lines = script.split("\n")
     for i, line in enumerate(lines):
         if END_MARKER in line and i > 0:
-            return "\n".join([*lines[:i], "rollout_exit=$?", line,
+            at = i - 1 if i > 1 and re.fullmatch(r"\s*[A-Za-z_]\w*=\$\?\s*", lines[i - 1]) else i
+            return "\n".join([*lines[:at], "rollout_exit=$?", *lines[at:i + 1],
                                f'echo "ROLLOUT_EXIT_{nonce}=$rollout_exit"', *lines[i + 1:]])
     return script
 

@@ -379,3 +379,15 @@ def test_swe_smith_rows_are_validated() -> None:
         with pytest.raises(InvalidArgument) as err:
             SweHandler().validate_task({**task, **change})
         assert err.value.field == field, change
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_the_test_commands_exit_status_is_recorded_under_the_nonce(recorded: bool) -> None:
+    """Whether or not the script records the status itself (swebench 5's ``VAR=$?`` before
+    the end marker), the nonce line carries the test command's own status, not 0."""
+    own = ["SWEBENCH_TEST_EXIT_CODE=$?"] if recorded else []
+    script = "\n".join(["#!/bin/bash", "set -uxo pipefail", ": '>>>>> Start Test Output'",
+                        "(exit 3)", *own, ": '>>>>> End Test Output'", "true", ""])
+    run = subprocess.run(["bash", "-c", swe_images.with_exit_status(script, "n0nce")],
+                         capture_output=True, text=True, timeout=30)
+    assert "ROLLOUT_EXIT_n0nce=3" in run.stdout, run.stdout + run.stderr
