@@ -104,6 +104,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+_OPEN_CONTEXTS: set[Any] = set()
+"""The ZeroMQ context of every kernel client until its kernel is closed. A client dropped
+without :meth:`IPythonKernel.close` makes its context, channels and sockets one garbage cycle;
+the collector clears the context's weak references to its sockets before any finaliser runs,
+so the context's ``__del__`` closes none of them and ``zmq_ctx_term`` then waits for them for
+ever, in whichever thread the collector happened to run (a loaded test run hung a worker so).
+Held here, an unclosed kernel's context is a leak, never a hang."""
+
+
 class IPythonKernel:
     """One kernel process plus its client. ``await IPythonKernel.start(sandbox)``."""
 
@@ -116,6 +125,7 @@ class IPythonKernel:
         """How the last kernel process ended (``Popen.returncode``: negative for a signal), set
         when it is reaped; None while none has ended or when it could not be reaped in time."""
         self._client: Any = None
+        self._context: Any = None
         self._lock = asyncio.Lock()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._dir_fd = -1
@@ -128,8 +138,15 @@ class IPythonKernel:
         ``startup_timeout`` defaults to the scaled ``KERNEL_STARTUP_S``."""
         py = python or (getattr(sandbox, "python", None) if sandbox else None) or sys.executable
         kernel = cls(sandbox, transport, py)
-        await kernel._launch(scaled(KERNEL_STARTUP_S) if startup_timeout is None
-                             else startup_timeout)
+        try:
+            await kernel._launch(scaled(KERNEL_STARTUP_S) if startup_timeout is None
+                                 else startup_timeout)
+        except BaseException:
+            # Failed or cancelled after the client opened (a job cancelled while its python
+            # tool starts): close what was opened, whatever happens to this task meanwhile.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(kernel.close())
+            raise
         return kernel
 
     def _dirs(self) -> tuple[Path, str]:
@@ -190,7 +207,11 @@ class IPythonKernel:
         finally:
             os.close(log)
         self._proc = _KernelProcess(popen, self.sandbox)
-        client = AsyncKernelClient()
+        import zmq.asyncio
+
+        self._context = zmq.asyncio.Context()
+        _OPEN_CONTEXTS.add(self._context)
+        client = AsyncKernelClient(context=self._context)
         client_info: dict[str, Any] = {**info, "ip": host_ip}
         client.load_connection_info(client_info)  # type: ignore[arg-type]
         # No heartbeat thread: whether the kernel lives is asked of its process (see
@@ -234,6 +255,11 @@ class IPythonKernel:
             with contextlib.suppress(Exception):
                 self._client.stop_channels()
             self._client = None
+        context, self._context = self._context, None
+        if context is not None:
+            with contextlib.suppress(Exception):
+                context.destroy(linger=0)
+            _OPEN_CONTEXTS.discard(context)
         proc, self._proc = self._proc, None
         if proc is not None:
             self.exit_status = await proc.stop(KILL_WAIT_S)

@@ -19,7 +19,7 @@ from rollout.runtime.sandbox import Sandbox, SandboxConfig, create_sandbox, proc
 from rollout.runtime.tools import make_tools
 from rollout.runtime.tools.ipython import IPythonKernel
 from tests.runtime.sandbox_helpers import temp_config, temp_sandbox
-from tests.util import assert_eventually
+from tests.util import assert_eventually, patience
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -182,3 +182,71 @@ async def test_a_start_cancelled_while_spawning_leaves_no_process(sb: Sandbox) -
     await assert_eventually(lambda: _our_children() - before == set(),
                             message="the cancelled start's kernel was left behind")
     assert not sb._pids
+
+
+
+def test_a_start_cancelled_after_its_client_opened_cannot_hang_the_collector(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start cancelled while the kernel's client waits for it to answer (a job cancelled
+    while its python tool starts) left that client, its channels open, to the garbage
+    collector: context, channels and sockets are one cycle, the collector clears the
+    context's weak references to its sockets before any finaliser runs, and ZeroMQ's context
+    then waited for ever for sockets it could no longer close, in whatever thread collected (a
+    loaded test run lost a worker so). The start now closes what it opened; and a client's
+    context is held until its kernel is closed."""
+    from rollout.runtime.tools import ipython
+
+    reached = threading.Event()
+
+    async def never_ready(client: object, timeout: float) -> None:
+        reached.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(ipython, "_wait_ready", never_ready)
+    held = getattr(ipython, "_OPEN_CONTEXTS", set())
+    before = set(held)
+
+    async def cancelled_start() -> None:
+        async with temp_sandbox("rk") as sandbox:
+            start = asyncio.ensure_future(IPythonKernel.start(sandbox, startup_timeout=600))
+            while not reached.is_set():
+                await asyncio.sleep(0.01)
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+
+    asyncio.run(cancelled_start())
+    assert _collects_within(patience(30)), "gc.collect() hung on a cancelled start's context"
+    assert set(held) == before, "the cancelled start left its client's context open"
+
+
+def _collects_within(seconds: float) -> bool:
+    """Whether a full collection, in a thread of its own, ends within ``seconds``."""
+    import gc
+
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(seconds)
+    return not collector.is_alive()
+
+
+def test_a_kernel_dropped_without_close_cannot_hang_the_collector() -> None:
+    """An owner that drops a started kernel without ``close`` leaks it, but its client's
+    ZeroMQ context is held until then, so the collector never finalises it (which hung)."""
+    from rollout.runtime.tools import ipython
+
+    held = getattr(ipython, "_OPEN_CONTEXTS", set())
+    before = set(held)
+
+    async def dropped() -> None:
+        async with temp_sandbox("rk") as sandbox:
+            kernel = await IPythonKernel.start(sandbox)
+            assert (await kernel.execute("1 + 1")).output == "2\n"
+            kernel._client.execute("2 + 2")  # a request on its way
+
+    asyncio.run(dropped())
+    collected = _collects_within(patience(30))
+    for leaked in set(held) - before:
+        leaked.destroy(linger=0)
+        held.discard(leaked)
+    assert collected, "gc.collect() hung on a dropped kernel's ZeroMQ context"
