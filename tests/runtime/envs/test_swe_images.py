@@ -305,7 +305,9 @@ def test_swebench_5_fields_are_validated() -> None:
         assert err.value.field == field, change
 
 
-BUG = diff("""\
+def sub_diff(old: str, new: str) -> str:
+    """A diff of ``calc.py``'s ``sub`` returning ``new`` instead of ``old``."""
+    return diff(f"""\
 diff --git a/calc.py b/calc.py
 --- a/calc.py
 +++ b/calc.py
@@ -313,20 +315,13 @@ diff --git a/calc.py b/calc.py
 ~
 ~
  def sub(a, b):
--    return a - b
-+    return a + b
+-    return {old}
++    return {new}
 """)
-FIX = diff("""\
-diff --git a/calc.py b/calc.py
---- a/calc.py
-+++ b/calc.py
-@@ -3,4 +3,4 @@ def add(a, b):
-~
-~
- def sub(a, b):
--    return a + b
-+    return a - b
-""")
+
+
+BUG = sub_diff("a - b", "a + b")
+FIX = sub_diff("a + b", "a - b")
 
 
 def smith_instance(image: str) -> dict[str, Any]:
