@@ -54,6 +54,7 @@ from rollout.runtime.envs.common import (
     write_private,
 )
 from rollout.runtime.envs.grading.isolated import end_agent
+from rollout.runtime.envs.swe import smith
 from rollout.runtime.handler import HandlerError, JobContext, PolicyFault
 from rollout.runtime.sandbox.base import python_argv
 from rollout.runtime.types import Reward, TerminationReason
@@ -135,8 +136,6 @@ rm -rf .git
 def is_image_instance(task: Mapping[str, Any]) -> bool:
     """A task whose image carries its repository at ``/testbed`` (no ``repo_source``): named
     by ``spec.image``, or by a top-level ``image`` where there is no ``spec``."""
-    from rollout.runtime.envs.swe import smith
-
     if smith.is_smith_instance(task):
         return True
     if "repo_source" in task:
@@ -160,7 +159,6 @@ def image_of(task: Mapping[str, Any]) -> str:
 
 
 def validate(task: Mapping[str, Any]) -> None:
-    from rollout.runtime.envs.swe import smith
     from rollout.runtime.envs.swe.handler import named_tests
     from rollout.runtime.sandbox.images import ImageError, parse_image_ref
 
@@ -252,8 +250,6 @@ def _validate_own_eval_script(task: Mapping[str, Any]) -> None:
 
 
 async def init(ctx: JobContext) -> None:
-    from rollout.runtime.envs.swe import smith
-
     task = ctx.spec.task
     validate(task)
     if smith.is_smith_instance(task):
@@ -285,8 +281,6 @@ async def init(ctx: JobContext) -> None:
 
 async def evaluate(ctx: JobContext) -> Reward:
     from rollout.runtime.envs.swe import handler as swe
-    from rollout.runtime.envs.swe import smith
-
     bug = smith.is_smith_instance(ctx.spec.task)
     task = smith.graded_task(ctx) if bug else ctx.spec.task
     image = ctx.state.get(IMAGE_KEY) or (smith.image(task) if bug else image_of(task))
@@ -317,8 +311,6 @@ async def _grade(ctx: JobContext, grader: Any, patch: str, spec: Mapping[str, An
     """``task``: the instance as graded (a SWE-smith one's made base as ``base_commit``)."""
     from rollout.runtime.envs.swe import handler as swe
     from rollout.runtime.envs.swe import runners as swe_runners
-    from rollout.runtime.envs.swe import smith
-
     bug = smith.is_smith_instance(ctx.spec.task)
     zero = {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
     if bug:  # the same starting point as the agent's, from the pristine image
