@@ -2,8 +2,9 @@
 set up and graded there with the image's interpreter and the official harness's test spec.
 
 A ``swe`` task is one when its ``spec`` names an image (or, as SWE-bench 5's data sets spell it,
-the instance has a top-level ``image``) and it has no ``repo_source`` (the image carries the
-repository, as SWE-bench, SWE-Gym, SWE-smith and SWE-rebench images do)::
+the instance has a top-level ``image``; SWE-rebench's spell it ``docker_image``) and it has no
+``repo_source`` (the image carries the repository, as SWE-bench, SWE-Gym, SWE-smith and
+SWE-rebench images do)::
 
     {"instance_id": "psf__requests-2317", "repo": "psf/requests", "version": "2.4",
      "base_commit": "091991be...", "problem_statement": "...", "test_patch": "diff --git ...",
@@ -20,7 +21,9 @@ INIT asks the official ``swebench`` package (its own venv, scripts/setup_swebenc
 :mod:`.swebench_helper`) for the instance's eval script, so an instance the harness cannot grade
 fails before the agent runs: the environment activation, the test files reset to the base
 commit, the test patch applied, the repository's test command with the instance's test
-directives (from 4.x's per-repository tables), or the instance's own ``eval_script``,
+directives (from 4.x's per-repository tables, or the table entry the instance brings: ``spec``'s
+``test_cmd`` and ``log_parser``, or a SWE-rebench row's ``install_config``, whose other keys
+say how its image was built and are not needed), or the instance's own ``eval_script``,
 ``log_parser`` and ``eval_type`` (SWE-bench 5's format, graded with swebench 5: any repository
 in any of the harness's languages). The agent's change is taken as ``git diff`` of
 ``/testbed`` (what the harness grades: a patch) and graded where the agent cannot reach: a
@@ -70,6 +73,14 @@ START_MARKER = ">>>>> Start Test Output"
 HARNESS_SPEC_KEYS = ("test_cmd", "log_parser", "eval_commands", "install")
 """What ``spec`` may give beside ``image``: the SWE-bench harness's table entry for a
 repository its tables lack (:mod:`.swebench_helper`)."""
+INSTALL_CONFIG = "install_config"
+"""A SWE-rebench row's table entry for its repository and version (SWE-rebench's fork of the
+harness reads it in place of the 4.x tables): ``HARNESS_SPEC_KEYS`` are what grading uses; the
+rest (``python``, ``packages``, ``pip_packages``, ``pre_install``, ``reqs_path``, ...) built
+the row's image and are not read."""
+IMAGE_FIELDS = ("image", "docker_image")
+"""Where a row without ``spec`` names its image: SWE-bench 5's ``image``, SWE-rebench's
+``docker_image`` (registry references without a transport)."""
 MAX_PATCH = 16 << 20
 END_MARKER = ">>>>> End Test Output"
 """The harness's end-of-test-output marker (``swebench.harness.constants.END_TEST_OUTPUT``)."""
@@ -142,20 +153,40 @@ def is_image_instance(task: Mapping[str, Any]) -> bool:
         return False
     spec = task.get("spec")
     if spec is None:
-        return isinstance(task.get("image"), str) and bool(task["image"].strip())
+        return _image_field(task) is not None
     return isinstance(spec, Mapping) and bool(spec.get("image"))
+
+
+def _image_field(task: Mapping[str, Any]) -> str | None:
+    """The top-level field that names the image of a row without ``spec``, if any."""
+    for name in IMAGE_FIELDS:
+        value = task.get(name)
+        if isinstance(value, str) and value.strip():
+            return name
+    return None
 
 
 def image_of(task: Mapping[str, Any]) -> str:
     """The instance's image reference: ``spec.image`` as given, or the top-level ``image`` of
-    SWE-bench 5's data sets, a registry reference without its transport
-    (``swebench/sweb.eval.x86_64.<id>:latest`` is ``docker://`` that)."""
+    SWE-bench 5's data sets (``docker_image`` of SWE-rebench's), a registry reference without
+    its transport (``swebench/sweb.eval.x86_64.<id>:latest`` is ``docker://`` that)."""
     spec = task.get("spec")
     if isinstance(spec, Mapping):
         return str(spec["image"])
     from rollout.runtime.sandbox.images import with_transport
 
-    return with_transport(str(task["image"]))
+    return with_transport(str(task[_image_field(task) or "image"]))
+
+
+def harness_entry(task: Mapping[str, Any]) -> dict[str, Any]:
+    """The table entry the instance brings for the harness (``spec``'s, or a SWE-rebench row's
+    ``install_config``'s), only the keys grading reads; {} when it brings none. A key whose
+    value is null is absent (a data set's table gives every row every key of every row)."""
+    spec = task.get("spec")
+    given = spec if isinstance(spec, Mapping) else task.get(INSTALL_CONFIG)
+    if not isinstance(given, Mapping):
+        return {}
+    return {k: given[k] for k in HARNESS_SPEC_KEYS if given.get(k) is not None}
 
 
 def validate(task: Mapping[str, Any]) -> None:
@@ -182,7 +213,7 @@ def validate(task: Mapping[str, Any]) -> None:
         raise invalid("swe task needs at least one FAIL_TO_PASS test", "FAIL_TO_PASS")
     named_tests(task, "PASS_TO_PASS")
     spec = task.get("spec")
-    where = "spec.image" if spec is not None else "image"
+    where = "spec.image" if spec is not None else (_image_field(task) or "image")
     if spec is not None:
         unknown = sorted(set(spec) - {"image", *HARNESS_SPEC_KEYS})
         if unknown:
@@ -190,7 +221,18 @@ def validate(task: Mapping[str, Any]) -> None:
                           f"harness's entry for a repository its tables lack "
                           f"({', '.join(HARNESS_SPEC_KEYS)}): the image carries the "
                           f"environment; got {unknown}", "spec")
-        _validate_harness_spec(task, spec)
+        if INSTALL_CONFIG in task:
+            raise invalid(f"a swe image instance gives its harness entry either in 'spec' or "
+                          f"in '{INSTALL_CONFIG}' (a SWE-rebench row's), not both",
+                          INSTALL_CONFIG)
+        _validate_harness_spec(task, spec, "spec")
+    elif INSTALL_CONFIG in task:
+        entry = harness_entry(task)
+        if not isinstance(task[INSTALL_CONFIG], Mapping) or not entry:
+            raise invalid(f"swe task field '{INSTALL_CONFIG}' must be the repository's entry "
+                          f"for the SWE-bench harness (a SWE-rebench row's: at least "
+                          f"'test_cmd' and 'log_parser')", INSTALL_CONFIG)
+        _validate_harness_spec(task, entry, INSTALL_CONFIG)
     try:
         parse_image_ref(image_of(task))
     except ImageError as e:
@@ -200,29 +242,33 @@ def validate(task: Mapping[str, Any]) -> None:
         raise invalid("swe task field 'patch' must be a string", "patch")
 
 
-def _validate_harness_spec(task: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
-    """``spec.test_cmd`` and friends: a repository the harness's tables lack, given its
-    entry (a test command and a parser, as SWE-Gym's forks of the harness add them)."""
+def _validate_harness_spec(task: Mapping[str, Any], spec: Mapping[str, Any], where: str) -> None:
+    """``spec.test_cmd`` and friends (``where`` = ``spec``, or a SWE-rebench row's
+    ``install_config``): a repository the harness's tables lack, given its entry (a test
+    command and a parser, as SWE-Gym's and SWE-rebench's forks of the harness add them)."""
     if not set(spec) & set(HARNESS_SPEC_KEYS):
         return
     if "eval_script" in task:
-        raise invalid("a swe image instance gives either its own 'eval_script' (SWE-bench 5's "
-                      "format) or the harness's entry in 'spec' (test_cmd, log_parser), not "
-                      "both", "spec")
+        raise invalid(f"a swe image instance gives either its own 'eval_script' (SWE-bench 5's "
+                      f"format) or the harness's entry in '{where}' (test_cmd, log_parser), "
+                      f"not both", where)
     cmd = spec.get("test_cmd")
     if not (isinstance(cmd, str) and cmd.strip()):
-        raise invalid("swe task field 'spec.test_cmd' must be the repository's test command "
-                      "(the harness appends the test files of the test patch)", "spec.test_cmd")
+        raise invalid(f"swe task field '{where}.test_cmd' must be the repository's test command "
+                      f"(the harness appends the test files of the test patch)",
+                      f"{where}.test_cmd")
     parser = spec.get("log_parser")
     if not isinstance(parser, str) or not re.fullmatch(r"parse_log_[A-Za-z0-9_]+", parser):
-        raise invalid("swe task field 'spec.log_parser' must name one of the SWE-bench "
-                      "harness's log parsers (such as 'parse_log_pytest')", "spec.log_parser")
+        raise invalid(f"swe task field '{where}.log_parser' must name one of the SWE-bench "
+                      f"harness's log parsers (such as 'parse_log_pytest')",
+                      f"{where}.log_parser")
     extra = spec.get("eval_commands", [])
     if not isinstance(extra, list) or not all(isinstance(c, str) for c in extra):
-        raise invalid("swe task field 'spec.eval_commands' must be a list of shell commands",
-                      "spec.eval_commands")
+        raise invalid(f"swe task field '{where}.eval_commands' must be a list of shell commands",
+                      f"{where}.eval_commands")
     if not isinstance(spec.get("install", ""), str):
-        raise invalid("swe task field 'spec.install' must be a shell command", "spec.install")
+        raise invalid(f"swe task field '{where}.install' must be a shell command",
+                      f"{where}.install")
 
 
 def _validate_own_eval_script(task: Mapping[str, Any]) -> None:
@@ -432,9 +478,9 @@ def instance_fields(task: Mapping[str, Any]) -> dict[str, Any]:
     fields = {k: task[k] for k in ("instance_id", "repo", "version", "base_commit", "test_patch",
                                    "FAIL_TO_PASS", "PASS_TO_PASS", "eval_script", "log_parser",
                                    "eval_type") if k in task}
-    spec = task.get("spec")
-    if isinstance(spec, Mapping) and set(spec) & set(HARNESS_SPEC_KEYS):
-        fields["harness_spec"] = {k: spec[k] for k in HARNESS_SPEC_KEYS if k in spec}
+    entry = harness_entry(task)
+    if entry:
+        fields["harness_spec"] = entry
     return {**fields, "image": image_of(task)}
 
 

@@ -4,7 +4,8 @@ harness's eval script sources; graded through the official swebench package's te
 log parser (its own venv, scripts/setup_swebench.sh). Gold 1, no-op 0, wrong 0. The same
 image as an instance in SWE-bench 5's format (its own eval script, log parser and eval type,
 a repository no 4.x table knows), graded with swebench 5; and as an instance that brings the
-4.x table entry its repository lacks (a test command and a parser, as SWE-Gym's are run); and
+4.x table entry its repository lacks (a test command and a parser, as SWE-Gym's are run, or a
+SWE-rebench row's ``install_config``); and
 as a SWE-smith instance (a bug patch over the image's clean repository, graded by SWE-smith's
 profile of the repository)."""
 
@@ -285,6 +286,76 @@ async def test_an_instance_with_the_harness_entry_its_repository_lacks(
     noop = await rollout(SweHandler(), task, [DONE])
     assert noop.reward.value == 0.0, noop.reward.info
     assert noop.reward.components == {"fail_to_pass": 0.0, "pass_to_pass": 1.0}
+
+
+def rebench_row(image: str, commit: str, **config: Any) -> dict[str, Any]:
+    """A SWE-rebench row as its data set exports it: ``docker_image`` (no transport), the
+    repository's harness entry in ``install_config`` beside the keys that built the image, a
+    null for every key another row has, the tests as JSON strings, a repository no 4.x table
+    knows."""
+    task = {k: v for k, v in instance(image, commit).items() if k != "spec"}
+    return {**task, "instance_id": "acme__calc-9", "repo": "acme/calc", "version": "0.9",
+            "docker_image": image, "environment_setup_commit": commit, "hints_text": "",
+            "created_at": "2025-01-08T12:00:00Z", "requirements": "pytest\n",
+            "FAIL_TO_PASS": '["tests/test_calc.py::test_add"]',
+            "meta": {"has_test_patch": True, "is_lite": False},
+            "install_config": {"python": "3.11", "packages": "requirements.txt",
+                               "pip_packages": ["pytest"], "pre_install": None,
+                               "reqs_path": ["requirements.txt"], "env_yml_path": None,
+                               "no_use_env": None, "eval_commands": None,
+                               "install": "printf 'rebench-%s\\n' installed",
+                               "test_cmd": "pytest -rA", "log_parser": "parse_log_pytest",
+                               **config}}
+
+
+async def test_a_swe_rebench_row_is_graded_with_its_install_config(
+        rollout: Rollout, swebench_image: tuple[str, str]) -> None:
+    image, commit = swebench_image
+    task = rebench_row(image, commit)
+    assert swe_images.is_image_instance(task) and swe_images.image_of(task) == image
+    gold = await rollout(SweHandler(), task, [
+        call("bash", command=f"cd /testbed && git apply <<'EOF'\n{GOLD}EOF\n"), DONE])
+    assert gold.reward.value == 1.0, gold.reward.info
+    # The harness made the script from the row's entry: its install step ran before the
+    # tests (the output, not the trace, says so), then its test command and the test file.
+    assert "rebench-installed" in gold.reward.info["log"]
+    assert "pytest -rA tests/test_calc.py" in gold.reward.info["log"]
+    assert (gold.reward.info["test_cmd"], gold.reward.info["parser"]) == (
+        "pytest -rA", "parse_log_pytest")
+    noop = await rollout(SweHandler(), task, [DONE])
+    assert noop.reward.value == 0.0, noop.reward.info
+    assert noop.reward.components == {"fail_to_pass": 0.0, "pass_to_pass": 1.0}
+    # A parser the harness does not have: refused at INIT, before the agent runs.
+    past_init: list[Any] = []
+    with pytest.raises(HandlerError, match="no log parser") as err:
+        await rollout(SweHandler(), rebench_row(image, commit, log_parser="parse_log_nothing"),
+                      [DONE], inspect=past_init.append)
+    assert err.value.reason == "INVALID_TASK" and not past_init
+
+
+def test_swe_rebench_rows_are_validated() -> None:
+    task = rebench_row("swerebench/sweb.eval.x86_64.acme_1776_calc-9", "abc1234")
+    SweHandler().validate_task(task)
+    assert swe_images.image_of(task) == "docker://swerebench/sweb.eval.x86_64.acme_1776_calc-9"
+    assert swe_images.instance_fields(task)["harness_spec"] == {
+        "test_cmd": "pytest -rA", "log_parser": "parse_log_pytest",
+        "install": "printf 'rebench-%s\\n' installed"}
+    config = task["install_config"]
+    for change, field in (({"install_config": {**config, "test_cmd": None}},
+                           "task.install_config.test_cmd"),
+                          ({"install_config": {**config, "log_parser": "pytest"}},
+                           "task.install_config.log_parser"),
+                          ({"install_config": {**config, "eval_commands": "make"}},
+                           "task.install_config.eval_commands"),
+                          ({"install_config": {"python": "3.11"}}, "task.install_config"),
+                          ({"install_config": "pytest -rA"}, "task.install_config"),
+                          ({"docker_image": "UPPER/x"}, "task.docker_image"),
+                          ({"spec": {"image": "docker://x/y:1"}}, "task.install_config"),
+                          ({"eval_script": eval_script5("abc1234"),
+                            "log_parser": "parse_log_pytest"}, "task.install_config")):
+        with pytest.raises(InvalidArgument) as err:
+            SweHandler().validate_task({**task, **change})
+        assert err.value.field == field, change
 
 
 def test_swebench_5_fields_are_validated() -> None:
