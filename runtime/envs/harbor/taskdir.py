@@ -26,7 +26,10 @@ it)::
 Keys this module does not know are kept out and reported (``unknown_keys``), as Harbor itself
 ignores what it does not know. What the server cannot honour is refused with the key named:
 ``gpus > 0`` (sandboxes get no GPU), ``os`` other than linux, a schema major version other
-than 1.
+than 1, and a multi-container task: a Compose file in ``environment/`` (sidecars on networks of
+their own) or ``[[environment.mcp_servers]]`` (tools served by such a sidecar). A job runs in one
+rootless sandbox; run without its other containers such a task would grade the agent on an
+environment it was not written for, so it is refused, as Harbor's own cloud providers refuse it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ DOCKERFILE = "environment/Dockerfile"
 TESTS = "tests"
 TEST_SCRIPT = "tests/test.sh"
 SOLUTION = "solution"
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+"""The names Docker Compose reads in ``environment/``: a multi-container task."""
 SOLVE_SCRIPT = "solution/solve.sh"
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -147,6 +152,7 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         raise TaskFolderError(f"{where} gpus = {gpus:g}: sandboxes on this server get no GPU")
     if str(env_table.get("os", "linux")).lower() != "linux":
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
+    _refuse_multi_container(root, env_table, where)
     image = env_table.get("docker_image") or ""
     if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
         raise TaskFolderError(f"{where} docker_image must be one image reference")
@@ -178,6 +184,20 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         has_solution=has_solution, unknown_keys=_unknown(config),
         agent_user=_user(section["agent"], f"{root / CONFIG}: [agent]"),
         verifier_user=_user(section["verifier"], f"{root / CONFIG}: [verifier]"))
+
+
+def _refuse_multi_container(root: Path, env_table: Mapping[str, Any], where: str) -> None:
+    """A task that needs containers beside the agent's (see the module's docstring)."""
+    for name in COMPOSE_FILES:
+        if (root / ENVIRONMENT / name).exists():
+            raise TaskFolderError(
+                f"{root / ENVIRONMENT / name}: a multi-container task (Docker Compose: sidecars "
+                f"and their networks); this server runs each job in one rootless sandbox, "
+                f"without a Docker daemon, and cannot start the task's other containers")
+    if env_table.get("mcp_servers"):
+        raise TaskFolderError(
+            f"{where} mcp_servers: the task's tools are served by MCP servers beside the "
+            f"agent's container, which this server cannot start (one rootless sandbox per job)")
 
 
 def find_tasks(paths: list[Path]) -> list[Path]:

@@ -60,6 +60,14 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "tests" / "test.sh").unlink(), "tests/test.sh"),
     (lambda d: (d / "instruction.md").write_text("  \n"), "empty"),
     (lambda d: shutil.rmtree(d / "environment"), "no image"),
+    # Multi-container tasks (Harbor's own cloud providers refuse them too).
+    (lambda d: (d / "environment" / "docker-compose.yaml").write_text("services: {}\n"),
+     "docker-compose.yaml: a multi-container task"),
+    (lambda d: (d / "environment" / "compose.yml").write_text("services: {}\n"),
+     "compose.yml: a multi-container task"),
+    (lambda d: (d / "task.toml").write_text(
+        '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
+        'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
 ])
 def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, message) -> None:
     folder = copy_task(tmp_path)
