@@ -66,11 +66,18 @@ def code_task(t: tasks_pb2.CodeTask) -> dict[str, Any]:
 
 
 def swe_task(t: tasks_pb2.SweTask) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "instance_id": t.instance_id, "repo_source": t.repo_source,
-        "base_commit": t.base_commit, "problem_statement": t.problem_statement,
-        "test_patch": t.test_patch, "FAIL_TO_PASS": list(t.fail_to_pass),
-        "PASS_TO_PASS": list(t.pass_to_pass)}
+    """A repository instance (``repo_source``), or an image instance: ``image`` becomes
+    ``spec.image``, as the environment's format has it (runtime/envs/swe/images.py)."""
+    if t.image and t.repo_source:
+        raise InvalidArgument("swe.image is an image that carries the repository, swe.repo_source "
+                              "a clone on the server: set one of them", "INVALID_TASK",
+                              "swe.image")
+    out: dict[str, Any] = {"instance_id": t.instance_id}
+    if not t.image:
+        out["repo_source"] = t.repo_source
+    out.update({"base_commit": t.base_commit, "problem_statement": t.problem_statement,
+                "test_patch": t.test_patch, "FAIL_TO_PASS": list(t.fail_to_pass),
+                "PASS_TO_PASS": list(t.pass_to_pass)})
     _put(out, "repo", t.repo)
     _put(out, "patch", t.patch)
     _put(out, "test_env", dict(t.test_env))
@@ -81,14 +88,17 @@ def swe_task(t: tasks_pb2.SweTask) -> dict[str, Any]:
         out["pytest_plugin_autoload"] = True
     _put(out, "version", t.version)
     _put(out, "test_runner", t.test_runner)
-    if t.HasField("spec"):
+    if t.HasField("spec") or t.image:
         s = t.spec
         spec: dict[str, Any] = {}
+        _put(spec, "image", t.image)
         _put(spec, "python", s.python)
         _put(spec, "pre_install", list(s.pre_install))
         _put(spec, "pip_packages", list(s.pip_packages))
         _put(spec, "install", s.install)
         _put(spec, "test_cmd", s.test_cmd)
+        _put(spec, "log_parser", s.log_parser)
+        _put(spec, "eval_commands", list(s.eval_commands))
         out["spec"] = spec
     return out
 
@@ -108,7 +118,13 @@ def error_for(typed: str | None, exc: BaseException) -> BaseException:
     if typed is None or not isinstance(exc, InvalidArgument) or not (
             field == "task" or field.startswith("task.")):
         return exc
-    return InvalidArgument(str(exc), exc.reason, typed + field[len("task"):].lower())
+    named = typed + field[len("task"):].lower()
+    return InvalidArgument(str(exc), exc.reason, _RENAMED.get(named, named))
+
+
+_RENAMED = {"swe.spec.image": "swe.image"}
+"""Task fields whose typed field has another path (an image instance's ``spec.image`` is
+``SweTask.image``)."""
 
 
 def _enum(table: Mapping[Any, str | None], value: int, field: str) -> str | None:

@@ -98,6 +98,57 @@ def test_bad_combinations_are_refused_with_the_field_to_fix() -> None:
     assert typed_tasks.error_for(None, refused) is refused
 
 
+IMAGE = "docker://swebench/sweb.eval.x86_64.acme_1776_calc-8:latest"
+
+
+def image_instance(**change: Any) -> tasks_pb2.SweTask:
+    fields: dict[str, Any] = dict(
+        instance_id="acme__calc-8", repo="acme/calc", version="0.1", base_commit="abc1234",
+        problem_statement="add() subtracts.", test_patch="diff --git a/t b/t\n",
+        fail_to_pass=["tests/test_calc.py::test_add"], image=IMAGE,
+        spec=tasks_pb2.SweEnvSpec(test_cmd="pytest -rA", log_parser="parse_log_pytest",
+                                  eval_commands=["export X=1"], install="pip install -e ."))
+    fields.update(change)
+    return tasks_pb2.SweTask(**fields)
+
+
+def test_a_typed_swe_task_can_name_its_image() -> None:
+    got = proto_convert.spec_from_proto(job_pb2.JobSpec(job_id="i", swe=image_instance()))
+    # Exactly the JSON image instance the environment documents: no repo_source, the image
+    # and the harness's entry in spec.
+    assert got.task == {
+        "instance_id": "acme__calc-8", "repo": "acme/calc", "version": "0.1",
+        "base_commit": "abc1234", "problem_statement": "add() subtracts.",
+        "test_patch": "diff --git a/t b/t\n", "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+        "PASS_TO_PASS": [],
+        "spec": {"image": IMAGE, "test_cmd": "pytest -rA", "log_parser": "parse_log_pytest",
+                 "eval_commands": ["export X=1"], "install": "pip install -e ."}}
+    SweHandler().validate_task(got.task)
+    bare = proto_convert.spec_from_proto(job_pb2.JobSpec(job_id="i", swe=image_instance(
+        spec=None)))
+    assert bare.task["spec"] == {"image": IMAGE}
+    SweHandler().validate_task(bare.task)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"repo_source": "swe_repos/calc.bundle"}, "swe.image"),
+    ({"image": "docker://"}, "swe.image"),
+    ({"spec": tasks_pb2.SweEnvSpec(python="3.11")}, "swe.spec"),
+    ({"spec": tasks_pb2.SweEnvSpec(test_cmd="pytest", log_parser="pytest")},
+     "swe.spec.log_parser"),
+])
+def test_a_typed_image_instance_is_refused_naming_the_typed_field(change: dict[str, Any],
+                                                                  field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        got = proto_convert.spec_from_proto(job_pb2.JobSpec(job_id="i",
+                                                            swe=image_instance(**change)))
+        try:
+            SweHandler().validate_task(got.task)
+        except InvalidArgument as e:
+            raise typed_tasks.error_for("swe", e) from None
+    assert info.value.field == field, str(info.value)
+
+
 @pytest.fixture
 async def stub(tmp_path: Path) -> AsyncIterator[pb_grpc.RolloutServiceStub]:
     h = ServerHarness(tmp_path / "state")

@@ -74,7 +74,7 @@ class CodeTest(_message.Message):
     def __init__(self, input: _Optional[str] = ..., output: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class SweTask(_message.Message):
-    __slots__ = ("instance_id", "repo", "repo_source", "base_commit", "problem_statement", "patch", "test_patch", "fail_to_pass", "pass_to_pass", "test_env", "test_timeout_s", "pytest_plugins", "pytest_plugin_autoload", "version", "spec", "test_runner")
+    __slots__ = ("instance_id", "repo", "repo_source", "base_commit", "problem_statement", "patch", "test_patch", "fail_to_pass", "pass_to_pass", "test_env", "test_timeout_s", "pytest_plugins", "pytest_plugin_autoload", "version", "spec", "test_runner", "image")
     class TestEnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class SweTask(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEST_RUNNER_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     repo: str
     repo_source: str
@@ -114,18 +115,23 @@ class SweTask(_message.Message):
     version: str
     spec: SweEnvSpec
     test_runner: str
-    def __init__(self, instance_id: _Optional[str] = ..., repo: _Optional[str] = ..., repo_source: _Optional[str] = ..., base_commit: _Optional[str] = ..., problem_statement: _Optional[str] = ..., patch: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_env: _Optional[_Mapping[str, str]] = ..., test_timeout_s: _Optional[float] = ..., pytest_plugins: _Optional[_Iterable[str]] = ..., pytest_plugin_autoload: _Optional[bool] = ..., version: _Optional[str] = ..., spec: _Optional[_Union[SweEnvSpec, _Mapping]] = ..., test_runner: _Optional[str] = ...) -> None: ...
+    image: str
+    def __init__(self, instance_id: _Optional[str] = ..., repo: _Optional[str] = ..., repo_source: _Optional[str] = ..., base_commit: _Optional[str] = ..., problem_statement: _Optional[str] = ..., patch: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_env: _Optional[_Mapping[str, str]] = ..., test_timeout_s: _Optional[float] = ..., pytest_plugins: _Optional[_Iterable[str]] = ..., pytest_plugin_autoload: _Optional[bool] = ..., version: _Optional[str] = ..., spec: _Optional[_Union[SweEnvSpec, _Mapping]] = ..., test_runner: _Optional[str] = ..., image: _Optional[str] = ...) -> None: ...
 
 class SweEnvSpec(_message.Message):
-    __slots__ = ("python", "pre_install", "pip_packages", "install", "test_cmd")
+    __slots__ = ("python", "pre_install", "pip_packages", "install", "test_cmd", "log_parser", "eval_commands")
     PYTHON_FIELD_NUMBER: _ClassVar[int]
     PRE_INSTALL_FIELD_NUMBER: _ClassVar[int]
     PIP_PACKAGES_FIELD_NUMBER: _ClassVar[int]
     INSTALL_FIELD_NUMBER: _ClassVar[int]
     TEST_CMD_FIELD_NUMBER: _ClassVar[int]
+    LOG_PARSER_FIELD_NUMBER: _ClassVar[int]
+    EVAL_COMMANDS_FIELD_NUMBER: _ClassVar[int]
     python: str
     pre_install: _containers.RepeatedScalarFieldContainer[str]
     pip_packages: _containers.RepeatedScalarFieldContainer[str]
     install: str
     test_cmd: str
-    def __init__(self, python: _Optional[str] = ..., pre_install: _Optional[_Iterable[str]] = ..., pip_packages: _Optional[_Iterable[str]] = ..., install: _Optional[str] = ..., test_cmd: _Optional[str] = ...) -> None: ...
+    log_parser: str
+    eval_commands: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, python: _Optional[str] = ..., pre_install: _Optional[_Iterable[str]] = ..., pip_packages: _Optional[_Iterable[str]] = ..., install: _Optional[str] = ..., test_cmd: _Optional[str] = ..., log_parser: _Optional[str] = ..., eval_commands: _Optional[_Iterable[str]] = ...) -> None: ...
