@@ -30,6 +30,8 @@ than 1, and a multi-container task: a Compose file in ``environment/`` (sidecars
 their own) or ``[[environment.mcp_servers]]`` (tools served by such a sidecar). A job runs in one
 rootless sandbox; run without its other containers such a task would grade the agent on an
 environment it was not written for, so it is refused, as Harbor's own cloud providers refuse it.
+A multi-step task (``[[steps]]``, schema 1.1) is refused too: it has no single instruction or
+verifier, and its steps' order, early stop (``min_reward``) and per-step rewards are not run here.
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if not root.is_dir():
         raise TaskFolderError(f"{path}: not a directory")
     config = _read_toml(root / CONFIG)
+    if config.get("steps"):
+        raise TaskFolderError(
+            f"{root / CONFIG}: [[steps]]: a multi-step task (schema 1.1: each step's own "
+            f"instruction, tests and min_reward, run one after another in one environment); "
+            f"this server runs single-step tasks (instruction.md, tests/test.sh) only")
     instruction = _read_text(root / INSTRUCTION, MAX_INSTRUCTION).strip()
     if not instruction:
         raise TaskFolderError(f"{root / INSTRUCTION}: empty; it is the prompt")

@@ -68,6 +68,10 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
+    # A multi-step task (schema 1.1): no single instruction.md, each step its own.
+    (lambda d: ((d / "instruction.md").unlink(), (d / "task.toml").write_text(
+        'schema_version = "1.1"\n[environment]\nmcp_servers = []\n'
+        '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n')), "a multi-step task"),
 ])
 def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, message) -> None:
     folder = copy_task(tmp_path)
@@ -78,6 +82,10 @@ def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, m
 
 def test_unknown_keys_are_listed_not_refused(tmp_path: Path) -> None:
     folder = copy_task(tmp_path)
+    # An empty mcp_servers (as Harbor's own examples write it) is not a multi-container task.
+    text = (folder / "task.toml").read_text().replace("[environment]\n",
+                                                      "[environment]\nmcp_servers = []\n")
+    (folder / "task.toml").write_text(text)
     with (folder / "task.toml").open("a") as f:
         f.write("\n[environment.extra]\nx = 1\n[telemetry]\non = true\n")
     text = (folder / "task.toml").read_text().replace("[environment]\n",
