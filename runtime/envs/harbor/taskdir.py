@@ -26,8 +26,10 @@ it)::
 Keys this module does not know are kept out and reported (``unknown_keys``), as Harbor itself
 ignores what it does not know. What the server cannot honour is refused with the key named:
 ``gpus > 0`` (sandboxes get no GPU), ``os`` other than linux, a schema major version other
-than 1, and a multi-container task: a Compose file in ``environment/`` (sidecars on networks of
-their own) or ``[[environment.mcp_servers]]`` (tools served by such a sidecar). A job runs in one
+than 1, and a multi-container task: a Compose file in ``environment/`` that adds services
+beside the agent's ``main`` (sidecars on networks of their own), or ``[[environment.mcp_servers]]``
+(tools served by such a sidecar); one that only adjusts ``main`` is read, and what it sets is
+reported with the unknown keys. A job runs in one
 rootless sandbox; run without its other containers such a task would grade the agent on an
 environment it was not written for, so it is refused, as Harbor's own cloud providers refuse it.
 A multi-step task (``[[steps]]``, schema 1.1) is refused too: it has no single instruction or
@@ -159,7 +161,7 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         raise TaskFolderError(f"{where} gpus = {gpus:g}: sandboxes on this server get no GPU")
     if str(env_table.get("os", "linux")).lower() != "linux":
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
-    _refuse_multi_container(root, env_table, where)
+    compose_keys = _refuse_multi_container(root, env_table, where)
     image = env_table.get("docker_image") or ""
     if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
         raise TaskFolderError(f"{where} docker_image must be one image reference")
@@ -188,23 +190,48 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         environment_env=_strings(env_table, "env", where),
         verifier_env=_strings(section["verifier"], "env", f"{root / CONFIG}: [verifier]"),
         solution_env=_strings(section["solution"], "env", f"{root / CONFIG}: [solution]"),
-        has_solution=has_solution, unknown_keys=_unknown(config),
+        has_solution=has_solution, unknown_keys=_unknown(config) + compose_keys,
         agent_user=_user(section["agent"], f"{root / CONFIG}: [agent]"),
         verifier_user=_user(section["verifier"], f"{root / CONFIG}: [verifier]"))
 
 
-def _refuse_multi_container(root: Path, env_table: Mapping[str, Any], where: str) -> None:
-    """A task that needs containers beside the agent's (see the module's docstring)."""
+def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
+                            where: str) -> tuple[str, ...]:
+    """A task that needs containers beside the agent's (see the module's docstring) is
+    refused. Harbor merges a Compose file in ``environment/`` over its own configuration of
+    the agent's container, the service ``main``: one that only adjusts ``main`` is a
+    single-container task, and what it sets there is returned to be reported with the unknown
+    keys (it is not applied here)."""
+    adjusted: list[str] = []
     for name in COMPOSE_FILES:
-        if (root / ENVIRONMENT / name).exists():
+        path = root / ENVIRONMENT / name
+        if not path.exists():
+            continue
+        import yaml  # pyyaml; only for the tasks that bring a Compose file
+
+        try:
+            doc = yaml.safe_load(_read_text(path, MAX_CONFIG))
+        except yaml.YAMLError as e:
+            raise TaskFolderError(f"{path}: not valid YAML: {e}") from None
+        doc = doc if isinstance(doc, Mapping) else {}
+        services = doc.get("services")
+        services = services if isinstance(services, Mapping) else {}
+        others = sorted(str(n) for n in services if n != "main")
+        if others:
             raise TaskFolderError(
-                f"{root / ENVIRONMENT / name}: a multi-container task (Docker Compose: sidecars "
-                f"and their networks); this server runs each job in one rootless sandbox, "
-                f"without a Docker daemon, and cannot start the task's other containers")
+                f"{path}: a multi-container task (services {', '.join(others)} beside the "
+                f"agent's container 'main'); this server runs each job in one rootless "
+                f"sandbox, without a Docker daemon, and cannot start the task's other "
+                f"containers")
+        main = services.get("main")
+        adjusted += [f"{ENVIRONMENT}/{name}: services.main.{k}"
+                     for k in (main if isinstance(main, Mapping) else {})]
+        adjusted += [f"{ENVIRONMENT}/{name}: {k}" for k in doc if k != "services"]
     if env_table.get("mcp_servers"):
         raise TaskFolderError(
             f"{where} mcp_servers: the task's tools are served by MCP servers beside the "
             f"agent's container, which this server cannot start (one rootless sandbox per job)")
+    return tuple(adjusted)
 
 
 def find_tasks(paths: list[Path]) -> list[Path]:

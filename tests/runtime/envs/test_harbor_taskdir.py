@@ -61,10 +61,14 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "instruction.md").write_text("  \n"), "empty"),
     (lambda d: shutil.rmtree(d / "environment"), "no image"),
     # Multi-container tasks (Harbor's own cloud providers refuse them too).
-    (lambda d: (d / "environment" / "docker-compose.yaml").write_text("services: {}\n"),
-     "docker-compose.yaml: a multi-container task"),
-    (lambda d: (d / "environment" / "compose.yml").write_text("services: {}\n"),
-     "compose.yml: a multi-container task"),
+    (lambda d: (d / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    depends_on: [tools]\n  tools:\n    build: ./tools\n"),
+     "docker-compose.yaml: a multi-container task \\(services tools beside"),
+    (lambda d: (d / "environment" / "compose.yml").write_text(
+        "services:\n  db: {image: postgres}\n  cache: {image: redis}\n"),
+     "compose.yml: a multi-container task \\(services cache, db beside"),
+    (lambda d: (d / "environment" / "compose.yaml").write_text("services: [\n"),
+     "compose.yaml: not valid YAML"),
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
@@ -92,6 +96,15 @@ def test_unknown_keys_are_listed_not_refused(tmp_path: Path) -> None:
                                                       "[environment]\nfancy = 1\n")
     (folder / "task.toml").write_text(text)
     assert set(taskdir.load(folder).unknown_keys) >= {"telemetry", "environment.fancy"}
+    # A Compose overlay that only adjusts the agent's container is a single-container task;
+    # what it sets is not applied here, and reported.
+    (folder / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    shm_size: 2gb\n    environment: [X=1]\n"
+        "x-note: {a: 1}\n")
+    assert set(taskdir.load(folder).unknown_keys) >= {
+        "environment/docker-compose.yaml: services.main.shm_size",
+        "environment/docker-compose.yaml: services.main.environment",
+        "environment/docker-compose.yaml: x-note"}
 
 
 def test_validate_task_names_the_field(tmp_path: Path) -> None:
