@@ -213,6 +213,8 @@ def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
             doc = yaml.safe_load(_read_text(path, MAX_CONFIG))
         except yaml.YAMLError as e:
             raise TaskFolderError(f"{path}: not valid YAML: {e}") from None
+        except RecursionError:  # the composer recurses once per level of nesting
+            raise TaskFolderError(f"{path}: nested too deeply to read") from None
         doc = doc if isinstance(doc, Mapping) else {}
         services = doc.get("services")
         services = services if isinstance(services, Mapping) else {}

@@ -69,6 +69,8 @@ def test_limits_follow_task_toml() -> None:
      "compose.yml: a multi-container task \\(services cache, db beside"),
     (lambda d: (d / "environment" / "compose.yaml").write_text("services: [\n"),
      "compose.yaml: not valid YAML"),
+    (lambda d: (d / "environment" / "compose.yaml").write_text(
+        "services: " + "[" * 20000 + "]" * 20000 + "\n"), "compose.yaml: nested too deeply"),
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
