@@ -288,6 +288,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(_read_text(path, MAX_CONFIG))
     except tomllib.TOMLDecodeError as e:
         raise TaskFolderError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:  # the parser recurses once per level of nested arrays
+        raise TaskFolderError(f"{path}: nested too deeply to read") from None
 
 
 def _table(config: Mapping[str, Any], name: str, root: Path) -> Mapping[str, Any]:

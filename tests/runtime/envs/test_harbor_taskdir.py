@@ -57,6 +57,8 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "task.toml").write_text('[environment]\nmemory = "lots"\n'), "memory"),
     (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = -1\n"), "timeout_sec"),
     (lambda d: (d / "task.toml").write_text("[verifier\n"), "not valid TOML"),
+    (lambda d: (d / "task.toml").write_text("x = " + "[" * 20000 + "]" * 20000 + "\n"),
+     "task.toml: nested too deeply"),
     (lambda d: (d / "tests" / "test.sh").unlink(), "tests/test.sh"),
     (lambda d: (d / "instruction.md").write_text("  \n"), "empty"),
     (lambda d: shutil.rmtree(d / "environment"), "no image"),
