@@ -58,7 +58,7 @@ class CallItem:
     def parsed_arguments(self) -> dict[str, Any]:
         try:
             value = json.loads(self.arguments) if self.arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             return {"arguments": self.arguments}
         return value if isinstance(value, dict) else {"arguments": value}
 
@@ -71,7 +71,7 @@ class CallItem:
 def _canonical(arguments: str) -> str:
     try:
         return json.dumps(json.loads(arguments or "{}"), sort_keys=True)
-    except ValueError:
+    except (ValueError, RecursionError):  # kept as the text it is
         return arguments
 
 

@@ -71,6 +71,24 @@ async def test_deep_json_gets_the_apis_own_error(gateway: Gateway, llm: PromptPo
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
 
 
+async def test_deep_json_in_a_tool_calls_arguments_is_kept_as_text(gateway: Gateway,
+                                                                   llm: PromptPolicy) -> None:
+    """A harness's earlier tool call whose ``arguments`` string nests JSON past the parser's
+    recursion limit is text the gateway keeps as it is (as any arguments that are not JSON),
+    not a gateway failure."""
+    lease = await gateway.open(spec(), llm)
+    deep = "[" * 3_000 + "]" * 3_000  # past the parser's recursion limit, within the budget
+    status, body = await post(lease, "/v1/chat/completions", json.dumps({
+        "model": "m", "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "bash", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}).encode())
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+
 async def test_a_gateway_bug_is_a_500_in_the_apis_json(gateway: Gateway, llm: PromptPolicy,
                                                        monkeypatch: Any) -> None:
     lease = await gateway.open(spec(), llm)
