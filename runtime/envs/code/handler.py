@@ -300,7 +300,7 @@ def runner_results(stdout: str, nonce: str, count: int) -> list[dict[str, Any]] 
         results = payload["results"]
         if payload["nonce"] != nonce or not isinstance(results, list) or len(results) != count:
             return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     return [r if isinstance(r, dict) else {"passed": False} for r in results]
 

@@ -71,6 +71,9 @@ def _from_json(raw: bytes) -> Verdict:
         data: Any = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         return Verdict(0.0, source=REWARD_JSON, problem=f"reward.json is not JSON: {e}")
+    except RecursionError:  # what the verifier wrote is the task's (or the agent's) doing
+        return Verdict(0.0, source=REWARD_JSON,
+                       problem="reward.json nests JSON too deeply to read")
     if not isinstance(data, dict) or not data:
         return Verdict(0.0, source=REWARD_JSON,
                        problem="reward.json must be a non-empty object of named numbers")

@@ -274,7 +274,7 @@ async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
         max_output=8192)
     try:
         verdict = json.loads(result.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
+    except (IndexError, ValueError, RecursionError):
         return  # the check itself could not run: RUN's own start says what is wrong
     missing, needed_by = verdict.get("missing"), verdict.get("needed_by")
     if not missing or needed_by == "the harness command":

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from rollout.runtime.envs.code.handler import runner_results
 from rollout.runtime.envs.grading.verdict import GradeReport, Honeypots, verdict
-from rollout.runtime.envs.swe.runners import runner_outcome
+from rollout.runtime.envs.swe.runners import parse_record, runner_outcome
 
 F2P, P2P = ("t.py::test_new",), ("t.py::test_old",)
 ALL_PASSED = {"t.py::test_new": "PASSED", "t.py::test_old": "PASSED"}
@@ -86,3 +87,12 @@ def test_log_runners_find_tests_in_either_unittest_form() -> None:
     assert verdict(report).reward == 1.0
     assert verdict(dataclasses.replace(report, fail_to_pass=("test_x (app.tests.T.test_x)",))
                    ).reward == 1.0
+
+
+def test_a_record_nested_past_the_parsers_limit_is_no_record() -> None:
+    """The code under test can write the recorder's file and the runner's line; JSON nested
+    past the parser's recursion limit is what a killed run leaves (no record), never a grader
+    that fails: the rollout earns its 0 instead of dropping out of training."""
+    deep = "[" * 3000 + "]" * 3000
+    assert parse_record('{"end": true, "exitstatus": 0, "tests": ' + deep + "}") is None
+    assert runner_results('{"nonce": "n", "results": ' + deep + "}", "n", 1) is None

@@ -140,6 +140,9 @@ def test_validate_task_names_the_field(tmp_path: Path) -> None:
     ({"reward.json": b'{"reward": "1"}'}, 0.0, {}, "not a finite number"),
     ({"reward.json": b'{"reward": true}'}, 0.0, {}, "not a finite number"),
     ({"reward.json": b"{"}, 0.0, {}, "not JSON"),
+    # Nested past the parser's limit (the agent can make the verifier write anything): a 0
+    # with the reason, not a failed EVAL that would keep the rollout out of training.
+    ({"reward.json": b'{"r": ' + b"[" * 3000 + b"]" * 3000 + b"}"}, 0.0, {}, "too deeply"),
 ])
 def test_reward_files(files, value, components, problem) -> None:
     found = verdict.read({"reward.json": files.get("reward.json"),
