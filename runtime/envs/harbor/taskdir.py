@@ -27,11 +27,11 @@ Keys this module does not know are kept out and reported (``unknown_keys``), as 
 ignores what it does not know. What the server cannot honour is refused with the key named:
 ``gpus > 0`` (sandboxes get no GPU), ``os`` other than linux, a schema major version other
 than 1, and a multi-container task: a Compose file in ``environment/`` that adds services
-beside the agent's ``main`` (sidecars on networks of their own), or ``[[environment.mcp_servers]]``
-(tools served by such a sidecar); one that only adjusts ``main`` is read, and what it sets is
-reported with the unknown keys. A job runs in one
-rootless sandbox; run without its other containers such a task would grade the agent on an
-environment it was not written for, so it is refused, as Harbor's own cloud providers refuse it.
+beside the agent's ``main`` (sidecars on networks of their own), or
+``[[environment.mcp_servers]]`` (tools served by such a sidecar). A job runs in one rootless
+sandbox; run without its other containers such a task would grade the agent on an environment
+it was not written for, so it is refused, as Harbor's own cloud providers refuse it. A Compose
+file that only adjusts ``main`` is read, and what it sets is reported with the unknown keys.
 A multi-step task (``[[steps]]``, schema 1.1) is refused too: it has no single instruction or
 verifier, and its steps' order, early stop (``min_reward``) and per-step rewards are not run here.
 """
