@@ -199,6 +199,8 @@ class SweHandler(AgentHandler):
         if not re.fullmatch(r"[0-9a-f]{7,64}", base):
             raise invalid(f"swe task field 'base_commit' must be a hex commit id, got {base!r}",
                           "base_commit")
+        if "repo_source" not in task:
+            raise invalid(swe_images.no_repository(task), "repo_source")
         source = resolve_source(require_str(task, "repo_source", env=ENV))
         if not source.exists():
             raise invalid(f"swe task 'repo_source' {source} does not exist on the server",

@@ -166,6 +166,20 @@ def _image_field(task: Mapping[str, Any]) -> str | None:
     return None
 
 
+def no_repository(task: Mapping[str, Any]) -> str:
+    """What to say of a ``swe`` task that names neither a clone nor an image: the ways to name
+    one, and why a row that looks like a known format's is not one."""
+    said = ("swe task is missing the required field 'repo_source' (a clone on the server), or "
+            "an image that carries the repository at /testbed: 'spec.image', 'image' "
+            "(SWE-bench 5's rows), 'docker_image' (SWE-rebench's), or 'image_name' with the "
+            "bug's 'patch' and no 'base_commit' (SWE-smith's)")
+    if isinstance(task.get("image_name"), str) and "base_commit" in task:
+        said += ("; a row with 'image_name' and 'base_commit' (SWE-rebench V2's: the repository "
+                 "at /<name>, graded by its own harness's parsers) is not a format this server "
+                 "reads")
+    return said
+
+
 def image_of(task: Mapping[str, Any]) -> str:
     """The instance's image reference: ``spec.image`` as given, or the top-level ``image`` of
     SWE-bench 5's data sets (``docker_image`` of SWE-rebench's), a registry reference without

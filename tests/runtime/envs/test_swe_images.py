@@ -358,6 +358,17 @@ def test_swe_rebench_rows_are_validated() -> None:
         assert err.value.field == field, change
 
 
+def test_a_row_that_names_no_repository_is_told_the_ways_to_name_one() -> None:
+    row = {k: v for k, v in rebench_row("x/y:1", "abc1234").items()
+           if k not in ("docker_image", "install_config")}
+    with pytest.raises(InvalidArgument, match="'docker_image' \\(SWE-rebench's\\)") as err:
+        SweHandler().validate_task(row)
+    assert err.value.field == "task.repo_source" and "V2" not in str(err.value)
+    with pytest.raises(InvalidArgument, match="SWE-rebench V2's") as err:
+        SweHandler().validate_task({**row, "image_name": "swerebench/x"})
+    assert err.value.field == "task.repo_source"
+
+
 def test_swebench_5_fields_are_validated() -> None:
     task = instance5("swebench/sweb.eval.x86_64.acme_1776_calc-7:latest", "abc1234")
     SweHandler().validate_task(task)
