@@ -340,6 +340,14 @@ def test_swe_rebench_rows_are_validated() -> None:
     assert swe_images.instance_fields(task)["harness_spec"] == {
         "test_cmd": "pytest -rA", "log_parser": "parse_log_pytest",
         "install": "printf 'rebench-%s\\n' installed"}
+    # A SWE-bench row as R2E-Gym's data sets carry it: 'docker_image', graded by the 4.x
+    # tables for its repo and version.
+    plain = {**{k: v for k, v in instance("x", "abc1234").items() if k != "spec"},
+             "docker_image": "slimshetty/swebench-verified:sweb.eval.x86_64.psf__requests-9001"}
+    SweHandler().validate_task(plain)
+    assert swe_images.is_image_instance(plain) and "harness_spec" not in \
+        swe_images.instance_fields(plain)
+    assert swe_images.image_of(plain) == f"docker://{plain['docker_image']}"
     config = task["install_config"]
     for change, field in (({"install_config": {**config, "test_cmd": None}},
                            "task.install_config.test_cmd"),
