@@ -173,11 +173,16 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     docs/images.md) are fetched and unpacked into it first, with progress bars on stderr;
     under ``runtime="apptainer"`` the other task images are pulled or built once into the SIF
     cache instead (venvs of tasks without an image build in ``server_image``); under bwrap any
-    other task image is refused, as the server would refuse it."""
+    other task image is refused, as the server would refuse it. The images of image instances
+    (the repository at the image's ``/testbed``: SWE-bench, SWE-Gym, SWE-rebench, SWE-smith
+    rows; :mod:`rollout.runtime.envs.swe.images`) are fetched the same way; they have no
+    environment to build."""
     import functools
     import os
     import time
 
+    from rollout.runtime.envs.swe import images as swe_images
+    from rollout.runtime.envs.swe import smith
     from rollout.runtime.envs.swe.handler import check_out, read_source, resolve_source
     from rollout.runtime.envs.swe.repo_cut import cut_at_base
     from rollout.runtime.envs.swe.taskenv import (
@@ -199,10 +204,16 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
 
     previous = set_sandbox_runtime(runtime)
     try:
-        tasks = read_task_file(path, "swe")
+        every = read_task_file(path, "swe")
+        instances = [task for task in every if swe_images.is_image_instance(task)]
+        for task in instances:  # a refused row stops before any work
+            swe_images.validate(task)
+        tasks = [task for task in every if not swe_images.is_image_instance(task)]
         specs = [EnvSpec.of(task) for task in tasks]  # a refused image stops before any work
     finally:
         set_sandbox_runtime(previous)
+    instance_images = [(task_key(task), smith.image(task) if smith.is_smith_instance(task)
+                        else swe_images.image_of(task)) for task in instances]
     settings = images or ImageSettings()
     config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image,
                             images=settings)
@@ -220,6 +231,8 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     seen: set[str] = set()
     cached = [spec.image for spec in specs if spec is not None and spec.image
               and uses_image_cache(spec.image, config)]
+    cached += [image for _, image in instance_images
+               if uses_image_cache(image, config) and image not in cached]
     if cached:
         done_images = await asyncio.to_thread(prepare_images, cached, images)
         rows += [{"task": "", **p.row()} for p in done_images]
@@ -227,6 +240,12 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
             if p.error is not None:  # the server would fail these tasks' jobs in INIT
                 raise p.error
         seen.update(cached)
+    for key, image in instance_images:  # (apptainer: the images it pulls itself)
+        if image not in seen:
+            seen.add(image)
+            done = await asyncio.to_thread(ensure_image, image, image_cache_dir())
+            rows.append({"task": key, "image": done.ref, "action": done.action,
+                         "seconds": done.seconds, "path": done.path})
     for task, spec in zip(tasks, specs, strict=True):
         if spec is not None and spec.image:
             if spec.image not in seen:

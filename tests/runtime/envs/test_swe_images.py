@@ -11,6 +11,7 @@ profile of the repository)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -375,6 +376,36 @@ def test_a_row_that_names_no_repository_is_told_the_ways_to_name_one() -> None:
     with pytest.raises(InvalidArgument, match="SWE-rebench V2's") as err:
         SweHandler().validate_task({**row, "image_name": "swerebench/x"})
     assert err.value.field == "task.repo_source"
+
+
+def test_prepare_fetches_the_images_of_every_instance_format_once(
+        tmp_path: Path, swebench_image: tuple[str, str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``rollout tasks prepare`` on a file of image instances in each format (spec.image with
+    the harness's entry, SWE-bench 5, SWE-rebench, SWE-smith): their one image is fetched into
+    the cache once; there is no environment to build."""
+    from rollout.runtime.tasksets import shipped
+
+    image, commit = swebench_image
+    rows = [instance(image, commit), instance5(image, commit), rebench_row(image, commit),
+            smith_instance(image),
+            {**instance(image, commit), "instance_id": "acme__calc-8",
+             "spec": {"image": image, "test_cmd": "pytest -rA", "log_parser": "parse_log_pytest"}}]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"environment": "swe", "task": t}) + "\n" for t in rows))
+    argv = ["prepare", str(tasks), "--wheelhouse", str(tmp_path / "wheelhouse"),
+            "--state-dir", str(tmp_path / "state"), "--image-cache", str(tmp_path / "cache")]
+    for action in ("pulled", "cached"):
+        assert shipped.main(argv) == 0, capsys.readouterr().err
+        out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        images = [r for r in out if "image" in r]
+        assert [(r["image"], r["action"]) for r in images] == [(image, action)], out
+        assert not any("env" in r for r in out)
+    # A row the server would refuse stops prepare before any work, saying why.
+    tasks.write_text(json.dumps({"environment": "swe", "task": {
+        **rebench_row(image, commit), "install_config": {"python": "3.9"}}}) + "\n")
+    assert shipped.main(argv) == 2
+    assert "install_config" in capsys.readouterr().err
 
 
 def test_swebench_5_fields_are_validated() -> None:
