@@ -73,7 +73,7 @@ SERVER_EXTRA = {
     "accelerate": "accelerate", "jupyter_client": "jupyter-client", "ipykernel": "ipykernel",
     "aiohttp": "aiohttp", "sympy": "sympy", "matplotlib": "matplotlib",
     "numpy": "numpy", "pytest": "pytest", "pyseccomp": "pyseccomp", "jinja2": "jinja2",
-    "packaging": "packaging",
+    "packaging": "packaging", "yaml": "pyyaml",
 }
 SERVER_COMMANDS = ("serve", "quickstart", "llm-serve", "bench")
 
