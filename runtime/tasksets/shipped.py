@@ -182,7 +182,6 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
     import time
 
     from rollout.runtime.envs.swe import images as swe_images
-    from rollout.runtime.envs.swe import smith
     from rollout.runtime.envs.swe.handler import check_out, read_source, resolve_source
     from rollout.runtime.envs.swe.repo_cut import cut_at_base
     from rollout.runtime.envs.swe.taskenv import (
@@ -204,16 +203,17 @@ async def prepare(path: Path, wheelhouse: Path, state_dir: Path, *, runtime: str
 
     previous = set_sandbox_runtime(runtime)
     try:
-        every = read_task_file(path, "swe")
-        instances = [task for task in every if swe_images.is_image_instance(task)]
+        # Image instances carry their repository; the other tasks' environments are built here.
+        instances: list[dict[str, Any]] = []
+        tasks: list[dict[str, Any]] = []
+        for task in read_task_file(path, "swe"):
+            (instances if swe_images.is_image_instance(task) else tasks).append(task)
         for task in instances:  # a refused row stops before any work
             swe_images.validate(task)
-        tasks = [task for task in every if not swe_images.is_image_instance(task)]
         specs = [EnvSpec.of(task) for task in tasks]  # a refused image stops before any work
     finally:
         set_sandbox_runtime(previous)
-    instance_images = [(task_key(task), smith.image(task) if smith.is_smith_instance(task)
-                        else swe_images.image_of(task)) for task in instances]
+    instance_images = [(task_key(task), swe_images.image_of(task)) for task in instances]
     settings = images or ImageSettings()
     config = (SandboxConfig(runtime="apptainer", state_dir=state_dir, image=server_image,
                             images=settings)

@@ -182,8 +182,11 @@ def no_repository(task: Mapping[str, Any]) -> str:
 
 def image_of(task: Mapping[str, Any]) -> str:
     """The instance's image reference: ``spec.image`` as given, or the top-level ``image`` of
-    SWE-bench 5's data sets (``docker_image`` of SWE-rebench's), a registry reference without
-    its transport (``swebench/sweb.eval.x86_64.<id>:latest`` is ``docker://`` that)."""
+    SWE-bench 5's data sets (``docker_image`` of SWE-rebench's, ``image_name`` of SWE-smith's),
+    a registry reference without its transport (``swebench/sweb.eval.x86_64.<id>:latest`` is
+    ``docker://`` that)."""
+    if smith.is_smith_instance(task):
+        return smith.image(task)
     spec = task.get("spec")
     if isinstance(spec, Mapping):
         return str(spec["image"])
@@ -315,7 +318,7 @@ async def init(ctx: JobContext) -> None:
     if smith.is_smith_instance(task):
         ctx.state[EVAL_SPEC_KEY] = await ask_swebench("smith-spec",
                                                       {"instance": smith.fields(task)})
-        image = ctx.state[IMAGE_KEY] = smith.image(task)
+        image = ctx.state[IMAGE_KEY] = image_of(task)
         sandbox = await ctx.open_sandbox(image=image, env=SANDBOX_ENV)
         ctx.state[SANDBOX_KEY] = sandbox
         ctx.state[smith.BASE_KEY] = await smith.make_base(sandbox, task)
@@ -343,7 +346,7 @@ async def evaluate(ctx: JobContext) -> Reward:
     from rollout.runtime.envs.swe import handler as swe
     bug = smith.is_smith_instance(ctx.spec.task)
     task = smith.graded_task(ctx) if bug else ctx.spec.task
-    image = ctx.state.get(IMAGE_KEY) or (smith.image(task) if bug else image_of(task))
+    image = ctx.state.get(IMAGE_KEY) or image_of(ctx.spec.task)
     f2p, p2p = swe.named_tests(task, "FAIL_TO_PASS"), swe.named_tests(task, "PASS_TO_PASS")
     agent = sandbox_of(ctx)
     await end_agent(ctx)
