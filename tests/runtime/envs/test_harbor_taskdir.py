@@ -111,6 +111,19 @@ def test_unknown_keys_are_listed_not_refused(tmp_path: Path) -> None:
         "environment/docker-compose.yaml: x-note"}
 
 
+def test_a_compose_alias_bomb_is_read_without_expanding_it(tmp_path: Path) -> None:
+    """Nine levels of ten aliases (a billion leaves if expanded) in 500 bytes: the YAML
+    reader shares what an alias names and the loader reads only ``services``' names and
+    ``main``'s keys, so the folder loads at once and reports nothing it did not find."""
+    folder = copy_task(tmp_path)
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    (folder / "environment" / "docker-compose.yaml").write_text(
+        "\n".join([*lines, "services: {main: *a8}", ""]))
+    assert set(taskdir.load(folder).unknown_keys) == {
+        f"environment/docker-compose.yaml: a{i}" for i in range(9)}
+
+
 def test_validate_task_names_the_field(tmp_path: Path) -> None:
     handler = HarborHandler()
     handler.validate_task({"task_dir": str(FIXTURES / "hello-file"), "agent": "oracle"})
