@@ -145,7 +145,8 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
                          chat_template: str | None = None, tools_in_template: bool | None = None,
                          max_observation_chars: int = 16_000,
                          tool_call_format: str | None = None,
-                         template_kwargs: Mapping[str, Any] | None = None) -> RunOutcome:
+                         template_kwargs: Mapping[str, Any] | None = None,
+                         turns: list[Turn] | None = None) -> RunOutcome:
     """Run the job's conversation until submit, no tool call, a limit, or the deadline.
 
     ``messages``: the task (optionally led by a system message with instructions).
@@ -156,6 +157,10 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
     carries ``final_text`` (the last assistant text, for answer extraction),
     ``submitted_answer`` when the submit tool ran, ``template_append_only``,
     ``tool_call_format``, ``observation_role`` and ``preempted_retries`` (all turns).
+    ``turns``: the live list the turns are appended to (and ``ctx.state[TURNS_KEY]``; default a
+    new one), so an environment that runs several conversations in one job (a multi-step
+    task) keeps every one's turns in one trajectory; ``sampling.max_response_tokens`` counts
+    them all, ``max_turns`` and the outcome's ``num_turns`` this conversation's.
     """
     if ctx.llm is None:
         raise HandlerError("this environment needs an LLM but the job has none", "NO_LLM")
@@ -179,7 +184,8 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
     if seed is None:
         seed = random.SystemRandom().randint(0, MAX_DRAWN_SEED)
     ctx.state[SEED_KEY] = seed
-    turns: list[Turn] = []
+    turns = [] if turns is None else turns
+    earlier = len(turns)
     ctx.state[TURNS_KEY] = turns
     final_text = ""
     slowest_turn_s = 0.0
@@ -275,10 +281,10 @@ async def run_agent_loop(ctx: JobContext, tools: Sequence[Tool],
             await llm.end_session(spec.job_id)
         except Exception:  # never mask the loop's own outcome or exception
             log.exception("end_session(%s) failed", spec.job_id)
-    metadata = {"final_text": final_text, "num_turns": str(len(turns)),
+    metadata = {"final_text": final_text, "num_turns": str(len(turns) - earlier),
                 "template_append_only": str(ledger.append_only).lower(),
                 "tool_call_format": fmt, "observation_role": observation_role,
-                "preempted_retries": str(sum(t.preempted_retries for t in turns)),
+                "preempted_retries": str(sum(t.preempted_retries for t in turns[earlier:])),
                 # A trainer names this when the prompt alone filled the token budget (no turn).
                 "prompt_tokens": str(prompt_tokens)}
     if SUBMITTED_ANSWER_KEY in ctx.state:
