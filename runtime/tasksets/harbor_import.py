@@ -63,9 +63,26 @@ def limits_of(harbor: HarborTask) -> dict[str, str]:
     ``build_timeout_sec`` whether the image is built or prebuilt: fetching a prebuilt image
     (an SWE-bench one is gigabytes) is the environment's set-up too, and a job that finds it
     missing from the cache does it in INIT."""
+    if harbor.steps:
+        # RUN holds every step's agent and every step's verifier but the last (EVAL's), with
+        # room for each step's set-up (workdir copy, setup.sh, healthcheck).
+        steps = harbor.steps
+        run = sum(s.agent_timeout_s + SETUP_MARGIN_S + _healthcheck_s(s) for s in steps) + sum(
+            s.verifier_timeout_s for s in steps[:-1])
+        return {"initTimeout": f"{harbor.build_timeout_s + SETUP_MARGIN_S:g}s",
+                "runTimeout": f"{run + 5.0:g}s",
+                "evalTimeout": f"{steps[-1].verifier_timeout_s + SETUP_MARGIN_S:g}s"}
     return {"initTimeout": f"{harbor.build_timeout_s + SETUP_MARGIN_S:g}s",
             "runTimeout": f"{harbor.agent_timeout_s + 5.0:g}s",
             "evalTimeout": f"{harbor.verifier_timeout_s + SETUP_MARGIN_S:g}s"}
+
+
+def _healthcheck_s(step: Any) -> float:
+    """The longest a step's healthcheck can take before it fails."""
+    check = step.healthcheck
+    if check is None:
+        return 0.0
+    return check.start_period_s + check.retries * (check.timeout_s + check.interval_s)
 
 
 def limits_value(line: Mapping[str, Any]) -> Any:

@@ -35,21 +35,36 @@ the agent's filesystem, since its checks read what the agent changed; every proc
 killed before the reward files are read on the host, never through a program of the sandbox.
 So the reward file is the verifier run's: one the agent wrote beforehand was removed, and no
 process of the agent was alive to write one afterwards. :mod:`.verdict` reads it.
+
+A multi-step task (``[[steps]]``; :mod:`.taskdir`) runs its steps in order in the one
+sandbox. Each step: its ``workdir/`` is copied into the working directory and its
+``setup.sh`` run there (as the agent's user), its healthcheck polled, then its agent runs with
+the step's instruction in a conversation of its own (as Harbor starts its agent afresh per
+step: the model sees the files earlier steps left, not their messages; each step's turns are a
+segment of the one trajectory), then every process of the agent is killed and the step is
+verified as above, with the task's ``tests/`` and the step's over them and the step's
+``[verifier]`` settings; then ``/tests`` and ``/logs/verifier`` are emptied again before the
+next step. A step under its ``min_reward``, or whose set-up or healthcheck fails (the earlier
+steps' agent may have broken what it checks), ends the task. RUN verifies every step but the
+last it ran, EVAL that one, and EVAL rolls the steps up (:func:`roll_up`): steps that did not
+run count 0, so stopping early never pays more than going on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, run_agent_loop
+from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, TURNS_KEY, run_agent_loop
 from rollout.runtime.envs.common import (
     SANDBOX_KEY,
     check_task_object,
@@ -61,24 +76,33 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.envs.harbor import taskdir, verdict
-from rollout.runtime.envs.harbor.taskdir import HarborTask, TaskFolderError
+from rollout.runtime.envs.harbor.taskdir import HarborStep, HarborTask, TaskFolderError
+from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox import hostfs
 from rollout.runtime.sandbox.base import SandboxLimits
 from rollout.runtime.sandbox.images.user import UserRequest
 from rollout.runtime.sandbox.reaper import owned_tempdir
 from rollout.runtime.tools.submit import SubmitTool
-from rollout.runtime.types import Reward, TerminationReason
+from rollout.runtime.types import Reward, Segment, SegmentReason, TerminationReason, Turn
 
 ENV = "harbor"
 AGENTS = ("model", "oracle", "noop")
 VERIFIER_DIR = "/logs/verifier"
 TESTS_DIR = "/tests"
 SOLUTION_DIR = "/solution"
+STEP_FILES_DIR = "/.rollout-harbor-step"
+"""A multi-step task's current step's ``workdir/``, bound read-only for the copy into the
+working directory (emptied once copied)."""
 TASK_KEY = "harbor.task"
 DIRS_KEY = "harbor.dirs"
 WORKDIR_KEY = "harbor.workdir"
 VERIFIER_USER_KEY = "harbor.verifier_user"
+STEP_USERS_KEY = "harbor.step_verifier_users"
+STEPS_KEY = "harbor.steps"
+"""``ctx.state`` key: a multi-step task's verified steps so far (:class:`StepResult`)."""
+PENDING_KEY = "harbor.pending_step"
+"""``ctx.state`` key: the index of the step whose agent ran (or runs) and is not verified yet."""
 _LOG_TAIL = 2000
 _TASK_FIELDS = ("task_dir", "agent", "digest", "name")
 
@@ -117,14 +141,16 @@ class HarborHandler(AgentHandler):
                                    "imported (its digest differs): import it again",
                                    "INVALID_TASK")
         ctx.state[TASK_KEY] = harbor
-        dirs, lock = await asyncio.to_thread(
-            _job_dirs, harbor if task.get("agent", "model") == "oracle" else None)
+        dirs, lock = await asyncio.to_thread(_job_dirs, harbor,
+                                             task.get("agent", "model") == "oracle")
         ctx.resources.callback(os.close, lock)
         ctx.resources.callback(hostfs.rmtree, dirs["root"])
         ctx.state[DIRS_KEY] = {k: str(v) for k, v in dirs.items()}
         binds = [(str(dirs["verifier"]), VERIFIER_DIR, True), (str(dirs["tests"]), TESTS_DIR, True)]
         if "solution" in dirs:
             binds.append((str(dirs["solution"]), SOLUTION_DIR, False))
+        if "step" in dirs:
+            binds.append((str(dirs["step"]), STEP_FILES_DIR, False))
         # [agent].user: every process of the agent (and the oracle) runs as that user of
         # the image, as Harbor's exec does; unset, the image's USER.
         user = ({"user": UserRequest(harbor.agent_user, named_by="task.toml [agent].user")}
@@ -144,6 +170,7 @@ class HarborHandler(AgentHandler):
                                    "bwrap runtime does)", "INVALID_TASK")
             ctx.state[VERIFIER_USER_KEY] = await asyncio.to_thread(
                 user_for, harbor.verifier_user, named_by="task.toml [verifier].user")
+        await _resolve_step_users(ctx, sandbox, harbor)
         # Writable by the agent's user (a root server's sandbox uid; the image's uid in a
         # rootless server's mapped namespace).
         await asyncio.to_thread(sandbox.hand_over, [dirs["verifier"], dirs["tests"]])
@@ -157,6 +184,8 @@ class HarborHandler(AgentHandler):
         harbor = task_of(ctx)
         agent = ctx.spec.task.get("agent", "model")
         workdir = ctx.state.get(WORKDIR_KEY, sandbox.workspace_in_sandbox)
+        if harbor.steps:
+            return await _run_steps(ctx, harbor, agent, workdir)
         budget = min(harbor.agent_timeout_s, ctx.spec.limits.run_timeout_s) - DEADLINE_MARGIN_S
         try:
             if agent == "model":
@@ -173,41 +202,297 @@ class HarborHandler(AgentHandler):
             await end_agent(ctx)
 
     async def eval(self, ctx: JobContext) -> Reward:
-        sandbox = sandbox_of(ctx)
         harbor = task_of(ctx)
-        dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
-        # Nothing of the agent runs from here on; what it left in the verifier's and the
-        # tests' folders goes, and the tests arrive only now.
-        await end_agent(ctx)
-        shared = [dirs["verifier"], dirs["tests"]]
-        await asyncio.to_thread(sandbox.take_back, shared)
-        await asyncio.to_thread(_refill, dirs, harbor)
-        # The verifier's user writes its reward file and may write beside its tests.
-        await asyncio.to_thread(sandbox.hand_over, shared, ctx.state.get(VERIFIER_USER_KEY))
-        timeout = max(1.0, min(harbor.verifier_timeout_s, ctx.spec.limits.eval_timeout_s - 5.0))
-        env = {**harbor.verifier_env, "TEST_DIR": TESTS_DIR}
-        as_user = ({"user": ctx.state[VERIFIER_USER_KEY]}
-                   if VERIFIER_USER_KEY in ctx.state else {})
-        run = await sandbox.exec([f"{TESTS_DIR}/test.sh"], timeout=timeout,
-                                 cwd=ctx.state.get(WORKDIR_KEY), env=env, max_output=1 << 20,
-                                 **as_user)
-        # Whatever the verifier left running must not touch the reward after this point.
-        await sandbox.stop_processes()
-        # Readable on the host whatever mode the verifier gave its files.
-        await asyncio.to_thread(sandbox.take_back, shared)
-        files = await asyncio.to_thread(_reward_files, dirs["verifier"])
-        found = verdict.read(files)
-        info = {"task": harbor.name, "verifier_exit": str(run.exit_code),
-                "reward_file": found.source, "log": run.output[-_LOG_TAIL:]}
-        if run.timed_out:
-            info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
-            return Reward(0.0, {}, info)
-        if found.problem:
-            info["error"] = found.problem
-        return Reward(found.value, found.components, info)
+        if harbor.steps:
+            pending = ctx.state.pop(PENDING_KEY, None)
+            if pending is not None:
+                step = harbor.steps[pending]
+                ctx.progress("step_verifier", {"step": step.name})
+                results = ctx.state.setdefault(STEPS_KEY, [])
+                results.append(StepResult.of(step, await verify(ctx, harbor, step)))
+            return roll_up(harbor, ctx.state.get(STEPS_KEY, []))
+        return await verify(ctx, harbor, None)
 
     async def cleanup(self, ctx: JobContext) -> None:
         ctx.state.pop(SANDBOX_KEY, None)
+
+
+async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *,
+                 time_left: float | None = None) -> Reward:
+    """Run the task's verifier (a multi-step task's: ``step``'s) on what the agent left, and
+    read its reward. Nothing of the agent runs from here on; what it left in the verifier's
+    and the tests' folders goes, and the tests arrive only now. ``time_left``: the stage's
+    remaining seconds, when less than the eval limit."""
+    sandbox = sandbox_of(ctx)
+    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    await end_agent(ctx)
+    shared = [dirs["verifier"], dirs["tests"]]
+    await asyncio.to_thread(sandbox.take_back, shared)
+    await asyncio.to_thread(_refill, dirs, harbor, step)
+    users = ctx.state.get(STEP_USERS_KEY, {})
+    if step is not None and step.name in users:
+        as_user = {"user": users[step.name]}
+    else:
+        as_user = ({"user": ctx.state[VERIFIER_USER_KEY]}
+                   if VERIFIER_USER_KEY in ctx.state else {})
+    # The verifier's user writes its reward file and may write beside its tests.
+    await asyncio.to_thread(sandbox.hand_over, shared, as_user.get("user"))
+    limit = step.verifier_timeout_s if step is not None else harbor.verifier_timeout_s
+    room = ctx.spec.limits.eval_timeout_s - 5.0 if time_left is None else time_left
+    timeout = max(1.0, min(limit, room))
+    env = {**(step.verifier_env if step is not None else harbor.verifier_env),
+           "TEST_DIR": TESTS_DIR}
+    run = await sandbox.exec([f"{TESTS_DIR}/test.sh"], timeout=timeout,
+                             cwd=ctx.state.get(WORKDIR_KEY), env=env, max_output=1 << 20,
+                             **as_user)
+    # Whatever the verifier left running must not touch the reward after this point.
+    await sandbox.stop_processes()
+    # Readable on the host whatever mode the verifier gave its files.
+    await asyncio.to_thread(sandbox.take_back, shared)
+    files = await asyncio.to_thread(_reward_files, dirs["verifier"])
+    found = verdict.read(files)
+    info = {"task": harbor.name, "verifier_exit": str(run.exit_code),
+            "reward_file": found.source, "log": run.output[-_LOG_TAIL:]}
+    if run.timed_out:
+        info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
+        return Reward(0.0, {}, info)
+    if found.problem:
+        info["error"] = found.problem
+    return Reward(found.value, found.components, info)
+
+
+@dataclass
+class StepResult:
+    """One step of a multi-step task as verified (or as it failed to start)."""
+
+    name: str
+    value: float
+    components: dict[str, float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+    stop: str = ""
+    """Why the steps after this one did not run ('' = they did, or it was the last)."""
+
+    @classmethod
+    def of(cls, step: HarborStep, reward: Reward) -> StepResult:
+        return cls(step.name, reward.value, dict(reward.components), dict(reward.info),
+                   step.below_minimum(reward.components or {"reward": reward.value}))
+
+
+def roll_up(harbor: HarborTask, results: Sequence[StepResult]) -> Reward:
+    """The task's reward from its steps' (``multi_step_reward_strategy``): ``mean`` averages
+    each entry over the steps (an entry a step lacks is 0 there), ``final`` takes the last
+    step's as they are. A step that did not run (the task stopped before it) counts 0 in the
+    mean and, as the last step, makes ``final`` 0. Harbor's own report leaves unrun steps out
+    of the mean instead; here that would pay a policy for failing a step early (a 0.4 under a
+    0.5 ``min_reward`` would skip the steps it would score worse on), so they count."""
+    by_name = {r.name: r for r in results}
+    n = len(harbor.steps)
+    if harbor.reward_strategy == "final":
+        last = by_name.get(harbor.steps[-1].name)
+        value = last.value if last is not None else 0.0
+        components = dict(last.components) if last is not None else {}
+    else:
+        value = sum(r.value for r in results) / n
+        keys = sorted({k for r in results for k in r.components})
+        components = {k: sum(r.components.get(k, 0.0) for r in results) / n for k in keys}
+    for step in harbor.steps:
+        done = by_name.get(step.name)
+        components[f"step:{step.name}"] = done.value if done is not None else 0.0
+    stopped = next((r.stop for r in results if r.stop), "")
+    last_info = results[-1].info if results else {}
+    info = {"task": harbor.name, "reward_strategy": harbor.reward_strategy,
+            "steps_verified": str(len(results)), "steps": str(n),
+            "step_results": json.dumps([{"step": r.name, "reward": r.value, "stop": r.stop,
+                                         **{k: v for k, v in r.info.items()
+                                            if k in ("verifier_exit", "reward_file", "error")}}
+                                        for r in results]),
+            "log": last_info.get("log", "")}
+    if stopped:
+        info["stopped"] = stopped
+    errors = [f"step {r.name!r}: {r.info['error']}" for r in results if r.info.get("error")]
+    if errors:
+        info["error"] = "; ".join(errors)[:2000]
+    return Reward(value, components, info)
+
+
+class _StepSegments:
+    """The live segments of a multi-step run: one per step that has turns (a step's
+    conversation starts afresh, sharing only the system message with the step before), so a
+    RUN cut mid-step hands over well-formed segments."""
+
+    def __init__(self, turns: list[Turn]) -> None:
+        self.turns = turns
+        self.starts: list[int] = []
+
+    def __iter__(self) -> Iterator[Segment]:
+        kept: list[int] = []
+        for start in self.starts:
+            if start < len(self.turns):
+                if kept and kept[-1] == start:
+                    kept.pop()  # the step before ran no turn
+                kept.append(start)
+        for index, start in enumerate(kept):
+            yield (Segment(start, SegmentReason.FIRST) if index == 0 else
+                   Segment(start, SegmentReason.HISTORY_REWRITTEN, parent=index - 1))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+async def _run_steps(ctx: JobContext, harbor: HarborTask, agent: str,
+                     workdir: str) -> RunOutcome:
+    """RUN of a multi-step task (see the module's docstring)."""
+    run_end = time.monotonic() + ctx.spec.limits.run_timeout_s - DEADLINE_MARGIN_S
+    turns: list[Turn] = []
+    segments = _StepSegments(turns)
+    ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = turns, segments
+    results: list[StepResult] = ctx.state.setdefault(STEPS_KEY, [])
+    termination = TerminationReason.SUBMITTED
+    metadata: dict[str, str] = {"agent": agent}
+    last = len(harbor.steps) - 1
+    for index, step in enumerate(harbor.steps):
+        ctx.progress("step", {"step": step.name, "index": index, "steps": last + 1})
+        problem = await _prepare_step(ctx, harbor, step, workdir)
+        if problem:
+            results.append(StepResult(step.name, 0.0, {}, {"error": problem}, stop=problem))
+            break
+        ctx.state[PENDING_KEY] = index
+        deadline = min(time.monotonic() + step.agent_timeout_s, run_end)
+        segments.starts.append(len(turns))
+        try:
+            outcome = await _step_agent(ctx, harbor, step, agent, workdir, deadline, turns)
+        finally:
+            await end_agent(ctx)
+        termination = outcome.termination
+        for key, value in outcome.metadata.items():
+            if key in ("oracle_exit", "oracle_log") and metadata.get("oracle_exit", "0") != "0":
+                continue  # the first failing step's solve.sh is the one to show
+            metadata[key] = value
+        if index == last:
+            break  # EVAL verifies it
+        if time.monotonic() >= run_end:
+            break  # no time for the rest: EVAL verifies this one, the others count 0
+        ctx.progress("step_verifier", {"step": step.name})
+        result = StepResult.of(step, await verify(ctx, harbor, step,
+                                                  time_left=run_end - time.monotonic()))
+        ctx.state.pop(PENDING_KEY, None)
+        results.append(result)
+        if result.stop:
+            break
+        await asyncio.to_thread(_hide_tests, ctx)
+    metadata["steps_run"] = str(sum(1 for _ in segments.starts))
+    return RunOutcome(list(turns), termination, metadata, segments=list(segments))
+
+
+async def _step_agent(ctx: JobContext, harbor: HarborTask, step: HarborStep, agent: str,
+                      workdir: str, deadline: float, turns: list[Turn]) -> RunOutcome:
+    sandbox = sandbox_of(ctx)
+    if agent == "model":
+        left = ctx.spec.limits.max_turns - len(turns)
+        if left <= 0:
+            return RunOutcome([], TerminationReason.MAX_TURNS, {})
+        tools = [*sandbox_tools(sandbox, ["bash", "editor"], ctx),
+                 SubmitTool(ctx.state, answer_description="A one-line summary.")]
+        messages = [{"role": "system", "content": INSTRUCTIONS.format(workdir=workdir)},
+                    {"role": "user", "content": step.instruction}]
+        return await run_agent_loop(ctx, tools, messages, max_turns=left, turns=turns,
+                                    deadline=max(deadline, time.monotonic() + 1.0))
+    if agent == "oracle":
+        if not step.has_solution:
+            return RunOutcome([], TerminationReason.SUBMITTED, {"agent": "oracle"})
+        dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+        await asyncio.to_thread(_fill, dirs["solution"],
+                                harbor.path / taskdir.STEPS / step.name / taskdir.SOLUTION)
+        return await _oracle(sandbox, harbor, workdir, max(1.0, deadline - time.monotonic()))
+    return RunOutcome([], TerminationReason.SUBMITTED, {"agent": "noop"})
+
+
+async def _prepare_step(ctx: JobContext, harbor: HarborTask, step: HarborStep,
+                        workdir: str) -> str:
+    """Before a step's agent: its ``workdir/`` copied into the working directory, its
+    ``setup.sh`` run there, its healthcheck passed. Returns '' or why the step cannot start."""
+    sandbox = sandbox_of(ctx)
+    if step.has_workdir:
+        dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+        source = harbor.path / taskdir.STEPS / step.name / taskdir.WORKDIR
+        await asyncio.to_thread(_fill, dirs["step"], source)
+        # Copied by the agent's user, so the files are the agent's to change, as uploaded
+        # files are in Harbor's container.
+        run = await sandbox.exec(["sh", "-c", 'mkdir -p "$1" && cp -R "$0"/. "$1"/',
+                                  STEP_FILES_DIR, workdir], timeout=120, max_output=8192)
+        await asyncio.to_thread(_fill, dirs["step"], None)
+        if run.exit_code != 0 or run.timed_out:
+            return (f"step {step.name!r}: copying its workdir/ into {workdir} failed: "
+                    f"{run.output[-500:]}")
+        if (source / taskdir.SETUP_SCRIPT).is_file():
+            setup = await sandbox.exec(
+                ["sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash ./setup.sh; "
+                             "else exec sh ./setup.sh; fi"],
+                cwd=workdir, timeout=max(1.0, min(step.agent_timeout_s, 600.0)),
+                max_output=64 << 10)
+            if setup.exit_code != 0 or setup.timed_out:
+                why = "ran past its timeout" if setup.timed_out else f"exited {setup.exit_code}"
+                return (f"step {step.name!r}: its workdir/setup.sh {why}: "
+                        f"{setup.output[-_LOG_TAIL:]}")
+    if step.healthcheck is not None:
+        return await _healthcheck(sandbox, step, workdir)
+    return ""
+
+
+async def _healthcheck(sandbox: Any, step: HarborStep, workdir: str) -> str:
+    """Poll the step's healthcheck as Docker polls a HEALTHCHECK: failures within the start
+    period do not count; ``retries`` failures in a row after it fail the step."""
+    check = step.healthcheck
+    assert check is not None
+    started = time.monotonic()
+    failures = 0
+    while True:
+        run = await sandbox.exec(["sh", "-c", check.command], cwd=workdir,
+                                 timeout=check.timeout_s, max_output=4096)
+        if run.exit_code == 0 and not run.timed_out:
+            return ""
+        starting = time.monotonic() - started < check.start_period_s
+        if not starting:
+            failures += 1
+            if failures >= check.retries:
+                why = "timed out" if run.timed_out else f"exited {run.exit_code}"
+                return (f"step {step.name!r}: its healthcheck {check.command!r} failed "
+                        f"{failures} time(s), the last {why}: {run.output[-500:]}")
+        await asyncio.sleep(check.start_interval_s if starting else check.interval_s)
+
+
+async def _resolve_step_users(ctx: JobContext, sandbox: Any, harbor: HarborTask) -> None:
+    """Steps that name their own verifier user get it resolved now, as the task's is; a step
+    whose agent runs as another user than the task's is refused (one sandbox, one agent
+    user)."""
+    users: dict[str, Any] = {}
+    for step in harbor.steps:
+        if step.agent_user != harbor.agent_user:
+            raise HandlerError(f"the Harbor task {harbor.name}: step {step.name!r} sets "
+                               "[steps.agent].user apart from the task's [agent].user, which "
+                               "this server does not run (every step's agent is the sandbox's "
+                               "user)", "INVALID_TASK")
+        if step.verifier_user != harbor.verifier_user:
+            user_for = getattr(sandbox, "user_for", None)
+            if user_for is None:
+                raise HandlerError(f"the Harbor task {harbor.name} sets a user in task.toml, "
+                                   "which this server's sandbox runtime cannot apply (the "
+                                   "bwrap runtime does)", "INVALID_TASK")
+            users[step.name] = await asyncio.to_thread(
+                user_for, step.verifier_user,
+                named_by=f"task.toml [steps.verifier].user of step {step.name!r}")
+    if users:
+        ctx.state[STEP_USERS_KEY] = users
+
+
+def _hide_tests(ctx: JobContext) -> None:
+    """After a step's verifier: ``/tests`` and ``/logs/verifier`` empty again, and the agent's,
+    before the next step's agent starts."""
+    sandbox = sandbox_of(ctx)
+    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    _empty(dirs["verifier"])
+    _empty(dirs["tests"])
+    sandbox.hand_over([dirs["verifier"], dirs["tests"]])
 
 
 def load_task(task: Mapping[str, Any], *, sizes: bool = True) -> HarborTask:
@@ -272,9 +557,10 @@ async def _oracle(sandbox: Any, harbor: HarborTask, workdir: str,
                                         "oracle_log": run.output[-_LOG_TAIL:]})
 
 
-def _job_dirs(oracle: HarborTask | None) -> tuple[dict[str, Path], int]:
+def _job_dirs(harbor: HarborTask, oracle: bool) -> tuple[dict[str, Path], int]:
     """Host folders bound into the job's sandbox: the verifier's output and the tests (empty
-    until EVAL), and for the oracle a copy of the task's ``solution/``; with the fd of the lock
+    until EVAL), for the oracle the task's ``solution/`` (a multi-step task's: each step's, in
+    turn), for a multi-step task its steps' ``workdir/`` in turn; with the fd of the lock
     their root holds for the job's life, so that a crashed server's are swept by the next
     start-up (``reap_stale``) and a live one's are not."""
     root, lock = owned_tempdir("rollout-harbor-")
@@ -284,9 +570,15 @@ def _job_dirs(oracle: HarborTask | None) -> tuple[dict[str, Path], int]:
         for name in ("verifier", "tests"):
             (root / name).mkdir(mode=0o755)
             dirs[name] = root / name
-        if oracle is not None and oracle.has_solution:
+        if harbor.steps:
+            dirs["step"] = root / "step"
+            dirs["step"].mkdir(mode=0o755)
+            if oracle:
+                dirs["solution"] = root / "solution"
+                dirs["solution"].mkdir(mode=0o755)
+        elif oracle and harbor.has_solution:
             dirs["solution"] = root / "solution"
-            shutil.copytree(oracle.path / taskdir.SOLUTION, dirs["solution"], symlinks=True)
+            shutil.copytree(harbor.path / taskdir.SOLUTION, dirs["solution"], symlinks=True)
             os.chmod(dirs["solution"], 0o755)
     except BaseException:
         hostfs.rmtree(root)
@@ -303,14 +595,49 @@ def _empty(path: Path) -> None:
     path.mkdir(mode=0o755)
 
 
-def _refill(dirs: Mapping[str, Path], harbor: HarborTask) -> None:
+def _fill(folder: Path, source: Path | None) -> None:
+    """``folder`` emptied, then holding a copy of ``source`` (None: left empty), readable by
+    every uid (it is bound read-only into the sandbox)."""
+    _empty(folder)
+    if source is not None and source.is_dir() and not source.is_symlink():
+        hostfs.copy_tree(source, folder, max_bytes=taskdir.MAX_FOLDER_BYTES)
+        for dirpath, dirnames, filenames in os.walk(folder):
+            for name in dirnames:
+                os.chmod(os.path.join(dirpath, name), 0o755)
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if not os.path.islink(full):
+                    os.chmod(full, 0o755 if os.access(full, os.X_OK) or name.endswith(".sh")
+                             else 0o644)
+
+
+def _refill(dirs: Mapping[str, Path], harbor: HarborTask, step: HarborStep | None) -> None:
+    """The verifier's folder emptied; the tests' holding the task's ``tests/`` and, for a
+    step, the step's ``tests/`` over them (its files win; folders in both are merged)."""
     _empty(dirs["verifier"])
     _empty(dirs["tests"])
-    hostfs.copy_tree(harbor.path / taskdir.TESTS, dirs["tests"],
-                     max_bytes=taskdir.MAX_FOLDER_BYTES)
+    shared = harbor.path / taskdir.TESTS
+    if step is not None and step.has_tests:
+        hostfs.copy_tree(harbor.path / taskdir.STEPS / step.name / taskdir.TESTS, dirs["tests"],
+                         max_bytes=taskdir.MAX_FOLDER_BYTES)
+        if shared.is_dir() and not shared.is_symlink():
+            _merge_under(shared, dirs["tests"])
+    elif shared.is_dir() and not shared.is_symlink():
+        hostfs.copy_tree(shared, dirs["tests"], max_bytes=taskdir.MAX_FOLDER_BYTES)
     script = dirs["tests"] / "test.sh"
     with contextlib.suppress(OSError):
         os.chmod(script, 0o755)
+
+
+def _merge_under(source: Path, target: Path) -> None:
+    """Copy into ``target`` what ``source`` has and ``target`` lacks; a folder both have is
+    merged the same way (``target``'s entries win)."""
+    present = frozenset(os.listdir(target))
+    hostfs.copy_tree(source, target, skip=present, max_bytes=taskdir.MAX_FOLDER_BYTES)
+    for name in present:
+        below, into = source / name, target / name
+        if below.is_dir() and not below.is_symlink() and into.is_dir() and not into.is_symlink():
+            _merge_under(below, into)
 
 
 def _reward_files(folder: Path) -> dict[str, bytes | None]:

@@ -32,8 +32,26 @@ beside the agent's ``main`` (sidecars on networks of their own), or
 sandbox; run without its other containers such a task would grade the agent on an environment
 it was not written for, so it is refused, as Harbor's own cloud providers refuse it. A Compose
 file that only adjusts ``main`` is read, and what it sets is reported with the unknown keys.
-A multi-step task (``[[steps]]``, schema 1.1) is refused too: it has no single instruction or
-verifier, and its steps' order, early stop (``min_reward``) and per-step rewards are not run here.
+
+A multi-step task (``[[steps]]``, schema 1.1) replaces ``instruction.md``, ``tests/`` and
+``solution/`` at the root with one folder per step, run in order in one environment::
+
+    TASK/
+      task.toml             multi_step_reward_strategy = "mean" | "final"; [[steps]] tables
+      environment/          built once, shared by every step
+      tests/                optional: helpers (and a fallback test.sh) under every step's tests
+      steps/NAME/instruction.md          the step's prompt
+      steps/NAME/tests/                  the step's verifier, copied over tests/ (same names win)
+      steps/NAME/workdir/                optional: copied into the working directory before
+                                         the step's agent; its setup.sh runs there first
+      steps/NAME/solution/solve.sh       optional: the step's oracle
+
+``[[steps]]`` keys: ``name``, ``min_reward`` (a number for the ``reward`` entry, or a table of
+entries to thresholds: below it the remaining steps do not run), ``[steps.agent]``
+``timeout_sec`` / ``user``, ``[steps.verifier]`` ``timeout_sec`` / ``env`` / ``user`` (unset:
+the task's ``[agent]`` / ``[verifier]``; ``env`` is merged over the task's), and
+``[steps.healthcheck]`` ``command``, ``interval_sec``, ``timeout_sec``, ``retries``,
+``start_period_sec`` (polled after the upload and ``setup.sh``, before the agent).
 """
 
 from __future__ import annotations
@@ -58,6 +76,13 @@ SOLUTION = "solution"
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 """The names Docker Compose reads in ``environment/``: a multi-container task."""
 SOLVE_SCRIPT = "solution/solve.sh"
+STEPS = "steps"
+WORKDIR = "workdir"
+SETUP_SCRIPT = "setup.sh"
+"""In a step's ``workdir/``: run from the working directory after the upload, before the agent."""
+REWARD_STRATEGIES = ("mean", "final")
+MAX_STEPS = 64
+_STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 DEFAULT_TIMEOUT_S = 600.0
 """Harbor's default for the agent, the verifier and the build."""
@@ -68,7 +93,7 @@ MAX_FOLDER_BYTES = 256 << 20
 
 _KNOWN: dict[str, frozenset[str]] = {
     "": frozenset({"version", "schema_version", "task", "metadata", "verifier", "agent",
-                   "solution", "environment", "source"}),
+                   "solution", "environment", "source", "steps", "multi_step_reward_strategy"}),
     "task": frozenset({"name", "description", "authors", "keywords"}),
     "agent": frozenset({"timeout_sec", "user"}),
     "verifier": frozenset({"timeout_sec", "env", "user"}),
@@ -81,8 +106,66 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*")
 _SIZE_UNITS = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1 << 20}
 
 
+_STEP_KNOWN: dict[str, frozenset[str]] = {
+    "": frozenset({"name", "min_reward", "agent", "verifier", "healthcheck"}),
+    "agent": frozenset({"timeout_sec", "user"}),
+    "verifier": frozenset({"timeout_sec", "env", "user"}),
+    "healthcheck": frozenset({"command", "interval_sec", "timeout_sec", "retries",
+                              "start_period_sec", "start_interval_sec"}),
+}
+
+
 class TaskFolderError(ValueError):
     """The folder is not a usable Harbor task; the message names the file and key to fix."""
+
+
+@dataclass(frozen=True)
+class Healthcheck:
+    """``[steps.healthcheck]``: polled as Docker polls a HEALTHCHECK (Docker's defaults)."""
+
+    command: str
+    interval_s: float = 30.0
+    timeout_s: float = 30.0
+    retries: int = 3
+    """Failures in a row (after the start period) that make the check fail."""
+    start_period_s: float = 0.0
+    """Failures within this long of the first attempt do not count."""
+    start_interval_s: float = 5.0
+    """The wait between attempts within the start period."""
+
+
+@dataclass(frozen=True)
+class HarborStep:
+    """One ``[[steps]]`` entry and its folder ``steps/NAME/``."""
+
+    name: str
+    instruction: str
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    verifier_env: Mapping[str, str]
+    """The task's ``[verifier].env`` with the step's own over it."""
+    min_reward: float | Mapping[str, float] | None = None
+    healthcheck: Healthcheck | None = None
+    has_workdir: bool = False
+    has_solution: bool = False
+    has_tests: bool = False
+    """``steps/NAME/tests/`` exists (copied over the task's ``tests/``)."""
+    agent_user: str | None = None
+    verifier_user: str | None = None
+
+    def below_minimum(self, components: Mapping[str, float]) -> str:
+        """Why a step whose verifier gave ``components`` stops the task ('' = it does not):
+        an entry under its threshold (a missing entry counts as 0)."""
+        if self.min_reward is None:
+            return ""
+        wanted = ({"reward": self.min_reward} if isinstance(self.min_reward, float)
+                  else self.min_reward)
+        for key, floor in wanted.items():
+            got = components.get(key, 0.0)
+            if got < floor:
+                return (f"step {self.name!r}: {key} = {got:g}, under its min_reward "
+                        f"{floor:g}; the remaining steps do not run")
+        return ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +198,10 @@ class HarborTask:
     image's ``USER``."""
     verifier_user: str | None = None
     """``[verifier].user``: who ``tests/test.sh`` runs as; None = the image's ``USER``."""
+    steps: tuple[HarborStep, ...] = ()
+    """A multi-step task's steps in order; () for a single-step task."""
+    reward_strategy: str = "mean"
+    """``multi_step_reward_strategy``: how the steps' rewards make the task's."""
 
     @property
     def image_source(self) -> str:
@@ -132,21 +219,20 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if not root.is_dir():
         raise TaskFolderError(f"{path}: not a directory")
     config = _read_toml(root / CONFIG)
-    if config.get("steps"):
-        raise TaskFolderError(
-            f"{root / CONFIG}: [[steps]]: a multi-step task (schema 1.1: each step's own "
-            f"instruction, tests and min_reward, run one after another in one environment); "
-            f"this server runs single-step tasks (instruction.md, tests/test.sh) only")
-    instruction = _read_text(root / INSTRUCTION, MAX_INSTRUCTION).strip()
-    if not instruction:
-        raise TaskFolderError(f"{root / INSTRUCTION}: empty; it is the prompt")
-    test = root / TEST_SCRIPT
-    if not test.is_file() or test.is_symlink():
-        raise TaskFolderError(f"{root}: no {TEST_SCRIPT} (the verifier every task needs)")
+    multi_step = "steps" in config
+    if multi_step:
+        instruction = ""
+    else:
+        instruction = _read_text(root / INSTRUCTION, MAX_INSTRUCTION).strip()
+        if not instruction:
+            raise TaskFolderError(f"{root / INSTRUCTION}: empty; it is the prompt")
+        test = root / TEST_SCRIPT
+        if not test.is_file() or test.is_symlink():
+            raise TaskFolderError(f"{root}: no {TEST_SCRIPT} (the verifier every task needs)")
     solve = root / SOLVE_SCRIPT
     has_solution = solve.is_file() and not solve.is_symlink()
     if sizes:
-        _check_size(root, (TESTS, SOLUTION))
+        _check_size(root, (TESTS, SOLUTION, STEPS))
 
     version = str(config.get("schema_version", config.get("version", "1.0")))
     if not re.fullmatch(r"1(\.\d+)*", version):
@@ -173,12 +259,26 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if not isinstance(workdir, str) or (workdir and not workdir.startswith("/")):
         raise TaskFolderError(f"{where} workdir must be an absolute path")
     name = section["task"].get("name") or root.name
+    agent_timeout = _number(section["agent"], "timeout_sec", DEFAULT_TIMEOUT_S,
+                            f"{root / CONFIG}: [agent]", positive=True)
+    verifier_timeout = _number(section["verifier"], "timeout_sec", DEFAULT_TIMEOUT_S,
+                               f"{root / CONFIG}: [verifier]", positive=True)
+    verifier_env = _strings(section["verifier"], "env", f"{root / CONFIG}: [verifier]")
+    agent_user = _user(section["agent"], f"{root / CONFIG}: [agent]")
+    verifier_user = _user(section["verifier"], f"{root / CONFIG}: [verifier]")
+    strategy = config.get("multi_step_reward_strategy", "mean")
+    if strategy not in REWARD_STRATEGIES:
+        raise TaskFolderError(f"{root / CONFIG}: multi_step_reward_strategy must be one of "
+                              f"{', '.join(map(repr, REWARD_STRATEGIES))}, got {strategy!r}")
+    steps: tuple[HarborStep, ...] = ()
+    step_keys: tuple[str, ...] = ()
+    if multi_step:
+        steps, step_keys = _steps(root, config["steps"], agent_timeout, verifier_timeout,
+                                  verifier_env, agent_user, verifier_user)
+        instruction = steps[0].instruction
     return HarborTask(
         path=root, name=str(name)[:200], instruction=instruction,
-        agent_timeout_s=_number(section["agent"], "timeout_sec", DEFAULT_TIMEOUT_S,
-                                f"{root / CONFIG}: [agent]", positive=True),
-        verifier_timeout_s=_number(section["verifier"], "timeout_sec", DEFAULT_TIMEOUT_S,
-                                   f"{root / CONFIG}: [verifier]", positive=True),
+        agent_timeout_s=agent_timeout, verifier_timeout_s=verifier_timeout,
         build_timeout_s=_number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, where,
                                 positive=True),
         docker_image=image, has_dockerfile=has_dockerfile,
@@ -188,11 +288,117 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         allow_internet=_allow_internet(env_table, where),
         workdir=workdir,
         environment_env=_strings(env_table, "env", where),
-        verifier_env=_strings(section["verifier"], "env", f"{root / CONFIG}: [verifier]"),
+        verifier_env=verifier_env,
         solution_env=_strings(section["solution"], "env", f"{root / CONFIG}: [solution]"),
-        has_solution=has_solution, unknown_keys=_unknown(config) + compose_keys,
-        agent_user=_user(section["agent"], f"{root / CONFIG}: [agent]"),
-        verifier_user=_user(section["verifier"], f"{root / CONFIG}: [verifier]"))
+        has_solution=has_solution or any(step.has_solution for step in steps),
+        unknown_keys=_unknown(config) + step_keys + compose_keys,
+        agent_user=agent_user, verifier_user=verifier_user, steps=steps,
+        reward_strategy=strategy)
+
+
+def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: float,
+           verifier_env: Mapping[str, str], agent_user: str | None,
+           verifier_user: str | None) -> tuple[tuple[HarborStep, ...], tuple[str, ...]]:
+    """The ``[[steps]]`` tables with their folders, checked; and the keys Harbor has that are
+    not read here (``artifacts``: nothing is collected from a step)."""
+    where = f"{root / CONFIG}: [[steps]]"
+    if not isinstance(entries, list) or not entries or not all(
+            isinstance(e, Mapping) for e in entries):
+        raise TaskFolderError(f"{where} must be one or more tables ([[steps]] entries)")
+    if len(entries) > MAX_STEPS:
+        raise TaskFolderError(f"{where}: {len(entries)} steps, over the {MAX_STEPS} this "
+                              "server runs")
+    shared_test = (root / TEST_SCRIPT).is_file() and not (root / TEST_SCRIPT).is_symlink()
+    steps: list[HarborStep] = []
+    unknown: list[str] = []
+    for index, entry in enumerate(entries):
+        name = entry.get("name")
+        if not isinstance(name, str) or not _STEP_NAME.fullmatch(name):
+            raise TaskFolderError(f"{where} #{index + 1}: name must be a folder name of "
+                                  f"letters, digits, '.', '_' and '-', got {name!r}")
+        if any(step.name == name for step in steps):
+            raise TaskFolderError(f"{where}: two steps are named {name!r}")
+        here = f"{root / CONFIG}: [[steps]] {name!r}"
+        folder = root / STEPS / name
+        if folder.is_symlink() or not folder.is_dir():
+            raise TaskFolderError(f"{here}: no folder {STEPS}/{name}/ (its instruction.md "
+                                  "and tests)")
+        instruction = _read_text(folder / INSTRUCTION, MAX_INSTRUCTION).strip()
+        if not instruction:
+            raise TaskFolderError(f"{folder / INSTRUCTION}: empty; it is the step's prompt")
+        own_test = (folder / TEST_SCRIPT).is_file() and not (folder / TEST_SCRIPT).is_symlink()
+        if not own_test and not shared_test:
+            raise TaskFolderError(f"{here}: no verifier: neither {STEPS}/{name}/{TEST_SCRIPT} "
+                                  f"nor {TEST_SCRIPT}")
+        agent = _step_table(entry, "agent", here)
+        verifier = _step_table(entry, "verifier", here)
+        unknown += [f"steps.{name}.{k}" for k in entry if k not in _STEP_KNOWN[""]]
+        for table_name in ("agent", "verifier", "healthcheck"):
+            table = entry.get(table_name)
+            if isinstance(table, Mapping):
+                unknown += [f"steps.{name}.{table_name}.{k}" for k in table
+                            if k not in _STEP_KNOWN[table_name]]
+        workdir = folder / WORKDIR
+        steps.append(HarborStep(
+            name=name, instruction=instruction,
+            agent_timeout_s=_number(agent, "timeout_sec", agent_timeout, f"{here} [agent]",
+                                    positive=True),
+            verifier_timeout_s=_number(verifier, "timeout_sec", verifier_timeout,
+                                       f"{here} [verifier]", positive=True),
+            verifier_env={**verifier_env,
+                          **_strings(verifier, "env", f"{here} [verifier]")},
+            min_reward=_min_reward(entry.get("min_reward"), here),
+            healthcheck=_healthcheck(entry.get("healthcheck"), here),
+            has_workdir=workdir.is_dir() and not workdir.is_symlink(),
+            has_solution=(folder / SOLVE_SCRIPT).is_file()
+            and not (folder / SOLVE_SCRIPT).is_symlink(),
+            has_tests=(folder / TESTS).is_dir() and not (folder / TESTS).is_symlink(),
+            agent_user=_user(agent, f"{here} [agent]") if "user" in agent else agent_user,
+            verifier_user=(_user(verifier, f"{here} [verifier]") if "user" in verifier
+                           else verifier_user)))
+    return tuple(steps), tuple(unknown)
+
+
+def _step_table(entry: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:
+    value = entry.get(name, {})
+    if not isinstance(value, Mapping):
+        raise TaskFolderError(f"{where}: [steps.{name}] must be a table")
+    return value
+
+
+def _min_reward(value: Any, where: str) -> float | dict[str, float] | None:
+    """``min_reward``: a number (the ``reward`` entry's floor) or a table of entries' floors."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value):
+        return {k: _number(value, k, 0, f"{where} min_reward", signed=True) for k in value}
+    if not isinstance(value, Mapping):
+        return _number({"min_reward": value}, "min_reward", 0, where, signed=True)
+    raise TaskFolderError(f"{where} min_reward must be a number or a table of reward entries "
+                          f"to numbers, got {value!r}")
+
+
+def _healthcheck(value: Any, where: str) -> Healthcheck | None:
+    if value is None:
+        return None
+    here = f"{where} [steps.healthcheck]"
+    if not isinstance(value, Mapping):
+        raise TaskFolderError(f"{here} must be a table")
+    command = value.get("command")
+    if not isinstance(command, str) or not command.strip() or len(command) > 4096:
+        raise TaskFolderError(f"{here} command must be a shell command")
+    base = Healthcheck(command)
+    retries = _number(value, "retries", base.retries, here)
+    if retries != int(retries) or retries < 1:
+        raise TaskFolderError(f"{here} retries must be a whole number of at least 1, got "
+                              f"{value['retries']!r}")
+    return Healthcheck(
+        command=command,
+        interval_s=_number(value, "interval_sec", base.interval_s, here),
+        timeout_s=_number(value, "timeout_sec", base.timeout_s, here, positive=True),
+        retries=int(retries),
+        start_period_s=_number(value, "start_period_sec", base.start_period_s, here),
+        start_interval_s=_number(value, "start_interval_sec", base.start_interval_s, here))
 
 
 def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
@@ -300,11 +506,11 @@ def _table(config: Mapping[str, Any], name: str, root: Path) -> Mapping[str, Any
 
 
 def _number(table: Mapping[str, Any], key: str, default: float, where: str, *,
-            positive: bool = False) -> float:
+            positive: bool = False, signed: bool = False) -> float:
     value = table.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value) or value < 0 or (positive and value == 0):
-        kind = "positive" if positive else "non-negative"
+            value) or (value < 0 and not signed) or (positive and value == 0):
+        kind = "positive" if positive else "finite" if signed else "non-negative"
         raise TaskFolderError(f"{where} {key} must be a {kind} number, got {value!r}")
     return float(value)
 

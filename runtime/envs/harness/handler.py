@@ -123,6 +123,13 @@ class HarnessHandler(AgentHandler):
             field = e.field.removeprefix("task").lstrip(".")
             raise InvalidArgument(str(e), e.reason,
                                   "task.task" + (f".{field}" if field else "")) from None
+        if inner == "harbor":
+            from rollout.runtime.envs.harbor.handler import load_task
+
+            if load_task(task["task"], sizes=False).steps:
+                raise invalid("a multi-step Harbor task ([[steps]]) runs under the harbor "
+                              "environment (the built-in agent, oracle or noop), not yet "
+                              "under a harness preset", "task.task_dir")
         if "harness" not in task:
             raise invalid("harness task needs 'harness': a preset name ("
                           f"{', '.join(harness_presets.preset_names())}) or a command spec",

@@ -58,12 +58,17 @@ def rollout(tok: Any, sandbox_factory: Any) -> Rollout:
     """``await rollout(handler, task, script)``: the job's three stages, then its cleanup."""
     counter = iter(range(1_000_000))
 
-    async def run(handler: AgentHandler, task: Mapping[str, Any], script: Sequence[str], *,
+    async def run(handler: AgentHandler, task: Mapping[str, Any],
+                  script: Sequence[str] | Callable[[str, int], str], *,
                   limits: Limits | None = None, inspect: Callable[[JobContext], Any] | None = None,
                   gateway: Any = None, sampling: SamplingParams | None = None,
                   ) -> RolloutResult:
         job_id = f"{handler.name}-{next(counter)}"
-        engine = ScriptedEngine(tok, {job_id: list(script)})
+        if callable(script):  # (session, turn) -> message; see in_order
+            engine = ScriptedEngine(tok, script)
+            script = [""] * (limits.max_turns if limits else 1)
+        else:
+            engine = ScriptedEngine(tok, {job_id: list(script)})
         spec = JobSpec(job_id=job_id, environment=handler.name, task=dict(task),
                        sampling=sampling or SamplingParams(
                            temperature=0.0, max_tokens_per_turn=4096, total_token_budget=32768),
@@ -83,6 +88,14 @@ def rollout(tok: Any, sandbox_factory: Any) -> Rollout:
         return RolloutResult(reward, ctx.outcome, ctx, engine)
 
     return run
+
+
+def in_order(messages: Sequence[str]) -> Callable[[str, int], str]:
+    """A script that answers with ``messages`` one after another across the job's
+    conversations (a multi-step task ends its session after each step, which restarts a
+    per-session script)."""
+    it = iter(messages)
+    return lambda session, turn: next(it)
 
 
 # The harness environment's fixtures: the real model gateway, and the tiny model's engine.

@@ -18,7 +18,7 @@ from rollout.runtime.tasksets import harbor_import
 from rollout.runtime.tasksets.shipped import main as tasks_main
 from rollout.runtime.types import Limits
 from tests.fixtures.images import Registry
-from tests.runtime.envs.conftest import Rollout, call
+from tests.runtime.envs.conftest import Rollout, call, in_order
 from tests.runtime.envs.harbor_helpers import FIXTURES, image_factory, line
 
 pytestmark = pytest.mark.slow  # each task's image is built once per session (tens of seconds)
@@ -208,3 +208,85 @@ async def test_mini_swe_agent_solves_a_harbor_task_in_its_image(
     assert result.reward.value == 1.0, (result.reward.info,
                                         result.outcome.metadata["harness_log"])
     assert "WD=/app" in result.prompt_text()  # the preset's shell started in the WORKDIR
+
+
+# -- multi-step tasks ([[steps]], schema 1.1) ------------------------------------------------
+
+MAKE_TOOL = call("bash", command="printf '#!/bin/sh\\nwc -l < \"$1\" | tr -d \" \"\\n' > "
+                                 "/app/count.sh && chmod +x /app/count.sh")
+LOOK = call("bash", command="echo TESTS=$(ls -A /tests | wc -l) SETUP=$(cat /app/.setup-ran) "
+                            "SCRIPT=$(ls /app/setup.sh 2>&1 | grep -c 'No such') "
+                            "WORDS=$(wc -l < /app/words.txt)")
+
+
+async def test_multi_step_oracle_earns_1_and_noop_0(sandbox_factory: Any) -> None:
+    # Each step's solve.sh in turn; the no-op fails the first step's min_reward and stops.
+    results = await harbor_import.check([FIXTURES / "multi-step"], sandbox_factory)
+    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
+
+
+async def test_multi_step_steps_run_in_order_each_in_a_conversation_of_its_own(
+        rollout: Rollout) -> None:
+    from rollout.runtime.types import Segment, SegmentReason
+
+    task = line("multi-step")["task"]
+    script = [MAKE_TOOL, DONE,  # make-tool
+              LOOK, call("bash", command="/app/count.sh /app/words.txt > /app/answer.txt"),
+              DONE,  # configure
+              call("bash", command="echo 'Run /app/count.sh FILE' > /app/NOTES.md"), DONE]
+    result = await rollout(HarborHandler(), task, in_order(script),
+                           limits=Limits(max_turns=len(script)))
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.outcome.segments == [
+        Segment(0, SegmentReason.FIRST), Segment(2, SegmentReason.HISTORY_REWRITTEN, parent=0),
+        Segment(5, SegmentReason.HISTORY_REWRITTEN, parent=1)]
+    # The configure step's agent starts afresh: its own instruction, not make-tool's turns.
+    configure = result.prompt_text(2)
+    assert "/app/words.txt" in configure and "count.sh\" | tr" not in configure
+    assert "Write an executable shell script" not in configure
+    # Its workdir/ was uploaded and setup.sh ran there (and removed itself); the tests of the
+    # step before were gone again.
+    assert "TESTS=0 SETUP=" in result.prompt_text(3) and "SCRIPT=1 WORDS=3" in (
+        result.prompt_text(3))
+    assert result.reward.components["step:configure"] == 1.0
+    assert result.reward.info["steps_verified"] == "3" and "stopped" not in result.reward.info
+
+
+async def test_multi_step_stops_under_min_reward_and_the_rest_count_0(rollout: Rollout) -> None:
+    task = line("multi-step")["task"]
+    script = [MAKE_TOOL, DONE, call("bash", command="echo 4 > /app/answer.txt"), DONE,
+              call("bash", command="echo never > /app/NOTES.md"), DONE]
+    result = await rollout(HarborHandler(), task, in_order(script),
+                           limits=Limits(max_turns=len(script)))
+    # configure: lines 0 (under its min_reward table), setup 1: 0.5; document never ran.
+    assert result.reward.value == pytest.approx(0.5), result.reward.info
+    assert result.reward.components["step:document"] == 0.0
+    assert result.reward.components["lines"] == 0.0
+    assert "lines = 0, under its min_reward 1" in result.reward.info["stopped"]
+    assert len(result.engine.requests) == 4  # the document step's agent never ran
+
+
+async def test_no_agent_process_outlives_its_step(rollout: Rollout) -> None:
+    # make-tool's agent leaves a loop that would answer the configure step for it, and plants
+    # a reward for the verifier to find: neither counts.
+    plant = ("(while true; do [ -f /app/words.txt ] && /app/count.sh /app/words.txt > "
+             "/app/answer.txt; echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.05; "
+             "done) > /dev/null 2>&1 &")
+    script = [MAKE_TOOL, call("bash", command=plant), DONE, call("bash", command="sleep 1"),
+              DONE]
+    result = await rollout(HarborHandler(), line("multi-step")["task"], in_order(script),
+                           limits=Limits(max_turns=len(script)))
+    assert result.reward.components["step:make-tool"] == 1.0
+    assert result.reward.components["step:configure"] == 0.5  # setup 1, lines 0
+    assert result.reward.components["lines"] == 0.0, result.reward.info
+
+
+async def test_a_failing_healthcheck_ends_the_task_with_that_step_at_0(
+        tmp_path: Path, sandbox_factory: Any) -> None:
+    folder = tmp_path / "multi-step"
+    shutil.copytree(FIXTURES / "multi-step", folder)
+    toml = folder / "task.toml"
+    toml.write_text(toml.read_text().replace("test -x /app/count.sh", "test -f /app/never"))
+    value, _ = await harbor_import.run_once(line("multi-step", "oracle", folder=tmp_path),
+                                            sandbox_factory, "healthcheck-fails")
+    assert value == pytest.approx(1 / 3)  # make-tool 1, configure 0, document not run

@@ -3,6 +3,7 @@ reads them, and `rollout tasks import-harbor` (no sandbox needed here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -76,10 +77,11 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
-    # A multi-step task (schema 1.1): no single instruction.md, each step its own.
+    # A multi-step task (schema 1.1) names a step whose folder is missing.
     (lambda d: ((d / "instruction.md").unlink(), (d / "task.toml").write_text(
         'schema_version = "1.1"\n[environment]\nmcp_servers = []\n'
-        '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n')), "a multi-step task"),
+        '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n')),
+     "'scaffold': no folder steps/scaffold/"),
 ])
 def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, message) -> None:
     folder = copy_task(tmp_path)
@@ -206,3 +208,107 @@ def test_oversized_tests_are_refused_off_the_submit_path(tmp_path: Path) -> None
     taskdir.load(folder, sizes=False)  # what a submit checks: the small files
     with pytest.raises(TaskFolderError, match="over the"):
         taskdir.load(folder)
+
+
+def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
+    """The multi-step fixture with its [[steps]] tables replaced."""
+    folder = copy_task(tmp_path, "multi-step")
+    text = (folder / "task.toml").read_text()
+    head = text[:text.index("[[steps]]")].replace('multi_step_reward_strategy = "mean"\n', "")
+    (folder / "task.toml").write_text(top + head + steps_toml)
+    return folder
+
+
+@pytest.mark.parametrize(("steps_toml", "top", "message"), [
+    ("", "steps = 3\n", "must be one or more tables"),
+    ('[[steps]]\nname = "../up"\n', "", "name must be a folder name"),
+    ('[[steps]]\nname = "make-tool"\n[[steps]]\nname = "make-tool"\n', "",
+     "two steps are named 'make-tool'"),
+    ('[[steps]]\nname = "nowhere"\n', "", "no folder steps/nowhere/"),
+    ('[[steps]]\nname = "make-tool"\nmin_reward = "high"\n', "", "min_reward must be"),
+    ('[[steps]]\nname = "make-tool"\nmin_reward = {reward = "x"}\n', "",
+     "min_reward reward must be a finite number"),
+    ('[[steps]]\nname = "make-tool"\n[steps.healthcheck]\ninterval_sec = 1\n', "",
+     "command must be a shell command"),
+    ('[[steps]]\nname = "make-tool"\n[steps.healthcheck]\ncommand = "true"\nretries = 0\n',
+     "", "retries must be a whole number of at least 1"),
+    ('[[steps]]\nname = "make-tool"\n[steps.agent]\ntimeout_sec = 0\n', "",
+     "timeout_sec must be a positive number"),
+    ('[[steps]]\nname = "make-tool"\n', 'multi_step_reward_strategy = "max"\n',
+     "multi_step_reward_strategy must be one of 'mean', 'final'"),
+    ("".join(f'[[steps]]\nname = "make-tool-{i}"\n' for i in range(65)), "",
+     "65 steps, over the 64"),
+])
+def test_bad_steps_are_refused_naming_what_to_fix(tmp_path: Path, steps_toml: str, top: str,
+                                                  message: str) -> None:
+    folder = _steps_task(tmp_path, steps_toml, top)
+    with pytest.raises(TaskFolderError, match=message):
+        taskdir.load(folder)
+
+
+def test_a_step_without_a_verifier_is_refused(tmp_path: Path) -> None:
+    # The document step verifies with the task's tests/test.sh; without it, it has none.
+    folder = copy_task(tmp_path, "multi-step")
+    (folder / "tests" / "test.sh").unlink()
+    with pytest.raises(TaskFolderError, match="'document': no verifier"):
+        taskdir.load(folder)
+
+
+def test_the_multi_step_fixture_loads_its_steps() -> None:
+    task = taskdir.load(FIXTURES / "multi-step")
+    assert [s.name for s in task.steps] == ["make-tool", "configure", "document"]
+    assert task.instruction == task.steps[0].instruction and task.reward_strategy == "mean"
+    first, second, third = task.steps
+    assert first.min_reward == 1.0 and first.verifier_timeout_s == 30.0
+    assert first.agent_timeout_s == 120.0  # the task's [agent] where the step sets none
+    assert second.min_reward == {"lines": 1.0} and second.agent_timeout_s == 90.0
+    # The step's verifier env over the task's.
+    assert second.verifier_env == {"SHARED_SETTING": "from-the-task", "EXPECTED_LINES": "3"}
+    assert second.has_workdir and second.has_tests and not third.has_tests
+    assert second.healthcheck is not None and second.healthcheck.retries == 2
+    assert task.has_solution and task.unknown_keys == ()
+    # RUN holds every agent and every verifier but the last one (EVAL's).
+    limits = harbor_import.limits_of(task)
+    assert float(limits["runTimeout"].rstrip("s")) > 120 + 90 + 120 + 30 + 60
+    assert limits["evalTimeout"] == f"{60 + harbor_import.SETUP_MARGIN_S:g}s"
+
+
+def test_below_minimum_reads_the_reward_or_the_named_entries() -> None:
+    _, second, third = taskdir.load(FIXTURES / "multi-step").steps
+    assert second.below_minimum({"reward": 0.5, "lines": 1.0}) == ""
+    assert "lines = 0, under its min_reward 1" in second.below_minimum({"reward": 1.0})
+    assert third.below_minimum({"reward": 0.0}) == ""  # no min_reward: never stops
+
+
+def test_roll_up_counts_steps_that_did_not_run() -> None:
+    from rollout.runtime.envs.harbor.handler import StepResult, roll_up
+
+    task = taskdir.load(FIXTURES / "multi-step")
+    done = [StepResult("make-tool", 1.0, {"reward": 1.0}),
+            StepResult("configure", 0.5, {"reward": 0.5, "lines": 0.0, "setup": 1.0},
+                       stop="under its min_reward")]
+    reward = roll_up(task, done)
+    # Three steps, the third not run: it counts 0, so failing a step early never pays more.
+    assert reward.value == pytest.approx(0.5)
+    assert reward.components == pytest.approx({
+        "reward": 0.5, "lines": 0.0, "setup": 1 / 3, "step:make-tool": 1.0,
+        "step:configure": 0.5, "step:document": 0.0})
+    assert reward.info["stopped"] == "under its min_reward"
+    assert json.loads(reward.info["step_results"])[1]["reward"] == 0.5
+    final = roll_up(dataclasses.replace(task, reward_strategy="final"), done)
+    assert final.value == 0.0 and final.components["step:configure"] == 0.5
+    finished = [*done[:1], StepResult("configure", 1.0, {"reward": 1.0}),
+                StepResult("document", 0.25, {"reward": 0.25, "style": 1.0})]
+    final = roll_up(dataclasses.replace(task, reward_strategy="final"), finished)
+    assert (final.value, final.components["style"]) == (0.25, 1.0)
+    assert roll_up(task, finished).value == pytest.approx(0.75)
+
+
+def test_a_harness_job_refuses_a_multi_step_task() -> None:
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+
+    with pytest.raises(InvalidArgument, match="multi-step Harbor task") as err:
+        HarnessHandler().validate_task({
+            "environment": "harbor", "task": {"task_dir": str(FIXTURES / "multi-step")},
+            "harness": {"command": ["true"]}})
+    assert err.value.field == "task.task.task_dir"
