@@ -59,7 +59,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,17 +339,17 @@ class _StepSegments:
         return sum(1 for _ in self)
 
 
-async def _run_steps(ctx: JobContext, harbor: HarborTask, agent: str,
-                     workdir: str) -> RunOutcome:
-    """RUN of a multi-step task (see the module's docstring)."""
+async def run_steps(ctx: JobContext, harbor: HarborTask, workdir: str,
+                    agent_step: Callable[[HarborStep, float], Awaitable[None]]) -> int:
+    """Drive a multi-step task's RUN (see the module's docstring): each step's set-up, its
+    agent (``await agent_step(step, deadline)``, a ``time.monotonic()`` deadline), the end of
+    every process of the agent, and the step's verifier for every step but the last one run
+    (EVAL's). Returns how many steps' agents ran. The ``harness`` environment drives a
+    harness preset through it."""
     run_end = time.monotonic() + ctx.spec.limits.run_timeout_s - DEADLINE_MARGIN_S
-    turns: list[Turn] = []
-    segments = _StepSegments(turns)
-    ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = turns, segments
     results: list[StepResult] = ctx.state.setdefault(STEPS_KEY, [])
-    termination = TerminationReason.SUBMITTED
-    metadata: dict[str, str] = {"agent": agent}
     last = len(harbor.steps) - 1
+    ran = 0
     for index, step in enumerate(harbor.steps):
         ctx.progress("step", {"step": step.name, "index": index, "steps": last + 1})
         problem = await _prepare_step(ctx, harbor, step, workdir)
@@ -357,17 +357,11 @@ async def _run_steps(ctx: JobContext, harbor: HarborTask, agent: str,
             results.append(StepResult(step.name, 0.0, {}, {"error": problem}, stop=problem))
             break
         ctx.state[PENDING_KEY] = index
-        deadline = min(time.monotonic() + step.agent_timeout_s, run_end)
-        segments.starts.append(len(turns))
+        ran += 1
         try:
-            outcome = await _step_agent(ctx, harbor, step, agent, workdir, deadline, turns)
+            await agent_step(step, min(time.monotonic() + step.agent_timeout_s, run_end))
         finally:
             await end_agent(ctx)
-        termination = outcome.termination
-        for key, value in outcome.metadata.items():
-            if key in ("oracle_exit", "oracle_log") and metadata.get("oracle_exit", "0") != "0":
-                continue  # the first failing step's solve.sh is the one to show
-            metadata[key] = value
         if index == last:
             break  # EVAL verifies it
         if time.monotonic() >= run_end:
@@ -380,8 +374,30 @@ async def _run_steps(ctx: JobContext, harbor: HarborTask, agent: str,
         if result.stop:
             break
         await asyncio.to_thread(_hide_tests, ctx)
-    metadata["steps_run"] = str(sum(1 for _ in segments.starts))
-    return RunOutcome(list(turns), termination, metadata, segments=list(segments))
+    return ran
+
+
+async def _run_steps(ctx: JobContext, harbor: HarborTask, agent: str,
+                     workdir: str) -> RunOutcome:
+    """A multi-step task's RUN with the built-in agent, the oracle or the no-op: each step's
+    turns one segment of the job's trajectory."""
+    turns: list[Turn] = []
+    segments = _StepSegments(turns)
+    ctx.state[TURNS_KEY], ctx.state[SEGMENTS_KEY] = turns, segments
+    ended = [TerminationReason.SUBMITTED]
+    metadata: dict[str, str] = {"agent": agent}
+
+    async def agent_step(step: HarborStep, deadline: float) -> None:
+        segments.starts.append(len(turns))
+        outcome = await _step_agent(ctx, harbor, step, agent, workdir, deadline, turns)
+        ended[0] = outcome.termination
+        for key, value in outcome.metadata.items():
+            if key in ("oracle_exit", "oracle_log") and metadata.get("oracle_exit", "0") != "0":
+                continue  # the first failing step's solve.sh is the one to show
+            metadata[key] = value
+
+    metadata["steps_run"] = str(await run_steps(ctx, harbor, workdir, agent_step))
+    return RunOutcome(list(turns), ended[0], metadata, segments=list(segments))
 
 
 async def _step_agent(ctx: JobContext, harbor: HarborTask, step: HarborStep, agent: str,

@@ -41,8 +41,9 @@ import asyncio
 import dataclasses
 import json
 import re
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, SEED_KEY, TURNS_KEY
@@ -58,7 +59,13 @@ from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.presets import HarnessSpec
 from rollout.runtime.gateway import SEGMENTS_KEY, GatewayOptions, HarnessCapture
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
-from rollout.runtime.sandbox.base import SandboxLimits, limits_of, python_argv, runtime_of
+from rollout.runtime.sandbox.base import (
+    ExecResult,
+    SandboxLimits,
+    limits_of,
+    python_argv,
+    runtime_of,
+)
 from rollout.runtime.sandbox.images.errors import ImageError
 from rollout.runtime.types import InvalidArgument, Reward, TerminationReason
 
@@ -123,13 +130,6 @@ class HarnessHandler(AgentHandler):
             field = e.field.removeprefix("task").lstrip(".")
             raise InvalidArgument(str(e), e.reason,
                                   "task.task" + (f".{field}" if field else "")) from None
-        if inner == "harbor":
-            from rollout.runtime.envs.harbor.handler import load_task
-
-            if load_task(task["task"], sizes=False).steps:
-                raise invalid("a multi-step Harbor task ([[steps]]) runs under the harbor "
-                              "environment (the built-in agent, oracle or noop), not yet "
-                              "under a harness preset", "task.task_dir")
         if "harness" not in task:
             raise invalid("harness task needs 'harness': a preset name ("
                           f"{', '.join(harness_presets.preset_names())}) or a command spec",
@@ -186,6 +186,7 @@ class HarnessHandler(AgentHandler):
             raise HandlerError("this server has no model backend", "NO_LLM")
         deadline = time.monotonic() + max(0.0, ctx.spec.limits.run_timeout_s
                                           - DEADLINE_MARGIN_S)
+        harbor, steps_run = None, 0
         lease = await gateway.open(ctx.spec, ctx.llm,
                                    options=GatewayOptions(side_calls=harness.side_calls))
         result = None
@@ -201,15 +202,32 @@ class HarnessHandler(AgentHandler):
             # working directory, else in the workspace.
             workspace = ctx.state.get("harbor.workdir") or getattr(
                 sandbox, "default_cwd", sandbox.workspace_in_sandbox)
-            launch = launch_spec(ctx, harness, lease.api_key, workspace,
-                                 sandbox.env.get("HOME", "/tmp"))
             ctx.progress("harness", {"harness": harness.name, "port": harness.port})
-            # In an image root the server's interpreter runs through the host's loader.
-            result = await sandbox.exec(
-                [*python_argv(sandbox), "-c", LAUNCH_SOURCE.read_text()],
-                stdin=json.dumps(launch).encode(), cwd=workspace,
-                timeout=max(1.0, deadline - time.monotonic()), max_output=256 << 10,
-                file_binds=[(lease.socket_path, GATEWAY_SOCKET)])
+
+            launches = [0]
+
+            async def launch(prompt: str | None, until: float) -> Any:
+                # A launch's socket bind leaves its mount point in an image's root: a later
+                # launch (a multi-step task's next step) binds a name nobody could plant.
+                socket = (GATEWAY_SOCKET if not launches[0] else
+                          f"/.rollout-gateway-{secrets.token_hex(8)}.sock")
+                launches[0] += 1
+                spec = launch_spec(ctx, harness, lease.api_key, workspace,
+                                   sandbox.env.get("HOME", "/tmp"), prompt=prompt,
+                                   socket=socket)
+                # In an image root the server's interpreter runs through the host's loader.
+                return await sandbox.exec(
+                    [*python_argv(sandbox), "-c", LAUNCH_SOURCE.read_text()],
+                    stdin=json.dumps(spec).encode(), cwd=workspace,
+                    timeout=max(1.0, until - time.monotonic()), max_output=256 << 10,
+                    file_binds=[(lease.socket_path, socket)])
+
+            harbor = _harbor_with_steps(ctx)
+            if harbor is None:
+                result = await launch(None, deadline)
+            else:
+                result, steps_run = await _run_harbor_steps(ctx, harbor, workspace, launch,
+                                                            deadline)
         finally:
             # Every process of the harness dies before the key is revoked, so none of them
             # sees a refusal and acts on it (and none outlives RUN into EVAL).
@@ -222,6 +240,7 @@ class HarnessHandler(AgentHandler):
         if capture.seed is not None:
             ctx.state[SEED_KEY] = capture.seed
         metadata = {"harness": harness.name, "harness_requests": str(capture.requests),
+                    **({"steps_run": str(steps_run)} if harbor is not None else {}),
                     "harness_segments": str(len(capture.segments)),
                     "harness_exit": str(result.exit_code),
                     **limits_metadata(ctx.state.get(LIMITS_KEY)),
@@ -296,6 +315,36 @@ async def check_program(ctx: JobContext, harness: HarnessSpec) -> None:
         "IMAGE_REJECTED", ref=ref)
 
 
+def _harbor_with_steps(ctx: JobContext) -> Any:
+    """The job's Harbor task when it is a multi-step one (else None)."""
+    if ctx.spec.task["environment"] != "harbor":
+        return None
+    from rollout.runtime.envs.harbor.handler import task_of
+
+    harbor = task_of(inner_context(ctx))
+    return harbor if harbor.steps else None
+
+
+async def _run_harbor_steps(ctx: JobContext, harbor: Any, workspace: str,
+                            launch: Callable[[str | None, float], Awaitable[Any]],
+                            deadline: float) -> tuple[Any, int]:
+    """A multi-step Harbor task under a harness: the harness is started once per step with
+    the step's instruction, in the one gateway lease (each step's conversation becomes its
+    own chain there), the harbor environment's step driver around it (set-up, verifier,
+    ``min_reward``). Returns the last launch's result and how many steps ran."""
+    from rollout.runtime.envs.harbor.handler import run_steps
+
+    results: list[Any] = []
+
+    async def agent_step(step: Any, step_deadline: float) -> None:
+        results.append(await launch(step.instruction, min(step_deadline, deadline)))
+
+    ran = await run_steps(inner_context(ctx), harbor, workspace, agent_step)
+    if not results:  # the first step's set-up failed: no harness ran, and it is no failure
+        return ExecResult(0, "", "no step's agent ran (see the reward's info)"), ran
+    return results[-1], ran
+
+
 def task_prompt(ctx: JobContext, workspace: str) -> str:
     """The task in the inner environment's words, for a harness that brings its own system
     prompt and tools (so none of the built-in loop's tool instructions)."""
@@ -314,10 +363,12 @@ def task_prompt(ctx: JobContext, workspace: str) -> str:
 
 
 def launch_spec(ctx: JobContext, harness: HarnessSpec, api_key: str, workspace: str,
-                home: str) -> dict[str, Any]:
-    """What :mod:`harness_launch` reads on stdin: placeholders filled in."""
+                home: str, *, prompt: str | None = None,
+                socket: str = GATEWAY_SOCKET) -> dict[str, Any]:
+    """What :mod:`harness_launch` reads on stdin: placeholders filled in (``prompt``: the
+    task's own unless given, as a multi-step task's step gives its instruction)."""
     origin = f"http://127.0.0.1:{harness.port}"
-    prompt = task_prompt(ctx, workspace)
+    prompt = task_prompt(ctx, workspace) if prompt is None else prompt
     prompt_file = "/tmp/.rollout-harness-prompt.txt"
     values = {"install": INSTALL_MOUNT, "base_url": f"{origin}/v1", "origin": origin,
               "api_key": api_key, "model": str(ctx.spec.task.get("model", "policy")),
@@ -332,7 +383,7 @@ def launch_spec(ctx: JobContext, harness: HarnessSpec, api_key: str, workspace: 
     files = {prompt_file: prompt}
     files.update({harness_presets.render(p, values): harness_presets.render(t, values)
                   for p, t in harness.files.items()})
-    return {"socket": GATEWAY_SOCKET, "port": harness.port, "cwd": workspace, "env": env,
+    return {"socket": socket, "port": harness.port, "cwd": workspace, "env": env,
             "files": files,
             "argv": [harness_presets.render(a, values) for a in harness.command]}
 

@@ -290,3 +290,52 @@ async def test_a_failing_healthcheck_ends_the_task_with_that_step_at_0(
     value, _ = await harbor_import.run_once(line("multi-step", "oracle", folder=tmp_path),
                                             sandbox_factory, "healthcheck-fails")
     assert value == pytest.approx(1 / 3)  # make-tool 1, configure 0, document not run
+
+
+async def test_a_harness_runs_each_step_with_that_step_s_instruction(rollout: Rollout) -> None:
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import PingGateway, harness_task
+
+    # A command harness started once per step: each part runs only when the prompt it was
+    # given is that step's instruction, so 1 means every step got its own.
+    parts = ["grep -q 'Write an executable' {prompt_file} && printf '#!/bin/sh\\nwc -l < "
+             "\"$1\" | tr -d \" \"\\n' > /app/count.sh && chmod +x /app/count.sh",
+             "grep -q words.txt {prompt_file} && /app/count.sh /app/words.txt > /app/answer.txt",
+             "grep -q NOTES.md {prompt_file} && echo 'Run /app/count.sh FILE' > /app/NOTES.md"]
+    harness = {"command": ["bash", "-c", "; ".join(parts) + "; true"]}
+    task = harness_task("harbor", line("multi-step")["task"], harness)
+    result = await rollout(HarnessHandler(), task, [], gateway=PingGateway(),
+                           limits=Limits(max_turns=2, run_timeout_s=300))
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.outcome.metadata["steps_run"] == "3"
+    assert result.reward.info["steps_verified"] == "3"
+
+
+async def test_mini_swe_agent_works_through_a_multi_step_task(rollout: Rollout,
+                                                              gateway_rig: Any) -> None:
+    from rollout.runtime.envs.harness import presets as harness_presets
+    from rollout.runtime.envs.harness.handler import HarnessHandler
+    from tests.runtime.envs.harness_helpers import harness_task
+
+    try:
+        harness_presets.resolve("mini-swe-agent")
+    except Exception as e:  # the message says what to run
+        pytest.skip(f"mini-swe-agent is not installed: {e}")
+
+    def action(command: str) -> str:  # mini-swe-agent's own reply format
+        return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+
+    finish = action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+    script = [action("printf '#!/bin/sh\\nwc -l < \"$1\" | tr -d \" \"\\n' > /app/count.sh "
+                     "&& chmod +x /app/count.sh"), finish,
+              action("/app/count.sh /app/words.txt > /app/answer.txt"), finish,
+              action("echo 'Run /app/count.sh FILE' > /app/NOTES.md"), finish]
+    result = await rollout(HarnessHandler(),
+                           harness_task("harbor", line("multi-step")["task"], "mini-swe-agent"),
+                           script, gateway=gateway_rig.gateway,
+                           limits=Limits(max_turns=12, run_timeout_s=600))
+    assert result.reward.value == 1.0, (result.reward.info,
+                                        result.outcome.metadata["harness_log"])
+    # One chain per step in the one lease: the gateway saw each step's new conversation.
+    assert [s.first_turn for s in result.outcome.segments] == [0, 2, 4]
+    assert result.outcome.metadata["steps_run"] == "3"

@@ -302,13 +302,3 @@ def test_roll_up_counts_steps_that_did_not_run() -> None:
     final = roll_up(dataclasses.replace(task, reward_strategy="final"), finished)
     assert (final.value, final.components["style"]) == (0.25, 1.0)
     assert roll_up(task, finished).value == pytest.approx(0.75)
-
-
-def test_a_harness_job_refuses_a_multi_step_task() -> None:
-    from rollout.runtime.envs.harness.handler import HarnessHandler
-
-    with pytest.raises(InvalidArgument, match="multi-step Harbor task") as err:
-        HarnessHandler().validate_task({
-            "environment": "harbor", "task": {"task_dir": str(FIXTURES / "multi-step")},
-            "harness": {"command": ["true"]}})
-    assert err.value.field == "task.task.task_dir"
