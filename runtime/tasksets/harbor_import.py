@@ -17,8 +17,9 @@ With ``--prepare`` every task's image is pulled (``docker_image``) or built
 INIT waits for it; a task whose image fails stops the import, naming it.
 
 ``check-harbor`` runs each task twice through the real ``harbor`` handler, in sandboxes on this
-machine, as Harbor's own oracle check does: the ``oracle`` agent (``solution/solve.sh``) must
-earn 1 and the ``noop`` agent 0. It prints one JSON line per task and exits 1 when any task
+machine, as Harbor's own oracle check does: the ``oracle`` agent (``solution/solve.sh``; a
+multi-step task's ``steps/NAME/solution/solve.sh`` in turn) must earn 1 and the ``noop`` agent
+0. It prints one JSON line per task and exits 1 when any task
 fails either run, listing those tasks.
 """
 

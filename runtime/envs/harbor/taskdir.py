@@ -82,6 +82,7 @@ SETUP_SCRIPT = "setup.sh"
 """In a step's ``workdir/``: run from the working directory after the upload, before the agent."""
 REWARD_STRATEGIES = ("mean", "final")
 MAX_STEPS = 64
+MAX_HEALTHCHECK_RETRIES = 100
 _STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -308,6 +309,12 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
     if len(entries) > MAX_STEPS:
         raise TaskFolderError(f"{where}: {len(entries)} steps, over the {MAX_STEPS} this "
                               "server runs")
+    if (root / STEPS).is_symlink():
+        raise TaskFolderError(f"{root}: {STEPS}/ is a link; a step's files must be in the "
+                              "task's folder (they are copied per job)")
+    if not (root / STEPS).is_dir():
+        raise TaskFolderError(f"{root}: no {STEPS}/ folder (a multi-step task keeps each "
+                              "step's instruction and tests there)")
     shared_test = (root / TEST_SCRIPT).is_file() and not (root / TEST_SCRIPT).is_symlink()
     steps: list[HarborStep] = []
     unknown: list[str] = []
@@ -323,6 +330,10 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
         if folder.is_symlink() or not folder.is_dir():
             raise TaskFolderError(f"{here}: no folder {STEPS}/{name}/ (its instruction.md "
                                   "and tests)")
+        links = [sub for sub in (TESTS, WORKDIR, SOLUTION) if (folder / sub).is_symlink()]
+        if links:
+            raise TaskFolderError(f"{here}: {STEPS}/{name}/{links[0]} is a link; a step's "
+                                  "files must be in its folder (they are copied per job)")
         instruction = _read_text(folder / INSTRUCTION, MAX_INSTRUCTION).strip()
         if not instruction:
             raise TaskFolderError(f"{folder / INSTRUCTION}: empty; it is the step's prompt")
@@ -389,9 +400,9 @@ def _healthcheck(value: Any, where: str) -> Healthcheck | None:
         raise TaskFolderError(f"{here} command must be a shell command")
     base = Healthcheck(command)
     retries = _number(value, "retries", base.retries, here)
-    if retries != int(retries) or retries < 1:
-        raise TaskFolderError(f"{here} retries must be a whole number of at least 1, got "
-                              f"{value['retries']!r}")
+    if retries != int(retries) or not 1 <= retries <= MAX_HEALTHCHECK_RETRIES:
+        raise TaskFolderError(f"{here} retries must be a whole number from 1 to "
+                              f"{MAX_HEALTHCHECK_RETRIES}, got {value['retries']!r}")
     return Healthcheck(
         command=command,
         interval_s=_number(value, "interval_sec", base.interval_s, here),

@@ -81,7 +81,7 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: ((d / "instruction.md").unlink(), (d / "task.toml").write_text(
         'schema_version = "1.1"\n[environment]\nmcp_servers = []\n'
         '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n')),
-     "'scaffold': no folder steps/scaffold/"),
+     "no steps/ folder"),
 ])
 def test_unusable_folders_are_refused_naming_what_to_fix(tmp_path: Path, edit, message) -> None:
     folder = copy_task(tmp_path)
@@ -231,7 +231,7 @@ def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
     ('[[steps]]\nname = "make-tool"\n[steps.healthcheck]\ninterval_sec = 1\n', "",
      "command must be a shell command"),
     ('[[steps]]\nname = "make-tool"\n[steps.healthcheck]\ncommand = "true"\nretries = 0\n',
-     "", "retries must be a whole number of at least 1"),
+     "", "retries must be a whole number from 1 to 100"),
     ('[[steps]]\nname = "make-tool"\n[steps.agent]\ntimeout_sec = 0\n', "",
      "timeout_sec must be a positive number"),
     ('[[steps]]\nname = "make-tool"\n', 'multi_step_reward_strategy = "max"\n',
@@ -251,6 +251,19 @@ def test_a_step_without_a_verifier_is_refused(tmp_path: Path) -> None:
     folder = copy_task(tmp_path, "multi-step")
     (folder / "tests" / "test.sh").unlink()
     with pytest.raises(TaskFolderError, match="'document': no verifier"):
+        taskdir.load(folder)
+
+
+@pytest.mark.parametrize("link", ["steps", "steps/configure/workdir", "steps/configure/tests",
+                                  "steps/make-tool/solution"])
+def test_a_step_folder_that_is_a_link_is_refused(tmp_path: Path, link: str) -> None:
+    # A task's links could copy host files into a job's sandbox (a step's workdir/ goes to
+    # the agent): its step folders must be its own.
+    folder = copy_task(tmp_path, "multi-step")
+    target = folder / link
+    shutil.move(target, tmp_path / "elsewhere")
+    target.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(TaskFolderError, match="link"):
         taskdir.load(folder)
 
 
