@@ -358,3 +358,22 @@ def chains_of(capture: Any, tokenizer: Any) -> list[tuple[bool, list[tuple[str, 
     return [(s.side_call, [(str(tokenizer.decode(t.output_ids, skip_special_tokens=True)),
                             t.trained) for t in turns[s.first_turn:end]])
             for s, end in zip(segments, ends, strict=True)]
+
+
+def mswea_action(command: str) -> str:
+    """One reply in mini-swe-agent's text-based format (what a model it prompts writes)."""
+    return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+
+
+MSWEA_SUBMIT = mswea_action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+
+
+def need_mini_swe_agent() -> None:
+    """Skip the test unless the set-up installed mini-swe-agent (the message says what to
+    run)."""
+    from rollout.runtime.envs.harness import presets as harness_presets
+
+    try:
+        harness_presets.resolve("mini-swe-agent")
+    except Exception as e:
+        pytest.skip(f"mini-swe-agent is not installed: {e}")

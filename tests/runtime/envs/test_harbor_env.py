@@ -20,6 +20,8 @@ from rollout.runtime.types import Limits
 from tests.fixtures.images import Registry
 from tests.runtime.envs.conftest import Rollout, call, in_order
 from tests.runtime.envs.harbor_helpers import FIXTURES, image_factory, line
+from tests.runtime.envs.harness_helpers import MSWEA_SUBMIT, harness_task, need_mini_swe_agent
+from tests.runtime.envs.harness_helpers import mswea_action as action
 
 pytestmark = pytest.mark.slow  # each task's image is built once per session (tens of seconds)
 DONE = call("submit", answer="done")
@@ -141,7 +143,7 @@ async def test_a_changed_folder_is_refused(tmp_path: Path, rollout: Rollout) -> 
 
 async def test_a_harness_runs_a_harbor_task_in_its_image(rollout: Rollout) -> None:
     from rollout.runtime.envs.harness.handler import HarnessHandler
-    from tests.runtime.envs.harness_helpers import PingGateway, harness_task
+    from tests.runtime.envs.harness_helpers import PingGateway
 
     # A user's harness (a command; here one that does the task without asking the model), in
     # the task's image and working directory; INIT and the verifier are the harbor
@@ -185,28 +187,25 @@ async def test_a_task_whose_image_does_not_build_fails_naming_it(tmp_path: Path,
     assert err.value.reason == "IMAGE_BUILD_FAILED" and "broken-build" in str(err.value)
 
 
-async def test_mini_swe_agent_solves_a_harbor_task_in_its_image(
-        rollout: Rollout, gateway_rig: Any) -> None:
-    from rollout.runtime.envs.harness import presets as harness_presets
+async def _mini_swe_agent_earns_1(rollout: Rollout, gateway_rig: Any, task: str,
+                                  script: list[str], limits: Limits) -> Any:
+    """mini-swe-agent (through the real gateway) on a fixture task; its reward must be 1."""
     from rollout.runtime.envs.harness.handler import HarnessHandler
-    from tests.runtime.envs.harness_helpers import harness_task
 
-    try:
-        harness_presets.resolve("mini-swe-agent")
-    except Exception as e:  # the message says what to run
-        pytest.skip(f"mini-swe-agent is not installed: {e}")
-
-    def action(command: str) -> str:  # mini-swe-agent's own reply format
-        return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
-
-    script = [action("echo WD=$(pwd) && echo 'Hello from Harbor!' > greeting.txt"),
-              action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+    need_mini_swe_agent()
     result = await rollout(HarnessHandler(),
-                           harness_task("harbor", line("hello-file")["task"], "mini-swe-agent"),
-                           script, gateway=gateway_rig.gateway,
-                           limits=Limits(max_turns=6, run_timeout_s=180))
+                           harness_task("harbor", line(task)["task"], "mini-swe-agent"),
+                           script, gateway=gateway_rig.gateway, limits=limits)
     assert result.reward.value == 1.0, (result.reward.info,
                                         result.outcome.metadata["harness_log"])
+    return result
+
+
+async def test_mini_swe_agent_solves_a_harbor_task_in_its_image(
+        rollout: Rollout, gateway_rig: Any) -> None:
+    script = [action("echo WD=$(pwd) && echo 'Hello from Harbor!' > greeting.txt"), MSWEA_SUBMIT]
+    result = await _mini_swe_agent_earns_1(rollout, gateway_rig, "hello-file", script,
+                                           Limits(max_turns=6, run_timeout_s=180))
     assert "WD=/app" in result.prompt_text()  # the preset's shell started in the WORKDIR
 
 
@@ -294,7 +293,7 @@ async def test_a_failing_healthcheck_ends_the_task_with_that_step_at_0(
 
 async def test_a_harness_runs_each_step_with_that_step_s_instruction(rollout: Rollout) -> None:
     from rollout.runtime.envs.harness.handler import HarnessHandler
-    from tests.runtime.envs.harness_helpers import PingGateway, harness_task
+    from tests.runtime.envs.harness_helpers import PingGateway
 
     # A command harness started once per step: each part runs only when the prompt it was
     # given is that step's instruction, so 1 means every step got its own.
@@ -313,29 +312,12 @@ async def test_a_harness_runs_each_step_with_that_step_s_instruction(rollout: Ro
 
 async def test_mini_swe_agent_works_through_a_multi_step_task(rollout: Rollout,
                                                               gateway_rig: Any) -> None:
-    from rollout.runtime.envs.harness import presets as harness_presets
-    from rollout.runtime.envs.harness.handler import HarnessHandler
-    from tests.runtime.envs.harness_helpers import harness_task
-
-    try:
-        harness_presets.resolve("mini-swe-agent")
-    except Exception as e:  # the message says what to run
-        pytest.skip(f"mini-swe-agent is not installed: {e}")
-
-    def action(command: str) -> str:  # mini-swe-agent's own reply format
-        return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
-
-    finish = action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
     script = [action("printf '#!/bin/sh\\nwc -l < \"$1\" | tr -d \" \"\\n' > /app/count.sh "
-                     "&& chmod +x /app/count.sh"), finish,
-              action("/app/count.sh /app/words.txt > /app/answer.txt"), finish,
-              action("echo 'Run /app/count.sh FILE' > /app/NOTES.md"), finish]
-    result = await rollout(HarnessHandler(),
-                           harness_task("harbor", line("multi-step")["task"], "mini-swe-agent"),
-                           script, gateway=gateway_rig.gateway,
-                           limits=Limits(max_turns=12, run_timeout_s=600))
-    assert result.reward.value == 1.0, (result.reward.info,
-                                        result.outcome.metadata["harness_log"])
+                     "&& chmod +x /app/count.sh"), MSWEA_SUBMIT,
+              action("/app/count.sh /app/words.txt > /app/answer.txt"), MSWEA_SUBMIT,
+              action("echo 'Run /app/count.sh FILE' > /app/NOTES.md"), MSWEA_SUBMIT]
+    result = await _mini_swe_agent_earns_1(rollout, gateway_rig, "multi-step", script,
+                                           Limits(max_turns=12, run_timeout_s=600))
     # One chain per step in the one lease: the gateway saw each step's new conversation.
     assert [s.first_turn for s in result.outcome.segments] == [0, 2, 4]
     assert result.outcome.metadata["steps_run"] == "3"

@@ -11,16 +11,18 @@ from typing import Any
 
 import pytest
 
-from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.handler import CAPTURE_KEY, HarnessHandler
 from rollout.runtime.tasksets.shipped import load_tasks
 from rollout.runtime.types import Limits, SamplingParams, TerminationReason
 from tests.runtime.envs.conftest import Rollout
 from tests.runtime.envs.harness_helpers import (
+    MSWEA_SUBMIT,
     GatewayRig,
     assert_every_token_captured,
     harness_task,
     model_rollout,
+    mswea_action,
+    need_mini_swe_agent,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -30,18 +32,10 @@ TASKS = [t for t in load_tasks("swe") if "spec" not in t]  # no wheelhouse neede
 
 @pytest.fixture(autouse=True)
 def installed() -> None:
-    try:
-        harness_presets.resolve("mini-swe-agent")
-    except Exception as e:  # the message says what to run
-        pytest.skip(f"mini-swe-agent is not installed: {e}")
+    need_mini_swe_agent()
 
 
-def action(command: str) -> str:
-    """One reply in mini-swe-agent's text-based format (what a model it prompts writes)."""
-    return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
-
-
-SUBMIT = action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+action, SUBMIT = mswea_action, MSWEA_SUBMIT
 
 
 def apply_patch(patch: str) -> str:

@@ -13,7 +13,6 @@ import pytest
 
 from rollout.client.aio import RolloutClient
 from rollout.client.trajectory import flatten_segments
-from rollout.runtime.envs.harness import presets as harness_presets
 from rollout.runtime.envs.harness.handler import HarnessHandler
 from rollout.runtime.handler import HandlerRegistry
 from rollout.runtime.tasksets.shipped import load_tasks
@@ -21,22 +20,19 @@ from rollout.server.app import Server
 from rollout.server.llm.backend_pool import BackendPool
 from rollout.server.llm.scripted import ScriptedEngine
 from tests.client.conftest import make_config
+from tests.runtime.envs.harness_helpers import mswea_action, need_mini_swe_agent
 
 pytestmark = pytest.mark.timeout(240)
 
 TASK = next(t for t in load_tasks("swe") if "spec" not in t)
 
 
-def action(command: str) -> str:
-    return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+action = mswea_action
 
 
 async def test_a_trainer_gets_the_harness_jobs_reward_and_exact_tokens(tmp_path: Path,
                                                                        tok: Any) -> None:
-    try:
-        harness_presets.resolve("mini-swe-agent")
-    except Exception as e:  # the message says what to run
-        pytest.skip(f"mini-swe-agent is not installed: {e}")
+    need_mini_swe_agent()
     script = [action(f"git apply <<'PATCH_EOF'\n{TASK['patch']}PATCH_EOF"),
               action("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
     eot = tok.convert_tokens_to_ids("<|im_end|>")
