@@ -97,7 +97,7 @@ _KNOWN: dict[str, frozenset[str]] = {
                    "solution", "environment", "source", "steps", "multi_step_reward_strategy"}),
     "task": frozenset({"name", "description", "authors", "keywords"}),
     "agent": frozenset({"timeout_sec", "user"}),
-    "verifier": frozenset({"timeout_sec", "env", "user"}),
+    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode"}),
     "solution": frozenset({"env"}),
     "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
                               "storage_mb", "storage", "gpus", "gpu_types", "allow_internet",
@@ -110,7 +110,7 @@ _SIZE_UNITS = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1 << 20
 _STEP_KNOWN: dict[str, frozenset[str]] = {
     "": frozenset({"name", "min_reward", "agent", "verifier", "healthcheck"}),
     "agent": frozenset({"timeout_sec", "user"}),
-    "verifier": frozenset({"timeout_sec", "env", "user"}),
+    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode"}),
     "healthcheck": frozenset({"command", "interval_sec", "timeout_sec", "retries",
                               "start_period_sec", "start_interval_sec"}),
 }
@@ -249,6 +249,13 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if str(env_table.get("os", "linux")).lower() != "linux":
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
     compose_keys = _refuse_multi_container(root, env_table, where)
+    _refuse_separate_verifier(section["verifier"], f"{root / CONFIG}: [verifier]")
+    steps_value = config.get("steps")
+    for index, entry in enumerate(steps_value if isinstance(steps_value, list) else ()):
+        verifier = entry.get("verifier") if isinstance(entry, Mapping) else None
+        if isinstance(verifier, Mapping):
+            _refuse_separate_verifier(verifier, f"{root / CONFIG}: [[steps]] #{index + 1} "
+                                                f"[steps.verifier]")
     image = env_table.get("docker_image") or ""
     if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
         raise TaskFolderError(f"{where} docker_image must be one image reference")
@@ -451,6 +458,28 @@ def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
             f"{where} mcp_servers: the task's tools are served by MCP servers beside the "
             f"agent's container, which this server cannot start (one rootless sandbox per job)")
     return tuple(adjusted)
+
+
+def _refuse_separate_verifier(verifier: Mapping[str, Any], where: str) -> None:
+    """Harbor's separate verifier (``environment_mode = "separate"``, or a
+    ``[verifier.environment]`` table) runs the tests in a fresh environment of their own, built
+    from ``tests/`` (or a verifier image), that gets only the task's declared ``artifacts``
+    from the agent's. Run in the agent's sandbox instead, such a task would be graded on state
+    its verifier was written never to see, so it is refused until the server runs it as
+    Harbor does."""
+    mode = verifier.get("environment_mode")
+    if mode not in (None, "shared", "separate"):
+        raise TaskFolderError(f"{where} environment_mode must be \"shared\" or \"separate\", "
+                              f"got {mode!r}")
+    if mode == "separate" or (mode is None and "environment" in verifier):
+        raise TaskFolderError(
+            f"{where}: a separate verifier environment (environment_mode = \"separate\" or "
+            f"[verifier.environment]): its tests run in an environment of their own that sees "
+            f"only the task's artifacts; this server runs every verifier in the agent's sandbox "
+            f"(Harbor's shared mode) and does not run such a task")
+    if mode == "shared" and "environment" in verifier:
+        raise TaskFolderError(f"{where}: environment_mode = \"shared\" with a "
+                              f"[verifier.environment] table (Harbor refuses it too)")
 
 
 def find_tasks(paths: list[Path]) -> list[Path]:

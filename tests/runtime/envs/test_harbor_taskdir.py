@@ -77,6 +77,16 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
+    # Harbor's separate verifier environment: the tests would see the agent's whole sandbox.
+    (lambda d: (d / "task.toml").write_text('[verifier]\nenvironment_mode = "separate"\n'),
+     "a separate verifier environment"),
+    (lambda d: (d / "task.toml").write_text('[verifier.environment]\ncpus = 2\n'),
+     "a separate verifier environment"),
+    (lambda d: (d / "task.toml").write_text(
+        '[verifier]\nenvironment_mode = "shared"\n[verifier.environment]\ncpus = 2\n'),
+     "shared\" with a \\[verifier.environment\\]"),
+    (lambda d: (d / "task.toml").write_text('[verifier]\nenvironment_mode = "both"\n'),
+     "environment_mode must be"),
     # A multi-step task (schema 1.1) names a step whose folder is missing.
     (lambda d: ((d / "instruction.md").unlink(), (d / "task.toml").write_text(
         'schema_version = "1.1"\n[environment]\nmcp_servers = []\n'
@@ -221,6 +231,8 @@ def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
 
 @pytest.mark.parametrize(("steps_toml", "top", "message"), [
     ("", "steps = 3\n", "must be one or more tables"),
+    ('[[steps]]\nname = "make-tool"\n[steps.verifier]\nenvironment_mode = "separate"\n', "",
+     "#1 \\[steps.verifier\\]: a separate verifier environment"),
     ('[[steps]]\nname = "../up"\n', "", "name must be a folder name"),
     ('[[steps]]\nname = "make-tool"\n[[steps]]\nname = "make-tool"\n', "",
      "two steps are named 'make-tool'"),
