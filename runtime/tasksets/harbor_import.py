@@ -64,16 +64,18 @@ def limits_of(harbor: HarborTask) -> dict[str, str]:
     ``build_timeout_sec`` whether the image is built or prebuilt: fetching a prebuilt image
     (an SWE-bench one is gigabytes) is the environment's set-up too, and a job that finds it
     missing from the cache does it in INIT."""
+    # INIT builds (or pulls) a separate verifier's image too.
+    init = harbor.build_timeout_s + SETUP_MARGIN_S + sum(
+        env.build_timeout_s for env in harbor.verifier_environments)
     if harbor.steps:
         # RUN holds every step's agent and every step's verifier but the last (EVAL's), with
         # room for each step's set-up (workdir copy, setup.sh, healthcheck).
         steps = harbor.steps
         run = sum(s.agent_timeout_s + SETUP_MARGIN_S + _healthcheck_s(s) for s in steps) + sum(
-            s.verifier_timeout_s for s in steps[:-1])
-        return {"initTimeout": f"{harbor.build_timeout_s + SETUP_MARGIN_S:g}s",
-                "runTimeout": f"{run + 5.0:g}s",
+            s.verifier_timeout_s + (SETUP_MARGIN_S if s.separate else 0) for s in steps[:-1])
+        return {"initTimeout": f"{init:g}s", "runTimeout": f"{run + 5.0:g}s",
                 "evalTimeout": f"{steps[-1].verifier_timeout_s + SETUP_MARGIN_S:g}s"}
-    return {"initTimeout": f"{harbor.build_timeout_s + SETUP_MARGIN_S:g}s",
+    return {"initTimeout": f"{init:g}s",
             "runTimeout": f"{harbor.agent_timeout_s + 5.0:g}s",
             "evalTimeout": f"{harbor.verifier_timeout_s + SETUP_MARGIN_S:g}s"}
 
@@ -251,14 +253,16 @@ def prepare_images(lines: list[dict[str, Any]], cache_dir: str = "",
                    registries_conf: str = "") -> list[str]:
     """Pull or build the images of the tasks of ``lines`` into the image cache (each once);
     returns why each failed, naming the task."""
-    from rollout.runtime.envs.harbor.handler import image_source
+    from rollout.runtime.envs.harbor.handler import image_source, verifier_source
     from rollout.runtime.sandbox.base import ImageSettings
     from rollout.runtime.sandbox.images.prepare import prepare_images as prepare
 
-    sources: dict[Path, tuple[str, Any]] = {}
+    sources: dict[tuple[Path, int], tuple[str, Any]] = {}
     for line in lines:
         harbor = taskdir.load(Path(line["task"]["task_dir"]))
-        sources.setdefault(harbor.path, (harbor.name, image_source(harbor)))
+        sources.setdefault((harbor.path, 0), (harbor.name, image_source(harbor)))
+        for k, env in enumerate(harbor.verifier_environments, 1):
+            sources.setdefault((harbor.path, k), (harbor.name, verifier_source(harbor, env)))
     settings = ImageSettings(cache_dir=cache_dir, registries_conf=registries_conf)
     done = prepare([source for _, source in sources.values()], settings)
     names = {str(getattr(source, "name", source)): name for name, source in sources.values()}

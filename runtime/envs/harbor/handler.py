@@ -66,6 +66,7 @@ from typing import Any
 
 from rollout.runtime.agent_loop import DEADLINE_MARGIN_S, TURNS_KEY, run_agent_loop
 from rollout.runtime.envs.common import (
+    IN_SANDBOX,
     SANDBOX_KEY,
     check_task_object,
     host_path,
@@ -76,11 +77,16 @@ from rollout.runtime.envs.common import (
 )
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.envs.harbor import taskdir, verdict
-from rollout.runtime.envs.harbor.taskdir import HarborStep, HarborTask, TaskFolderError
+from rollout.runtime.envs.harbor.taskdir import (
+    HarborStep,
+    HarborTask,
+    TaskFolderError,
+    VerifierEnvironment,
+)
 from rollout.runtime.gateway import SEGMENTS_KEY
 from rollout.runtime.handler import AgentHandler, HandlerError, JobContext, RunOutcome
 from rollout.runtime.sandbox import hostfs
-from rollout.runtime.sandbox.base import SandboxLimits
+from rollout.runtime.sandbox.base import SandboxLimits, python_argv
 from rollout.runtime.sandbox.images.user import UserRequest
 from rollout.runtime.sandbox.reaper import owned_tempdir
 from rollout.runtime.tools.submit import SubmitTool
@@ -91,6 +97,12 @@ AGENTS = ("model", "oracle", "noop")
 VERIFIER_DIR = "/logs/verifier"
 TESTS_DIR = "/tests"
 SOLUTION_DIR = "/solution"
+ARTIFACTS_DIR = "/.rollout-artifacts"
+"""A separate verifier's inputs: written in the agent's sandbox (emptied first, once no process
+of the agent is left), read in the verifier's."""
+ARTIFACTS_SOURCE = IN_SANDBOX / "harbor_artifacts.py"
+MAX_ARTIFACT_BYTES = taskdir.MAX_FOLDER_BYTES
+MAX_ARTIFACT_ENTRIES = 100_000
 STEP_FILES_DIR = "/.rollout-harbor-step"
 """A multi-step task's current step's ``workdir/``, bound read-only for the copy into the
 working directory (emptied once copied)."""
@@ -151,6 +163,8 @@ class HarborHandler(AgentHandler):
             binds.append((str(dirs["solution"]), SOLUTION_DIR, False))
         if "step" in dirs:
             binds.append((str(dirs["step"]), STEP_FILES_DIR, False))
+        if "artifacts" in dirs:
+            binds.append((str(dirs["artifacts"]), ARTIFACTS_DIR, True))
         # [agent].user: every process of the agent (and the oracle) runs as that user of
         # the image, as Harbor's exec does; unset, the image's USER.
         user = ({"user": UserRequest(harbor.agent_user, named_by="task.toml [agent].user")}
@@ -174,6 +188,11 @@ class HarborHandler(AgentHandler):
         # Writable by the agent's user (a root server's sandbox uid; the image's uid in a
         # rootless server's mapped namespace).
         await asyncio.to_thread(sandbox.hand_over, [dirs["verifier"], dirs["tests"]])
+        # A separate verifier's image is pulled or built now, under INIT's time, as the
+        # agent's is: a job must not find it missing in EVAL.
+        for separate in harbor.verifier_environments:
+            await (await ctx.open_sandbox(image=verifier_source(harbor, separate),
+                                          network="none")).destroy()
         # The image's WorkingDir (Harbor's tasks rely on their Dockerfile's WORKDIR).
         ctx.state[WORKDIR_KEY] = harbor.workdir or getattr(sandbox, "default_cwd",
                                                            sandbox.workspace_in_sandbox)
@@ -223,6 +242,9 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     read its reward. Nothing of the agent runs from here on; what it left in the verifier's
     and the tests' folders goes, and the tests arrive only now. ``time_left``: the stage's
     remaining seconds, when less than the eval limit."""
+    separate = step.separate if step is not None else harbor.separate
+    if separate is not None:
+        return await _verify_separate(ctx, harbor, step, separate, time_left)
     sandbox = sandbox_of(ctx)
     dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
     await end_agent(ctx)
@@ -259,6 +281,107 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     if found.problem:
         info["error"] = found.problem
     return Reward(found.value, found.components, info)
+
+
+async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep | None,
+                           env: VerifierEnvironment, time_left: float | None) -> Reward:
+    """Harbor's separate verifier: the task's artifacts (and ``/logs/artifacts``) copied out
+    of the agent's sandbox once no process of the agent is left, then a fresh sandbox of the
+    verifier's image gets them at the same paths and runs the image's ``/tests/test.sh``.
+    Nothing else of the agent's environment (a replaced interpreter, a planted test or reward,
+    a process) reaches the verifier."""
+    agent = sandbox_of(ctx)
+    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    started = time.monotonic()
+    room = ctx.spec.limits.eval_timeout_s - 5.0 if time_left is None else time_left
+    limit = step.verifier_timeout_s if step is not None else harbor.verifier_timeout_s
+    info = {"task": harbor.name, "verifier_environment": "separate"}
+    await end_agent(ctx)
+    store = dirs["artifacts"]
+    await asyncio.to_thread(agent.take_back, [store])
+    await asyncio.to_thread(_empty, store)
+    await asyncio.to_thread(agent.hand_over, [store])
+    paths = ["/logs/artifacts", *(step.artifacts if step is not None else harbor.artifacts)]
+    collect = await agent.exec(
+        [*python_argv(agent), "-I", "-c", ARTIFACTS_SOURCE.read_text(), "collect",
+         ARTIFACTS_DIR, str(MAX_ARTIFACT_BYTES), str(MAX_ARTIFACT_ENTRIES), *paths],
+        timeout=max(10.0, min(300.0, room / 2)), max_output=64 << 10)
+    await agent.stop_processes()
+    await asyncio.to_thread(agent.take_back, [store])
+    if collect.exit_code != 0 or collect.timed_out:
+        # What the policy left (too much, or what cannot be read) is its own doing.
+        info["error"] = f"collecting the artifacts failed: {_last_line(collect)}"
+        return Reward(0.0, {}, info)
+    info["artifacts"] = _last_line(collect)[:500]
+    await asyncio.to_thread(_readable, store)
+    await asyncio.to_thread(_empty, dirs["verifier"])
+    verifier = await ctx.open_sandbox(
+        image=verifier_source(harbor, env), network="none", env=dict(env.env),
+        binds=[(str(dirs["verifier"]), VERIFIER_DIR, True), (str(store), ARTIFACTS_DIR, False)],
+        limits=_limits(env.cpus, env.memory_mb, env.storage_mb, limit))
+    try:
+        restore = await verifier.exec(
+            [*python_argv(verifier), "-I", "-c", ARTIFACTS_SOURCE.read_text(), "restore",
+             ARTIFACTS_DIR], timeout=300, max_output=64 << 10)
+        if restore.exit_code != 0 or restore.timed_out:
+            info["error"] = f"restoring the artifacts failed: {_last_line(restore)}"
+            return Reward(0.0, {}, info)
+        user_spec = step.verifier_user if step is not None else harbor.verifier_user
+        as_user: dict[str, Any] = {}
+        if user_spec is not None:
+            as_user = {"user": await asyncio.to_thread(
+                verifier.user_for, user_spec, named_by="task.toml [verifier].user")}
+        # Whatever the copy put there is gone; the verifier's user writes its reward.
+        await asyncio.to_thread(_empty, dirs["verifier"])
+        await asyncio.to_thread(verifier.hand_over, [dirs["verifier"]], as_user.get("user"))
+        timeout = max(1.0, min(limit, room - (time.monotonic() - started)))
+        run = await verifier.exec(
+            [f"{TESTS_DIR}/test.sh"], timeout=timeout, max_output=1 << 20,
+            cwd=env.workdir or getattr(verifier, "default_cwd", None),
+            env={**(step.verifier_env if step is not None else harbor.verifier_env),
+                 "TEST_DIR": TESTS_DIR}, **as_user)
+        await verifier.stop_processes()
+        await asyncio.to_thread(verifier.take_back, [dirs["verifier"]])
+        files = await asyncio.to_thread(_reward_files, dirs["verifier"])
+    finally:
+        await verifier.destroy()
+    found = verdict.read(files)
+    info.update({"verifier_exit": str(run.exit_code), "reward_file": found.source,
+                 "log": run.output[-_LOG_TAIL:]})
+    if run.timed_out:
+        info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
+        return Reward(0.0, {}, info)
+    if found.problem:
+        info["error"] = found.problem
+    return Reward(found.value, found.components, info)
+
+
+def _last_line(run: Any) -> str:
+    lines = run.output.strip().splitlines()
+    return lines[-1] if lines else f"exit {run.exit_code}"
+
+
+def _readable(folder: Path) -> None:
+    """Every entry of ``folder`` readable by every uid (the verifier's sandbox reads it
+    read-only, as another user than the one that wrote it)."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                os.chmod(full, os.stat(full).st_mode & 0o777 | 0o444)
+
+
+def verifier_source(harbor: HarborTask, env: VerifierEnvironment) -> Any:
+    """What roots a separate verifier's sandbox: its prebuilt image, or the tests' folder
+    built daemonless (cached by its content, as the agent's image is)."""
+    from rollout.runtime.sandbox.images import BuildSpec, with_transport
+
+    if env.docker_image:
+        return with_transport(env.docker_image)
+    return BuildSpec(context=harbor.path / env.context, dockerfile="Dockerfile",
+                     timeout_s=env.build_timeout_s, label=f"{harbor.name} (verifier)")
 
 
 @dataclass
@@ -534,13 +657,17 @@ def sandbox_limits(harbor: HarborTask) -> SandboxLimits:
     """``task.toml``'s resources as the sandbox's per-process limits: memory as the address
     space, storage as the largest file, CPUs as CPU seconds over the longest stage (a
     process cannot use more than ``cpus`` cores for that long)."""
+    return _limits(harbor.cpus, harbor.memory_mb, harbor.storage_mb,
+                   max(harbor.agent_timeout_s, harbor.verifier_timeout_s))
+
+
+def _limits(cpus: float, memory_mb: int, storage_mb: int, longest_s: float) -> SandboxLimits:
     base = SandboxLimits()
-    longest = max(harbor.agent_timeout_s, harbor.verifier_timeout_s)
     return SandboxLimits(
-        cpu_seconds=max(60, math.ceil(longest * harbor.cpus) + 60),
-        address_space_bytes=max(1 << 30, harbor.memory_mb << 20),
+        cpu_seconds=max(60, math.ceil(longest_s * cpus) + 60),
+        address_space_bytes=max(1 << 30, memory_mb << 20),
         processes=base.processes, open_files=base.open_files,
-        file_size_bytes=max(16 << 20, harbor.storage_mb << 20),
+        file_size_bytes=max(16 << 20, storage_mb << 20),
         default_timeout_s=base.default_timeout_s)
 
 
@@ -586,6 +713,9 @@ def _job_dirs(harbor: HarborTask, oracle: bool) -> tuple[dict[str, Path], int]:
         for name in ("verifier", "tests"):
             (root / name).mkdir(mode=0o755)
             dirs[name] = root / name
+        if harbor.verifier_environments:
+            dirs["artifacts"] = root / "artifacts"
+            dirs["artifacts"].mkdir(mode=0o755)
         if harbor.steps:
             dirs["step"] = root / "step"
             dirs["step"].mkdir(mode=0o755)

@@ -83,6 +83,14 @@ SETUP_SCRIPT = "setup.sh"
 REWARD_STRATEGIES = ("mean", "final")
 MAX_STEPS = 64
 MAX_HEALTHCHECK_RETRIES = 100
+MAX_ARTIFACTS = 256
+PROTECTED_PATHS = ("/tests", "/logs/verifier", "/solution", "/proc", "/dev", "/sys")
+"""What an artifact may not be, hold or lie in: the verifier's own tests and reward folder,
+and what no copy should touch."""
+_ENV_KNOWN = frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
+                        "storage_mb", "storage", "gpus", "gpu_types", "allow_internet",
+                        "network_mode", "env", "workdir", "os"})
+"""``[verifier.environment]`` keys read (``[environment]``'s, less the agent-only ones)."""
 _STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -94,10 +102,11 @@ MAX_FOLDER_BYTES = 256 << 20
 
 _KNOWN: dict[str, frozenset[str]] = {
     "": frozenset({"version", "schema_version", "task", "metadata", "verifier", "agent",
-                   "solution", "environment", "source", "steps", "multi_step_reward_strategy"}),
+                   "solution", "environment", "source", "steps", "multi_step_reward_strategy",
+                   "artifacts"}),
     "task": frozenset({"name", "description", "authors", "keywords"}),
     "agent": frozenset({"timeout_sec", "user"}),
-    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode"}),
+    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode", "environment"}),
     "solution": frozenset({"env"}),
     "environment": frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
                               "storage_mb", "storage", "gpus", "gpu_types", "allow_internet",
@@ -108,9 +117,9 @@ _SIZE_UNITS = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1 << 20
 
 
 _STEP_KNOWN: dict[str, frozenset[str]] = {
-    "": frozenset({"name", "min_reward", "agent", "verifier", "healthcheck"}),
+    "": frozenset({"name", "min_reward", "agent", "verifier", "healthcheck", "artifacts"}),
     "agent": frozenset({"timeout_sec", "user"}),
-    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode"}),
+    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode", "environment"}),
     "healthcheck": frozenset({"command", "interval_sec", "timeout_sec", "retries",
                               "start_period_sec", "start_interval_sec"}),
 }
@@ -136,6 +145,25 @@ class Healthcheck:
 
 
 @dataclass(frozen=True)
+class VerifierEnvironment:
+    """A separate verifier's environment (Harbor's ``environment_mode = "separate"``): a fresh
+    sandbox of its own image, which holds ``/tests/test.sh``, given only the task's artifacts
+    from the agent's sandbox."""
+
+    docker_image: str = ""
+    context: str = ""
+    """The task's folder (relative path) the image is built from, holding its Dockerfile:
+    ``tests`` (or a step's ``steps/NAME/tests``); '' when ``docker_image`` names the image."""
+    build_timeout_s: float = DEFAULT_TIMEOUT_S
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 10240
+    workdir: str = ""
+    """Where ``test.sh`` runs ('' = the image's WorkingDir)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class HarborStep:
     """One ``[[steps]]`` entry and its folder ``steps/NAME/``."""
 
@@ -153,6 +181,10 @@ class HarborStep:
     """``steps/NAME/tests/`` exists (copied over the task's ``tests/``)."""
     agent_user: str | None = None
     verifier_user: str | None = None
+    artifacts: tuple[str, ...] = ()
+    """The task's ``artifacts`` and the step's own (absolute paths)."""
+    separate: VerifierEnvironment | None = None
+    """The step's separate verifier environment; None = the agent's sandbox (shared)."""
 
     def below_minimum(self, components: Mapping[str, float]) -> str:
         """Why a step whose verifier gave ``components`` stops the task ('' = it does not):
@@ -203,6 +235,20 @@ class HarborTask:
     """A multi-step task's steps in order; () for a single-step task."""
     reward_strategy: str = "mean"
     """``multi_step_reward_strategy``: how the steps' rewards make the task's."""
+    artifacts: tuple[str, ...] = ()
+    """``artifacts``: paths a separate verifier gets from the agent's sandbox (with
+    ``/logs/artifacts``)."""
+    separate: VerifierEnvironment | None = None
+    """A separate verifier environment; None = the verifier runs in the agent's sandbox."""
+
+    @property
+    def verifier_environments(self) -> tuple[VerifierEnvironment, ...]:
+        """Every separate verifier environment the task uses (each once)."""
+        found: list[VerifierEnvironment] = []
+        for env in (self.separate, *(step.separate for step in self.steps)):
+            if env is not None and env not in found:
+                found.append(env)
+        return tuple(found)
 
     @property
     def image_source(self) -> str:
@@ -221,15 +267,11 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         raise TaskFolderError(f"{path}: not a directory")
     config = _read_toml(root / CONFIG)
     multi_step = "steps" in config
-    if multi_step:
-        instruction = ""
-    else:
+    instruction = ""
+    if not multi_step:
         instruction = _read_text(root / INSTRUCTION, MAX_INSTRUCTION).strip()
         if not instruction:
             raise TaskFolderError(f"{root / INSTRUCTION}: empty; it is the prompt")
-        test = root / TEST_SCRIPT
-        if not test.is_file() or test.is_symlink():
-            raise TaskFolderError(f"{root}: no {TEST_SCRIPT} (the verifier every task needs)")
     solve = root / SOLVE_SCRIPT
     has_solution = solve.is_file() and not solve.is_symlink()
     if sizes:
@@ -249,13 +291,16 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if str(env_table.get("os", "linux")).lower() != "linux":
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
     compose_keys = _refuse_multi_container(root, env_table, where)
-    _refuse_separate_verifier(section["verifier"], f"{root / CONFIG}: [verifier]")
-    steps_value = config.get("steps")
-    for index, entry in enumerate(steps_value if isinstance(steps_value, list) else ()):
-        verifier = entry.get("verifier") if isinstance(entry, Mapping) else None
-        if isinstance(verifier, Mapping):
-            _refuse_separate_verifier(verifier, f"{root / CONFIG}: [[steps]] #{index + 1} "
-                                                f"[steps.verifier]")
+    env_keys: list[str] = []
+    # A multi-step task's [verifier] mode and environment are its steps' defaults (each
+    # step's verifier image comes from its own tests/ where that has a Dockerfile).
+    separate = None if multi_step else _verifier_environment(
+        root, section["verifier"], env_table, TESTS, f"{root / CONFIG}: [verifier]", env_keys)
+    artifacts = _artifacts(config.get("artifacts"), f"{root / CONFIG}: artifacts")
+    if not multi_step and separate is None:
+        test = root / TEST_SCRIPT
+        if not test.is_file() or test.is_symlink():
+            raise TaskFolderError(f"{root}: no {TEST_SCRIPT} (the verifier every task needs)")
     image = env_table.get("docker_image") or ""
     if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
         raise TaskFolderError(f"{where} docker_image must be one image reference")
@@ -282,8 +327,11 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     step_keys: tuple[str, ...] = ()
     if multi_step:
         steps, step_keys = _steps(root, config["steps"], agent_timeout, verifier_timeout,
-                                  verifier_env, agent_user, verifier_user)
+                                  verifier_env, agent_user, verifier_user,
+                                  section["verifier"], env_table, artifacts, env_keys)
         instruction = steps[0].instruction
+    if artifacts and separate is None and not any(step.separate for step in steps):
+        env_keys.append("artifacts (collected for a separate verifier only)")
     return HarborTask(
         path=root, name=str(name)[:200], instruction=instruction,
         agent_timeout_s=agent_timeout, verifier_timeout_s=verifier_timeout,
@@ -299,16 +347,18 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         verifier_env=verifier_env,
         solution_env=_strings(section["solution"], "env", f"{root / CONFIG}: [solution]"),
         has_solution=has_solution or any(step.has_solution for step in steps),
-        unknown_keys=_unknown(config) + step_keys + compose_keys,
+        unknown_keys=_unknown(config) + step_keys + compose_keys + tuple(env_keys),
         agent_user=agent_user, verifier_user=verifier_user, steps=steps,
-        reward_strategy=strategy)
+        reward_strategy=strategy, artifacts=artifacts, separate=separate)
 
 
 def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: float,
            verifier_env: Mapping[str, str], agent_user: str | None,
-           verifier_user: str | None) -> tuple[tuple[HarborStep, ...], tuple[str, ...]]:
+           verifier_user: str | None, task_verifier: Mapping[str, Any],
+           env_table: Mapping[str, Any], artifacts: tuple[str, ...],
+           env_keys: list[str]) -> tuple[tuple[HarborStep, ...], tuple[str, ...]]:
     """The ``[[steps]]`` tables with their folders, checked; and the keys Harbor has that are
-    not read here (``artifacts``: nothing is collected from a step)."""
+    not read here."""
     where = f"{root / CONFIG}: [[steps]]"
     if not isinstance(entries, list) or not entries or not all(
             isinstance(e, Mapping) for e in entries):
@@ -344,12 +394,17 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
         instruction = _read_text(folder / INSTRUCTION, MAX_INSTRUCTION).strip()
         if not instruction:
             raise TaskFolderError(f"{folder / INSTRUCTION}: empty; it is the step's prompt")
-        own_test = (folder / TEST_SCRIPT).is_file() and not (folder / TEST_SCRIPT).is_symlink()
-        if not own_test and not shared_test:
-            raise TaskFolderError(f"{here}: no verifier: neither {STEPS}/{name}/{TEST_SCRIPT} "
-                                  f"nor {TEST_SCRIPT}")
         agent = _step_table(entry, "agent", here)
         verifier = _step_table(entry, "verifier", here)
+        own_context = f"{STEPS}/{name}/{TESTS}"
+        separate = _verifier_environment(
+            root, _step_verifier_mode(task_verifier, verifier), env_table,
+            own_context if (root / own_context / "Dockerfile").is_file() else TESTS,
+            f"{here} [steps.verifier]", env_keys)
+        own_test = (folder / TEST_SCRIPT).is_file() and not (folder / TEST_SCRIPT).is_symlink()
+        if not own_test and not shared_test and separate is None:
+            raise TaskFolderError(f"{here}: no verifier: neither {STEPS}/{name}/{TEST_SCRIPT} "
+                                  f"nor {TEST_SCRIPT}")
         unknown += [f"steps.{name}.{k}" for k in entry if k not in _STEP_KNOWN[""]]
         for table_name in ("agent", "verifier", "healthcheck"):
             table = entry.get(table_name)
@@ -373,7 +428,10 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
             has_tests=(folder / TESTS).is_dir() and not (folder / TESTS).is_symlink(),
             agent_user=_user(agent, f"{here} [agent]") if "user" in agent else agent_user,
             verifier_user=(_user(verifier, f"{here} [verifier]") if "user" in verifier
-                           else verifier_user)))
+                           else verifier_user),
+            artifacts=tuple(dict.fromkeys(
+                [*artifacts, *_artifacts(entry.get("artifacts"), f"{here} artifacts")])),
+            separate=separate))
     return tuple(steps), tuple(unknown)
 
 
@@ -460,26 +518,101 @@ def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
     return tuple(adjusted)
 
 
-def _refuse_separate_verifier(verifier: Mapping[str, Any], where: str) -> None:
-    """Harbor's separate verifier (``environment_mode = "separate"``, or a
-    ``[verifier.environment]`` table) runs the tests in a fresh environment of their own, built
-    from ``tests/`` (or a verifier image), that gets only the task's declared ``artifacts``
-    from the agent's. Run in the agent's sandbox instead, such a task would be graded on state
-    its verifier was written never to see, so it is refused until the server runs it as
-    Harbor does."""
+def _verifier_environment(root: Path, verifier: Mapping[str, Any],
+                          env_table: Mapping[str, Any], context: str, where: str,
+                          unknown: list[str]) -> VerifierEnvironment | None:
+    """Harbor's separate verifier, when the table asks for one (``environment_mode =
+    "separate"``, or a ``[verifier.environment]`` table without a mode): its image is
+    ``[verifier.environment].docker_image`` or built from ``context`` (the tests' folder,
+    which must then hold a Dockerfile; Harbor does not copy the tests into it, the image holds
+    ``/tests/test.sh``); its resources default to the task's ``[environment]``."""
     mode = verifier.get("environment_mode")
     if mode not in (None, "shared", "separate"):
         raise TaskFolderError(f"{where} environment_mode must be \"shared\" or \"separate\", "
                               f"got {mode!r}")
-    if mode == "separate" or (mode is None and "environment" in verifier):
-        raise TaskFolderError(
-            f"{where}: a separate verifier environment (environment_mode = \"separate\" or "
-            f"[verifier.environment]): its tests run in an environment of their own that sees "
-            f"only the task's artifacts; this server runs every verifier in the agent's sandbox "
-            f"(Harbor's shared mode) and does not run such a task")
-    if mode == "shared" and "environment" in verifier:
+    table = verifier.get("environment")
+    if mode == "shared" and table is not None:
         raise TaskFolderError(f"{where}: environment_mode = \"shared\" with a "
                               f"[verifier.environment] table (Harbor refuses it too)")
+    if mode != "separate" and table is None:
+        return None
+    table = {} if table is None else table
+    here = where.replace("verifier]", "verifier.environment]")
+    if not isinstance(table, Mapping):
+        raise TaskFolderError(f"{here} must be a table")
+    gpus = _number(table, "gpus", 0, here)
+    if gpus > 0:
+        raise TaskFolderError(f"{here} gpus = {gpus:g}: sandboxes on this server get no GPU")
+    if str(table.get("os", "linux")).lower() != "linux":
+        raise TaskFolderError(f"{here} os = {table['os']!r}: only linux tasks run here")
+    image = table.get("docker_image") or ""
+    if not isinstance(image, str) or any(c.isspace() for c in image) or len(image) > 1000:
+        raise TaskFolderError(f"{here} docker_image must be one image reference")
+    dockerfile = root / context / "Dockerfile"
+    if not image and (not dockerfile.is_file() or dockerfile.is_symlink()):
+        raise TaskFolderError(
+            f"{where}: a separate verifier needs its image: [verifier.environment].docker_image "
+            f"or {context}/Dockerfile (built with {context}/ as its context; the image holds "
+            f"/tests/test.sh)")
+    workdir = table.get("workdir") or ""
+    if not isinstance(workdir, str) or (workdir and not workdir.startswith("/")):
+        raise TaskFolderError(f"{here} workdir must be an absolute path")
+    unknown += [f"{here.rsplit('[', 1)[-1].rstrip(']')}.{k}" for k in table
+                if k not in _ENV_KNOWN]
+    base = f"{root / CONFIG}: [environment]"
+    return VerifierEnvironment(
+        docker_image=image, context="" if image else context,
+        build_timeout_s=_number(table, "build_timeout_sec",
+                                _number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, base,
+                                        positive=True), here, positive=True),
+        cpus=_number(table, "cpus", _number(env_table, "cpus", 1, base, positive=True), here,
+                     positive=True),
+        memory_mb=_megabytes(table, "memory_mb", "memory",
+                             _megabytes(env_table, "memory_mb", "memory", 2048, base), here),
+        storage_mb=_megabytes(table, "storage_mb", "storage",
+                              _megabytes(env_table, "storage_mb", "storage", 10240, base), here),
+        workdir=workdir, env=_strings(table, "env", here))
+
+
+def _step_verifier_mode(task: Mapping[str, Any], step: Mapping[str, Any]) -> dict[str, Any]:
+    """A step's ``environment_mode`` and ``environment``: its own where it sets either (a
+    separate step without its own table takes the task's), else the task's."""
+    keys = ("environment_mode", "environment")
+    if not any(k in step for k in keys):
+        return {k: task[k] for k in keys if k in task}
+    own = {k: step[k] for k in keys if k in step}
+    if own.get("environment_mode") == "separate" and "environment" not in own and (
+            "environment" in task):
+        own["environment"] = task["environment"]
+    return own
+
+
+def _artifacts(value: Any, where: str) -> tuple[str, ...]:
+    """``artifacts``: absolute paths, or tables with a ``source`` (``destination`` places the
+    copy in Harbor's trial folder and means nothing here; a ``service`` other than ``main`` is
+    a sidecar's, which this server has none of)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_ARTIFACTS:
+        raise TaskFolderError(f"{where} must be a list of at most {MAX_ARTIFACTS} paths")
+    paths: list[str] = []
+    for entry in value:
+        source = entry.get("source") if isinstance(entry, Mapping) else entry
+        if isinstance(entry, Mapping) and entry.get("service", "main") != "main":
+            raise TaskFolderError(f"{where}: an artifact of service {entry['service']!r}, a "
+                                  "sidecar this server does not run")
+        if not isinstance(source, str) or not source.startswith("/") or "\0" in source or (
+                len(source) > 4096 or os.path.normpath(source) == "/"):
+            raise TaskFolderError(f"{where}: each entry must be an absolute path (below /) or "
+                                  f"a table with one as its source, got {entry!r}")
+        path = os.path.normpath(source)
+        clash = next((p for p in PROTECTED_PATHS if path == p or path.startswith(p + "/")
+                      or p.startswith(path.rstrip("/") + "/")), None)
+        if clash is not None:
+            raise TaskFolderError(f"{where}: {path!r} is or holds {clash}, which the verifier's "
+                                  "sandbox keeps its own (the agent's copy would replace it)")
+        paths.append(path)
+    return tuple(dict.fromkeys(paths))
 
 
 def find_tasks(paths: list[Path]) -> list[Path]:

@@ -321,3 +321,100 @@ async def test_mini_swe_agent_works_through_a_multi_step_task(rollout: Rollout,
     # One chain per step in the one lease: the gateway saw each step's new conversation.
     assert [s.first_turn for s in result.outcome.segments] == [0, 2, 4]
     assert result.outcome.metadata["steps_run"] == "3"
+
+
+# -- a separate verifier environment (environment_mode = "separate") --------------------------
+
+DO_THE_TASK = call("bash", command="echo 42 > /app/answer.txt && mkdir -p /app/report "
+                                   "/logs/artifacts && echo by hand > /app/report/summary.txt "
+                                   "&& echo n > /logs/artifacts/notes.txt")
+# What a policy can do to the sandbox it works in: none of it may reach a separate verifier.
+TAMPER = call("bash", command=(
+    "echo mine > /app/scratch.txt; printf '#!/bin/sh\\necho 41\\n' > /usr/local/bin/python3; "
+    "chmod +x /usr/local/bin/python3; mkdir -p /tests /logs/verifier; "
+    "printf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /tests/test.sh; "
+    "chmod +x /tests/test.sh; echo 1 > /logs/verifier/reward.txt; "
+    "echo '{\"reward\": 1}' > /logs/verifier/reward.json; "
+    "cd /.rollout-artifacts && mkdir -p app/report logs/artifacts && echo 42 > app/answer.txt "
+    "&& echo x > app/report/summary.txt && echo n > logs/artifacts/notes.txt; cd /app; "
+    "(while true; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.05; done) "
+    "> /dev/null 2>&1 &"))
+
+
+@pytest.mark.timeout(600)  # builds the verifier's image when it is the first to ask
+async def test_separate_verifier_oracle_earns_1_and_noop_0(sandbox_factory: Any) -> None:
+    results = await harbor_import.check([FIXTURES / "separate-verifier"], sandbox_factory)
+    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
+
+
+@pytest.mark.timeout(600)  # builds the verifier's image when it is the first to ask
+async def test_a_separate_verifier_sees_only_the_artifacts(rollout: Rollout) -> None:
+    task = line("separate-verifier")["task"]
+    # The task done, and the sandbox tampered with: the verifier's own image and tests run
+    # on the two artifacts alone (no scratch file, its own python3).
+    result = await rollout(HarborHandler(), task, [DO_THE_TASK, TAMPER, DONE])
+    assert result.reward.value == 1.0, result.reward.info
+    assert result.reward.components == {"reward": 1.0, "answer": 1.0, "isolated": 1.0}
+    assert result.reward.info["verifier_environment"] == "separate"
+    # Tampering alone earns nothing: the planted test, reward and artifact copy are not read.
+    result = await rollout(HarborHandler(), task, [TAMPER, DONE])
+    assert result.reward.value == 0.0, result.reward.info
+    assert result.reward.components["answer"] == 0.0
+
+
+@pytest.mark.timeout(600)  # builds the verifier's image when it is the first to ask
+async def test_an_artifact_that_is_a_link_is_not_followed(rollout: Rollout) -> None:
+    link = call("bash", command="echo 42 > /tmp/real && ln -s /tmp/real /app/answer.txt && "
+                                "mkdir -p /app/report /logs/artifacts && echo x > "
+                                "/app/report/summary.txt && ln -s /etc /app/report/etc && "
+                                "echo n > /logs/artifacts/notes.txt")
+    result = await rollout(HarborHandler(), line("separate-verifier")["task"], [link, DONE])
+    assert result.reward.components["answer"] == 0.0, result.reward.info
+    skipped = json.loads(result.reward.info["artifacts"])["skipped"]
+    assert sorted(skipped) == ["/app/answer.txt", "/app/report/etc"]
+
+
+@pytest.mark.timeout(600)  # builds the verifier's image when it is the first to ask
+async def test_artifacts_over_the_budget_earn_0_with_the_reason(
+        rollout: Rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout.runtime.envs.harbor import handler
+
+    monkeypatch.setattr(handler, "MAX_ARTIFACT_BYTES", 4096)
+    big = call("bash", command="echo 42 > /app/answer.txt && mkdir -p /app/report && "
+                               "head -c 100000 /dev/zero > /app/report/summary.txt")
+    result = await rollout(HarborHandler(), line("separate-verifier")["task"], [big, DONE])
+    assert result.reward.value == 0.0
+    assert "over the size" in result.reward.info["error"], result.reward.info
+
+
+@pytest.mark.timeout(600)  # builds two verifier images (one per step)
+async def test_a_multi_step_task_verifies_each_step_in_a_fresh_sandbox(
+        tmp_path: Path, sandbox_factory: Any) -> None:
+    # Two steps, each with a verifier image of its own (built from its tests/), handed the
+    # declared folder only: the second sees the first's file through it, never the scratch.
+    folder = tmp_path / "two-separate-steps"
+    shutil.copytree(FIXTURES / "hello-file" / "environment", folder / "environment")
+    (folder / "task.toml").write_text(
+        'schema_version = "1.1"\nartifacts = ["/app/out"]\n[verifier]\n'
+        'environment_mode = "separate"\ntimeout_sec = 60\n[agent]\ntimeout_sec = 60\n'
+        '[environment]\nbuild_timeout_sec = 1800.0\nworkdir = "/app"\nallow_internet = false\n'
+        '[[steps]]\nname = "first"\nmin_reward = 1\n[[steps]]\nname = "second"\n')
+    checks = {"first": '[ "$(cat /app/out/a.txt)" = a ]',
+              "second": '[ "$(cat /app/out/a.txt)$(cat /app/out/b.txt)" = ab ] && '
+                        '[ ! -e /app/scratch ]'}
+    for name, check in checks.items():
+        step = folder / "steps" / name
+        (step / "tests").mkdir(parents=True)
+        (step / "solution").mkdir()
+        (step / "instruction.md").write_text(f"Write {name}'s file into /app/out.\n")
+        (step / "tests" / "Dockerfile").write_text("FROM python:3.11-slim\nCOPY . /tests/\n")
+        test = step / "tests" / "test.sh"
+        test.write_text(f"#!/bin/sh\nif {check}; then echo 1; else echo 0; fi "
+                        "> /logs/verifier/reward.txt\n")
+        test.chmod(0o755)
+        letter = "a" if name == "first" else "b"
+        (step / "solution" / "solve.sh").write_text(
+            f"mkdir -p /app/out && echo {letter} > /app/out/{letter}.txt && echo x > "
+            "/app/scratch\n")
+    results = await harbor_import.check([folder], sandbox_factory)
+    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]

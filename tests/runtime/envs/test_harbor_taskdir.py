@@ -77,11 +77,13 @@ def test_limits_follow_task_toml() -> None:
     (lambda d: (d / "task.toml").write_text(
         '[[environment.mcp_servers]]\nname = "tools"\ntransport = "streamable-http"\n'
         'url = "http://tools:8000/mcp"\n'), "mcp_servers"),
-    # Harbor's separate verifier environment: the tests would see the agent's whole sandbox.
+    # Harbor's separate verifier environment needs an image (tests/Dockerfile or its own).
     (lambda d: (d / "task.toml").write_text('[verifier]\nenvironment_mode = "separate"\n'),
-     "a separate verifier environment"),
+     "a separate verifier needs its image"),
     (lambda d: (d / "task.toml").write_text('[verifier.environment]\ncpus = 2\n'),
-     "a separate verifier environment"),
+     "a separate verifier needs its image"),
+    (lambda d: (d / "task.toml").write_text('[verifier.environment]\ngpus = 1\n'),
+     "verifier.environment\\] gpus = 1"),
     (lambda d: (d / "task.toml").write_text(
         '[verifier]\nenvironment_mode = "shared"\n[verifier.environment]\ncpus = 2\n'),
      "shared\" with a \\[verifier.environment\\]"),
@@ -232,7 +234,7 @@ def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
 @pytest.mark.parametrize(("steps_toml", "top", "message"), [
     ("", "steps = 3\n", "must be one or more tables"),
     ('[[steps]]\nname = "make-tool"\n[steps.verifier]\nenvironment_mode = "separate"\n', "",
-     "#1 \\[steps.verifier\\]: a separate verifier environment"),
+     "'make-tool' \\[steps.verifier\\]: a separate verifier needs its image"),
     ('[[steps]]\nname = "../up"\n', "", "name must be a folder name"),
     ('[[steps]]\nname = "make-tool"\n[[steps]]\nname = "make-tool"\n', "",
      "two steps are named 'make-tool'"),
@@ -327,3 +329,69 @@ def test_roll_up_counts_steps_that_did_not_run() -> None:
     final = roll_up(dataclasses.replace(task, reward_strategy="final"), finished)
     assert (final.value, final.components["style"]) == (0.25, 1.0)
     assert roll_up(task, finished).value == pytest.approx(0.75)
+
+
+def test_a_separate_verifier_is_read_with_its_artifacts(tmp_path: Path) -> None:
+    task = taskdir.load(FIXTURES / "separate-verifier")
+    assert task.separate is not None and task.separate.context == "tests"
+    assert task.artifacts == ("/app/answer.txt", "/app/report") and task.unknown_keys == ()
+    assert task.separate.memory_mb == task.memory_mb  # the task's [environment] by default
+    # A prebuilt verifier image instead of tests/Dockerfile, with resources of its own.
+    folder = copy_task(tmp_path, "separate-verifier")
+    (folder / "tests" / "Dockerfile").unlink()
+    text = (folder / "task.toml").read_text().replace(
+        '[environment]\n', '[verifier.environment]\ndocker_image = "python:3.12-slim"\n'
+        'cpus = 2\nmcp = 1\n\n[environment]\n')
+    (folder / "task.toml").write_text(text)
+    task = taskdir.load(folder)
+    assert task.separate is not None and task.separate.docker_image == "python:3.12-slim"
+    assert (task.separate.context, task.separate.cpus) == ("", 2.0)
+    assert task.unknown_keys == ("verifier.environment.mcp",)
+    # Artifacts without a separate verifier are listed as not collected.
+    hello = copy_task(tmp_path, "hello-file")
+    (hello / "task.toml").write_text('artifacts = ["/app/out.txt"]\n'
+                                     + (hello / "task.toml").read_text())
+    assert taskdir.load(hello).unknown_keys == (
+        "artifacts (collected for a separate verifier only)",)
+
+
+@pytest.mark.parametrize(("artifacts", "message"), [
+    ('["app/x"]', "each entry must be an absolute path"),
+    ('["/"]', "each entry must be an absolute path"),
+    ('[3]', "each entry must be an absolute path"),
+    ('[{ source = "/var/log/x", service = "api" }]', "service 'api', a sidecar"),
+    ('["/tests/test.sh"]', "'/tests/test.sh' is or holds /tests"),
+    ('["/logs"]', "'/logs' is or holds /logs/verifier"),
+    ('"/app/x"', "must be a list"),
+])
+def test_bad_artifacts_are_refused(tmp_path: Path, artifacts: str, message: str) -> None:
+    folder = copy_task(tmp_path, "separate-verifier")
+    text = (folder / "task.toml").read_text().replace(
+        'artifacts = ["/app/answer.txt", { source = "/app/report", destination = "report" }]',
+        f"artifacts = {artifacts}")
+    (folder / "task.toml").write_text(text)
+    with pytest.raises(TaskFolderError, match=message):
+        taskdir.load(folder)
+
+
+def test_steps_take_the_task_s_verifier_mode_or_their_own(tmp_path: Path) -> None:
+    folder = copy_task(tmp_path, "multi-step")
+    (folder / "tests" / "Dockerfile").write_text("FROM python:3.11-slim\nCOPY . /tests/\n")
+    own = folder / "steps" / "configure" / "tests" / "Dockerfile"
+    own.write_text("FROM python:3.11-slim\nCOPY . /tests/\n")
+    text = (folder / "task.toml").read_text()
+    text = text.replace('[verifier]\n', '[verifier]\nenvironment_mode = "separate"\n', 1)
+    text = text.replace('[steps.verifier]\ntimeout_sec = 30.0\n',
+                        '[steps.verifier]\ntimeout_sec = 30.0\n', 1)
+    text += '\n[steps.verifier]\nenvironment_mode = "shared"\n'  # the last step: shared
+    text = text.replace('[[steps]]\nname = "document"\n',
+                        '[[steps]]\nname = "document"\nartifacts = ["/app/NOTES.md"]\n')
+    (folder / "task.toml").write_text('artifacts = ["/app/count.sh"]\n' + text)
+    task = taskdir.load(folder)
+    make_tool, configure, document = task.steps
+    assert make_tool.separate is not None and make_tool.separate.context == "tests"
+    assert configure.separate is not None
+    assert configure.separate.context == "steps/configure/tests"
+    assert document.separate is None
+    assert document.artifacts == ("/app/count.sh", "/app/NOTES.md")
+    assert len(task.verifier_environments) == 2
