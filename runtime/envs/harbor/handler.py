@@ -48,6 +48,12 @@ next step. A step under its ``min_reward``, or whose set-up or healthcheck fails
 steps' agent may have broken what it checks), ends the task. RUN verifies every step but the
 last it ran, EVAL that one, and EVAL rolls the steps up (:func:`roll_up`): steps that did not
 run count 0, so stopping early never pays more than going on.
+
+A task (or step) with a separate verifier (``environment_mode = "separate"``) is verified in a
+fresh sandbox of the verifier's image instead (:func:`_verify_separate`): only the task's
+``artifacts`` and ``/logs/artifacts`` pass from the agent's sandbox to it, through
+``in_sandbox/harbor_artifacts.py`` run in each (regular files, no link followed, bounded), and
+the image's own ``/tests/test.sh`` runs on them.
 """
 
 from __future__ import annotations

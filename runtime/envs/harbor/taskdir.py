@@ -52,6 +52,12 @@ entries to thresholds: below it the remaining steps do not run), ``[steps.agent]
 the task's ``[agent]`` / ``[verifier]``; ``env`` is merged over the task's), and
 ``[steps.healthcheck]`` ``command``, ``interval_sec``, ``timeout_sec``, ``retries``,
 ``start_period_sec`` (polled after the upload and ``setup.sh``, before the agent).
+
+A separate verifier (``[verifier] environment_mode = "separate"`` or a
+``[verifier.environment]`` table; per step in ``[steps.verifier]``) runs in a fresh sandbox of
+its own image (``[verifier.environment].docker_image``, or ``tests/Dockerfile`` built with
+``tests/`` as its context) that gets only the top-level (and the step's) ``artifacts``:
+:class:`VerifierEnvironment`.
 """
 
 from __future__ import annotations
