@@ -395,3 +395,20 @@ def test_steps_take_the_task_s_verifier_mode_or_their_own(tmp_path: Path) -> Non
     assert document.separate is None
     assert document.artifacts == ("/app/count.sh", "/app/NOTES.md")
     assert len(task.verifier_environments) == 2
+
+
+def test_prepare_builds_a_separate_verifier_s_image_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout.runtime.sandbox.images import prepare
+
+    asked: list[object] = []
+    monkeypatch.setattr(prepare, "prepare_images",
+                        lambda sources, settings: asked.extend(sources) or [])
+    line = harbor_import.job_line(taskdir.load(FIXTURES / "separate-verifier"))
+    assert harbor_import.prepare_images([line, line]) == []
+    contexts = sorted(str(getattr(s, "context", s)) for s in asked)
+    assert contexts == [str(FIXTURES / "separate-verifier" / "environment"),
+                        str(FIXTURES / "separate-verifier" / "tests")]
+    # INIT has the time to build both.
+    init = float(harbor_import.limits_of(taskdir.load(FIXTURES / "separate-verifier"))[
+        "initTimeout"].rstrip("s"))
+    assert init == 1800 + 1800 + harbor_import.SETUP_MARGIN_S
