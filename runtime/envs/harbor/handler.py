@@ -278,9 +278,16 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     # Readable on the host whatever mode the verifier gave its files.
     await asyncio.to_thread(sandbox.take_back, shared)
     files = await asyncio.to_thread(_reward_files, dirs["verifier"])
+    return _judged(run, files, timeout, {"task": harbor.name})
+
+
+def _judged(run: Any, files: dict[str, bytes | None], timeout: float,
+            info: dict[str, str]) -> Reward:
+    """The reward of a verifier run from the files it left (:mod:`.verdict`); 0 with the
+    reason when it ran past its timeout or its files say nothing usable."""
     found = verdict.read(files)
-    info = {"task": harbor.name, "verifier_exit": str(run.exit_code),
-            "reward_file": found.source, "log": run.output[-_LOG_TAIL:]}
+    info.update({"verifier_exit": str(run.exit_code), "reward_file": found.source,
+                 "log": run.output[-_LOG_TAIL:]})
     if run.timed_out:
         info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
         return Reward(0.0, {}, info)
@@ -351,15 +358,7 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
         files = await asyncio.to_thread(_reward_files, dirs["verifier"])
     finally:
         await verifier.destroy()
-    found = verdict.read(files)
-    info.update({"verifier_exit": str(run.exit_code), "reward_file": found.source,
-                 "log": run.output[-_LOG_TAIL:]})
-    if run.timed_out:
-        info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
-        return Reward(0.0, {}, info)
-    if found.problem:
-        info["error"] = found.problem
-    return Reward(found.value, found.components, info)
+    return _judged(run, files, timeout, info)
 
 
 def _last_line(run: Any) -> str:
@@ -706,7 +705,7 @@ async def _oracle(sandbox: Any, harbor: HarborTask, workdir: str,
                                         "oracle_log": run.output[-_LOG_TAIL:]})
 
 
-def _job_dirs(harbor: HarborTask, oracle: bool) -> tuple[dict[str, Path], int]:
+def _job_dirs(harbor: HarborTask | None, oracle: bool = False) -> tuple[dict[str, Path], int]:
     """Host folders bound into the job's sandbox: the verifier's output and the tests (empty
     until EVAL), for the oracle the task's ``solution/`` (a multi-step task's: each step's, in
     turn), for a multi-step task its steps' ``workdir/`` in turn; with the fd of the lock
@@ -716,19 +715,15 @@ def _job_dirs(harbor: HarborTask, oracle: bool) -> tuple[dict[str, Path], int]:
     try:
         os.chmod(root, 0o711)
         dirs = {"root": root}
-        for name in ("verifier", "tests"):
+        names = ["verifier", "tests"]
+        if harbor is not None and harbor.verifier_environments:
+            names.append("artifacts")
+        if harbor is not None and harbor.steps:
+            names += ["step", "solution"] if oracle else ["step"]
+        for name in names:
             (root / name).mkdir(mode=0o755)
             dirs[name] = root / name
-        if harbor.verifier_environments:
-            dirs["artifacts"] = root / "artifacts"
-            dirs["artifacts"].mkdir(mode=0o755)
-        if harbor.steps:
-            dirs["step"] = root / "step"
-            dirs["step"].mkdir(mode=0o755)
-            if oracle:
-                dirs["solution"] = root / "solution"
-                dirs["solution"].mkdir(mode=0o755)
-        elif oracle and harbor.has_solution:
+        if harbor is not None and not harbor.steps and oracle and harbor.has_solution:
             dirs["solution"] = root / "solution"
             shutil.copytree(harbor.path / taskdir.SOLUTION, dirs["solution"], symlinks=True)
             os.chmod(dirs["solution"], 0o755)
@@ -753,14 +748,7 @@ def _fill(folder: Path, source: Path | None) -> None:
     _empty(folder)
     if source is not None and source.is_dir() and not source.is_symlink():
         hostfs.copy_tree(source, folder, max_bytes=taskdir.MAX_FOLDER_BYTES)
-        for dirpath, dirnames, filenames in os.walk(folder):
-            for name in dirnames:
-                os.chmod(os.path.join(dirpath, name), 0o755)
-            for name in filenames:
-                full = os.path.join(dirpath, name)
-                if not os.path.islink(full):
-                    os.chmod(full, 0o755 if os.access(full, os.X_OK) or name.endswith(".sh")
-                             else 0o644)
+        _readable(folder)
 
 
 def _refill(dirs: Mapping[str, Path], harbor: HarborTask, step: HarborStep | None) -> None:

@@ -39,6 +39,7 @@ def sandbox_factory(tmp_path: Path, harbor_images: ImageSettings) -> Any:
     return image_factory(tmp_path / "state", harbor_images)
 
 
+@pytest.mark.timeout(400)  # the module's first test builds its images (loaded machines)
 async def test_oracle_earns_1_and_noop_0(tmp_path: Path, sandbox_factory: Any) -> None:
     results = await harbor_import.check(
         [FIXTURES / name for name in ("hello-file", "system-command", "prebuilt-json")],
