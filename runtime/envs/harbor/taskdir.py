@@ -297,6 +297,16 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if str(env_table.get("os", "linux")).lower() != "linux":
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
     compose_keys = _refuse_multi_container(root, env_table, where)
+    steps_value = config.get("steps")
+    for verifier, where_v in [(section["verifier"], f"{root / CONFIG}: [verifier]")] + [
+            (e.get("verifier"), f"{root / CONFIG}: [[steps]] #{i + 1} [steps.verifier]")
+            for i, e in enumerate(steps_value if isinstance(steps_value, list) else ())
+            if isinstance(e, Mapping) and isinstance(e.get("verifier"), Mapping)]:
+        if verifier.get("collect"):
+            raise TaskFolderError(
+                f"{where_v} collect: [[verifier.collect]] hooks (commands run in the task's "
+                f"services before their artifacts are collected) are not run by this server, "
+                f"and the verifier would miss what they gather")
     env_keys: list[str] = []
     # A multi-step task's [verifier] mode and environment are its steps' defaults (each
     # step's verifier image comes from its own tests/ where that has a Dockerfile).

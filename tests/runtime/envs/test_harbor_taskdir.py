@@ -89,6 +89,8 @@ def test_limits_follow_task_toml() -> None:
      "shared\" with a \\[verifier.environment\\]"),
     (lambda d: (d / "task.toml").write_text('[verifier]\nenvironment_mode = "both"\n'),
      "environment_mode must be"),
+    (lambda d: (d / "task.toml").write_text('[[verifier.collect]]\ncommand = "dump-state"\n'),
+     "\\[verifier\\] collect: \\[\\[verifier.collect\\]\\] hooks"),
     # A multi-step task (schema 1.1) names a step whose folder is missing.
     (lambda d: ((d / "instruction.md").unlink(), (d / "task.toml").write_text(
         'schema_version = "1.1"\n[environment]\nmcp_servers = []\n'
@@ -233,6 +235,8 @@ def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
 
 @pytest.mark.parametrize(("steps_toml", "top", "message"), [
     ("", "steps = 3\n", "must be one or more tables"),
+    ('[[steps]]\nname = "make-tool"\n[[steps.verifier.collect]]\ncommand = "x"\n', "",
+     "#1 \\[steps.verifier\\] collect: \\[\\[verifier.collect\\]\\] hooks"),
     ('[[steps]]\nname = "make-tool"\n[steps.verifier]\nenvironment_mode = "separate"\n', "",
      "'make-tool' \\[steps.verifier\\]: a separate verifier needs its image"),
     ('[[steps]]\nname = "../up"\n', "", "name must be a folder name"),
