@@ -179,10 +179,13 @@ class HarborHandler(AgentHandler):
                                          env=dict(harbor.environment_env), network="none",
                                          limits=sandbox_limits(harbor), **user)
         ctx.state[SANDBOX_KEY] = sandbox
-        if harbor.verifier_user is not None or harbor.agent_user is not None:
+        shared = harbor.separate is None and (
+            not harbor.steps or any(step.separate is None for step in harbor.steps))
+        if shared and (harbor.verifier_user is not None or harbor.agent_user is not None):
             # Resolved now, in the image as built (a passwd the agent edits cannot move the
             # verifier), so a user the image lacks fails INIT, before any agent ran. Unset,
             # it is the image's USER, which a sandbox made for [agent].user does not run as.
+            # (A separate verifier's user is resolved in its own image.)
             user_for = getattr(sandbox, "user_for", None)
             if user_for is None:
                 raise HandlerError(f"the Harbor task {harbor.name} sets a user in task.toml, "
@@ -606,17 +609,11 @@ async def _healthcheck(sandbox: Any, step: HarborStep, workdir: str) -> str:
 
 
 async def _resolve_step_users(ctx: JobContext, sandbox: Any, harbor: HarborTask) -> None:
-    """Steps that name their own verifier user get it resolved now, as the task's is; a step
-    whose agent runs as another user than the task's is refused (one sandbox, one agent
-    user)."""
+    """Steps that name their own verifier user get it resolved now, as the task's is (a
+    step's agent user is the task's: :mod:`.taskdir` refuses another)."""
     users: dict[str, Any] = {}
     for step in harbor.steps:
-        if step.agent_user != harbor.agent_user:
-            raise HandlerError(f"the Harbor task {harbor.name}: step {step.name!r} sets "
-                               "[steps.agent].user apart from the task's [agent].user, which "
-                               "this server does not run (every step's agent is the sandbox's "
-                               "user)", "INVALID_TASK")
-        if step.verifier_user != harbor.verifier_user:
+        if step.verifier_user != harbor.verifier_user and step.separate is None:
             user_for = getattr(sandbox, "user_for", None)
             if user_for is None:
                 raise HandlerError(f"the Harbor task {harbor.name} sets a user in task.toml, "

@@ -298,10 +298,13 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         raise TaskFolderError(f"{where} os = {env_table['os']!r}: only linux tasks run here")
     compose_keys = _refuse_multi_container(root, env_table, where)
     steps_value = config.get("steps")
-    for verifier, where_v in [(section["verifier"], f"{root / CONFIG}: [verifier]")] + [
-            (e.get("verifier"), f"{root / CONFIG}: [[steps]] #{i + 1} [steps.verifier]")
-            for i, e in enumerate(steps_value if isinstance(steps_value, list) else ())
-            if isinstance(e, Mapping) and isinstance(e.get("verifier"), Mapping)]:
+    verifiers: list[tuple[Mapping[str, Any], str]] = [
+        (section["verifier"], f"{root / CONFIG}: [verifier]")]
+    for i, e in enumerate(steps_value if isinstance(steps_value, list) else ()):
+        if isinstance(e, Mapping) and isinstance(e.get("verifier"), Mapping):
+            verifiers.append((e["verifier"], f"{root / CONFIG}: [[steps]] #{i + 1} "
+                                             f"[steps.verifier]"))
+    for verifier, where_v in verifiers:
         if verifier.get("collect"):
             raise TaskFolderError(
                 f"{where_v} collect: [[verifier.collect]] hooks (commands run in the task's "
@@ -442,13 +445,27 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
             has_solution=(folder / SOLVE_SCRIPT).is_file()
             and not (folder / SOLVE_SCRIPT).is_symlink(),
             has_tests=(folder / TESTS).is_dir() and not (folder / TESTS).is_symlink(),
-            agent_user=_user(agent, f"{here} [agent]") if "user" in agent else agent_user,
+            agent_user=_step_agent_user(agent, agent_user, f"{here} [steps.agent]"),
             verifier_user=(_user(verifier, f"{here} [verifier]") if "user" in verifier
                            else verifier_user),
             artifacts=tuple(dict.fromkeys(
                 [*artifacts, *_artifacts(entry.get("artifacts"), f"{here} artifacts")])),
             separate=separate))
     return tuple(steps), tuple(unknown)
+
+
+def _step_agent_user(agent: Mapping[str, Any], task_user: str | None,
+                     where: str) -> str | None:
+    """A step's agent runs as the task's ``[agent].user``: one sandbox has one agent user, so
+    a step that names another is refused."""
+    if "user" not in agent:
+        return task_user
+    user = _user(agent, where)
+    if user != task_user:
+        raise TaskFolderError(f"{where} user = {user!r}: every step's agent runs as the task's "
+                              f"[agent].user ({task_user or 'the image USER'}) on this server "
+                              "(one sandbox, one agent user)")
+    return user
 
 
 def _step_table(entry: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:

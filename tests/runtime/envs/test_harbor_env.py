@@ -419,3 +419,24 @@ async def test_a_multi_step_task_verifies_each_step_in_a_fresh_sandbox(
             "/app/scratch\n")
     results = await harbor_import.check([folder], sandbox_factory)
     assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
+
+
+@pytest.mark.timeout(600)  # builds a verifier image with a user of its own
+async def test_a_separate_verifier_runs_as_a_user_of_its_own_image(
+        tmp_path: Path, sandbox_factory: Any) -> None:
+    # [verifier].user names a user only the verifier's image has: resolved there, not in the
+    # agent's image (where INIT would refuse it), and test.sh runs as that user.
+    folder = tmp_path / "separate-verifier"
+    shutil.copytree(FIXTURES / "separate-verifier", folder)
+    (folder / "tests" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nRUN useradd -m -u 1234 checker\nCOPY test.sh /tests/test.sh\n"
+        "WORKDIR /app\n")
+    test = folder / "tests" / "test.sh"
+    test.write_text(test.read_text().replace(
+        "reward=$(( answer * isolated ))",
+        '[ "$(id -un)" = checker ] || isolated=0\nreward=$(( answer * isolated ))'))
+    toml = folder / "task.toml"
+    toml.write_text(toml.read_text().replace('environment_mode = "separate"\n',
+                                             'environment_mode = "separate"\nuser = "checker"\n'))
+    results = await harbor_import.check([folder], sandbox_factory)
+    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]

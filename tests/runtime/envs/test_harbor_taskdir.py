@@ -250,6 +250,8 @@ def _steps_task(tmp_path: Path, steps_toml: str, top: str = "") -> Path:
      "command must be a shell command"),
     ('[[steps]]\nname = "make-tool"\n[steps.healthcheck]\ncommand = "true"\nretries = 0\n',
      "", "retries must be a whole number from 1 to 100"),
+    ('[[steps]]\nname = "make-tool"\n[steps.agent]\nuser = "nobody"\n', "",
+     "user = 'nobody': every step's agent runs as the task's \\[agent\\].user"),
     ('[[steps]]\nname = "make-tool"\n[steps.agent]\ntimeout_sec = 0\n', "",
      "timeout_sec must be a positive number"),
     ('[[steps]]\nname = "make-tool"\n', 'multi_step_reward_strategy = "max"\n',
