@@ -4,16 +4,18 @@ copied out of the agent's sandbox at their absolute paths, and put back at the s
 the verifier's fresh sandbox. Nothing else of the agent's environment reaches the verifier.
 
     harbor_artifacts.py collect DEST MAX_BYTES MAX_ENTRIES PATH...
-    harbor_artifacts.py restore SRC
+    harbor_artifacts.py restore SRC [ROOT]
 
 ``collect`` runs in the agent's sandbox once every process of the agent is gone and writes
 ``DEST/<path>`` for each ``PATH`` (a missing one is skipped, as Harbor skips it). Links are
 never followed below a path and a path that is itself a link is skipped (Harbor takes regular
 files and folders of them); FIFOs, sockets and devices are skipped; modes keep their
 permission bits only (no setuid). Past ``MAX_BYTES`` or ``MAX_ENTRIES`` it stops with exit 3:
-``DEST`` is a host folder, and what a policy left must not fill the host's disk.
-``restore`` runs in the verifier's sandbox and copies ``SRC``'s tree to ``/``. Each prints
-one JSON line: ``{"files": N, "bytes": N, "skipped": [...]}`` or ``{"error": "..."}``.
+``DEST`` is a host folder, and what a policy left must not fill the host's disk; a tree
+deeper than ``MAX_DEPTH`` below its path stops it the same way (the server walks the copy).
+``restore`` runs in the verifier's sandbox and copies ``SRC``'s tree to ``/`` (or ``ROOT``).
+Each prints one JSON line: ``{"files": N, "bytes": N, "skipped": [...]}`` or
+``{"error": "..."}``.
 """
 
 import json
@@ -22,6 +24,7 @@ import stat
 import sys
 
 CHUNK = 1 << 20
+MAX_DEPTH = 64
 
 
 class Budget(Exception):
@@ -76,6 +79,8 @@ def copy_tree(src, dst, budget, skipped):
     files = size = 0
     for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
         rel = os.path.relpath(dirpath, src)
+        if rel.count(os.sep) >= MAX_DEPTH:
+            raise Budget(f"an artifact's folders nest deeper than {MAX_DEPTH} levels")
         target = os.path.normpath(os.path.join(dst, rel))
         _entry(budget)
         os.makedirs(target, exist_ok=True)
@@ -112,9 +117,11 @@ def main(argv):
                 files, size = files + got[0], size + got[1]
         else:
             src, budget = argv[1], {"bytes": 1 << 62, "entries": 1 << 62}
+            root = argv[2] if len(argv) > 2 else "/"
             files = size = 0
             for name in sorted(os.listdir(src)):
-                got = copy_tree(os.path.join(src, name), "/" + name, budget, skipped)
+                got = copy_tree(os.path.join(src, name), os.path.join(root, name), budget,
+                                skipped)
                 files, size = files + got[0], size + got[1]
     except Budget as e:
         print(json.dumps({"error": str(e)}))
