@@ -388,55 +388,37 @@ async def test_artifacts_over_the_budget_earn_0_with_the_reason(
     assert "over the size" in result.reward.info["error"], result.reward.info
 
 
-@pytest.mark.timeout(600)  # builds two verifier images (one per step)
+@pytest.mark.timeout(600)  # builds the verifier's image (a user of its own) on a loaded machine
 async def test_a_multi_step_task_verifies_each_step_in_a_fresh_sandbox(
         tmp_path: Path, sandbox_factory: Any) -> None:
-    # Two steps, each with a verifier image of its own (built from its tests/), handed the
-    # declared folder only: the second sees the first's file through it, never the scratch.
+    # Two steps verified in a fresh sandbox each, of an image built from tests/ with a user
+    # only it has ([verifier].user: resolved there, not in the agent's image, where INIT
+    # would refuse it), handed the declared folder only: the second step sees the first's
+    # file through it, never the agent's scratch file.
     folder = tmp_path / "two-separate-steps"
     shutil.copytree(FIXTURES / "hello-file" / "environment", folder / "environment")
     (folder / "task.toml").write_text(
         'schema_version = "1.1"\nartifacts = ["/app/out"]\n[verifier]\n'
-        'environment_mode = "separate"\ntimeout_sec = 60\n[agent]\ntimeout_sec = 60\n'
-        '[environment]\nbuild_timeout_sec = 1800.0\nworkdir = "/app"\nallow_internet = false\n'
-        '[[steps]]\nname = "first"\nmin_reward = 1\n[[steps]]\nname = "second"\n')
-    checks = {"first": '[ "$(cat /app/out/a.txt)" = a ]',
-              "second": '[ "$(cat /app/out/a.txt)$(cat /app/out/b.txt)" = ab ] && '
-                        '[ ! -e /app/scratch ]'}
-    for name, check in checks.items():
+        'environment_mode = "separate"\nuser = "checker"\ntimeout_sec = 60\n'
+        '[agent]\ntimeout_sec = 60\n[environment]\nbuild_timeout_sec = 1800.0\n'
+        'workdir = "/app"\nallow_internet = false\n'
+        '[[steps]]\nname = "first"\nmin_reward = 1\n[steps.verifier]\nenv = { WANT = "a" }\n'
+        '[[steps]]\nname = "second"\n[steps.verifier]\nenv = { WANT = "ab" }\n')
+    tests = folder / "tests"
+    tests.mkdir()
+    (tests / "Dockerfile").write_text("FROM python:3.11-slim\nRUN useradd -m -u 1234 checker\n"
+                                      "COPY . /tests/\n")
+    (tests / "test.sh").write_text(
+        '#!/bin/sh\nif [ "$(cat /app/out/*.txt | tr -d "\\n")" = "$WANT" ] && '
+        '[ ! -e /app/scratch ] && [ "$(id -un)" = checker ]; then echo 1; else echo 0; fi '
+        '> /logs/verifier/reward.txt\n')
+    (tests / "test.sh").chmod(0o755)
+    for name, letter in (("first", "a"), ("second", "b")):
         step = folder / "steps" / name
-        (step / "tests").mkdir(parents=True)
-        (step / "solution").mkdir()
+        (step / "solution").mkdir(parents=True)
         (step / "instruction.md").write_text(f"Write {name}'s file into /app/out.\n")
-        (step / "tests" / "Dockerfile").write_text("FROM python:3.11-slim\nCOPY . /tests/\n")
-        test = step / "tests" / "test.sh"
-        test.write_text(f"#!/bin/sh\nif {check}; then echo 1; else echo 0; fi "
-                        "> /logs/verifier/reward.txt\n")
-        test.chmod(0o755)
-        letter = "a" if name == "first" else "b"
         (step / "solution" / "solve.sh").write_text(
             f"mkdir -p /app/out && echo {letter} > /app/out/{letter}.txt && echo x > "
             "/app/scratch\n")
-    results = await harbor_import.check([folder], sandbox_factory)
-    assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
-
-
-@pytest.mark.timeout(600)  # builds a verifier image with a user of its own
-async def test_a_separate_verifier_runs_as_a_user_of_its_own_image(
-        tmp_path: Path, sandbox_factory: Any) -> None:
-    # [verifier].user names a user only the verifier's image has: resolved there, not in the
-    # agent's image (where INIT would refuse it), and test.sh runs as that user.
-    folder = tmp_path / "separate-verifier"
-    shutil.copytree(FIXTURES / "separate-verifier", folder)
-    (folder / "tests" / "Dockerfile").write_text(
-        "FROM python:3.11-slim\nRUN useradd -m -u 1234 checker\nCOPY test.sh /tests/test.sh\n"
-        "WORKDIR /app\n")
-    test = folder / "tests" / "test.sh"
-    test.write_text(test.read_text().replace(
-        "reward=$(( answer * isolated ))",
-        '[ "$(id -un)" = checker ] || isolated=0\nreward=$(( answer * isolated ))'))
-    toml = folder / "task.toml"
-    toml.write_text(toml.read_text().replace('environment_mode = "separate"\n',
-                                             'environment_mode = "separate"\nuser = "checker"\n'))
     results = await harbor_import.check([folder], sandbox_factory)
     assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
