@@ -80,7 +80,7 @@ def limits_of(harbor: HarborTask) -> dict[str, str]:
             "evalTimeout": f"{harbor.verifier_timeout_s + SETUP_MARGIN_S:g}s"}
 
 
-def _healthcheck_s(step: Any) -> float:
+def _healthcheck_s(step: taskdir.HarborStep) -> float:
     """The longest a step's healthcheck can take before it fails."""
     check = step.healthcheck
     if check is None:

@@ -255,7 +255,7 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     if separate is not None:
         return await _verify_separate(ctx, harbor, step, separate, time_left)
     sandbox = sandbox_of(ctx)
-    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    dirs = _dirs(ctx)
     await end_agent(ctx)
     shared = [dirs["verifier"], dirs["tests"]]
     await asyncio.to_thread(sandbox.take_back, shared)
@@ -307,7 +307,7 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
     Nothing else of the agent's environment (a replaced interpreter, a planted test or reward,
     a process) reaches the verifier."""
     agent = sandbox_of(ctx)
-    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    dirs = _dirs(ctx)
     started = time.monotonic()
     room = ctx.spec.limits.eval_timeout_s - 5.0 if time_left is None else time_left
     limit = step.verifier_timeout_s if step is not None else harbor.verifier_timeout_s
@@ -362,6 +362,11 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
     finally:
         await verifier.destroy()
     return _judged(run, files, timeout, info)
+
+
+def _dirs(ctx: JobContext) -> dict[str, Path]:
+    """The job's host folders (:func:`_job_dirs`) as INIT recorded them."""
+    return {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
 
 
 def _last_line(run: Any) -> str:
@@ -466,9 +471,6 @@ class _StepSegments:
             yield (Segment(start, SegmentReason.FIRST) if index == 0 else
                    Segment(start, SegmentReason.HISTORY_REWRITTEN, parent=index - 1))
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
 
 async def run_steps(ctx: JobContext, harbor: HarborTask, workdir: str,
                     agent_step: Callable[[HarborStep, float], Awaitable[None]]) -> int:
@@ -547,7 +549,7 @@ async def _step_agent(ctx: JobContext, harbor: HarborTask, step: HarborStep, age
     if agent == "oracle":
         if not step.has_solution:
             return RunOutcome([], TerminationReason.SUBMITTED, {"agent": "oracle"})
-        dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+        dirs = _dirs(ctx)
         await asyncio.to_thread(_fill, dirs["solution"],
                                 harbor.path / taskdir.STEPS / step.name / taskdir.SOLUTION)
         return await _oracle(sandbox, harbor, workdir, max(1.0, deadline - time.monotonic()))
@@ -560,7 +562,7 @@ async def _prepare_step(ctx: JobContext, harbor: HarborTask, step: HarborStep,
     ``setup.sh`` run there, its healthcheck passed. Returns '' or why the step cannot start."""
     sandbox = sandbox_of(ctx)
     if step.has_workdir:
-        dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+        dirs = _dirs(ctx)
         source = harbor.path / taskdir.STEPS / step.name / taskdir.WORKDIR
         await asyncio.to_thread(_fill, dirs["step"], source)
         # Copied by the agent's user, so the files are the agent's to change, as uploaded
@@ -630,7 +632,7 @@ def _hide_tests(ctx: JobContext) -> None:
     """After a step's verifier: ``/tests`` and ``/logs/verifier`` empty again, and the agent's,
     before the next step's agent starts."""
     sandbox = sandbox_of(ctx)
-    dirs = {k: Path(v) for k, v in ctx.state[DIRS_KEY].items()}
+    dirs = _dirs(ctx)
     _empty(dirs["verifier"])
     _empty(dirs["tests"])
     sandbox.hand_over([dirs["verifier"], dirs["tests"]])

@@ -93,10 +93,6 @@ MAX_ARTIFACTS = 256
 PROTECTED_PATHS = ("/tests", "/logs/verifier", "/solution", "/proc", "/dev", "/sys")
 """What an artifact may not be, hold or lie in: the verifier's own tests and reward folder,
 and what no copy should touch."""
-_ENV_KNOWN = frozenset({"docker_image", "build_timeout_sec", "cpus", "memory_mb", "memory",
-                        "storage_mb", "storage", "gpus", "gpu_types", "allow_internet",
-                        "network_mode", "env", "workdir", "os"})
-"""``[verifier.environment]`` keys read (``[environment]``'s, less the agent-only ones)."""
 _STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -122,10 +118,12 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*")
 _SIZE_UNITS = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1 << 20}
 
 
+_ENV_KNOWN = _KNOWN["environment"] - {"mcp_servers"}
+"""``[verifier.environment]`` keys read (``[environment]``'s, less the agent's MCP servers)."""
 _STEP_KNOWN: dict[str, frozenset[str]] = {
     "": frozenset({"name", "min_reward", "agent", "verifier", "healthcheck", "artifacts"}),
-    "agent": frozenset({"timeout_sec", "user"}),
-    "verifier": frozenset({"timeout_sec", "env", "user", "environment_mode", "environment"}),
+    "agent": _KNOWN["agent"],
+    "verifier": _KNOWN["verifier"],
     "healthcheck": frozenset({"command", "interval_sec", "timeout_sec", "retries",
                               "start_period_sec", "start_interval_sec"}),
 }
@@ -311,10 +309,17 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
                 f"services before their artifacts are collected) are not run by this server, "
                 f"and the verifier would miss what they gather")
     env_keys: list[str] = []
+    # The task's resources, which a separate verifier's environment defaults to.
+    resources = VerifierEnvironment(
+        build_timeout_s=_number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, where,
+                                positive=True),
+        cpus=_number(env_table, "cpus", 1, where, positive=True),
+        memory_mb=_megabytes(env_table, "memory_mb", "memory", 2048, where),
+        storage_mb=_megabytes(env_table, "storage_mb", "storage", 10240, where))
     # A multi-step task's [verifier] mode and environment are its steps' defaults (each
     # step's verifier image comes from its own tests/ where that has a Dockerfile).
     separate = None if multi_step else _verifier_environment(
-        root, section["verifier"], env_table, TESTS, f"{root / CONFIG}: [verifier]", env_keys)
+        root, section["verifier"], resources, TESTS, f"{root / CONFIG}: [verifier]", env_keys)
     artifacts = _artifacts(config.get("artifacts"), f"{root / CONFIG}: artifacts")
     if not multi_step and separate is None:
         test = root / TEST_SCRIPT
@@ -347,19 +352,16 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
     if multi_step:
         steps, step_keys = _steps(root, config["steps"], agent_timeout, verifier_timeout,
                                   verifier_env, agent_user, verifier_user,
-                                  section["verifier"], env_table, artifacts, env_keys)
+                                  section["verifier"], resources, artifacts, env_keys)
         instruction = steps[0].instruction
     if artifacts and separate is None and not any(step.separate for step in steps):
         env_keys.append("artifacts (collected for a separate verifier only)")
     return HarborTask(
         path=root, name=str(name)[:200], instruction=instruction,
         agent_timeout_s=agent_timeout, verifier_timeout_s=verifier_timeout,
-        build_timeout_s=_number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, where,
-                                positive=True),
-        docker_image=image, has_dockerfile=has_dockerfile,
-        cpus=_number(env_table, "cpus", 1, where, positive=True),
-        memory_mb=_megabytes(env_table, "memory_mb", "memory", 2048, where),
-        storage_mb=_megabytes(env_table, "storage_mb", "storage", 10240, where),
+        build_timeout_s=resources.build_timeout_s,
+        docker_image=image, has_dockerfile=has_dockerfile, cpus=resources.cpus,
+        memory_mb=resources.memory_mb, storage_mb=resources.storage_mb,
         allow_internet=_allow_internet(env_table, where),
         workdir=workdir,
         environment_env=_strings(env_table, "env", where),
@@ -374,7 +376,7 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
 def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: float,
            verifier_env: Mapping[str, str], agent_user: str | None,
            verifier_user: str | None, task_verifier: Mapping[str, Any],
-           env_table: Mapping[str, Any], artifacts: tuple[str, ...],
+           resources: VerifierEnvironment, artifacts: tuple[str, ...],
            env_keys: list[str]) -> tuple[tuple[HarborStep, ...], tuple[str, ...]]:
     """The ``[[steps]]`` tables with their folders, checked; and the keys Harbor has that are
     not read here."""
@@ -417,7 +419,7 @@ def _steps(root: Path, entries: Any, agent_timeout: float, verifier_timeout: flo
         verifier = _step_table(entry, "verifier", here)
         own_context = f"{STEPS}/{name}/{TESTS}"
         separate = _verifier_environment(
-            root, _step_verifier_mode(task_verifier, verifier), env_table,
+            root, _step_verifier_mode(task_verifier, verifier), resources,
             own_context if (root / own_context / "Dockerfile").is_file() else TESTS,
             f"{here} [steps.verifier]", env_keys)
         own_test = (folder / TEST_SCRIPT).is_file() and not (folder / TEST_SCRIPT).is_symlink()
@@ -552,7 +554,7 @@ def _refuse_multi_container(root: Path, env_table: Mapping[str, Any],
 
 
 def _verifier_environment(root: Path, verifier: Mapping[str, Any],
-                          env_table: Mapping[str, Any], context: str, where: str,
+                          resources: VerifierEnvironment, context: str, where: str,
                           unknown: list[str]) -> VerifierEnvironment | None:
     """Harbor's separate verifier, when the table asks for one (``environment_mode =
     "separate"``, or a ``[verifier.environment]`` table without a mode): its image is
@@ -592,18 +594,13 @@ def _verifier_environment(root: Path, verifier: Mapping[str, Any],
         raise TaskFolderError(f"{here} workdir must be an absolute path")
     unknown += [f"{here.rsplit('[', 1)[-1].rstrip(']')}.{k}" for k in table
                 if k not in _ENV_KNOWN]
-    base = f"{root / CONFIG}: [environment]"
     return VerifierEnvironment(
         docker_image=image, context="" if image else context,
-        build_timeout_s=_number(table, "build_timeout_sec",
-                                _number(env_table, "build_timeout_sec", DEFAULT_TIMEOUT_S, base,
-                                        positive=True), here, positive=True),
-        cpus=_number(table, "cpus", _number(env_table, "cpus", 1, base, positive=True), here,
-                     positive=True),
-        memory_mb=_megabytes(table, "memory_mb", "memory",
-                             _megabytes(env_table, "memory_mb", "memory", 2048, base), here),
-        storage_mb=_megabytes(table, "storage_mb", "storage",
-                              _megabytes(env_table, "storage_mb", "storage", 10240, base), here),
+        build_timeout_s=_number(table, "build_timeout_sec", resources.build_timeout_s, here,
+                                positive=True),
+        cpus=_number(table, "cpus", resources.cpus, here, positive=True),
+        memory_mb=_megabytes(table, "memory_mb", "memory", resources.memory_mb, here),
+        storage_mb=_megabytes(table, "storage_mb", "storage", resources.storage_mb, here),
         workdir=workdir, env=_strings(table, "env", here))
 
 
