@@ -12,7 +12,7 @@ The API (stable; the ``harbor`` environment and the SWE-bench image path build o
 - **The cache**: :func:`cache_for` gives the process's :class:`ImageCache` for an
   :class:`~rollout.runtime.sandbox.base.ImageSettings` (``SandboxConfig.images``).
   ``cache.ensure(ref)`` fetches (``skopeo copy``), checks every layer
-  (:mod:`~rollout.runtime.sandbox.images.layers`) and unpacks (``umoci unpack --rootless``)
+  (:mod:`~rollout.runtime.sandbox.images.layers`) and unpacks (``umoci raw unpack --rootless``)
   once, however many threads and processes ask; ``cache.acquire(ref)`` adds an
   :class:`ImageLease` that keeps eviction away while a sandbox uses the image;
   ``cache.lookup(ref)`` never fetches. A :class:`CachedImage` carries the digest, the

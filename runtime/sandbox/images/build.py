@@ -219,8 +219,10 @@ def _build(cache: ImageCache, spec: BuildSpec, key: str, note: Progress,
                              f"log ends:\n{tail}", "IMAGE_BUILD_FAILED", ref=spec.name)
         note("exporting")
         layout = staging / "layout"
-        code = _run_logged(["buildah", *store, "push", *tls, tag, f"oci:{layout}:img"],
-                           log_path, cache.registry.timeout_s, run_env)
+        # Uncompressed: the layout is read once, on this disk, and deleted; gzip here and
+        # gunzip in the check and the unpack would be CPU spent for nothing.
+        code = _run_logged(["buildah", *store, "push", "--disable-compression", *tls, tag,
+                            f"oci:{layout}:img"], log_path, cache.registry.timeout_s, run_env)
         if code != 0:
             raise ImageError(f"exporting the built image of {spec.name} failed:\n"
                              f"{_tail(log_path)}", "IMAGE_BUILD_FAILED", ref=spec.name)

@@ -305,12 +305,13 @@ class ImageCache:
                 self.evict(verdict.size_bytes)
                 note("unpacking")
                 bundle = staging / "bundle"
-                self._run(["umoci", "unpack", "--rootless", "--image", f"{layout}:img",
-                           str(bundle)], ref, "unpack")
+                bundle.mkdir()
+                # `raw unpack`: the root file system only. `umoci unpack` also hashes every
+                # file into an mtree manifest (for `umoci repack`, which nothing here runs):
+                # more than half of its time on a 220 MB Debian image (12.5 s against 5.7).
+                self._run(["umoci", "raw", "unpack", "--rootless", "--image",
+                           f"{layout}:img", str(bundle / "rootfs")], ref, "unpack")
                 _strip_setuid(bundle / "rootfs", verdict.setuid_paths)
-                for name in os.listdir(bundle):  # umoci's runtime spec and mtree: not ours
-                    if name != "rootfs":
-                        _remove(bundle / name)
                 (bundle / "image.json").write_text(json.dumps({
                     "digest": digest, "config": config.to_json(),
                     "size_bytes": verdict.size_bytes, "created": time.time(),

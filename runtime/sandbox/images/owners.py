@@ -1,6 +1,6 @@
 """The owners an image's layers gave its files, which the rootless unpack keeps only as an xattr.
 
-``umoci unpack --rootless`` cannot chown, so every unpacked file belongs to the server's user;
+``umoci raw unpack --rootless`` cannot chown, so every unpacked file belongs to the server's user;
 the owner the layer's tar header named (``COPY --chown=app``, a file made by a ``RUN`` after
 ``USER app``) is kept in the ``user.rootlesscontainers`` extended attribute of that file, in
 the format of rootlesscontainers.com (a protobuf ``Resource``: field 1 the uid, field 2 the

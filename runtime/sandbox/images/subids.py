@@ -1,6 +1,6 @@
 """The subordinate uid/gid ranges a rootless server maps into its image sandboxes.
 
-A rootless server owns every file of an unpacked image (``umoci unpack --rootless`` cannot
+A rootless server owns every file of an unpacked image (``umoci raw unpack --rootless`` cannot
 chown), so an image user mapped onto the server's own uid could write all of them. With a
 range of ``/etc/subuid`` and ``/etc/subgid`` for the server's user and the setuid helpers
 ``newuidmap``/``newgidmap`` (Debian's ``uidmap``), the sandbox's user namespace maps uid 0 to
