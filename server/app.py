@@ -352,13 +352,15 @@ def build_sandbox_factory(cfg: Config) -> Any:
                                visible_paths=tuple(cfg.sandbox.visible_paths),
                                disk_bytes=cfg.sandbox.disk_bytes,
                                memory_bytes=cfg.sandbox.memory_bytes, seccomp=cfg.sandbox.seccomp,
-                               max_limits=ceilings)
+                               max_limits=ceilings,
+                               verifier_hosts=check_entries(cfg.sandbox.verifier_hosts))
     elif cfg.sandbox.runtime == "apptainer":
         sb_cfg = SandboxConfig(runtime="apptainer", state_dir=cfg.state_path, image=image,
                                images=images,
                                host_view="host" if cfg.sandbox.host_view == "host" else "minimal",
                                disk_bytes=cfg.sandbox.disk_bytes,
-                               memory_bytes=cfg.sandbox.memory_bytes, max_limits=ceilings)
+                               memory_bytes=cfg.sandbox.memory_bytes, max_limits=ceilings,
+                               verifier_hosts=check_entries(cfg.sandbox.verifier_hosts))
     else:
         raise InvalidArgument(f"sandbox.runtime must be 'bwrap' or 'apptainer', got "
                               f"{cfg.sandbox.runtime!r}", "BAD_CONFIG", "sandbox.runtime")

@@ -174,6 +174,12 @@ class SandboxSection:
     image_build_hosts: list[str] = field(default_factory=list)
     """With ``image_build_network = "allowlist"``: the package registries builds may reach
     (``deb.debian.org``, ``pypi.org:443``, ``*.pythonhosted.org``)."""
+    verifier_hosts: list[str] = field(default_factory=list)
+    """Hosts a task's verifier may reach (a Harbor task's ``tests/test.sh`` that installs its
+    test tools: ``astral.sh``, ``github.com``, ``*.githubusercontent.com``, ``pypi.org``,
+    ``files.pythonhosted.org``), through an allow-listing proxy, over HTTP(S) only; the agent
+    never gets a network. Empty (default): the verifier's requests are refused, and its
+    reward's info names each host it tried (docs/harbor.md)."""
     image_rootless_root: str = "auto"
     """A rootless server's image roots: ``auto`` (an overlay per sandbox, falling back to a
     private copy of the image where the kernel refuses a rootless overlay), ``overlay`` or
@@ -324,11 +330,12 @@ def _check(cfg: Config) -> None:
                               "allowlist", "BAD_CONFIG", "sandbox.image_build_network")
     from rollout.runtime.sandbox.images.egress import check_entries
 
-    try:
-        check_entries(cfg.sandbox.image_build_hosts)
-    except ValueError as e:
-        raise InvalidArgument(f"config key 'sandbox.image_build_hosts': {e}", "BAD_CONFIG",
-                              "sandbox.image_build_hosts") from None
+    for key in ("image_build_hosts", "verifier_hosts"):
+        try:
+            check_entries(getattr(cfg.sandbox, key))
+        except ValueError as e:
+            raise InvalidArgument(f"config key 'sandbox.{key}': {e}", "BAD_CONFIG",
+                                  f"sandbox.{key}") from None
     if cfg.sandbox.image_rootless_root not in ("auto", "overlay", "copy"):
         raise InvalidArgument(f"config key 'sandbox.image_rootless_root': "
                               f"{cfg.sandbox.image_rootless_root!r} is not one of auto, overlay, "

@@ -41,8 +41,9 @@ def _raise_open_file_limit() -> None:
 
 _raise_open_file_limit()
 # The image fixtures (a loopback registry, the cached base image, a busybox image) are shared by
-# the image, harbor and SWE-image tests.
-pytest_plugins = ["tests.fixtures.images"]
+# the image, harbor and SWE-image tests; the hosts' (HTTP servers an allow-list may name) by the
+# build network's and the verifier network's.
+pytest_plugins = ["tests.fixtures.images", "tests.fixtures.hosts"]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -222,6 +222,11 @@ class SandboxConfig:
     sandboxes' tmpfs upper layers' sizes (``bwrap._LayerBudget``)."""
     seccomp: bool = True
     """bwrap: load the seccomp filter of ``runtime.sandbox.hardening`` (needs pyseccomp)."""
+    verifier_hosts: tuple[str, ...] = ()
+    """Hosts a task's verifier (a Harbor task's ``tests/test.sh``) may reach through an
+    allow-listing proxy (``host``, ``host:port``, ``*.domain``; checked by
+    :func:`~rollout.runtime.sandbox.images.egress.check_entries`); the policy's own commands
+    never get a network. See :mod:`rollout.runtime.envs.grading.network`."""
 
     @property
     def sandboxes_dir(self) -> Path:

@@ -167,6 +167,11 @@ async def run_once(line: Mapping[str, Any], sandbox_factory: Any,
         finally:
             await handler.cleanup(ctx)
     why = reward.info.get("error", "")
+    if reward.info.get("network_refused"):
+        why = "; ".join(filter(None, (
+            why, f"the verifier's network refused {reward.info['network_refused']} (to let "
+                 "tests/test.sh reach them, list them in the server's sandbox.verifier_hosts; "
+                 "here: --verifier-host)")))
     if ctx.outcome is not None and ctx.outcome.metadata.get("oracle_exit", "0") != "0":
         why = (f"solve.sh exited {ctx.outcome.metadata['oracle_exit']}: "
                f"{ctx.outcome.metadata.get('oracle_log', '')[-300:]}")
@@ -272,6 +277,7 @@ def prepare_images(lines: list[dict[str, Any]], cache_dir: str = "",
 def _check_main(argv: list[str]) -> int:
     from rollout.runtime.sandbox import SandboxConfig, create_sandbox
     from rollout.runtime.sandbox.base import ImageSettings
+    from rollout.runtime.sandbox.images.egress import check_entries
 
     parser = argparse.ArgumentParser(
         prog="rollout tasks check-harbor",
@@ -285,10 +291,19 @@ def _check_main(argv: list[str]) -> int:
                              "~/.cache/rollout/images)")
     parser.add_argument("--registries-conf", default="",
                         help="a registries.conf for the fetches and builds")
+    parser.add_argument("--verifier-host", action="append", default=[], metavar="HOST",
+                        help="a host tests/test.sh may reach over HTTP(S), as the server's "
+                             "sandbox.verifier_hosts lists them (host, host:port, *.domain; "
+                             "repeat it)")
     args = parser.parse_args(argv)
+    try:
+        hosts = check_entries(args.verifier_host)
+    except ValueError as e:
+        parser.error(f"--verifier-host: {e}")
     images = ImageSettings(cache_dir=args.image_cache, registries_conf=args.registries_conf)
     factory = functools.partial(create_sandbox, SandboxConfig(state_dir=args.state_dir,
-                                                              images=images))
+                                                              images=images,
+                                                              verifier_hosts=hosts))
     try:
         results = asyncio.run(check(args.dirs, factory))
     except (TaskFolderError, OSError) as e:

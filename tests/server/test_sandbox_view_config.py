@@ -38,6 +38,11 @@ def test_the_rootless_image_root_reaches_the_image_settings(tmp_path: Path) -> N
     images = build_sandbox_factory(cfg).args[0].images
     assert images.build_network == "allowlist"
     assert images.build_hosts == ("deb.debian.org", "pypi.org:443")
+    cfg = load_config(None, [f"server.state_dir={tmp_path}",
+                             'sandbox.verifier_hosts=["astral.sh", "*.pythonhosted.org"]'],
+                      environ={})
+    assert build_sandbox_factory(cfg).args[0].verifier_hosts == ("astral.sh",
+                                                                 "*.pythonhosted.org")
 
 
 @pytest.mark.parametrize(("override", "field"), [
@@ -46,7 +51,8 @@ def test_the_rootless_image_root_reaches_the_image_settings(tmp_path: Path) -> N
     ("sandbox.max_processes=0", "sandbox.max_processes"),
     ("sandbox.image_rootless_root=tmpfs", "sandbox.image_rootless_root"),
     ("sandbox.image_build_network=proxy", "sandbox.image_build_network"),
-    ('sandbox.image_build_hosts=["http://x"]', "sandbox.image_build_hosts")])
+    ('sandbox.image_build_hosts=["http://x"]', "sandbox.image_build_hosts"),
+    ('sandbox.verifier_hosts=["pypi.org/simple"]', "sandbox.verifier_hosts")])
 def test_bad_values_are_refused(override: str, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         load_config(None, [override], environ={})

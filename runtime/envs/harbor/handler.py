@@ -19,7 +19,9 @@ INIT opens the job's sandbox rooted at the task's image (``[environment].docker_
 copy-on-write layer of its own, so the agent may change any path (``/usr/local/bin``,
 ``/etc``) as in a container. ``task.toml``'s resources become the sandbox's limits
 (:func:`sandbox_limits`); the sandbox has no network, whatever ``allow_internet`` says (see
-docs/harbor.md).
+docs/harbor.md): only the verifier's ``test.sh`` reaches the hosts of the server's
+``sandbox.verifier_hosts`` (:mod:`~rollout.runtime.envs.grading.network`), unless the task
+sets ``allow_internet = false``.
 
 RUN is the built-in agent loop with bash, the editor and submit, started in the task's working
 directory, the instruction as the user message (or, under the ``harness`` environment, any
@@ -81,6 +83,7 @@ from rollout.runtime.envs.common import (
     sandbox_of,
     sandbox_tools,
 )
+from rollout.runtime.envs.grading import network
 from rollout.runtime.envs.grading.isolated import end_agent
 from rollout.runtime.envs.harbor import taskdir, verdict
 from rollout.runtime.envs.harbor.taskdir import (
@@ -273,9 +276,9 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     timeout = max(1.0, min(limit, room))
     env = {**(step.verifier_env if step is not None else harbor.verifier_env),
            "TEST_DIR": TESTS_DIR}
-    run = await sandbox.exec([f"{TESTS_DIR}/test.sh"], timeout=timeout,
-                             cwd=ctx.state.get(WORKDIR_KEY), env=env, max_output=1 << 20,
-                             **as_user)
+    run = await _run_tests(sandbox, harbor.allow_internet, dirs["root"], timeout=timeout,
+                           cwd=ctx.state.get(WORKDIR_KEY), env=env,
+                           user=as_user.get("user"))
     # Whatever the verifier left running must not touch the reward after this point.
     await sandbox.stop_processes()
     # Readable on the host whatever mode the verifier gave its files.
@@ -284,13 +287,43 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     return _judged(run, files, timeout, {"task": harbor.name})
 
 
-def _judged(run: Any, files: dict[str, bytes | None], timeout: float,
+@dataclass
+class _Tested:
+    """A run of ``test.sh`` and the hosts its network refused."""
+
+    run: Any
+    refused: tuple[str, ...]
+
+
+async def _run_tests(sandbox: Any, allow_internet: bool, folder: Path, *,
+                     timeout: float,  # noqa: ASYNC109 - the command's deadline
+                     cwd: str | None, env: Mapping[str, str], user: Any) -> _Tested:
+    """``/tests/test.sh`` in ``sandbox`` as ``user``: behind the server's verifier network
+    (:mod:`~rollout.runtime.envs.grading.network`; the allow-listing proxy's socket in
+    ``folder``) unless the task sets ``allow_internet = false`` or the runtime cannot relay
+    one launch."""
+    argv = [f"{TESTS_DIR}/test.sh"]
+    hosts = network.verifier_hosts(sandbox)
+    as_user = {"user": user} if user is not None else {}
+    if hosts is None or not allow_internet:
+        return _Tested(await sandbox.exec(argv, timeout=timeout, cwd=cwd, env=env,
+                                          max_output=1 << 20, **as_user), ())
+    done = await network.exec_networked(sandbox, argv, hosts=hosts, folder=folder,
+                                        timeout=timeout, env=env, cwd=cwd, user=user)
+    return _Tested(done.run, done.refused)
+
+
+def _judged(tested: _Tested, files: dict[str, bytes | None], timeout: float,
             info: dict[str, str]) -> Reward:
     """The reward of a verifier run from the files it left (:mod:`.verdict`); 0 with the
-    reason when it ran past its timeout or its files say nothing usable."""
+    reason when it ran past its timeout or its files say nothing usable. The hosts its
+    network refused are in ``network_refused``."""
     found = verdict.read(files)
+    run = tested.run
     info.update({"verifier_exit": str(run.exit_code), "reward_file": found.source,
                  "log": run.output[-_LOG_TAIL:]})
+    if tested.refused:
+        info["network_refused"] = ", ".join(tested.refused)[:1000]
     if run.timed_out:
         info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
         return Reward(0.0, {}, info)
@@ -351,11 +384,11 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
         await asyncio.to_thread(_empty, dirs["verifier"])
         await asyncio.to_thread(verifier.hand_over, [dirs["verifier"]], as_user.get("user"))
         timeout = max(1.0, min(limit, room - (time.monotonic() - started)))
-        run = await verifier.exec(
-            [f"{TESTS_DIR}/test.sh"], timeout=timeout, max_output=1 << 20,
+        run = await _run_tests(
+            verifier, env.allow_internet, dirs["root"], timeout=timeout,
             cwd=env.workdir or getattr(verifier, "default_cwd", None),
             env={**(step.verifier_env if step is not None else harbor.verifier_env),
-                 "TEST_DIR": TESTS_DIR}, **as_user)
+                 "TEST_DIR": TESTS_DIR}, user=as_user.get("user"))
         await verifier.stop_processes()
         await asyncio.to_thread(verifier.take_back, [dirs["verifier"]])
         files = await asyncio.to_thread(_reward_files, dirs["verifier"])

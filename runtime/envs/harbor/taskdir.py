@@ -165,6 +165,9 @@ class VerifierEnvironment:
     workdir: str = ""
     """Where ``test.sh`` runs ('' = the image's WorkingDir)."""
     env: Mapping[str, str] = field(default_factory=dict)
+    allow_internet: bool = True
+    """Whether its ``test.sh`` may use the server's verifier network (its own
+    ``allow_internet`` / ``network_mode``, else the task's)."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,8 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
                                 positive=True),
         cpus=_number(env_table, "cpus", 1, where, positive=True),
         memory_mb=_megabytes(env_table, "memory_mb", "memory", 2048, where),
-        storage_mb=_megabytes(env_table, "storage_mb", "storage", 10240, where))
+        storage_mb=_megabytes(env_table, "storage_mb", "storage", 10240, where),
+        allow_internet=_allow_internet(env_table, where))
     # A multi-step task's [verifier] mode and environment are its steps' defaults (each
     # step's verifier image comes from its own tests/ where that has a Dockerfile).
     separate = None if multi_step else _verifier_environment(
@@ -362,7 +366,7 @@ def load(path: str | Path, *, sizes: bool = True) -> HarborTask:
         build_timeout_s=resources.build_timeout_s,
         docker_image=image, has_dockerfile=has_dockerfile, cpus=resources.cpus,
         memory_mb=resources.memory_mb, storage_mb=resources.storage_mb,
-        allow_internet=_allow_internet(env_table, where),
+        allow_internet=resources.allow_internet,
         workdir=workdir,
         environment_env=_strings(env_table, "env", where),
         verifier_env=verifier_env,
@@ -601,7 +605,10 @@ def _verifier_environment(root: Path, verifier: Mapping[str, Any],
         cpus=_number(table, "cpus", resources.cpus, here, positive=True),
         memory_mb=_megabytes(table, "memory_mb", "memory", resources.memory_mb, here),
         storage_mb=_megabytes(table, "storage_mb", "storage", resources.storage_mb, here),
-        workdir=workdir, env=_strings(table, "env", here))
+        workdir=workdir, env=_strings(table, "env", here),
+        allow_internet=(_allow_internet(table, here)
+                        if {"allow_internet", "network_mode"} & set(table)
+                        else resources.allow_internet))
 
 
 def _step_verifier_mode(task: Mapping[str, Any], step: Mapping[str, Any]) -> dict[str, Any]:

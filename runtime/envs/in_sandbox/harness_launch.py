@@ -8,9 +8,11 @@ byte, to the socket. The relay and the harness share one launch (one network nam
 launch of a bwrap sandbox gets its own, so a relay started by another launch would be
 unreachable) and one PID namespace, whose end kills everything the harness left behind.
 
-Reads one JSON object on stdin: ``{"socket", "port", "argv", "env", "files", "cwd"}``; writes
-``files`` (path -> text), starts the relay, runs ``argv`` with ``env`` added to its own
-environment and exits with the harness's status.
+Reads one JSON object on stdin: ``{"socket", "port", "argv", "env", "files", "cwd"}`` (and
+``label``, how its lines name it: ``harness`` unless given); writes ``files`` (path -> text),
+starts the relay, runs ``argv`` with ``env`` added to its own environment and exits with the
+harness's status. A verifier with an allow-listed network runs through it too (the relay then
+leads to the job's proxy: ``grading/network.py``).
 """
 
 from __future__ import annotations
@@ -191,13 +193,14 @@ def main() -> int:
     threading.Thread(target=relay.serve_forever, name="relay", daemon=True).start()
     env = dict(os.environ)
     env.update(spec.get("env", {}))
-    print(f"[harness] relay 127.0.0.1:{spec['port']} -> {spec['socket']}; running "
+    label = spec.get("label", "harness")
+    print(f"[{label}] relay 127.0.0.1:{spec['port']} -> {spec['socket']}; running "
           f"{spec['argv'][0]}", file=sys.stderr, flush=True)
     try:
         proc = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
-        print(f"[harness] cannot start {spec['argv'][0]}: {e}", file=sys.stderr, flush=True)
+        print(f"[{label}] cannot start {spec['argv'][0]}: {e}", file=sys.stderr, flush=True)
         return 127
     code = proc.wait()
     # What the harness left in its own session goes with it; the end of this launch's PID
@@ -206,7 +209,7 @@ def main() -> int:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
-    print(f"[harness] exited with {code}", file=sys.stderr, flush=True)
+    print(f"[{label}] exited with {code}", file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
 
 

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import ipaddress
 import os
 import select
 import shutil
@@ -145,10 +146,16 @@ class Egress:
         self.forwards = tuple(forwards)
         self.port = next(p for p in range(PROXY_PORT, PROXY_PORT + 100)
                          if p not in self.forwards)
-        self.refused: list[str] = []
+        self.proxy = AllowListProxy(allow, "rollout build network",
+                                    f"only the image registries and {SETTING}")
         self._socks: list[tuple[socket.socket, int | None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def refused(self) -> list[str]:
+        """``host:port`` of every request the allow-list refused, in order."""
+        return self.proxy.refused
 
     def ports(self) -> tuple[int, ...]:
         """The loopback ports inside the build's namespace: the proxy's, then the forwards."""
@@ -207,7 +214,7 @@ class Egress:
             asyncio.set_event_loop(loop)
             for sock, upstream in self._socks:
                 loop.run_until_complete(asyncio.start_server(
-                    self._proxy if upstream is None else self._forwarder(upstream),
+                    self.proxy.handle if upstream is None else self._forwarder(upstream),
                     sock=sock, limit=HEAD_LIMIT))
             started.set()
             loop.run_forever()
@@ -241,7 +248,22 @@ class Egress:
             await _pipe(reader, writer, up_r, up_w)
         return handle
 
-    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class AllowListProxy:
+    """An HTTP proxy (``CONNECT`` for HTTPS, absolute-URI requests for plain HTTP) that
+    connects only to the hosts of ``allow`` and answers every other request with ``403`` and a
+    line naming the host and what is reachable. Serve :meth:`handle` with
+    ``asyncio.start_server`` or ``start_unix_server``.
+
+    A host is checked by the name the request gives, then resolved once here and connected to
+    at that address; a name that resolves to a loopback, link-local or unspecified address is
+    refused unless the allowed entry itself names a loopback (``127.0.0.1:8080``,
+    ``localhost``): an allowed name is never a way to the server's own services."""
+
+    def __init__(self, allow: AllowList, label: str, reachable: str) -> None:
+        self.allow, self.label, self.reachable = allow, label, reachable
+        self.refused: list[str] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READY_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
@@ -255,31 +277,68 @@ class Egress:
         method, target, version = parts
         if method.upper() == "CONNECT":
             split = urlsplit(f"//{target}")
-            host, port, forward = split.hostname or "", split.port or 443, b""
+            try:
+                host, port, forward = split.hostname or "", split.port or 443, b""
+            except ValueError:
+                await _answer(writer, 400, f"not a host:port: {target[:100]!r}")
+                return
         else:
             split = urlsplit(target)
-            if split.scheme != "http" or not split.hostname:
-                await _answer(writer, 400, f"the build's proxy takes http:// URLs and CONNECT, "
+            try:
+                port = split.port or 80
+            except ValueError:
+                port = -1
+            if split.scheme != "http" or not split.hostname or port < 0:
+                await _answer(writer, 400, f"this proxy takes http:// URLs and CONNECT, "
                                            f"not {target[:100]!r}")
                 return
-            host, port = split.hostname, split.port or 80
+            host = split.hostname
             path = (split.path or "/") + (f"?{split.query}" if split.query else "")
             forward = f"{method} {path} {version}\r\n".encode("latin-1") + rest
-        if not self.allow.allows(host, port):
+        address = await self._address(host, port) if self.allow.allows(host, port) else None
+        if address is None:
             self.refused.append(f"{host}:{port}")
-            await _answer(writer, 403, f"rollout build network: {host}:{port} is not allowed "
-                                       f"(only the image registries and {SETTING})")
+            await _answer(writer, 403, f"{self.label}: {host}:{port} is not allowed "
+                                       f"({self.reachable})")
             return
         try:
-            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(host, port), READY_S)
+            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port),
+                                                READY_S)
         except (OSError, TimeoutError) as e:
-            await _answer(writer, 502, f"rollout build network: {host}:{port}: {e}")
+            await _answer(writer, 502, f"{self.label}: {host}:{port}: {e}")
             return
         if forward:
             up_w.write(forward)
         else:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await _pipe(reader, writer, up_r, up_w)
+
+    async def _address(self, host: str, port: int) -> str | None:
+        """The address to connect to for an allowed ``host``; None where it resolves to
+        this machine's own addresses without being named as one."""
+        bare = host.strip("[]")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                bare, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return bare  # the connection's own error names it
+        if not infos:
+            return bare
+        address = str(infos[0][4][0])
+        ip = ipaddress.ip_address(address)
+        local = ip.is_loopback or ip.is_link_local or ip.is_unspecified
+        if local and not _names_loopback(bare):
+            return None
+        return address
+
+
+def _names_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def _answer(writer: asyncio.StreamWriter, code: int, text: str) -> None:

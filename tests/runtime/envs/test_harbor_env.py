@@ -422,3 +422,156 @@ async def test_a_multi_step_task_verifies_each_step_in_a_fresh_sandbox(
             "/app/scratch\n")
     results = await harbor_import.check([folder], sandbox_factory)
     assert [(r.oracle, r.noop, r.problems) for r in results] == [(1.0, 0.0, ())]
+
+
+# -- the verifier's network (sandbox.verifier_hosts) ------------------------------------------
+
+NET_SOLVE = """\
+#!/bin/bash
+# The agent's turn: it tries the proxy's port and the allowed host directly; neither exists.
+python3 - <<'PY'
+import json, socket, urllib.request
+seen = {}
+try:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler(
+        {"http": "http://127.0.0.1:3128"}))
+    opener.open("http://%(addr)s:%(allowed)d/f", timeout=5).read()
+    seen["proxy"] = "reached"
+except Exception:
+    seen["proxy"] = "failed"
+try:
+    socket.create_connection(("%(addr)s", %(allowed)d), timeout=5).close()
+    seen["direct"] = "reached"
+except OSError:
+    seen["direct"] = "failed"
+json.dump(seen, open("/tmp/agent.json", "w"))
+PY
+"""
+
+NET_TEST = """\
+#!/bin/bash
+python3 - <<'PY'
+import http.client, json, os, socket, urllib.error, urllib.request
+addr, allowed, other = "%(addr)s", %(allowed)d, %(other)d
+def fetch(port):
+    try:
+        return urllib.request.urlopen(f"http://{addr}:{port}/f", timeout=10).read().decode()
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code} {e.read().decode().strip()}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+def tunnel():  # CONNECT, as HTTPS goes through a proxy (the byte stream is the server's)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", 3128, timeout=10)
+        conn.set_tunnel(addr, allowed)
+        conn.request("GET", "/t")
+        return conn.getresponse().read().decode()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+try:
+    socket.create_connection((addr, allowed), timeout=5).close()
+    direct = "reached"
+except OSError:
+    direct = "failed"
+try:
+    agent = json.load(open("/tmp/agent.json"))
+except OSError:
+    agent = {}
+got = {"allowed": fetch(allowed), "other": fetch(other), "tunnel": tunnel()}
+print("PROBE", json.dumps(got), flush=True)
+parts = {
+    "allowed": got["allowed"] == f"served by {allowed}",
+    "tunnel": got["tunnel"] == f"served by {allowed}",
+    "other_refused": got["other"].startswith("HTTP 403") and f"{addr}:{other}" in got["other"],
+    "direct_blocked": direct == "failed",
+    "agent_offline": agent == {"proxy": "failed", "direct": "failed"},
+    "proxy_env": os.environ.get("HTTPS_PROXY") == "http://127.0.0.1:3128",
+}
+json.dump({"reward": float(all(parts.values())), **{k: float(v) for k, v in parts.items()}},
+          open("/logs/verifier/reward.json", "w"))
+PY
+"""
+
+
+def _network_task(root: Path, mirrors: tuple[str, int, int], network: str = "") -> Path:
+    """The prebuilt-json task (no build) with a solution and a test that probe the network."""
+    addr, allowed, other = mirrors
+    task = root / "net-probe"
+    shutil.copytree(FIXTURES / "prebuilt-json", task)
+    toml = (task / "task.toml").read_text().replace('network_mode = "no-network"\n', network)
+    (task / "task.toml").write_text(toml.replace("prebuilt-json", "net-probe"))
+    values = {"addr": addr, "allowed": allowed, "other": other}
+    (task / "solution" / "solve.sh").write_text(NET_SOLVE % values)
+    (task / "tests" / "test.sh").write_text(NET_TEST % values)
+    return task
+
+
+async def _judge(task: Path, factory: Any, agent: str = "oracle") -> Any:
+    from rollout.runtime.envs.harbor import taskdir
+    from rollout.runtime.handler import JobContext
+    from rollout.runtime.types import JobSpec
+
+    job = harbor_import.job_line(taskdir.load(task), agent=agent)
+    ctx = JobContext(spec=JobSpec(job_id=f"net-{agent}", environment="harbor",
+                                  task=dict(job["task"]), limits=harbor_import.limits_value(job)),
+                     sandbox_factory=factory)
+    handler = HarborHandler()
+    async with ctx.resources:
+        await handler.init(ctx)
+        ctx.outcome = await handler.run(ctx)
+        return await handler.eval(ctx)
+
+
+def _hosts_factory(state: Path, settings: ImageSettings, hosts: tuple[str, ...]) -> Any:
+    import functools
+
+    from rollout.runtime.sandbox.base import SandboxConfig, create_sandbox
+
+    return functools.partial(create_sandbox, SandboxConfig(state_dir=state, images=settings,
+                                                           verifier_hosts=hosts))
+
+
+async def test_the_verifier_reaches_the_allowed_hosts_and_the_agent_nothing(
+        tmp_path: Path, harbor_images: ImageSettings,
+        mirrors: tuple[str, int, int]) -> None:
+    # Listed: plain HTTP and a CONNECT tunnel to it pass the proxy; another host gets a 403
+    # naming it; a socket of the test's own reaches nothing; the agent (here the oracle's
+    # solve.sh) had neither the proxy nor a route while it ran.
+    addr, allowed, other = mirrors
+    factory = _hosts_factory(tmp_path / "state", harbor_images, (f"{addr}:{allowed}",))
+    reward = await _judge(_network_task(tmp_path, mirrors), factory)
+    assert reward.components == {"reward": 1.0, "allowed": 1.0, "tunnel": 1.0,
+                                 "other_refused": 1.0, "direct_blocked": 1.0,
+                                 "agent_offline": 1.0, "proxy_env": 1.0}, reward.info
+    assert reward.info["network_refused"] == f"{addr}:{other}"
+
+
+async def test_without_listed_hosts_the_verifier_is_told_what_it_tried(
+        tmp_path: Path, harbor_images: ImageSettings,
+        mirrors: tuple[str, int, int]) -> None:
+    # The default (no hosts): every request is refused, and the check names the hosts to list.
+    addr, allowed, other = mirrors
+    task = _network_task(tmp_path, mirrors)
+    factory = _hosts_factory(tmp_path / "state", harbor_images, ())
+    reward = await _judge(task, factory)
+    assert reward.components["allowed"] == 0.0 and reward.components["other_refused"] == 1.0
+    assert reward.components["direct_blocked"] == 1.0, reward.info
+    assert reward.info["network_refused"] == f"{addr}:{allowed}, {addr}:{other}"
+    results = await harbor_import.check([task], factory)
+    assert results[0].oracle == 0.0
+    assert (f"the verifier's network refused {addr}:{allowed}, {addr}:{other}"
+            in results[0].problems[0]), results[0].problems
+    assert "sandbox.verifier_hosts" in results[0].problems[0]
+
+
+async def test_a_task_without_internet_gets_no_verifier_network(
+        tmp_path: Path, harbor_images: ImageSettings,
+        mirrors: tuple[str, int, int]) -> None:
+    # allow_internet = false (Harbor's own switch) wins over the server's list: no proxy.
+    addr, allowed, _ = mirrors
+    task = _network_task(tmp_path, mirrors, "allow_internet = false\n")
+    factory = _hosts_factory(tmp_path / "state", harbor_images, (f"{addr}:{allowed}",))
+    reward = await _judge(task, factory)
+    assert reward.components["allowed"] == 0.0 and reward.components["proxy_env"] == 0.0
+    assert reward.components["direct_blocked"] == 1.0, reward.info
+    assert "network_refused" not in reward.info

@@ -353,6 +353,13 @@ def test_a_separate_verifier_is_read_with_its_artifacts(tmp_path: Path) -> None:
     assert task.separate is not None and task.separate.docker_image == "python:3.12-slim"
     assert (task.separate.context, task.separate.cpus) == ("", 2.0)
     assert task.unknown_keys == ("verifier.environment.mcp",)
+    # Its network switch: the task's (allow_internet = false here) unless it sets its own.
+    assert (task.allow_internet, task.separate.allow_internet) == (False, False)
+    (folder / "task.toml").write_text(
+        text.replace("cpus = 2\n", 'cpus = 2\nnetwork_mode = "public"\n', 1))
+    task = taskdir.load(folder)
+    assert task.separate is not None and task.separate.allow_internet
+    assert not task.allow_internet
     # Artifacts without a separate verifier are listed as not collected.
     hello = copy_task(tmp_path, "hello-file")
     (hello / "task.toml").write_text('artifacts = ["/app/out.txt"]\n'

@@ -7,17 +7,14 @@ host's network (the default) reaches everything: what the allow-list takes away.
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,45 +66,6 @@ except Exception as e:
 """
 """A step that needs a host off the list (its error is one line, so the log's tail keeps the
 probe's line above it)."""
-
-
-def _host_address() -> str:
-    """An address of this machine that is not loopback (what a package mirror looks like)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))
-            addr = s.getsockname()[0]
-    except OSError:
-        addr = ""
-    if not addr or addr.startswith("127."):
-        pytest.skip("this machine has no non-loopback IPv4 address to serve a test mirror on")
-    return addr
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = f"served by {self.server.server_address[1]}".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def mirrors() -> Iterator[tuple[str, int, int]]:
-    addr = _host_address()
-    servers = [http.server.ThreadingHTTPServer((addr, 0), _Handler) for _ in range(2)]
-    for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    try:
-        yield addr, servers[0].server_address[1], servers[1].server_address[1]
-    finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
 
 
 def _context(root: Path, addr: str, allowed: int, other: int, extra: str = "") -> Path:
@@ -221,3 +179,58 @@ def test_a_rootless_server_without_subordinate_ids_says_what_to_add(
         build._egress(cache)
     assert "user 4321 has no range in /etc/subuid" in str(err.value)
     assert 'set it to "host"' in str(err.value)
+
+
+async def test_an_allowed_name_that_resolves_to_this_machine_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An allowed name is not a way to the server's own services: one that resolves to a
+    # loopback address is refused unless the entry names the loopback itself. The proxy
+    # connects to the address it resolved (no second lookup a rebinding name could change).
+    import asyncio
+    import http.server
+    import socket
+    import threading
+
+    from rollout.runtime.sandbox.images.egress import AllowListProxy
+
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    own = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=own.serve_forever, daemon=True).start()
+    port = own.server_address[1]
+    real = socket.getaddrinfo
+
+    def lookup(host: Any, *args: Any, **kw: Any) -> Any:
+        return real("127.0.0.1" if host == "sneaky.test" else host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    proxy = AllowListProxy(AllowList((f"sneaky.test:{port}", f"127.0.0.1:{port}")),
+                           "test network", "only the test's hosts")
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    proxy_port = server.sockets[0].getsockname()[1]
+
+    async def get(host: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+        writer.write(f"GET http://{host}:{port}/ HTTP/1.1\r\nHost: {host}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    try:
+        refused, served = await get("sneaky.test"), await get("127.0.0.1")
+    finally:
+        server.close()
+        own.shutdown()
+        own.server_close()
+    assert refused.startswith(b"HTTP/1.1 403") and b"sneaky.test" in refused, refused
+    assert served.startswith(b"HTTP/1.0 200") and served.endswith(b"hello"), served
+    assert proxy.refused == [f"sneaky.test:{port}"]
