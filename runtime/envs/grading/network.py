@@ -32,6 +32,8 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,8 @@ SETTING = "sandbox.verifier_hosts"
 PORT = 3128
 """The proxy's port on the launch's own loopback (squid's, which tools' docs use)."""
 LAUNCH_SOURCE = IN_SANDBOX / "harness_launch.py"
+MAX_SOCKET_PATH = 100
+"""``sun_path`` holds 108 bytes; a longer socket path goes to a fresh folder under /tmp."""
 
 
 @dataclass
@@ -76,14 +80,23 @@ async def exec_networked(sandbox: Any, argv: Sequence[str], *, hosts: Sequence[s
                          cwd: str | None = None, user: Any = None,
                          max_output: int = 1 << 20) -> NetworkRun:
     """Run ``argv`` in ``sandbox`` (as ``user``) with its connections allowed to ``hosts``
-    only; the proxy's socket lives in ``folder`` (a host folder of the job's, short enough
-    for a socket path) and is gone when this returns."""
+    only; the proxy's socket lives in ``folder`` (a host folder of the job's; a folder of its
+    own under /tmp where that path is too long for a socket) and is gone when this returns."""
     proxy = AllowListProxy(AllowList(tuple(hosts)), "rollout verifier network",
                            f"only the hosts of {SETTING}" if hosts else
                            f"{SETTING} lists none")
-    host_socket = folder / f"proxy-{secrets.token_hex(6)}.sock"
-    server = await asyncio.start_unix_server(proxy.handle, path=str(host_socket),
-                                             limit=HEAD_LIMIT)
+    name = f"proxy-{secrets.token_hex(6)}.sock"
+    short = None
+    if len(str(folder / name).encode()) > MAX_SOCKET_PATH:  # a long $TMPDIR
+        short = Path(tempfile.mkdtemp(prefix="rollout-vnet-", dir="/tmp"))
+    host_socket = (short or folder) / name
+    try:
+        server = await asyncio.start_unix_server(proxy.handle, path=str(host_socket),
+                                                 limit=HEAD_LIMIT)
+    except BaseException:
+        if short is not None:
+            shutil.rmtree(short, ignore_errors=True)
+        raise
     try:
         os.chmod(host_socket, 0o600)
         # The launch's user (a root server's sandbox uid, an image uid in a rootless server's
@@ -102,4 +115,6 @@ async def exec_networked(sandbox: Any, argv: Sequence[str], *, hosts: Sequence[s
             await asyncio.wait_for(server.wait_closed(), 5)
         with contextlib.suppress(OSError):
             host_socket.unlink()
+        if short is not None:
+            shutil.rmtree(short, ignore_errors=True)
     return NetworkRun(run, tuple(dict.fromkeys(proxy.refused)))

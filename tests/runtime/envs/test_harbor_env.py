@@ -28,10 +28,9 @@ DONE = call("submit", answer="done")
 
 
 @pytest.fixture(scope="module")
-def harbor_images(tmp_path_factory: pytest.TempPathFactory,
-                  image_registry: Registry) -> ImageSettings:
-    """One image cache for the module: each fixture task's image is built once."""
-    return image_registry.settings(tmp_path_factory.mktemp("harbor-images"))
+def harbor_images(shared_image_cache: Path, image_registry: Registry) -> ImageSettings:
+    """The run's shared image cache: each fixture task's image is built once."""
+    return image_registry.settings(shared_image_cache)
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ def import_lines(*args: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_oracle_noop_and_model_through_rollout_serve(tmp_path: Path,
-                                                    image_registry: Registry) -> None:
+def test_oracle_noop_and_model_through_rollout_serve(tmp_path: Path, image_registry: Registry,
+                                                    shared_image_cache: Path) -> None:
     dirs = [str(FIXTURES / name) for name in TASKS]
     lines = [*import_lines(*dirs, "--agent", "oracle"), *import_lines(*dirs, "--agent", "noop"),
              *import_lines(str(FIXTURES / "partial-credit"), str(FIXTURES / "system-command")),
@@ -56,7 +56,7 @@ def test_oracle_noop_and_model_through_rollout_serve(tmp_path: Path,
     server = Serve(tmp_path, script)
     # What an operator sets: the folders tasks may name, the image cache and the mirror.
     server.args += ["--set", f"server.task_path_roots={json.dumps([str(FIXTURES)])}",
-                    "--set", f"sandbox.image_cache={tmp_path / 'images'}",
+                    "--set", f"sandbox.image_cache={shared_image_cache}",
                     "--set", f"sandbox.image_registries_conf={image_registry.registries_conf}"]
     server.start()
     try:
