@@ -276,15 +276,15 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
     timeout = max(1.0, min(limit, room))
     env = {**(step.verifier_env if step is not None else harbor.verifier_env),
            "TEST_DIR": TESTS_DIR}
-    run = await _run_tests(sandbox, harbor.allow_internet, dirs["root"], timeout=timeout,
-                           cwd=ctx.state.get(WORKDIR_KEY), env=env,
-                           user=as_user.get("user"))
+    tested = await _run_tests(sandbox, harbor.allow_internet, dirs["root"], timeout=timeout,
+                              cwd=ctx.state.get(WORKDIR_KEY), env=env,
+                              user=as_user.get("user"))
     # Whatever the verifier left running must not touch the reward after this point.
     await sandbox.stop_processes()
     # Readable on the host whatever mode the verifier gave its files.
     await asyncio.to_thread(sandbox.take_back, shared)
     files = await asyncio.to_thread(_reward_files, dirs["verifier"])
-    return _judged(run, files, timeout, {"task": harbor.name})
+    return _judged(tested, files, timeout, {"task": harbor.name})
 
 
 @dataclass
@@ -384,7 +384,7 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
         await asyncio.to_thread(_empty, dirs["verifier"])
         await asyncio.to_thread(verifier.hand_over, [dirs["verifier"]], as_user.get("user"))
         timeout = max(1.0, min(limit, room - (time.monotonic() - started)))
-        run = await _run_tests(
+        tested = await _run_tests(
             verifier, env.allow_internet, dirs["root"], timeout=timeout,
             cwd=env.workdir or getattr(verifier, "default_cwd", None),
             env={**(step.verifier_env if step is not None else harbor.verifier_env),
@@ -394,7 +394,7 @@ async def _verify_separate(ctx: JobContext, harbor: HarborTask, step: HarborStep
         files = await asyncio.to_thread(_reward_files, dirs["verifier"])
     finally:
         await verifier.destroy()
-    return _judged(run, files, timeout, info)
+    return _judged(tested, files, timeout, info)
 
 
 def _dirs(ctx: JobContext) -> dict[str, Path]:
