@@ -114,7 +114,9 @@ def import_lines(paths: Iterable[Path], *, agent: str = "model", samples: int = 
             notes.append(f"{folder}: task.toml keys this server ignores: "
                          f"{', '.join(harbor.unknown_keys)}")
         if harbor.allow_internet:
-            notes.append(f"{folder}: allow_internet is true, but jobs run without network")
+            notes.append(f"{folder}: allow_internet is true, but the agent runs without "
+                         "network (its tests/test.sh reaches the server's "
+                         "sandbox.verifier_hosts only)")
         digest = taskdir.digest(folder)
         slug = harbor.name.replace("/", "__")
         for k in range(samples):
@@ -172,6 +174,9 @@ async def run_once(line: Mapping[str, Any], sandbox_factory: Any,
             why, f"the verifier's network refused {reward.info['network_refused']} (to let "
                  "tests/test.sh reach them, list them in the server's sandbox.verifier_hosts; "
                  "here: --verifier-host)")))
+    if reward.info.get("network_failed"):
+        why = "; ".join(filter(None, (
+            why, f"the verifier's network could not reach {reward.info['network_failed']}")))
     if ctx.outcome is not None and ctx.outcome.metadata.get("oracle_exit", "0") != "0":
         why = (f"solve.sh exited {ctx.outcome.metadata['oracle_exit']}: "
                f"{ctx.outcome.metadata.get('oracle_log', '')[-300:]}")

@@ -63,6 +63,8 @@ class NetworkRun:
     run: Any
     refused: tuple[str, ...]
     """``host:port`` of every request the allow-list refused, first time each, in order."""
+    failed: tuple[str, ...] = ()
+    """``host:port: why`` of every listed host the proxy could not reach, first time each."""
 
 
 def verifier_hosts(sandbox: Any) -> tuple[str, ...] | None:
@@ -117,4 +119,5 @@ async def exec_networked(sandbox: Any, argv: Sequence[str], *, hosts: Sequence[s
             host_socket.unlink()
         if short is not None:
             shutil.rmtree(short, ignore_errors=True)
-    return NetworkRun(run, tuple(dict.fromkeys(proxy.refused)))
+    return NetworkRun(run, tuple(dict.fromkeys(proxy.refused)),
+                      tuple(dict.fromkeys(proxy.failed)))

@@ -289,10 +289,11 @@ async def verify(ctx: JobContext, harbor: HarborTask, step: HarborStep | None, *
 
 @dataclass
 class _Tested:
-    """A run of ``test.sh`` and the hosts its network refused."""
+    """A run of ``test.sh`` and what its network refused or could not reach."""
 
     run: Any
-    refused: tuple[str, ...]
+    refused: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
 
 async def _run_tests(sandbox: Any, allow_internet: bool, folder: Path, *,
@@ -307,23 +308,26 @@ async def _run_tests(sandbox: Any, allow_internet: bool, folder: Path, *,
     as_user = {"user": user} if user is not None else {}
     if hosts is None or not allow_internet:
         return _Tested(await sandbox.exec(argv, timeout=timeout, cwd=cwd, env=env,
-                                          max_output=1 << 20, **as_user), ())
+                                          max_output=1 << 20, **as_user))
     done = await network.exec_networked(sandbox, argv, hosts=hosts, folder=folder,
                                         timeout=timeout, env=env, cwd=cwd, user=user)
-    return _Tested(done.run, done.refused)
+    return _Tested(done.run, done.refused, done.failed)
 
 
 def _judged(tested: _Tested, files: dict[str, bytes | None], timeout: float,
             info: dict[str, str]) -> Reward:
     """The reward of a verifier run from the files it left (:mod:`.verdict`); 0 with the
     reason when it ran past its timeout or its files say nothing usable. The hosts its
-    network refused are in ``network_refused``."""
+    network refused are in ``network_refused``, the listed ones it could not reach (with
+    why) in ``network_failed``."""
     found = verdict.read(files)
     run = tested.run
     info.update({"verifier_exit": str(run.exit_code), "reward_file": found.source,
                  "log": run.output[-_LOG_TAIL:]})
     if tested.refused:
         info["network_refused"] = ", ".join(tested.refused)[:1000]
+    if tested.failed:
+        info["network_failed"] = "; ".join(tested.failed)[:1000]
     if run.timed_out:
         info["error"] = f"the verifier (tests/test.sh) ran past its {timeout:g} s timeout"
         return Reward(0.0, {}, info)

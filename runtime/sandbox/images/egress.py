@@ -262,6 +262,9 @@ class AllowListProxy:
     def __init__(self, allow: AllowList, label: str, reachable: str) -> None:
         self.allow, self.label, self.reachable = allow, label, reachable
         self.refused: list[str] = []
+        """``host:port`` of every request the allow-list refused, in order."""
+        self.failed: list[str] = []
+        """``host:port: why`` of every allowed host that could not be reached (a 502)."""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -305,6 +308,7 @@ class AllowListProxy:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port),
                                                 READY_S)
         except (OSError, TimeoutError) as e:
+            self.failed.append(f"{host}:{port}: {e or type(e).__name__}")
             await _answer(writer, 502, f"{self.label}: {host}:{port}: {e}")
             return
         if forward:

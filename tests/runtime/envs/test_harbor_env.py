@@ -477,7 +477,7 @@ try:
 except OSError:
     agent = {}
 got = {"allowed": fetch(allowed), "other": fetch(other), "tunnel": tunnel()}
-print("PROBE", json.dumps(got), flush=True)
+print("PROBE", json.dumps(got), "closed:", fetch(%(closed)d), flush=True)
 parts = {
     "allowed": got["allowed"] == f"served by {allowed}",
     "tunnel": got["tunnel"] == f"served by {allowed}",
@@ -492,17 +492,28 @@ PY
 """
 
 
-def _network_task(root: Path, mirrors: tuple[str, int, int], network: str = "") -> Path:
+def _network_task(root: Path, mirrors: tuple[str, int, int], network: str = "", *,
+                  closed: int | None = None) -> Path:
     """The prebuilt-json task (no build) with a solution and a test that probe the network."""
     addr, allowed, other = mirrors
     task = root / "net-probe"
     shutil.copytree(FIXTURES / "prebuilt-json", task)
     toml = (task / "task.toml").read_text().replace('network_mode = "no-network"\n', network)
     (task / "task.toml").write_text(toml.replace("prebuilt-json", "net-probe"))
-    values = {"addr": addr, "allowed": allowed, "other": other}
+    values = {"addr": addr, "allowed": allowed, "other": other,
+              "closed": closed or _closed_port(addr)}
     (task / "solution" / "solve.sh").write_text(NET_SOLVE % values)
     (task / "tests" / "test.sh").write_text(NET_TEST % values)
     return task
+
+
+def _closed_port(addr: str) -> int:
+    """A port of ``addr`` nothing listens on (a listed host that is down)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
 
 
 async def _judge(task: Path, factory: Any, agent: str = "oracle") -> Any:
@@ -536,13 +547,19 @@ async def test_the_verifier_reaches_the_allowed_hosts_and_the_agent_nothing(
     # Listed: plain HTTP and a CONNECT tunnel to it pass the proxy; another host gets a 403
     # naming it; a socket of the test's own reaches nothing; the agent (here the oracle's
     # solve.sh) had neither the proxy nor a route while it ran.
+    # A listed host that is down is named with why.
     addr, allowed, other = mirrors
-    factory = _hosts_factory(tmp_path / "state", harbor_images, (f"{addr}:{allowed}",))
-    reward = await _judge(_network_task(tmp_path, mirrors), factory)
+    closed = _closed_port(addr)
+    task = _network_task(tmp_path, mirrors, closed=closed)
+    factory = _hosts_factory(tmp_path / "state", harbor_images,
+                             (f"{addr}:{allowed}", f"{addr}:{closed}"))
+    reward = await _judge(task, factory)
     assert reward.components == {"reward": 1.0, "allowed": 1.0, "tunnel": 1.0,
                                  "other_refused": 1.0, "direct_blocked": 1.0,
                                  "agent_offline": 1.0, "proxy_env": 1.0}, reward.info
     assert reward.info["network_refused"] == f"{addr}:{other}"
+    assert reward.info["network_failed"].startswith(f"{addr}:{closed}: "), reward.info
+    assert f"closed: HTTP 502 rollout verifier network: {addr}:{closed}" in reward.info["log"]
 
 
 async def test_without_listed_hosts_the_verifier_is_told_what_it_tried(
@@ -555,7 +572,8 @@ async def test_without_listed_hosts_the_verifier_is_told_what_it_tried(
     reward = await _judge(task, factory)
     assert reward.components["allowed"] == 0.0 and reward.components["other_refused"] == 1.0
     assert reward.components["direct_blocked"] == 1.0, reward.info
-    assert reward.info["network_refused"] == f"{addr}:{allowed}, {addr}:{other}"
+    assert reward.info["network_refused"].startswith(f"{addr}:{allowed}, {addr}:{other}, ")
+    assert "network_failed" not in reward.info
     results = await harbor_import.check([task], factory)
     assert results[0].oracle == 0.0
     assert (f"the verifier's network refused {addr}:{allowed}, {addr}:{other}"
