@@ -92,14 +92,10 @@ async def exec_networked(sandbox: Any, argv: Sequence[str], *, hosts: Sequence[s
     if len(str(folder / name).encode()) > MAX_SOCKET_PATH:  # a long $TMPDIR
         short = Path(tempfile.mkdtemp(prefix="rollout-vnet-", dir="/tmp"))
     host_socket = (short or folder) / name
+    server = None
     try:
         server = await asyncio.start_unix_server(proxy.handle, path=str(host_socket),
                                                  limit=HEAD_LIMIT)
-    except BaseException:
-        if short is not None:
-            shutil.rmtree(short, ignore_errors=True)
-        raise
-    try:
         os.chmod(host_socket, 0o600)
         # The launch's user (a root server's sandbox uid, an image uid in a rootless server's
         # mapped namespace) connects to it; nobody else on the host can.
@@ -112,9 +108,12 @@ async def exec_networked(sandbox: Any, argv: Sequence[str], *, hosts: Sequence[s
                                  max_output=max_output, file_binds=[(str(host_socket), inside)],
                                  **({"user": user} if user is not None else {}))
     finally:
-        server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 5)
+        if server is not None:
+            server.close()
+            # Whatever the command left open (an upstream that never closes) ends with it.
+            proxy.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 5)
         with contextlib.suppress(OSError):
             host_socket.unlink()
         if short is not None:

@@ -47,6 +47,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from rollout.runtime.sandbox.images import subids
@@ -56,6 +57,10 @@ PROXY_PORT = 3128
 READY_S = 30.0
 HEAD_LIMIT = 64 << 10
 SETTING = "sandbox.image_build_hosts"
+MAX_CONNECTIONS = 128
+"""Connections one :class:`AllowListProxy` serves at once (the in-sandbox relay's own bound)."""
+MAX_NOTED = 1000
+"""Refusals (and failures) one :class:`AllowListProxy` records; later ones are answered alike."""
 HELPER = Path(__file__).with_name("netns_listen.py")
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -257,16 +262,45 @@ class AllowListProxy:
     A host is checked by the name the request gives, then resolved once here and connected to
     at that address; a name that resolves to a loopback, link-local or unspecified address is
     refused unless the allowed entry itself names a loopback (``127.0.0.1:8080``,
-    ``localhost``): an allowed name is never a way to the server's own services."""
+    ``localhost``): an allowed name is never a way to the server's own services.
 
-    def __init__(self, allow: AllowList, label: str, reachable: str) -> None:
+    What the other side controls is bounded: at most ``max_connections`` at once (one past
+    them is closed unanswered), the first :data:`MAX_NOTED` refusals and failures recorded,
+    and :meth:`close` ends every connection still open (an upstream that never closes would
+    otherwise hold its task and descriptors after the command that opened it is gone)."""
+
+    def __init__(self, allow: AllowList, label: str, reachable: str, *,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.allow, self.label, self.reachable = allow, label, reachable
+        self.max_connections = max_connections
         self.refused: list[str] = []
-        """``host:port`` of every request the allow-list refused, in order."""
+        """``host:port`` of the requests the allow-list refused, in order."""
         self.failed: list[str] = []
-        """``host:port: why`` of every allowed host that could not be reached (a 502)."""
+        """``host:port: why`` of the allowed hosts that could not be reached (a 502)."""
+        self._open: set[asyncio.Task[Any]] = set()
+
+    def close(self) -> None:
+        """End every connection still open (their handlers are cancelled)."""
+        for task in list(self._open):
+            task.cancel()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is None or len(self._open) >= self.max_connections:
+            writer.close()
+            return
+        self._open.add(task)
+        try:
+            await self._serve(reader, writer)
+        finally:
+            self._open.discard(task)
+            writer.close()
+
+    def _note(self, into: list[str], what: str) -> None:
+        if len(into) < MAX_NOTED:
+            into.append(what)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READY_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
@@ -300,7 +334,7 @@ class AllowListProxy:
             forward = f"{method} {path} {version}\r\n".encode("latin-1") + rest
         address = await self._address(host, port) if self.allow.allows(host, port) else None
         if address is None:
-            self.refused.append(f"{host}:{port}")
+            self._note(self.refused, f"{host}:{port}")
             await _answer(writer, 403, f"{self.label}: {host}:{port} is not allowed "
                                        f"({self.reachable})")
             return
@@ -308,7 +342,7 @@ class AllowListProxy:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port),
                                                 READY_S)
         except (OSError, TimeoutError) as e:
-            self.failed.append(f"{host}:{port}: {e or type(e).__name__}")
+            self._note(self.failed, f"{host}:{port}: {e or type(e).__name__}")
             await _answer(writer, 502, f"{self.label}: {host}:{port}: {e}")
             return
         if forward:
